@@ -1,9 +1,29 @@
 """Kernels for lookahead decoding: attention under the step's mask, verification, the n-gram pool.
 
-Importing this package is cheap and never queries a device: Triton modules load on first use.
+Importing this package is cheap and never queries a device: the Triton and C++/CUDA modules load on first
+use of a name that needs them.
 """
+
+import importlib
 
 from .attention_ref import attention_dense_reference, attention_torch, dense_mask
 from .layout import StepLayout
+from .verify_ref import verify_greedy_reference
 
-__all__ = ["StepLayout", "attention_torch", "attention_dense_reference", "dense_mask"]
+# name -> submodule that defines it; imported on first access (Triton import and kernel definition are slow).
+_LAZY = {
+    "lookahead_attention": ".attention",
+    "verify_greedy": ".verify",
+    "verify_sample": ".verify",
+    "verify_sample_reference": ".verify_ref",
+    "load_pool_extension": ".pool_ext",
+}
+
+__all__ = ["StepLayout", "attention_torch", "attention_dense_reference", "dense_mask",
+           "verify_greedy_reference", *_LAZY]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module 'lookahead_kernels' has no attribute {name!r}")
