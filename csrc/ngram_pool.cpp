@@ -1,0 +1,97 @@
+// The n-gram pool's torch ops: schemas (namespace lookahead_pool) and the CPU implementation.
+// Table layout and semantics: ngram_pool.h. The CUDA implementation lives in ngram_pool_cuda.cu, built as a
+// separate library that registers CUDA kernels for the schemas defined here.
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <utility>
+#include <vector>
+
+#include "ngram_pool.h"
+#include "ngram_pool_torch.h"
+
+namespace ngram_pool {
+namespace {
+
+// Inserts rows of ngrams [K, M + 1] in order. Every token is range-checked first, so bad input changes nothing.
+void insert_cpu(at::Tensor conts, at::Tensor stamp, at::Tensor clock, const at::Tensor& ngrams) {
+  check_insert_args(conts, stamp, clock, ngrams);
+  const int64_t vocab = conts.size(0), guess = conts.size(1), m = conts.size(2);
+  const int64_t rows = ngrams.size(0), width = m + 1;
+  const int64_t* ng = ngrams.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t* row = ng + r * width;
+    if (!row_in_range(row, width, vocab)) {
+      for (int64_t i = 0; i < width; ++i) {
+        TORCH_CHECK_VALUE(row[i] >= 0 && row[i] < vocab, "lookahead_pool.insert: token ids must be in [0, ",
+                          vocab, "), got ", row[i], " at ngrams[", r, ", ", i, "]");
+      }
+    }
+  }
+  if (guess == 0 || rows == 0) return;
+
+  int32_t* ct = conts.data_ptr<int32_t>();
+  int64_t* st = stamp.data_ptr<int64_t>();
+  int64_t now = clock.data_ptr<int64_t>()[0];
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t* row = ng + r * width;
+    const int64_t* cont = row + 1;
+    int64_t* key_stamp = st + row[0] * guess;
+    int32_t* key_conts = ct + row[0] * guess * m;
+    int64_t match = -1, oldest = 0;
+    for (int64_t s = 0; s < guess; ++s) {
+      if (key_stamp[s] != kEmpty && same_continuation(key_conts + s * m, cont, m)) {
+        match = s;
+        break;
+      }
+      if (key_stamp[s] < key_stamp[oldest]) oldest = s;
+    }
+    if (match < 0) {
+      // The loop above stopped early only on a match, so `oldest` saw every slot.
+      match = oldest;
+      for (int64_t i = 0; i < m; ++i) key_conts[match * m + i] = static_cast<int32_t>(cont[i]);
+    }
+    key_stamp[match] = now++;
+  }
+  clock.data_ptr<int64_t>()[0] = now;
+}
+
+// Returns (out int64 [G, M] with the key's continuations oldest first then rows of -1, count int64 []).
+std::tuple<at::Tensor, at::Tensor> lookup_cpu(const at::Tensor& conts, const at::Tensor& stamp,
+                                              const at::Tensor& key) {
+  check_tables(conts, stamp);
+  check_key(conts, key);
+  const int64_t vocab = conts.size(0), guess = conts.size(1), m = conts.size(2);
+  const int64_t k = key.item<int64_t>();
+  TORCH_CHECK_VALUE(k >= 0 && k < vocab, "lookahead_pool.lookup: key must be in [0, ", vocab, "), got ", k);
+  at::Tensor out = at::full({guess, m}, -1, conts.options().dtype(at::kLong));
+  const int64_t* key_stamp = stamp.data_ptr<int64_t>() + k * guess;
+  const int32_t* key_conts = conts.data_ptr<int32_t>() + k * guess * m;
+  std::vector<std::pair<int64_t, int64_t>> held;  // (stamp, slot)
+  held.reserve(guess);
+  for (int64_t s = 0; s < guess; ++s) {
+    if (key_stamp[s] != kEmpty) held.emplace_back(key_stamp[s], s);
+  }
+  std::sort(held.begin(), held.end());
+  int64_t* o = out.data_ptr<int64_t>();
+  for (size_t r = 0; r < held.size(); ++r) {
+    for (int64_t i = 0; i < m; ++i) o[r * m + i] = key_conts[held[r].second * m + i];
+  }
+  at::Tensor count = at::scalar_tensor(static_cast<int64_t>(held.size()), conts.options().dtype(at::kLong));
+  return {out, count};
+}
+
+}  // namespace
+}  // namespace ngram_pool
+
+TORCH_LIBRARY(lookahead_pool, m) {
+  m.def("insert(Tensor(a!) conts, Tensor(b!) stamp, Tensor(c!) clock, Tensor ngrams) -> ()");
+  m.def("lookup(Tensor conts, Tensor stamp, Tensor key) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(lookahead_pool, CPU, m) {
+  m.impl("insert", &ngram_pool::insert_cpu);
+  m.impl("lookup", &ngram_pool::lookup_cpu);
+}

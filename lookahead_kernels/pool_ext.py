@@ -1,0 +1,76 @@
+"""Just-in-time build of the n-gram pool's C++ (CPU) and CUDA torch ops.
+
+The ops live in the ``torch.ops.lookahead_pool`` namespace (schemas and table layout: ``csrc/ngram_pool.h``
+and ``csrc/ngram_pool.cpp``):
+
+* ``insert(conts, stamp, clock, ngrams) -> ()`` updates the tables in place;
+* ``lookup(conts, stamp, key) -> (out, count)``.
+
+Nothing is built at import. The first :func:`load_pool_extension` call compiles with ninja into torch's
+extensions directory (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``); later processes reuse
+the build, and within a process an already registered library is not loaded again.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+_CSRC = Path(__file__).resolve().parent.parent / "csrc"
+_CPU_NAME = "lookahead_pool_cpu"
+_CUDA_NAME = "lookahead_pool_cuda"
+
+
+class PoolExtensionError(RuntimeError):
+    """The n-gram pool extension could not be built or loaded; the message carries the compiler's output."""
+
+
+def _has_kernel(dispatch_key: str) -> bool:
+    # Asks torch's op registry (process state owned by torch), so this module keeps no cache of its own.
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_pool::insert", dispatch_key)
+    except RuntimeError:  # the op's schema is not registered yet
+        return False
+
+
+def _build(name: str, sources: list[Path], cuda: bool, verbose: bool) -> None:
+    from torch.utils import cpp_extension
+
+    kwargs = dict(
+        name=name,
+        sources=[str(s) for s in sources],
+        extra_include_paths=[str(_CSRC)],
+        extra_cflags=["-O3"],
+        is_python_module=False,
+        verbose=verbose,
+    )
+    if cuda:
+        kwargs["extra_cuda_cflags"] = ["-O3"]
+    try:
+        cpp_extension.load(**kwargs)
+    except Exception as exc:  # compiler, linker or loader failure: hand the caller one clear error
+        raise PoolExtensionError(
+            f"building the n-gram pool extension {name!r} from {', '.join(s.name for s in sources)} failed "
+            f"(torch {torch.__version__}, build dir {cpp_extension._get_build_directory(name, False)}):\n{exc}"
+        ) from exc
+
+
+def load_pool_extension(cuda: bool = False, verbose: bool = False):
+    """Build (first time) and load the pool ops; returns the ``torch.ops.lookahead_pool`` namespace.
+
+    Args:
+        cuda: also build and load the CUDA kernels (``csrc/ngram_pool_cuda.cu``); needs a CUDA build of torch.
+        verbose: print the build commands and compiler output.
+
+    Raises:
+        PoolExtensionError: the build or load failed; the message includes the compiler's output.
+    """
+    if not _has_kernel("CPU"):
+        _build(_CPU_NAME, [_CSRC / "ngram_pool.cpp"], cuda=False, verbose=verbose)
+    if cuda and not _has_kernel("CUDA"):
+        if torch.version.cuda is None:
+            raise PoolExtensionError(
+                f"the CUDA n-gram pool needs a CUDA build of torch; this torch ({torch.__version__}) has no CUDA")
+        _build(_CUDA_NAME, [_CSRC / "ngram_pool_cuda.cu"], cuda=True, verbose=verbose)
+    return torch.ops.lookahead_pool
