@@ -1,0 +1,273 @@
+"""The decoding loops: plain autoregressive and lookahead, greedy or sampled, with one read-back per step.
+
+Convention shared by both loops: the prefill writes the prompt minus its last token into the cache, and every
+step then feeds ``x`` (the last committed token) at position ``cache_len``. So each step is one forward pass,
+and plain decoding makes exactly one step per new token (compression 1.0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Iterable
+
+import torch
+
+from lookahead_kernels import StepLayout, verify_greedy_reference
+
+from .config import LookaheadConfig
+from .step import build_step
+from .window import LookaheadWindow
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    """What one ``generate`` call did.
+
+    Attributes:
+        new_tokens: tokens emitted after the prompt.
+        steps: forward passes after the prefill.
+        seconds: wall time of the whole call, prefill included.
+        prefill_seconds: wall time of the prefill alone.
+        accepted: per step, the tokens it emitted (accepted candidate tokens plus the bonus token).
+    """
+
+    new_tokens: int = 0
+    steps: int = 0
+    seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    accepted: list = dataclasses.field(default_factory=list)
+
+    @property
+    def compression_ratio(self) -> float:
+        """New tokens per forward pass after the prefill (1.0 for plain decoding)."""
+        return self.new_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclasses.dataclass
+class GenerateOutput:
+    """``sequences``: LongTensor ``[1, prompt_len + new_tokens]``; ``stats``: :class:`GenerationStats`."""
+
+    sequences: torch.Tensor
+    stats: GenerationStats
+
+
+def _check_input_ids(input_ids, vocab_size: int) -> torch.Tensor:
+    if not isinstance(input_ids, torch.Tensor):
+        raise ValueError(f"input_ids must be a LongTensor [1, prompt_len], got {type(input_ids).__name__}")
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [1, prompt_len], got shape {tuple(input_ids.shape)}")
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"generate supports batch size 1 only, got a batch of {input_ids.shape[0]}")
+    if input_ids.shape[1] == 0:
+        raise ValueError("the prompt is empty: input_ids needs at least one token")
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"token ids must be in [0, {vocab_size}), got values in [{lo}, {hi}]")
+    return input_ids.long()
+
+
+def _eos_set(model, eos_token_id) -> set[int]:
+    if eos_token_id is None:
+        eos_token_id = model.config.eos_token_id
+    if eos_token_id is None:
+        return set()
+    if isinstance(eos_token_id, int):
+        return {eos_token_id}
+    return {int(t) for t in eos_token_id}
+
+
+class _Emitter:
+    """Collects emitted tokens, stopping exactly at ``max_new_tokens`` and right after an EOS token."""
+
+    def __init__(self, prompt: list[int], max_new_tokens: int, eos: set[int], streamer):
+        self.sequence = list(prompt)
+        self.new = 0
+        self.max_new_tokens = max_new_tokens
+        self.eos = eos
+        self.streamer = streamer
+        self.done = False
+
+    def emit(self, tokens: Iterable[int]) -> int:
+        """Append tokens until a stop; returns how many were taken."""
+        taken = []
+        for t in tokens:
+            taken.append(t)
+            self.new += 1
+            if t in self.eos or self.new >= self.max_new_tokens:
+                self.done = True
+                break
+        self.sequence.extend(taken)
+        if self.streamer is not None and taken:
+            self.streamer(taken)
+        return len(taken)
+
+
+class _Sampler:
+    """Greedy or sampled choice of tokens from logits rows; holds the sampling parameters and generator."""
+
+    def __init__(self, do_sample: bool, temperature, top_k, top_p, generator):
+        self.params = None
+        self.generator = generator
+        if do_sample:
+            from .sampling import SamplingParams  # sampling utilities live beside the verifier's reference
+
+            params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+            self.params = None if params.is_greedy else params
+
+    @property
+    def greedy(self) -> bool:
+        return self.params is None
+
+    def choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """LongTensor ``[R]``: one token per row of ``logits [R, V]``."""
+        if self.greedy:
+            return logits.argmax(-1)
+        from .sampling import sample_rows, warp_logits
+
+        return sample_rows(warp_logits(logits, self.params), self.generator)
+
+    def verify(self, x_logits, cand_logits, candidates):
+        """Verification of one sequence: returns ``(accept_len [1], best [1], tokens [1, K+1])``."""
+        device = x_logits.device
+        if self.greedy:
+            if device.type == "cuda":
+                from lookahead_kernels import verify_greedy
+
+                return verify_greedy(x_logits[None], cand_logits[None], candidates[None])
+            return verify_greedy_reference(x_logits[None], cand_logits[None], candidates[None])
+        from lookahead_kernels.verify_ref import draw_verify_uniforms
+
+        from .sampling import warp_logits
+
+        x_probs = warp_logits(x_logits[None], self.params)
+        cand_probs = warp_logits(cand_logits, self.params)[None]
+        g, k = candidates.shape
+        uniforms = draw_verify_uniforms(1, g, k, device, self.generator)
+        if device.type == "cuda":
+            from lookahead_kernels import verify_sample
+
+            return verify_sample(x_probs, cand_probs, candidates[None], uniforms=uniforms)
+        from lookahead_kernels import verify_sample_reference
+
+        return verify_sample_reference(x_probs, cand_probs, candidates[None], uniforms=uniforms)
+
+
+def _make_pool(config: LookaheadConfig, vocab_size: int, device):
+    from .pools import make_pool
+
+    return make_pool(config, vocab_size, device)
+
+
+@torch.inference_mode()
+def generate(model, input_ids, max_new_tokens: int = 128, *, lookahead: LookaheadConfig | None = None,
+             do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+             generator: torch.Generator | None = None, eos_token_id=None,
+             streamer: Callable[[list[int]], None] | None = None) -> GenerateOutput:
+    """Generate up to ``max_new_tokens`` tokens after ``input_ids`` (``[1, prompt_len]`` or ``[prompt_len]``).
+
+    ``lookahead=None`` decodes one token per forward pass; a :class:`LookaheadConfig` decodes with lookahead.
+    Greedy output is identical either way; sampled output has the same distribution. Generation stops after
+    ``max_new_tokens`` tokens or right after an EOS token (``eos_token_id`` defaults to the model's own).
+    ``streamer`` is called with each step's newly emitted tokens.
+    """
+    started = time.perf_counter()
+    cfg = model.config
+    ids = _check_input_ids(input_ids, cfg.vocab_size)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    prompt_len = ids.shape[1]
+    if prompt_len + max_new_tokens > cfg.max_position_embeddings:
+        raise ValueError(f"prompt ({prompt_len} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the model's "
+                         f"{cfg.max_position_embeddings} positions")
+    if lookahead is not None and not isinstance(lookahead, LookaheadConfig):
+        raise ValueError(f"lookahead must be a LookaheadConfig or None, got {type(lookahead).__name__}")
+    if not isinstance(do_sample, bool):
+        raise ValueError(f"do_sample must be a bool, got {do_sample!r}")
+    sampler = _Sampler(do_sample, temperature, top_k, top_p, generator)
+    device = model.device
+    prompt = ids[0].tolist()
+    emitter = _Emitter(prompt, max_new_tokens, _eos_set(model, eos_token_id), streamer)
+    stats = GenerationStats()
+
+    step_cap = lookahead.tokens_per_step if lookahead is not None else 1
+    cache = model.new_cache(1, prompt_len + max_new_tokens + step_cap)
+    cache_len = prompt_len - 1
+    if cache_len > 0:  # prefill: the prompt's last token is the first step's x
+        model(ids[:, :-1].to(device), torch.arange(cache_len, device=device)[None], cache, 0,
+              StepLayout.prefill(cache_len), torch.tensor([cache_len - 1], device=device))
+    stats.prefill_seconds = time.perf_counter() - started
+
+    if lookahead is None:
+        _plain_loop(model, cache, cache_len, emitter, sampler, stats, device)
+    else:
+        _lookahead_loop(model, cache, cache_len, emitter, sampler, stats, device, lookahead, ids)
+    stats.new_tokens = emitter.new
+    stats.seconds = time.perf_counter() - started
+    return GenerateOutput(torch.tensor([emitter.sequence], dtype=torch.long, device=ids.device), stats)
+
+
+def _plain_step(model, cache, cache_len, x, sampler, device) -> int:
+    logits = model(torch.tensor([[x]], device=device), torch.tensor([[cache_len]], device=device), cache,
+                   cache_len, StepLayout(1, 1))
+    return int(sampler.choose(logits[0])[0])
+
+
+def _plain_loop(model, cache, cache_len, emitter, sampler, stats, device) -> None:
+    x = emitter.sequence[-1]
+    while not emitter.done:
+        y = _plain_step(model, cache, cache_len, x, sampler, device)
+        cache_len += 1
+        stats.steps += 1
+        stats.accepted.append(emitter.emit([y]))
+        x = y
+
+
+def _lookahead_loop(model, cache, cache_len, emitter, sampler, stats, device, la: LookaheadConfig, ids) -> None:
+    W, N, G, K = la.window, la.ngram, la.guess, la.ngram - 1
+    max_pos = model.config.max_position_embeddings
+    window = LookaheadWindow(W, N, torch.Generator().manual_seed(la.seed))
+    window.reset(ids[0])
+    pool = _make_pool(la, model.config.vocab_size, device)
+    if la.pool_from_prompt:
+        pool.insert_sequence(ids[0].cpu())
+    x = emitter.sequence[-1]
+    while not emitter.done:
+        # Near the end of the model's positions the window would run past them: finish with plain steps.
+        if cache_len + max(W - 1 + window.levels - 1, K) >= max_pos:
+            y = _plain_step(model, cache, cache_len, x, sampler, device)
+            cache_len += 1
+            stats.steps += 1
+            stats.accepted.append(emitter.emit([y]))
+            x = y
+            continue
+        candidates = pool.lookup(x)[:G] if G > 0 else torch.empty(0, K, dtype=torch.long)
+        step = build_step(x, cache_len, window.step_tokens(x), window.levels, W, candidates, device)
+        logits = model(step.tokens[None], step.positions[None], cache, cache_len, step.layout, step.logits_rows)[0]
+        g = candidates.shape[0]
+        cand_logits = logits[step.candidate_rows].reshape(g, K, -1)
+        accept_len, best, tokens = sampler.verify(logits[0], cand_logits, candidates.to(device))
+        outputs = sampler.choose(logits[step.window_rows])
+        # One read-back per step: accepted length, candidate, emitted tokens and the window's new guesses.
+        back = torch.cat([accept_len, best, tokens[0], outputs]).tolist()
+        a, c = back[0], back[1]
+        emitted, new_guesses = back[2:3 + a], back[3 + K:]
+        if a > 0:
+            src = cache_len + torch.tensor([[step.layout.candidate_row(c, m) for m in range(1, a + 1)]], device=device)
+            cache.move_rows(src, cache_len + 1)
+        sequence = torch.tensor(emitter.sequence, dtype=torch.long)
+        ngrams = window.advance(x, torch.tensor(new_guesses), a, sequence)
+        if ngrams is not None and G > 0:
+            pool.insert(ngrams)
+        cache_len += 1 + a
+        stats.steps += 1
+        stats.accepted.append(emitter.emit(emitted))
+        x = emitted[-1]

@@ -1,0 +1,65 @@
+"""Building one packed lookahead step: its tokens, positions, layout and the logit rows read back."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from lookahead_kernels import StepLayout
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One step's inputs.
+
+    Attributes:
+        tokens: LongTensor ``[T]`` in layout order (``x``, lookahead levels, candidates).
+        positions: LongTensor ``[T]``, absolute positions (``p + layout.position_offsets()``).
+        layout: the :class:`StepLayout`.
+        candidates: LongTensor ``[g, N-1]`` verified this step (``g`` may be 0).
+        logits_rows: LongTensor ``[R]``: step rows whose logits are computed, in this order: ``x``, the last
+            lookahead level (``W`` rows, minus ``x`` when there is a single level), then every candidate token.
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    layout: StepLayout
+    candidates: torch.Tensor
+    logits_rows: torch.Tensor
+
+    @property
+    def window_rows(self) -> slice:
+        """Slice of the returned logits holding the last level, column 0 first."""
+        # With one level, column 0 of the last level is x itself (returned logits row 0).
+        start = 0 if self.layout.levels == 1 else 1
+        return slice(start, start + self.layout.window)
+
+    @property
+    def candidate_rows(self) -> slice:
+        """Slice of the returned logits holding the candidate tokens (``g * (N-1)`` rows, candidate-major)."""
+        start = self.layout.window + (0 if self.layout.levels == 1 else 1)
+        return slice(start, start + self.layout.guesses * self.layout.guess_len)
+
+
+def build_step(x: int, position: int, lookahead_tokens: torch.Tensor, levels: int, window: int,
+               candidates: torch.Tensor, device) -> Step:
+    """Pack ``x``, the window's ``levels x window`` tokens (``x`` first) and the candidates into one step.
+
+    Args:
+        x: the last committed token, fed at ``position``.
+        lookahead_tokens: LongTensor ``[levels * window]`` with ``x`` at index 0.
+        candidates: LongTensor ``[g, K]``.
+    """
+    g, k = candidates.shape
+    layout = StepLayout(window, levels, g, max(k, 1))
+    tokens = torch.cat([lookahead_tokens.reshape(-1), candidates.reshape(-1)])
+    last = list(layout.last_level_rows())
+    rows = ([] if levels == 1 else [0]) + last + list(range(layout.lookahead_len, layout.T))
+    return Step(
+        tokens=tokens.to(device),
+        positions=(position + layout.position_offsets()).to(device),
+        layout=layout,
+        candidates=candidates,
+        logits_rows=torch.tensor(rows, dtype=torch.long, device=device),
+    )

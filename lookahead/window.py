@@ -1,0 +1,79 @@
+"""The 2D lookahead window: the last ``N-1`` levels of the Jacobi trajectory over ``W`` columns.
+
+State is a LongTensor ``[levels, W]``. Row 0 column 0 is a placeholder: the step feeds ``x`` there. Token
+``(j, i)`` is the guess for position ``p + i + j`` where ``p`` is the position of the step's ``x``.
+
+After a step that accepted ``a`` tokens, the rows and the step's new outputs are stacked into
+``S = [L0, .., L_{levels-1}, outputs]`` and re-aligned to the next ``p' = p + 1 + a``:
+
+* warm (``levels == N-1``): ``S[1:, a:]`` — level ``j`` takes old level ``j+1`` from column ``a`` (level 0's
+  column 0 becomes the placeholder, so its real tokens start at old column ``1+a``);
+* warming up: ``S[:, 1+a:]`` — every row shifts by ``1+a`` columns and the outputs become a new level.
+
+Columns that fall off the right are refilled with tokens drawn from the sequence so far.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class LookaheadWindow:
+    """Jacobi window of ``window`` columns growing to ``ngram - 1`` levels.
+
+    Args:
+        window: ``W``, columns.
+        ngram: ``N``; the window is warm at ``N - 1`` levels.
+        generator: draws the tokens that fill empty columns (explicit, so runs are reproducible).
+    """
+
+    def __init__(self, window: int, ngram: int, generator: torch.Generator):
+        self.window = window
+        self.max_levels = ngram - 1
+        self.generator = generator
+        self.tokens = torch.empty(0, window, dtype=torch.long)
+
+    @property
+    def levels(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def warm(self) -> bool:
+        return self.levels == self.max_levels
+
+    def _draw(self, source: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+        """``[rows, cols]`` tokens drawn uniformly from ``source`` (1-D, non-empty)."""
+        idx = torch.randint(source.numel(), (rows, cols), generator=self.generator)
+        return source[idx]
+
+    def reset(self, source: torch.Tensor) -> None:
+        """Start warm-up: one level of tokens drawn from ``source`` (the prompt)."""
+        self.tokens = self._draw(source.reshape(-1).cpu(), 1, self.window)
+
+    def step_tokens(self, x: int) -> torch.Tensor:
+        """LongTensor ``[levels * W]``: the lookahead branch of the next step, ``x`` first."""
+        flat = self.tokens.reshape(-1).clone()
+        flat[0] = x
+        return flat
+
+    def advance(self, x: int, outputs: torch.Tensor, accepted: int, source: torch.Tensor) -> torch.Tensor | None:
+        """Slide after a step and return the step's n-grams.
+
+        Args:
+            x: the step's input token.
+            outputs: LongTensor ``[W]``: the model's new guesses, one per column of the last level.
+            accepted: ``a``, candidate tokens accepted in the step (the bonus token not counted).
+            source: 1-D LongTensor the refill tokens are drawn from (the sequence so far).
+        Returns:
+            LongTensor ``[W, N]`` of n-grams ``(L0[i], .., L_{N-2}[i], outputs[i])`` when the window was warm
+            (``L0[0] = x``), else ``None``.
+        """
+        stacked = torch.cat([self.tokens, outputs.reshape(1, -1).cpu()], dim=0)
+        stacked[0, 0] = x
+        ngrams = stacked.t().contiguous() if self.warm else None
+        kept = stacked[1:, accepted:] if self.warm else stacked[:, 1 + accepted:]
+        missing = self.window - kept.shape[1]
+        if missing > 0:
+            kept = torch.cat([kept, self._draw(source.reshape(-1).cpu(), kept.shape[0], missing)], dim=1)
+        self.tokens = kept
+        return ngrams

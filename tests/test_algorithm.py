@@ -1,0 +1,171 @@
+"""The algorithm's units against hand-worked examples: config, layout, window, pool, step, verification."""
+
+import pytest
+import torch
+
+from lookahead import LookaheadConfig
+from lookahead.pool import NGramPool
+from lookahead.step import build_step
+from lookahead.window import LookaheadWindow
+from lookahead_kernels import StepLayout, dense_mask, verify_greedy_reference
+
+
+# ---- configuration -------------------------------------------------------------------------------------------
+def test_config_defaults_and_tokens_per_step():
+    c = LookaheadConfig()
+    assert (c.window, c.ngram, c.guess, c.pool_from_prompt) == (15, 5, 15, True)
+    assert c.tokens_per_step == 120  # 1 + 14 + 3*15 + 15*4, the design note's figure
+    with pytest.raises(dataclasses_frozen_error()):
+        c.window = 3
+
+
+def dataclasses_frozen_error():
+    import dataclasses
+
+    return dataclasses.FrozenInstanceError
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    ({"window": 0}, "window"), ({"ngram": 1}, "ngram"), ({"guess": -1}, "guess"),
+    ({"window": 2.5}, "window"), ({"ngram": "5"}, "ngram"), ({"guess": True}, "guess"),
+    ({"pool_backend": "gpu"}, "pool_backend"), ({"pool_from_prompt": 1}, "pool_from_prompt"),
+])
+def test_config_rejects_bad_values(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        LookaheadConfig(**kwargs)
+
+
+# ---- layout --------------------------------------------------------------------------------------------------
+def test_layout_hand_worked_mask_and_positions():
+    layout = StepLayout(window=3, levels=2, guesses=2, guess_len=2)
+    assert layout.T == 3 * 2 + 2 * 2
+    idx = torch.arange(layout.T)
+    got = layout.visible(idx[:, None], idx[None, :]).int()
+    # rows/cols: x, L0[1], L0[2], L1[0], L1[1], L1[2], c0[1], c0[2], c1[1], c1[2]
+    want = torch.tensor([
+        [1, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0, 0, 0, 0],
+        [1, 0, 0, 1, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 1, 0, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 1, 0, 0, 0, 0],
+        [1, 0, 0, 0, 0, 0, 1, 0, 0, 0],
+        [1, 0, 0, 0, 0, 0, 1, 1, 0, 0],
+        [1, 0, 0, 0, 0, 0, 0, 0, 1, 0],
+        [1, 0, 0, 0, 0, 0, 0, 0, 1, 1],
+    ])
+    assert torch.equal(got, want)
+    assert layout.position_offsets().tolist() == [0, 1, 2, 1, 2, 3, 1, 2, 1, 2]
+    assert list(layout.last_level_rows()) == [3, 4, 5]
+    assert layout.candidate_row(1, 2) == 9
+
+
+def test_layout_prefill_is_causal_and_dense_mask_sees_prefix():
+    layout = StepLayout.prefill(5)
+    idx = torch.arange(5)
+    assert torch.equal(layout.visible(idx[:, None], idx[None, :]), torch.ones(5, 5, dtype=torch.bool).tril())
+    m = dense_mask(StepLayout(2, 1, 1, 1), cache_len=3, kv_len=8)
+    assert m[:, :3].all() and not m[:, 6:].any()
+
+
+@pytest.mark.parametrize("kwargs", [{"window": 0, "levels": 1}, {"window": 2, "levels": 0},
+                                    {"window": 2, "levels": 1, "guesses": -1}, {"window": 2.0, "levels": 1}])
+def test_layout_rejects_bad_values(kwargs):
+    with pytest.raises(ValueError, match="StepLayout"):
+        StepLayout(**kwargs)
+
+
+# ---- window --------------------------------------------------------------------------------------------------
+def test_window_warm_up_then_slide_hand_worked():
+    w = LookaheadWindow(window=3, ngram=3, generator=torch.Generator().manual_seed(0))
+    w.reset(torch.tensor([7]))
+    assert w.tokens.tolist() == [[7, 7, 7]] and not w.warm
+    assert w.step_tokens(1).tolist() == [1, 7, 7]
+    # warming up: every row shifts by 1 + a columns and the outputs become a new level; no n-grams yet
+    assert w.advance(1, torch.tensor([10, 11, 12]), accepted=0, source=torch.tensor([9])) is None
+    assert w.tokens.tolist() == [[7, 7, 9], [11, 12, 9]] and w.warm
+    assert w.step_tokens(5).tolist() == [5, 7, 9, 11, 12, 9]
+    # warm, a = 1: n-grams are the columns (x first), then level j takes old level j+1 from column a
+    ngrams = w.advance(5, torch.tensor([20, 21, 22]), accepted=1, source=torch.tensor([9]))
+    assert ngrams.tolist() == [[5, 11, 20], [7, 12, 21], [9, 9, 22]]
+    assert w.tokens.tolist() == [[12, 9, 9], [21, 22, 9]]
+
+
+def test_window_ngram_2_is_warm_from_the_start():
+    w = LookaheadWindow(window=2, ngram=2, generator=torch.Generator().manual_seed(0))
+    w.reset(torch.tensor([4]))
+    assert w.warm
+    ngrams = w.advance(3, torch.tensor([8, 9]), accepted=0, source=torch.tensor([4]))
+    assert ngrams.tolist() == [[3, 8], [4, 9]]
+    assert w.tokens.tolist() == [[8, 9]]
+
+
+def test_window_acceptance_beyond_width_refills_everything():
+    w = LookaheadWindow(window=1, ngram=3, generator=torch.Generator().manual_seed(0))
+    w.reset(torch.tensor([4]))
+    w.advance(1, torch.tensor([2]), accepted=0, source=torch.tensor([6]))
+    w.advance(1, torch.tensor([3]), accepted=2, source=torch.tensor([6]))
+    assert w.tokens.tolist() == [[6], [6]]
+
+
+# ---- pool ----------------------------------------------------------------------------------------------------
+def test_pool_lru_order_dedup_and_capacity():
+    pool = NGramPool(ngram=3, guess=2)
+    pool.insert(torch.tensor([[1, 2, 3], [1, 4, 5], [1, 2, 3]]))  # the repeat moves (2, 3) to the newest end
+    assert pool.lookup(1).tolist() == [[4, 5], [2, 3]]
+    pool.insert(torch.tensor([[1, 6, 7]]))  # over capacity: the oldest, (4, 5), goes
+    assert pool.lookup(1).tolist() == [[2, 3], [6, 7]]
+    assert pool.lookup(9).shape == (0, 2)
+    assert len(pool) == 2
+
+
+def test_pool_from_sequence_and_disabled_pool():
+    pool = NGramPool(ngram=2, guess=3)
+    pool.insert_sequence(torch.tensor([5, 6, 5, 7]))
+    assert pool.lookup(5).tolist() == [[6], [7]]
+    off = NGramPool(ngram=2, guess=0)
+    off.insert_sequence(torch.tensor([5, 6, 5, 7]))
+    assert len(off) == 0
+
+
+# ---- step builder --------------------------------------------------------------------------------------------
+def test_build_step_packs_tokens_positions_and_rows():
+    step = build_step(5, 100, torch.tensor([5, 7, 9, 11, 12, 9]), levels=2, window=3,
+                      candidates=torch.tensor([[30, 31], [40, 41]]), device="cpu")
+    assert step.tokens.tolist() == [5, 7, 9, 11, 12, 9, 30, 31, 40, 41]
+    assert step.positions.tolist() == [100, 101, 102, 101, 102, 103, 101, 102, 101, 102]
+    assert step.layout == StepLayout(3, 2, 2, 2)
+    assert step.logits_rows.tolist() == [0, 3, 4, 5, 6, 7, 8, 9]
+    assert (step.window_rows, step.candidate_rows) == (slice(1, 4), slice(4, 8))
+    one = build_step(5, 0, torch.tensor([5, 7, 9]), levels=1, window=3, candidates=torch.empty(0, 2, dtype=torch.long),
+                     device="cpu")
+    assert one.logits_rows.tolist() == [0, 1, 2] and one.window_rows == slice(0, 3)
+    assert one.candidate_rows == slice(3, 3)
+
+
+# ---- greedy verification -------------------------------------------------------------------------------------
+def _onehot_logits(ids, vocab=10):
+    out = torch.zeros(*torch.as_tensor(ids).shape, vocab)
+    return out.scatter_(-1, torch.as_tensor(ids)[..., None], 1.0)
+
+
+def test_verify_greedy_hand_worked():
+    x_logits = _onehot_logits([3])  # y0 = 3
+    # candidate 0: [3, 5] with predictions [4, 7] -> accepts 3 only (5 != 4), bonus 4
+    # candidate 1: [3, 5] with predictions [5, 8] -> accepts 3, 5, bonus 8
+    cand_logits = _onehot_logits([[[4, 7], [5, 8]]])
+    candidates = torch.tensor([[[3, 5], [3, 5]]])
+    a, best, tokens = verify_greedy_reference(x_logits, cand_logits, candidates)
+    assert (a.tolist(), best.tolist(), tokens.tolist()) == ([2], [1], [[3, 5, 8]])
+
+
+def test_verify_greedy_none_accepted_and_first_of_equals():
+    x_logits = _onehot_logits([3])
+    cand_logits = _onehot_logits([[[1, 1], [1, 1]]])
+    a, best, tokens = verify_greedy_reference(x_logits, cand_logits, torch.tensor([[[4, 4], [5, 5]]]))
+    assert (a.tolist(), best.tolist(), tokens.tolist()) == ([0], [-1], [[3, -1, -1]])
+    a, best, tokens = verify_greedy_reference(x_logits, cand_logits, torch.tensor([[[3, 2], [3, 9]]]))
+    assert (a.tolist(), best.tolist(), tokens.tolist()) == ([1], [0], [[3, 1, -1]])
+    # unused candidate rows are ignored whatever they hold
+    a, _, _ = verify_greedy_reference(x_logits, cand_logits, torch.tensor([[[4, 4], [3, 1]]]), num_candidates=1)
+    assert a.tolist() == [0]
