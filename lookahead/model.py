@@ -1,0 +1,580 @@
+"""A thin Llama-family decoder in plain PyTorch, with an explicit preallocated KV cache.
+
+The model runs one *step* at a time: ``T`` new tokens laid out by a :class:`~lookahead_kernels.StepLayout`
+(a prefill block, a single decode token, or a lookahead step with its window and candidates). Each layer
+writes the step's keys/values into the cache at rows ``cache_len .. cache_len+T-1`` and attends over the
+committed prefix plus the step's own tokens under the layout's visibility rule. Nothing is hidden in module
+state: the cache is an object the caller owns and passes in.
+
+Supported checkpoints: Llama (incl. Llama-3 rope scaling), Mistral without sliding windows, Qwen2 without
+sliding windows. Loading lives in :mod:`lookahead.loading`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lookahead_kernels.layout import StepLayout
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling. ``rope_type`` is ``"llama3"`` (all fields) or ``"linear"`` (``factor`` only)."""
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a Llama-family decoder.
+
+    ``attention_bias`` puts a bias on the q, k, v projections; ``output_bias`` on the o projection (Llama's
+    ``attention_bias=True`` sets both; Qwen2 has q/k/v bias and no o bias).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    output_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"ModelConfig.head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"ModelConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+        if not self.rope_theta > 0:
+            raise ValueError(f"ModelConfig.rope_theta must be > 0, got {self.rope_theta!r}")
+        if self.rope_scaling is not None:
+            if not isinstance(self.rope_scaling, RopeScaling):
+                raise ValueError(f"ModelConfig.rope_scaling must be None or a RopeScaling, "
+                                 f"got {type(self.rope_scaling).__name__}")
+            if self.rope_scaling.rope_type not in ("llama3", "linear"):
+                raise ValueError(f"unsupported rope type {self.rope_scaling.rope_type!r}; "
+                                 f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        if isinstance(self.eos_token_id, int):  # a single id is kept as a 1-tuple
+            object.__setattr__(self, "eos_token_id", (self.eos_token_id,))
+        else:
+            object.__setattr__(self, "eos_token_id", tuple(int(t) for t in self.eos_token_id))
+
+    @classmethod
+    def from_hf(cls, hf_config) -> "ModelConfig":
+        """Translate a transformers ``LlamaConfig`` / ``MistralConfig`` / ``Qwen2Config``.
+
+        Raises ``ValueError`` for other model types, sliding-window attention, unsupported rope types or
+        activations.
+        """
+        model_type = getattr(hf_config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU MLP) is supported")
+        max_pos = int(hf_config.max_position_embeddings)
+        _check_no_sliding_window(hf_config, model_type, max_pos)
+
+        rope_theta, rope_scaling = _rope_from_hf(hf_config, max_pos)
+        num_heads = int(hf_config.num_attention_heads)
+        num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        if model_type == "qwen2":
+            attention_bias, output_bias, mlp_bias = True, False, False
+        elif model_type == "mistral":
+            attention_bias = output_bias = mlp_bias = False
+        else:
+            attention_bias = output_bias = bool(getattr(hf_config, "attention_bias", False))
+            mlp_bias = bool(getattr(hf_config, "mlp_bias", False))
+        eos = getattr(hf_config, "eos_token_id", None)
+        eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+        return cls(
+            vocab_size=int(hf_config.vocab_size),
+            hidden_size=int(hf_config.hidden_size),
+            intermediate_size=int(hf_config.intermediate_size),
+            num_layers=int(hf_config.num_hidden_layers),
+            num_heads=num_heads,
+            num_kv_heads=int(num_kv_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(hf_config.rms_norm_eps),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            output_bias=output_bias,
+            mlp_bias=mlp_bias,
+            bos_token_id=getattr(hf_config, "bos_token_id", None),
+            eos_token_id=eos,
+        )
+
+
+def _check_no_sliding_window(hf_config, model_type: str, max_pos: int) -> None:
+    window = getattr(hf_config, "sliding_window", None)
+    if model_type == "qwen2":
+        uses = getattr(hf_config, "use_sliding_window", False) and "sliding_attention" in (
+            getattr(hf_config, "layer_types", None) or ["sliding_attention"])
+    else:
+        uses = window is not None
+    if uses and window is not None and window < max_pos:
+        raise ValueError(f"sliding-window attention is unsupported ({model_type} sliding_window={window} < "
+                         f"max_position_embeddings={max_pos}); set sliding_window=None (or use_sliding_window="
+                         f"False for qwen2) if the model does not need it")
+
+
+def _rope_from_hf(hf_config, max_pos: int) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) from transformers 5's ``rope_parameters`` or the older ``rope_theta``/``rope_scaling``."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+        raise ValueError("per-layer-type rope_parameters are unsupported; expected one rope configuration")
+    if not isinstance(params, dict) or "rope_theta" not in params:
+        old = getattr(hf_config, "rope_scaling", None)
+        params = dict(old or {})
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = float(params["rope_theta"])
+    if rope_type == "default":
+        return theta, None
+    if rope_type == "linear":
+        return theta, RopeScaling("linear", float(params["factor"]))
+    if rope_type == "llama3":
+        try:
+            return theta, RopeScaling(
+                "llama3", float(params["factor"]), float(params["low_freq_factor"]), float(params["high_freq_factor"]),
+                int(params.get("original_max_position_embeddings") or max_pos))
+        except KeyError as err:
+            raise ValueError(f"llama3 rope scaling is missing {err.args[0]!r}") from None
+    raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """FloatTensor ``[head_dim // 2]`` (float32, CPU): rotary inverse frequencies with the config's scaling."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended smoothly.
+    old_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_len / scaling.low_freq_factor
+    high_freq_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# KV cache
+# ---------------------------------------------------------------------------------------------------------------
+def _as_row_starts(value, batch_size: int, device: torch.device, name: str) -> torch.Tensor | int:
+    """An int, or an integer tensor ``[B]`` (0-d broadcast) on ``device``; anything else is a ValueError."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an int or an integer tensor [B], got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex() \
+            and value.dtype != torch.bool:
+        if value.dim() == 0:
+            value = value.reshape(1).expand(batch_size)
+        if value.shape != (batch_size,):
+            raise ValueError(f"{name} tensor must have shape [B={batch_size}], got {tuple(value.shape)}")
+        return value.to(device=device, dtype=torch.int64)
+    raise ValueError(f"{name} must be an int or an integer tensor [B], got {value!r}")
+
+
+def _check_row_range(starts, length: int, max_len: int, name: str) -> None:
+    """Rows ``starts .. starts+length-1`` must lie in ``[0, max_len)``; device tensors are not checked (no sync)."""
+    if isinstance(starts, int):
+        lo, hi = starts, starts
+    elif starts.device.type == "cpu":
+        lo, hi = int(starts.min()), int(starts.max())
+    else:
+        return
+    if lo < 0:
+        raise ValueError(f"{name} must be >= 0, got {starts if isinstance(starts, int) else starts.tolist()}")
+    if hi + length > max_len:
+        raise ValueError(f"KV cache too short: {name} {hi} + {length} rows > max_len {max_len}")
+
+
+class KVCache:
+    """Preallocated keys and values of every layer.
+
+    Attributes:
+        k, v: ``[num_layers, B, S, Hkv, D]`` in the model's dtype and device; row ``s`` of sequence ``b`` holds
+            the key/value of the token at cache slot ``s`` (for committed tokens, slot == position).
+    """
+
+    def __init__(self, num_layers: int, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int,
+                 *, dtype: torch.dtype, device: torch.device | str):
+        for name, value in (("num_layers", num_layers), ("batch_size", batch_size), ("max_len", max_len),
+                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"KVCache {name} must be a positive int, got {value!r}")
+        shape = (num_layers, batch_size, max_len, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        """Rows per sequence (``S``)."""
+        return self.k.shape[2]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    def write(self, layer: int, cache_len: int | torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store a step's keys/values ``k, v [B, T, Hkv, D]`` of ``layer`` at rows ``cache_len .. cache_len+T-1``.
+
+        ``cache_len`` is an int (same for all sequences) or a LongTensor ``[B]``.
+        """
+        B, T = k.shape[0], k.shape[1]
+        if k.shape != v.shape or k.shape[0] != self.batch_size or k.shape[2:] != self.k.shape[3:]:
+            raise ValueError(f"k and v must both be [B={self.batch_size}, T, Hkv={self.k.shape[3]}, "
+                             f"D={self.k.shape[4]}], got {tuple(k.shape)} and {tuple(v.shape)}")
+        starts = _as_row_starts(cache_len, B, self.device, "cache_len")
+        _check_row_range(starts, T, self.max_len, "cache_len")
+        if isinstance(starts, int):
+            self.k[layer, :, starts:starts + T] = k
+            self.v[layer, :, starts:starts + T] = v
+        else:
+            rows = starts[:, None] + torch.arange(T, device=self.device)  # [B, T]
+            batch = torch.arange(B, device=self.device)[:, None]
+            self.k[layer][batch, rows] = k
+            self.v[layer][batch, rows] = v
+
+    def move_rows(self, src_rows: torch.Tensor, dst_start: int | torch.Tensor) -> None:
+        """Copy rows ``src_rows[b]`` to ``dst_start[b] .. dst_start[b]+n-1`` in every layer (KV compaction).
+
+        Args:
+            src_rows: LongTensor ``[B, n]`` of source rows per sequence.
+            dst_start: int or LongTensor ``[B]``: first destination row per sequence.
+        Source and destination may overlap: all rows are gathered before any is written.
+        """
+        if not isinstance(src_rows, torch.Tensor) or src_rows.is_floating_point() or src_rows.dtype == torch.bool \
+                or src_rows.dim() != 2 or src_rows.shape[0] != self.batch_size:
+            desc = tuple(src_rows.shape) if isinstance(src_rows, torch.Tensor) else type(src_rows).__name__
+            raise ValueError(f"src_rows must be an integer tensor [B={self.batch_size}, n], got {desc}")
+        n = src_rows.shape[1]
+        if n == 0:
+            return
+        src_rows = src_rows.to(device=self.device, dtype=torch.int64)
+        if src_rows.device.type == "cpu" and (int(src_rows.min()) < 0 or int(src_rows.max()) >= self.max_len):
+            raise ValueError(f"src_rows must lie in [0, max_len={self.max_len}), got {src_rows.tolist()}")
+        starts = _as_row_starts(dst_start, self.batch_size, self.device, "dst_start")
+        _check_row_range(starts, n, self.max_len, "dst_start")
+        offsets = torch.arange(n, device=self.device)
+        dst_rows = (starts + offsets).expand(self.batch_size, n) if isinstance(starts, int) \
+            else starts[:, None] + offsets
+        batch = torch.arange(self.batch_size, device=self.device)[:, None]
+        for cache in (self.k, self.v):
+            gathered = cache[:, batch, src_rows]  # [L, B, n, Hkv, D], a copy: safe under overlap
+            cache[:, batch, dst_rows] = gathered
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Layers
+# ---------------------------------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and cast back before the weight, as the reference implementation does.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [B, T, H, D]`` by ``cos, sin [B, T, D]`` (rotate-half convention)."""
+    return x * cos[:, :, None] + _rotate_half(x) * sin[:, :, None]
+
+
+AttentionFn = Callable[..., torch.Tensor]
+
+
+class Attention(nn.Module):
+    """GQA self-attention; q, k, v are one fused projection (one matmul per step instead of three)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        q_size = config.num_heads * config.head_dim
+        kv_size = config.num_kv_heads * config.head_dim
+        self.split_sizes = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.output_bias)
+
+    def forward(self, x, cos, sin, cache: KVCache, layer: int, cache_len, layout: StepLayout,
+                attend: AttentionFn) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = apply_rotary(q.view(B, T, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(B, T, self.num_kv_heads, self.head_dim), cos, sin)
+        cache.write(layer, cache_len, k, v.view(B, T, self.num_kv_heads, self.head_dim))
+        out = attend(q, cache.k[layer], cache.v[layer], cache_len=cache_len, layout=layout)
+        return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``; gate and up are one fused projection."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, cache, layer, cache_len, layout, attend) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer, cache_len, layout, attend)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------------------------------------------
+def _torch_attention() -> AttentionFn:
+    from lookahead_kernels import attention_torch
+    return attention_torch
+
+
+def _kernel_attention() -> AttentionFn:
+    from lookahead_kernels import lookahead_attention
+    return lookahead_attention
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM that runs one lookahead step per :meth:`forward`.
+
+    Parameter names (ours; :mod:`lookahead.loading` maps Hugging Face names onto them):
+    ``embed.weight [V, H]``; ``layers.{i}.attn_norm.weight``; ``layers.{i}.attn.qkv_proj.{weight,bias}``
+    (rows: q heads, then k heads, then v heads); ``layers.{i}.attn.o_proj``; ``layers.{i}.mlp_norm.weight``;
+    ``layers.{i}.mlp.gate_up_proj`` (rows: gate, then up); ``layers.{i}.mlp.down_proj``; ``norm.weight``;
+    ``lm_head.weight [V, H]`` (absent when tied to ``embed``).
+    """
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None):
+        super().__init__()
+        if not isinstance(config, ModelConfig):
+            raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}")
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating dtype (float32, bfloat16, float16), got {dtype}")
+        self.config = config
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        with torch.device(device):
+            self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.lm_head = None if config.tie_word_embeddings else \
+                nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.to(dtype)
+        # The inverse frequencies must stay float32 whatever dtype the model is cast to, so they are stored
+        # as their int32 bit pattern: `Module.to(dtype)` moves integer buffers but never casts them. On a
+        # meta device (weights assigned later by the loader) they live on the CPU until the model is moved.
+        bits = rope_inv_freq(config).view(torch.int32)
+        self.register_buffer("rope_inv_freq_bits", bits.to("cpu" if device.type == "meta" else device),
+                             persistent=False)
+
+    # ---- properties -------------------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    # ---- construction helpers (implemented in lookahead.loading) ------------------------------------------------
+    @classmethod
+    def from_hf(cls, model) -> "LlamaForCausalLM":
+        """Copy a loaded transformers ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM``.
+
+        The result has the source's dtype and device.
+        """
+        from .loading import from_hf
+        return from_hf(model)
+
+    @classmethod
+    def from_pretrained(cls, path, dtype: torch.dtype | None = None, device=None,
+                        gguf_file: str | None = None) -> "LlamaForCausalLM":
+        """Load a Hugging Face directory (config.json + safetensors) or a GGUF file; see :mod:`lookahead.loading`."""
+        from .loading import from_pretrained
+        return from_pretrained(path, dtype=dtype, device=device, gguf_file=gguf_file)
+
+    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
+        """An empty :class:`KVCache` for ``batch_size`` sequences of up to ``max_len`` rows (model dtype/device)."""
+        c = self.config
+        return KVCache(c.num_layers, batch_size, max_len, c.num_kv_heads, c.head_dim, dtype=self.dtype,
+                       device=self.device)
+
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[B, T, head_dim]`` in the model dtype for LongTensor ``positions [B, T]``.
+
+        Computed from the positions each step (B*T*D/2 products), so no table bounds the positions.
+        """
+        inv_freq = self.rope_inv_freq_bits.view(torch.float32)
+        freqs = positions[..., None].float() * inv_freq
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+
+    # ---- forward ----------------------------------------------------------------------------------------------
+    def _check_inputs(self, input_ids, positions, cache, layout, logits_rows) -> None:
+        if not isinstance(layout, StepLayout):
+            raise ValueError(f"layout must be a StepLayout, got {type(layout).__name__}")
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            desc = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise ValueError(f"input_ids must be an integer tensor [B, T], got {desc}")
+        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+            raise ValueError(f"input_ids must have an integer dtype (int64 or int32), got {input_ids.dtype}")
+        B, T = input_ids.shape
+        if T != layout.T:
+            raise ValueError(f"input_ids has T={T} tokens but the layout {layout} has T={layout.T}")
+        if input_ids.device != self.device:
+            raise ValueError(f"input_ids is on {input_ids.device} but the model is on {self.device}")
+        if not isinstance(positions, torch.Tensor) or positions.shape != (B, T) or positions.is_floating_point() \
+                or positions.dtype == torch.bool:
+            desc = (positions.dtype, tuple(positions.shape)) if isinstance(positions, torch.Tensor) \
+                else type(positions).__name__
+            raise ValueError(f"positions must be an integer tensor [B={B}, T={T}], got {desc}")
+        if positions.device != input_ids.device:
+            raise ValueError(f"positions is on {positions.device} but input_ids is on {input_ids.device}")
+        if not isinstance(cache, KVCache):
+            raise ValueError(f"cache must be a KVCache (see new_cache), got {type(cache).__name__}")
+        if cache.batch_size != B or cache.num_layers != self.config.num_layers \
+                or cache.k.shape[3:] != (self.config.num_kv_heads, self.config.head_dim):
+            raise ValueError(f"cache of shape {tuple(cache.k.shape)} does not fit this model and batch; "
+                             f"expected [{self.config.num_layers}, {B}, S, {self.config.num_kv_heads}, "
+                             f"{self.config.head_dim}]")
+        if cache.dtype != self.dtype or cache.device != self.device:
+            raise ValueError(f"cache is {cache.dtype} on {cache.device} but the model is {self.dtype} on {self.device}")
+        if logits_rows is not None:
+            if not isinstance(logits_rows, torch.Tensor) or logits_rows.dim() != 1 \
+                    or logits_rows.is_floating_point() or logits_rows.dtype == torch.bool:
+                raise ValueError(f"logits_rows must be None or an integer tensor [R], got {logits_rows!r}")
+            if logits_rows.device.type == "cpu" and logits_rows.numel() and \
+                    (int(logits_rows.min()) < -T or int(logits_rows.max()) >= T):
+                raise ValueError(f"logits_rows must index the step's T={T} tokens, got {logits_rows.tolist()}")
+        # Value checks need the data on the host; on an accelerator they would cost a sync per step.
+        if input_ids.device.type == "cpu":
+            if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
+                raise ValueError(f"input_ids must lie in [0, vocab_size={self.config.vocab_size}), got "
+                                 f"min {int(input_ids.min())} max {int(input_ids.max())}")
+            if positions.numel() and (int(positions.min()) < 0
+                                      or int(positions.max()) >= self.config.max_position_embeddings):
+                raise ValueError(f"positions must lie in [0, max_position_embeddings="
+                                 f"{self.config.max_position_embeddings}), got min {int(positions.min())} "
+                                 f"max {int(positions.max())}")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                cache_len: int | torch.Tensor, layout: StepLayout, logits_rows: torch.Tensor | None = None,
+                *, attention: AttentionFn | None = None) -> torch.Tensor:
+        """Run one step and return its logits.
+
+        Args:
+            input_ids: LongTensor ``[B, T]``, the step's tokens in ``layout`` order (``T == layout.T``).
+            positions: LongTensor ``[B, T]``, each token's absolute position (rotary embedding only; the
+                tree structure comes from ``layout``), e.g. ``p + layout.position_offsets()``.
+            cache: the :class:`KVCache` from :meth:`new_cache`; this step's keys/values are written to rows
+                ``cache_len .. cache_len+T-1`` of every layer.
+            cache_len: int or LongTensor ``[B]``: committed rows per sequence (all visible to every token).
+            layout: the step's :class:`StepLayout`.
+            logits_rows: optional LongTensor ``[R]`` of step indices; only those rows get the final norm and
+                vocabulary projection.
+            attention: optional attention function with :func:`lookahead_kernels.attention_torch`'s signature;
+                default: the Triton kernel ``lookahead_attention`` on CUDA, ``attention_torch`` elsewhere.
+        Returns:
+            FloatTensor ``[B, R or T, vocab_size]`` (float32).
+        """
+        self._check_inputs(input_ids, positions, cache, layout, logits_rows)
+        if attention is None:
+            attention = _kernel_attention() if input_ids.device.type == "cuda" else _torch_attention()
+        cache_len = _as_row_starts(cache_len, input_ids.shape[0], input_ids.device, "cache_len")
+        _check_row_range(cache_len, layout.T, cache.max_len, "cache_len")
+        x = self.embed(input_ids)
+        cos, sin = self.rotary(positions)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache, i, cache_len, layout, attention)
+        if logits_rows is not None:
+            x = x[:, logits_rows]
+        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(self.norm(x), head).float()
+
+    def generate(self, input_ids, max_new_tokens: int = 128, *, lookahead=None, **kwargs):
+        """Decode with lookahead decoding; see :func:`lookahead.generate.generate`."""
+        from .generate import generate
+        return generate(self, input_ids, max_new_tokens=max_new_tokens, lookahead=lookahead, **kwargs)
