@@ -1,0 +1,100 @@
+"""Sampling parameters, logit warping (temperature, top-k, top-p) and row sampling: the CPU path.
+
+``warp_logits`` turns logits into the probabilities that verification (``verify_sample_reference`` or the
+``verify_sample`` kernel) and ``sample_rows`` consume. Warping is plain torch on any device; it is not fused into
+the verification kernels (a top-k/top-p over a 128k vocabulary needs a sort or a selection pass of its own).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import torch
+
+from lookahead_kernels.verify_ref import inverse_cdf_sample
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are drawn, with Hugging Face semantics.
+
+    Attributes:
+        temperature: ``>= 0``; logits are divided by it. ``0`` means greedy (argmax).
+        top_k: int ``>= 0``; keep the ``top_k`` largest logits (ties with the ``top_k``-th are kept); ``0`` is off.
+        top_p: in ``(0, 1]``; keep the smallest set of most likely tokens whose probability sums to ``>= top_p``
+            (always at least one token); ``1`` is off.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"SamplingParams.temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        k = self.top_k
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
+            raise ValueError(f"SamplingParams.top_k must be an int >= 0 (0 = off), got {k!r}")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, numbers.Real) or not (0 < p <= 1):
+            raise ValueError(f"SamplingParams.top_p must be a number in (0, 1] (1 = off), got {p!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        """Whether decoding is greedy (``temperature == 0``)."""
+        return self.temperature == 0
+
+
+def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities after temperature, top-k and top-p (in that order, as Hugging Face applies them).
+
+    Args:
+        logits: ``[..., V]`` float logits (any float dtype, any device).
+        params: the ``SamplingParams``.
+    Returns:
+        float32 ``[..., V]``: each row sums to 1; removed tokens are exactly ``0``. With ``temperature == 0`` the
+        row is one-hot at ``argmax`` (first index among ties), so sampling from it is greedy decoding.
+    """
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point() or logits.dim() < 1:
+        raise ValueError(f"warp_logits: logits must be a floating tensor [..., V], got {logits!r:.80}")
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"warp_logits: params must be a SamplingParams, got {type(params).__name__}")
+    V = logits.shape[-1]
+    if V < 1:
+        raise ValueError("warp_logits: the vocabulary dimension must be >= 1")
+    x = logits.float()
+    if params.is_greedy:
+        out = torch.zeros_like(x)
+        return out.scatter_(-1, x.argmax(-1, keepdim=True), 1.0)
+    x = x / params.temperature
+    if 0 < params.top_k < V:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if params.top_p < 1:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        before = sorted_p.cumsum(-1) - sorted_p  # mass of the strictly more likely tokens
+        keep_sorted = before < params.top_p
+        keep_sorted[..., 0] = True
+        keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+        probs = probs * keep
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample_rows(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Draw one token per row of ``probs`` ``[..., V]`` (nonnegative, need not be normalised).
+
+    One float64 uniform per row from ``torch.rand(generator=generator)`` on ``probs.device``, then inverse CDF
+    (``lookahead_kernels.verify_ref.inverse_cdf_sample``: a zero-probability token is never drawn). Returns
+    int64 ``[...]``; ``-1`` only for a row without positive mass (invalid input).
+    """
+    if not isinstance(probs, torch.Tensor) or not probs.is_floating_point() or probs.dim() < 1 or probs.shape[-1] < 1:
+        raise ValueError(f"sample_rows: probs must be a floating tensor [..., V] with V >= 1, got {probs!r:.80}")
+    lead = probs.shape[:-1]
+    rows = probs.reshape(-1, probs.shape[-1]).double()
+    u = torch.rand(rows.shape[0], dtype=torch.float64, device=probs.device, generator=generator)
+    return inverse_cdf_sample(rows, u * rows.sum(-1)).reshape(lead)
