@@ -1,0 +1,248 @@
+"""The Triton lookahead attention against the float64 dense-mask oracle (and the torch/flex peers).
+
+Without a GPU the kernels run under Triton's interpreter on CPU tensors, so shapes are kept tiny. Every run
+writes into an output filled with NaN, and every cache row past ``cache_len + T`` is NaN too: an element the
+kernel forgets to write, or a row it reads but must not, fails the finiteness check.
+"""
+
+import math
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lookahead_kernels.attention_ref import attention_dense_reference, attention_torch, dense_mask
+from lookahead_kernels.layout import StepLayout
+
+TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+
+
+@pytest.fixture(scope="module")
+def attn():
+    from lookahead_kernels import attention
+
+    return attention
+
+
+def make_inputs(layout, cache_len, hkv, group, d, dtype, device, *, extra=5, strided=False, seed=0):
+    """q ``[B, T, Hq, D]``, NaN-padded caches ``[B, S, Hkv, D]`` and the cache_len argument."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = [cache_len] if isinstance(cache_len, int) else list(cache_len)
+    B, T, hq = len(lens), layout.T, hkv * group
+    S = max(lens) + T + extra
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float32).to(dtype)
+
+    if strided:  # head-major storage: token stride is not the largest
+        q = rnd(B, hq, T, d).to(device).transpose(1, 2)
+        k = rnd(B, hkv, S, d).to(device).transpose(1, 2)
+        v = rnd(B, hkv, S, d).to(device).transpose(1, 2)
+    else:
+        q, k, v = (rnd(*s).to(device) for s in ((B, T, hq, d), (B, S, hkv, d), (B, S, hkv, d)))
+    for b, n in enumerate(lens):  # rows past the step must never be read
+        k[b, n + T:] = float("nan")
+        v[b, n + T:] = float("nan")
+    arg = cache_len if isinstance(cache_len, int) else torch.tensor(lens, dtype=torch.int32)
+    return q, k, v, arg
+
+
+def rel_err(out, ref):
+    out, ref = out.double().cpu(), ref.double().cpu()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def check(out, ref, dtype):
+    assert torch.isfinite(out).all(), "kernel left NaN/inf in the output"
+    err = rel_err(out, ref)
+    assert err < TOL[dtype], f"relative error {err:.3g} >= {TOL[dtype]} for {dtype}"
+
+
+CASES = [
+    # (layout, cache_len, Hkv, G, D, dtype, strided)
+    (StepLayout(4, 1, 0, 1), 5, 2, 1, 64, torch.float32, False),           # warm-up, one level, MHA
+    (StepLayout(4, 2, 2, 2), 37, 1, 2, 64, torch.float32, False),          # warm-up level 2, guesses, GQA
+    (StepLayout(5, 3, 3, 3), 100, 1, 4, 128, torch.float16, False),        # warm (N=4), GQA 4
+    (StepLayout(1, 3, 2, 3), 0, 2, 1, 64, torch.float32, True),            # window 1, empty prefix, strided
+    (StepLayout(1, 1, 0, 1), 70, 1, 2, 96, torch.bfloat16, False),         # plain decoding step, D=96
+    (StepLayout.prefill(40), 0, 1, 2, 80, torch.float16, False),           # prefill, D=80
+    (StepLayout(3, 2, 4, 2), [0, 65, 130], 2, 2, 64, torch.float32, False),  # batch of 3, ragged prefix
+    (StepLayout(3, 2, 1, 2), [129, 3, 64], 1, 1, 80, torch.bfloat16, True),  # batch of 3, bf16, strided
+]
+
+
+@pytest.mark.parametrize("layout,cache_len,hkv,group,d,dtype,strided", CASES)
+def test_kernel_matches_oracle(attn, kernel_device, layout, cache_len, hkv, group, d, dtype, strided):
+    q, k, v, lens = make_inputs(layout, cache_len, hkv, group, d, dtype, kernel_device, strided=strided)
+    out = torch.full_like(q, float("nan"))
+    res = attn.lookahead_attention(q, k, v, cache_len=lens, layout=layout, num_splits=1, out=out)
+    assert res is out
+    ref = attention_dense_reference(q, k, v, cache_len=lens, layout=layout)
+    check(out, ref, dtype)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(window=st.integers(1, 5), levels=st.integers(1, 4), guesses=st.integers(0, 3), guess_len=st.integers(1, 4),
+       lens=st.lists(st.integers(0, 300), min_size=1, max_size=3), hkv=st.integers(1, 2),
+       group=st.sampled_from([1, 2, 3]), d=st.sampled_from([64, 80, 96, 128]),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+       splits=st.sampled_from([None, 1, 2, 3]), seed=st.integers(0, 2 ** 31 - 1))
+def test_kernel_random_layouts(attn, kernel_device, window, levels, guesses, guess_len, lens, hkv, group, d,
+                               dtype, splits, seed):
+    layout = StepLayout(window, levels, guesses, guess_len)
+    q, k, v, arg = make_inputs(layout, lens, hkv, group, d, dtype, kernel_device, seed=seed)
+    out = torch.full_like(q, float("nan"))
+    attn.lookahead_attention(q, k, v, cache_len=arg, layout=layout, num_splits=splits, out=out)
+    check(out, attention_dense_reference(q, k, v, cache_len=arg, layout=layout), dtype)
+
+
+def test_functional_op_auto_splits(attn, kernel_device):
+    layout = StepLayout(2, 2, 1, 2)
+    q, k, v, lens = make_inputs(layout, [11, 300], 2, 2, 64, torch.float16, kernel_device)
+    out = attn.lookahead_attention(q, k, v, cache_len=lens, layout=layout, sm_scale=0.2)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
+    check(out, attention_dense_reference(q, k, v, cache_len=lens, layout=layout, sm_scale=0.2), torch.float16)
+
+
+@pytest.mark.parametrize("layout,cache_len,group,dtype,splits", [
+    (StepLayout(3, 2, 2, 2), 600, 2, torch.float32, 3),            # 3 ranges of 256 rows; step in the last
+    (StepLayout(3, 2, 2, 2), [0, 300, 700], 1, torch.float16, 4),  # some ranges empty for short rows
+    (StepLayout(2, 1, 0, 1), 250, 1, torch.bfloat16, 2),           # step rows split across two ranges
+])
+def test_split_kv_matches_oracle(attn, kernel_device, layout, cache_len, group, dtype, splits):
+    q, k, v, lens = make_inputs(layout, cache_len, 1, group, 64, dtype, kernel_device)
+    out = torch.full_like(q, float("nan"))
+    attn.lookahead_attention(q, k, v, cache_len=lens, layout=layout, num_splits=splits, out=out)
+    check(out, attention_dense_reference(q, k, v, cache_len=lens, layout=layout), dtype)
+
+
+def test_split_workspace_fully_written(attn, kernel_device):
+    """Poison the split partials too: every (split, row) must be written, empty splits included."""
+    layout = StepLayout(3, 2, 1, 2)
+    splits = 4
+    q, k, v, lens = make_inputs(layout, [20, 520], 1, 2, 64, torch.float32, kernel_device)
+    B, T, hq, d = q.shape
+    m = 2 * T
+    o_part = torch.full((splits, B, 1, m, d), float("nan"), device=kernel_device)
+    lse_part = torch.full((splits, B, 1, m), float("nan"), device=kernel_device)
+    out = torch.full_like(q, float("nan"))
+    lens_t = lens.to(device=kernel_device, dtype=torch.int64)
+    attn._launch(q, k, v, lens_t, layout.window, layout.levels, layout.guesses, layout.guess_len,
+                 1 / math.sqrt(d), splits, out, o_part, lse_part)
+    assert not torch.isnan(lse_part).any() and torch.isfinite(o_part).all()
+    # Batch row 0 (20 + T rows) fits in the first range: the other ranges are empty.
+    assert torch.isneginf(lse_part[1:, 0]).all()
+    check(out, attention_dense_reference(q, k, v, cache_len=lens, layout=layout), torch.float32)
+
+
+def test_choose_num_splits(attn):
+    # Llama-2-7B (32 kv heads, 2 query tiles) and Llama-3-8B (8 kv heads, 8 tiles): 64 programs each.
+    s = attn.choose_num_splits(64, 8192 + 121, num_sms=132)
+    assert s > 1 and 64 * s >= 132
+    assert attn.choose_num_splits(64, 200, num_sms=132) == 1        # short prefix: one range
+    assert attn.choose_num_splits(4096, 32768, num_sms=132) == 1    # already enough programs
+    assert attn.choose_num_splits(1, 10 ** 6, num_sms=132) <= 64
+
+
+@pytest.mark.parametrize("layout,cache_len,group,dtype", [
+    (StepLayout(4, 3, 2, 3), 9, 2, torch.float32),
+    (StepLayout(3, 2, 2, 2), [0, 7, 20], 1, torch.float32),
+    (StepLayout.prefill(6), 0, 4, torch.float16),
+    (StepLayout(1, 1, 0, 1), 12, 2, torch.bfloat16),
+])
+def test_attention_torch_matches_oracle(layout, cache_len, group, dtype):
+    q, k, v, lens = make_inputs(layout, cache_len, 2, group, 16, dtype, "cpu")
+    out = attention_torch(q, k, v, cache_len=lens, layout=layout)
+    check(out, attention_dense_reference(q, k, v, cache_len=lens, layout=layout), dtype)
+
+
+def test_flex_attention_peer(attn):
+    """flex_attention with layout.mask_mod (eager on CPU) agrees with the oracle; its mask with dense_mask."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    layout = StepLayout(3, 2, 2, 2)
+    q, k, v, lens = make_inputs(layout, [4, 9], 1, 2, 16, torch.float32, "cpu")
+    # Flex multiplies masked (zero) weights by every row up to max(cache_len) + T: no NaN padding here.
+    k, v = k.nan_to_num(0.0), v.nan_to_num(0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "called without torch.compile" (eager is the point)
+        out = attn.lookahead_flex_attention(q, k, v, cache_len=lens, layout=layout)
+    check(out, attention_dense_reference(q, k, v, cache_len=lens, layout=layout), torch.float32)
+    kv = 9 + layout.T + 2
+    mask = create_mask(layout.mask_mod(torch.tensor([4, 9])), 2, None, layout.T, kv, device="cpu")
+    for b, n in enumerate((4, 9)):
+        assert torch.equal(mask[b, 0], dense_mask(layout, n, kv))
+
+
+class _RecordShapes(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.outputs = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        res = func(*args, **(kwargs or {}))
+        for r in res if isinstance(res, (tuple, list)) else (res,):
+            if isinstance(r, torch.Tensor):
+                self.outputs.append((str(func), r.dtype, tuple(r.shape)))
+        return res
+
+
+def test_no_mask_tensor_is_built(attn, kernel_device):
+    layout = StepLayout(3, 2, 2, 2)
+    q, k, v, lens = make_inputs(layout, [5, 40], 1, 1, 64, torch.float32, kernel_device)
+    T, kv = layout.T, 40 + layout.T
+    out = torch.empty_like(q)
+    # The custom op is opaque to the mode: record the wrapper and, separately, what the op runs inside.
+    with _RecordShapes() as rec:
+        attn.lookahead_attention(q, k, v, cache_len=lens, layout=layout, num_splits=2)
+        attn._launch(q, k, v, lens.to(device=kernel_device, dtype=torch.int64), layout.window, layout.levels,
+                     layout.guesses, layout.guess_len, 0.125, 2, out)
+    assert any("empty" in func for func, _, _ in rec.outputs)  # the split workspace was seen
+    for func, dtype, shape in rec.outputs:
+        assert dtype != torch.bool, f"{func} built a bool tensor {shape}"
+        assert not (len(shape) >= 2 and shape[-2] == T and shape[-1] in (T, kv)), f"{func} built {shape}"
+
+
+def test_fake_impl(attn):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    layout = StepLayout(3, 2, 1, 2)
+    with FakeTensorMode():
+        q = torch.empty(2, layout.T, 4, 64, dtype=torch.float16)
+        k = torch.empty(2, 50, 2, 64, dtype=torch.float16)
+        lens = torch.tensor([3, 4])
+        out = torch.ops.lookahead.attention(q, k, k, lens, 3, 2, 1, 2, 0.125, 1)
+        assert out.shape == q.shape and out.dtype == q.dtype
+
+
+def _bad_calls(kernel_device):
+    layout = StepLayout(3, 2, 1, 2)
+    T = layout.T
+    q = torch.randn(1, T, 4, 64, device=kernel_device)
+    k = torch.randn(1, 40, 2, 64, device=kernel_device)
+    k32 = torch.randn(1, 40, 2, 32, device=kernel_device)
+    ok = dict(cache_len=3, layout=layout)
+    return [
+        ("tokens", (q[:, :-1], k, k), ok),
+        ("multiple", (torch.randn(1, T, 3, 64, device=kernel_device), k, k), ok),
+        ("too short", (q, k, k), dict(ok, cache_len=40 - T + 1)),
+        (">= 0", (q, k, k), dict(ok, cache_len=torch.tensor([-1]))),
+        ("dtype", (q, k.half(), k.half()), ok),
+        ("device", (q, k.to("meta"), k.to("meta")), ok),
+        ("head dims", (torch.randn(1, T, 4, 32, device=kernel_device), k32, k32), ok),
+        ("float16, bfloat16, float32", (q.double(), k.double(), k.double()), ok),
+        ("num_splits", (q, k, k), dict(ok, num_splits=0)),
+        ("sm_scale", (q, k, k), dict(ok, sm_scale=-1.0)),
+        ("out must", (q, k, k), dict(ok, out=torch.empty(1, T, 4, 32, device=kernel_device))),
+        ("StepLayout", (q, k, k), dict(ok, layout=(3, 2, 1, 2))),
+        ("cache_len", (q, k, k), dict(ok, cache_len=3.0)),
+    ]
+
+
+def test_bad_arguments(attn, kernel_device):
+    for words, args, kwargs in _bad_calls(kernel_device):
+        with pytest.raises(ValueError, match=words):
+            attn.lookahead_attention(*args, **kwargs)
