@@ -246,3 +246,28 @@ def test_bad_arguments(attn, kernel_device):
     for words, args, kwargs in _bad_calls(kernel_device):
         with pytest.raises(ValueError, match=words):
             attn.lookahead_attention(*args, **kwargs)
+
+
+def test_bench_dry_run(kernel_device, tmp_path, capsys):
+    """The benchmark's non-timing logic (shapes, byte counts, peers, tables) on tiny CPU shapes."""
+    import importlib.util
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "bench_attention.py")
+    spec = importlib.util.spec_from_file_location("bench_attention", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    if kernel_device == "cpu":
+        assert bench.main([]) == 0
+        assert "needs a CUDA GPU; skipping" in capsys.readouterr().out
+    assert bench.bytes_needed(100, 10, 4, 2, 64, 2) == 2 * 110 * 2 * 64 * 2 + 2 * 10 * 4 * 64 * 2
+    assert bench.step_layout(15, 5, 15).T == 120
+    assert bench.main(["--dry-run", "--out-dir", str(tmp_path)]) == 0
+    (md,) = tmp_path.glob("attention-*-dry-run.md")
+    (js,) = tmp_path.glob("attention-*-dry-run.json")
+    result = json.loads(js.read_text())
+    assert len(result["rows"]) == 4 and "| tiny-gqa |" in md.read_text()
+    for row in result["rows"]:
+        assert not row["errors"]
+        assert max(row["rel_err_vs_torch"], row["rel_err_sdpa_vs_torch"], row["rel_err_flex_vs_torch"]) < 1e-2

@@ -1,0 +1,277 @@
+"""Per-call time of attention for one lookahead step: the Triton kernel against SDPA and FlexAttention.
+
+Shapes: Llama-2-7B (32 heads x 128, MHA) and Llama-3-8B (32 query / 8 key-value heads x 128), float16, B=1,
+warm steps of (W, N, G) = (15, 5, 15) and (7, 5, 7) (levels N-1, G guesses of N-1 tokens), committed prefix
+``cache_len`` in 512, 2048, 8192, 32768. Per configuration:
+
+* ``ours``: ``lookahead_kernels.lookahead_attention`` (mask evaluated in the kernel, split-KV chosen by it);
+* ``sdpa``: ``scaled_dot_product_attention`` with a dense boolean ``[T, cache_len + T]`` mask, with the mask
+  build timed (``+mask``) and prebuilt;
+* ``flex``: compiled ``flex_attention`` with ``layout.mask_mod``, with ``create_block_mask`` timed (``+mask``)
+  and prebuilt.
+
+Times are ``triton.testing.do_bench`` medians (ms, shown in µs). Achieved GB/s counts the bytes that must be
+read or written at least once: K and V rows ``0 .. cache_len + T - 1`` of every key/value head, plus q and the
+output; "% copy" compares with the bandwidth of a large device-to-device copy (read + write bytes) measured in
+the same run. Results go to ``bench/results/attention-<device>.{json,md}``.
+
+    python bench/bench_attention.py              # full sweep (GPU)
+    python bench/bench_attention.py --quick      # smaller sweep
+    python bench/bench_attention.py --dry-run --out-dir /tmp/x   # tiny CPU run of the non-timing logic
+
+Without CUDA (and without ``--dry-run``) it prints that it needs a GPU and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+# (name, query heads, key/value heads, head dim)
+MODELS = [("llama2-7b", 32, 32, 128), ("llama3-8b", 32, 8, 128)]
+STEPS = [(15, 5, 15), (7, 5, 7)]  # (W, N, G), warm
+CACHE_LENS = [512, 2048, 8192, 32768]
+QUICK = dict(models=MODELS, steps=STEPS[:1], cache_lens=[512, 8192])
+# --dry-run: tiny shapes that the CPU (Triton interpreter) runs in seconds.
+DRY = dict(models=[("tiny-mha", 2, 2, 64), ("tiny-gqa", 4, 2, 64)], steps=[(3, 3, 2)], cache_lens=[16, 70])
+
+
+def step_layout(window: int, ngram: int, guesses: int):
+    from lookahead_kernels.layout import StepLayout
+
+    return StepLayout(window, ngram - 1, guesses, ngram - 1)
+
+
+def bytes_needed(cache_len: int, T: int, hq: int, hkv: int, d: int, elem: int) -> int:
+    """K and V rows of prefix + step once per key/value head, plus q read and the output written."""
+    return 2 * (cache_len + T) * hkv * d * elem + 2 * T * hq * d * elem
+
+
+def make_inputs(cache_len, layout, hq, hkv, d, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    T = layout.T
+    S = cache_len + T
+    q = torch.randn(1, T, hq, d, generator=gen).to(device=device, dtype=dtype)
+    k = torch.randn(1, S, hkv, d, generator=gen).to(device=device, dtype=dtype)
+    v = torch.randn(1, S, hkv, d, generator=gen).to(device=device, dtype=dtype)
+    return q, k, v
+
+
+def sdpa_dense(q, k, v, mask):
+    """SDPA over all cache rows with a dense ``[T, kv]`` boolean mask (heads-first views)."""
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+        enable_gqa=q.shape[2] != k.shape[2])
+    return o.transpose(1, 2)
+
+
+def copy_bandwidth_gbs(device, timer) -> float:
+    """GB/s of a 1 GiB device-to-device copy, counting bytes read plus bytes written."""
+    n = (1 << 30) if device.type == "cuda" else (1 << 24)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = timer(lambda: dst.copy_(src))
+    return 2 * n / (ms * 1e-3) / 1e9
+
+
+def cuda_timer(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100)
+
+
+def cpu_timer(fn, reps: int = 3) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def rel_err(out, ref) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def run_config(model, wng, cache_len, device, dtype, timer, flex_fn):
+    """Time every method on one configuration; returns one result row."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from lookahead_kernels import attention as attn
+    from lookahead_kernels.attention_ref import attention_torch, dense_mask
+
+    name, hq, hkv, d = model
+    layout = step_layout(*wng)
+    T = layout.T
+    kv = cache_len + T
+    q, k, v = make_inputs(cache_len, layout, hq, hkv, d, dtype, device)
+    row = {"model": name, "hq": hq, "hkv": hkv, "d": d, "W_N_G": list(wng), "T": T, "cache_len": cache_len,
+           "bytes": bytes_needed(cache_len, T, hq, hkv, d, q.element_size()), "ms": {}, "errors": {}}
+
+    ours = lambda: attn.lookahead_attention(q, k, v, cache_len=cache_len, layout=layout)  # noqa: E731
+    ref = attention_torch(q, k, v, cache_len=cache_len, layout=layout)
+    row["rel_err_vs_torch"] = rel_err(ours(), ref)
+    programs = math.ceil(hq // hkv * T / attn._tile_config(hq // hkv * T, d, dtype)[0]) * hkv
+    row["num_splits"] = attn.choose_num_splits(programs, kv, attn._num_sms(device))
+    row["ms"]["ours"] = timer(ours)
+
+    mask = dense_mask(layout, cache_len, kv, device=device)
+    row["ms"]["sdpa+mask"] = timer(lambda: sdpa_dense(q, k, v, dense_mask(layout, cache_len, kv, device=device)))
+    row["ms"]["sdpa"] = timer(lambda: sdpa_dense(q, k, v, mask))
+    row["rel_err_sdpa_vs_torch"] = rel_err(sdpa_dense(q, k, v, mask), ref)
+
+    try:
+        mod = layout.mask_mod(torch.tensor([cache_len], device=device))
+        bm = create_block_mask(mod, 1, None, T, kv, device=device)
+        qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        gqa = hq != hkv
+
+        def flex_with_mask():
+            m = create_block_mask(mod, 1, None, T, kv, device=device)
+            return flex_fn(qh, kh, vh, block_mask=m, enable_gqa=gqa)
+
+        row["rel_err_flex_vs_torch"] = rel_err(flex_fn(qh, kh, vh, block_mask=bm, enable_gqa=gqa).transpose(1, 2),
+                                               ref)
+        row["ms"]["flex+mask"] = timer(flex_with_mask)
+        row["ms"]["flex"] = timer(lambda: flex_fn(qh, kh, vh, block_mask=bm, enable_gqa=gqa))
+    except Exception as exc:  # a peer failing to compile must not hide the other rows
+        row["errors"]["flex"] = f"{type(exc).__name__}: {exc}"[:300]
+    return row
+
+
+def git_revision() -> str:
+    try:
+        return subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _fmt_us(ms) -> str:
+    return "—" if ms is None else f"{ms * 1e3:.1f}"
+
+
+def render_markdown(result: dict) -> str:
+    m = result["machine"]
+    copy = result["copy_gbs"]
+    lines = [
+        "# Lookahead attention: per-call time",
+        "",
+        f"Device: {m['device']}; torch {m['torch']}, triton {m['triton']}, CUDA {m['cuda']}, Python {m['python']}; "
+        f"git {m['git']}. dtype {result['dtype']}, B=1.",
+        f"Command: `{result['command']}`",
+        f"Device-to-device copy bandwidth (read + write): {copy:.0f} GB/s.",
+        "",
+        "Times in µs (do_bench median). `+mask`: the mask (dense bool for SDPA, block mask for flex) is built "
+        "inside the timed call. GB/s: bytes that must move (K, V rows of prefix + step, q, out) / our time.",
+        "",
+        "| model | (W,N,G) | T | cache_len | splits | ours | sdpa+mask | sdpa | flex+mask | flex | MB | ours GB/s "
+        "| % copy | × sdpa | × flex |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        t = r["ms"]
+        gbs = r["bytes"] / (t["ours"] * 1e-3) / 1e9
+        x_sdpa = t["sdpa"] / t["ours"]
+        x_flex = f"{t['flex'] / t['ours']:.2f}" if "flex" in t else "—"
+        lines.append(
+            f"| {r['model']} | {tuple(r['W_N_G'])} | {r['T']} | {r['cache_len']} | {r['num_splits']} | "
+            f"{_fmt_us(t['ours'])} | {_fmt_us(t['sdpa+mask'])} | {_fmt_us(t['sdpa'])} | "
+            f"{_fmt_us(t.get('flex+mask'))} | {_fmt_us(t.get('flex'))} | {r['bytes'] / 1e6:.2f} | {gbs:.0f} | "
+            f"{100 * gbs / copy:.0f} | {x_sdpa:.2f} | {x_flex} |")
+    lines += ["", *(f"- {note}" for note in result["notes"])]
+    for r in result["rows"]:
+        for what, msg in r["errors"].items():
+            lines.append(f"- {r['model']} {tuple(r['W_N_G'])} cache_len {r['cache_len']}: {what} failed: {msg}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smaller sweep")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="tiny shapes on CPU (Triton interpreter), perf_counter timings: checks the bench itself")
+    ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    args = ap.parse_args(argv)
+
+    has_cuda = torch.cuda.is_available()
+    if args.dry_run:
+        if not has_cuda:
+            # Must precede the kernels' definition (the import below); a script may set it, a library may not.
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        device, timer, sweep = torch.device("cpu" if not has_cuda else "cuda"), None, DRY
+        timer = cuda_timer if has_cuda else cpu_timer
+    elif not has_cuda:
+        print("bench_attention needs a CUDA GPU; skipping")
+        return 0
+    else:
+        device, timer, sweep = torch.device("cuda"), cuda_timer, (QUICK if args.quick else
+                                                                   dict(models=MODELS, steps=STEPS,
+                                                                        cache_lens=CACHE_LENS))
+    import triton
+    from torch.nn.attention.flex_attention import flex_attention
+
+    dtype = torch.float16
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    slug = re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-") + ("-dry-run" if args.dry_run else "")
+    cmd_args = argv if argv is not None else sys.argv[1:]
+    result = {
+        "machine": {"device": device_name, "torch": torch.__version__, "triton": triton.__version__,
+                    "cuda": torch.version.cuda, "python": platform.python_version(), "git": git_revision()},
+        "command": "python " + " ".join([os.path.relpath(os.path.abspath(__file__), ROOT), *cmd_args]),
+        "dtype": str(dtype).replace("torch.", ""), "rows": [], "notes": [],
+    }
+    if args.dry_run:
+        result["notes"].append("dry run: tiny shapes, CPU perf_counter medians (Triton interpreter); "
+                               "checks the bench's logic only, the times mean nothing.")
+        flex_fn = flex_attention  # eager: compiling flex on CPU is slow and beside the point here
+    else:
+        flex_fn = torch.compile(flex_attention, dynamic=False)
+    result["copy_gbs"] = copy_bandwidth_gbs(device, timer)
+    print(f"{device_name}: copy bandwidth {result['copy_gbs']:.0f} GB/s")
+
+    import warnings
+
+    for model in sweep["models"]:
+        for wng in sweep["steps"]:
+            for cache_len in sweep["cache_lens"]:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)  # flex's eager-mode warning in dry runs
+                    row = run_config(model, wng, cache_len, device, dtype, timer, flex_fn)
+                result["rows"].append(row)
+                t = row["ms"]
+                print(f"{row['model']:10s} {tuple(wng)} T={row['T']:4d} cache_len={cache_len:6d} "
+                      f"splits={row['num_splits']:2d}  ours {_fmt_us(t['ours'])} us  sdpa {_fmt_us(t['sdpa'])} us  "
+                      f"flex {_fmt_us(t.get('flex'))} us  err {row['rel_err_vs_torch']:.1e}")
+                if row["rel_err_vs_torch"] > 1e-2:
+                    result["notes"].append(f"WARNING: {row['model']} {tuple(wng)} cache_len {cache_len}: ours "
+                                           f"differs from attention_torch by {row['rel_err_vs_torch']:.2e}")
+
+    os.makedirs(args.out_dir, exist_ok=True)
+    base = os.path.join(args.out_dir, f"attention-{slug}")
+    with open(base + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    with open(base + ".md", "w") as f:
+        f.write(render_markdown(result))
+    print(f"wrote {base}.json and {base}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
