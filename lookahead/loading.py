@@ -168,7 +168,11 @@ def _load_hf_directory(directory: Path, dtype: torch.dtype | None, device: torch
 
     if not (directory / "config.json").is_file():
         raise ValueError(f"{directory} has no config.json; expected a Hugging Face model directory or a .gguf file")
-    config = ModelConfig.from_hf(AutoConfig.from_pretrained(str(directory)))
+    try:
+        hf_config = AutoConfig.from_pretrained(str(directory))
+    except (ValueError, KeyError, OSError) as err:
+        raise ValueError(f"cannot read {directory / 'config.json'} as a transformers config: {err}") from None
+    config = ModelConfig.from_hf(hf_config)
     files = _safetensors_files(directory)
     # name -> open file handle; tensors are read one at a time straight onto the target device.
     handles, owner = [], {}
@@ -181,10 +185,10 @@ def _load_hf_directory(directory: Path, dtype: torch.dtype | None, device: torch
         embed_name = next((n for n in owner if _strip_prefix(n) == "embed_tokens.weight"), None)
         if embed_name is None:
             raise ValueError(f"checkpoint in {directory} has no embed_tokens.weight")
-        dtype = owner[embed_name].get_slice(embed_name).get_dtype()
-        dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(dtype)
+        stored = owner[embed_name].get_slice(embed_name).get_dtype()
+        dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(stored)
         if dtype is None:
-            raise ValueError(f"checkpoint dtype {dtype!r} is not float32/bfloat16/float16; pass dtype=")
+            raise ValueError(f"checkpoint dtype {stored!r} is not F32/BF16/F16; pass dtype= to cast on load")
     state = convert_hf_state_dict(config, lambda n: owner[n].get_tensor(n), list(owner), dtype=dtype, device=device)
     return _build(config, state, dtype, device)
 
