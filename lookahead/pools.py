@@ -62,7 +62,9 @@ class TableNGramPool:
         guess: ``G``; at most this many continuations per key (0: the pool stores nothing).
         vocab_size: ``V``; token ids must lie in ``[0, V)``.
         device: where the tables live and where lookups return their tensors.
-        conts, stamp, clock: the tables (read them, do not write them).
+        conts: int32 ``[V, G, N-1]``; ``conts[k, s]`` is the continuation in slot ``s`` of key ``k``.
+        stamp: int64 ``[V, G]``; insertion clock value of each slot's last insert, ``-1`` = empty slot.
+        clock: int64 ``[1]``; the next stamp. (Read the tables; only the ops write them.)
     """
 
     def __init__(self, ngram: int, guess: int, vocab_size: int, device: torch.device, ops):
