@@ -14,8 +14,9 @@ vocabulary row per depth (for its sum) and one more for the bonus draw. The prob
 ``lookahead.sampling.warp_logits`` (top-k / top-p warping is not fused). Random numbers are drawn by the launcher
 with ``torch.rand`` in the layout of ``draw_verify_uniforms`` and consumed identically by the reference.
 
-Kernels are torch custom ops (``lookahead::verify_greedy``, ``lookahead::verify_sample``,
-``lookahead::row_argmax``) with fake implementations. On CPU tensors they run only under Triton's interpreter
+Kernels are torch custom ops that write into given outputs (``lookahead::verify_greedy_out``,
+``lookahead::verify_sample_out``, ``lookahead::row_argmax_out``) with fake implementations; the launchers
+allocate the outputs unless ``out=`` is passed. On CPU tensors they run only under Triton's interpreter
 (``TRITON_INTERPRET=1`` set before this module is imported); otherwise use the references.
 """
 
@@ -337,19 +338,15 @@ def _argmax_partials(x, c, n_t, n_const, G, K, V, has_x, splits):
     return vals, idxs, splits
 
 
-# ---- custom ops ----------------------------------------------------------------------------------------------------
-@torch.library.custom_op("lookahead::verify_greedy", mutates_args=())
+# ---- custom ops (write into given outputs: static buffers for CUDA graphs, poisoned buffers in tests) ------------
+@torch.library.custom_op("lookahead::verify_greedy_out", mutates_args=("accept_len", "best", "tokens"))
 def _verify_greedy_op(x_logits: torch.Tensor, cand_logits: torch.Tensor, candidates: torch.Tensor,
-                      num_candidates: torch.Tensor | None, n_const: int,
-                      vocab_splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      num_candidates: torch.Tensor | None, n_const: int, vocab_splits: int,
+                      accept_len: torch.Tensor, best: torch.Tensor, tokens: torch.Tensor) -> None:
     B, G, K = candidates.shape
     V = x_logits.shape[1]
-    dev = candidates.device
-    accept_len = torch.empty((B,), dtype=torch.int64, device=dev)
-    best = torch.empty((B,), dtype=torch.int64, device=dev)
-    tokens = torch.empty((B, K + 1), dtype=torch.int64, device=dev)
     if B == 0:
-        return accept_len, best, tokens
+        return
     vals, idxs, splits = _argmax_partials(x_logits, cand_logits, num_candidates, n_const, G, K, V, True,
                                           vocab_splits if vocab_splits > 0 else None)
     _greedy_walk_kernel[(B,)](
@@ -359,28 +356,21 @@ def _verify_greedy_op(x_logits: torch.Tensor, cand_logits: torch.Tensor, candida
         HAS_N_TENSOR=num_candidates is not None, BLOCK_G=max(2, triton.next_power_of_2(G)),
         BLOCK_K=max(2, triton.next_power_of_2(K + 1)),
     )
-    return accept_len, best, tokens
 
 
 @_verify_greedy_op.register_fake
-def _(x_logits, cand_logits, candidates, num_candidates, n_const, vocab_splits):
-    B, G, K = candidates.shape
-    new = candidates.new_empty
-    return new((B,)), new((B,)), new((B, K + 1))
+def _(x_logits, cand_logits, candidates, num_candidates, n_const, vocab_splits, accept_len, best, tokens):
+    return None
 
 
-@torch.library.custom_op("lookahead::verify_sample", mutates_args=())
+@torch.library.custom_op("lookahead::verify_sample_out", mutates_args=("accept_len", "best", "tokens"))
 def _verify_sample_op(x_probs: torch.Tensor, cand_probs: torch.Tensor, candidates: torch.Tensor,
-                      num_candidates: torch.Tensor | None, n_const: int,
-                      uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      num_candidates: torch.Tensor | None, n_const: int, uniforms: torch.Tensor,
+                      accept_len: torch.Tensor, best: torch.Tensor, tokens: torch.Tensor) -> None:
     B, G, K = candidates.shape
     V = x_probs.shape[1]
-    dev = candidates.device
-    accept_len = torch.empty((B,), dtype=torch.int64, device=dev)
-    best = torch.empty((B,), dtype=torch.int64, device=dev)
-    tokens = torch.empty((B, K + 1), dtype=torch.int64, device=dev)
     if B == 0:
-        return accept_len, best, tokens
+        return
     c = cand_probs
     _sample_walk_kernel[(B,)](
         x_probs, c, candidates, num_candidates if num_candidates is not None else accept_len, uniforms,
@@ -390,35 +380,30 @@ def _verify_sample_op(x_probs: torch.Tensor, cand_probs: torch.Tensor, candidate
         candidates.stride(0), candidates.stride(1), candidates.stride(2),
         uniforms.stride(0), uniforms.stride(1), uniforms.stride(2), tokens.stride(0),
         HAS_N_TENSOR=num_candidates is not None, BLOCK_G=max(2, triton.next_power_of_2(G)),
-        BLOCK_K1=max(2, triton.next_power_of_2(K + 1)), BLOCK_V=_block_v(V, dev),
+        BLOCK_K1=max(2, triton.next_power_of_2(K + 1)), BLOCK_V=_block_v(V, candidates.device),
     )
-    return accept_len, best, tokens
 
 
 @_verify_sample_op.register_fake
-def _(x_probs, cand_probs, candidates, num_candidates, n_const, uniforms):
-    B, G, K = candidates.shape
-    new = candidates.new_empty
-    return new((B,)), new((B,)), new((B, K + 1))
+def _(x_probs, cand_probs, candidates, num_candidates, n_const, uniforms, accept_len, best, tokens):
+    return None
 
 
-@torch.library.custom_op("lookahead::row_argmax", mutates_args=())
-def _row_argmax_op(logits: torch.Tensor, vocab_splits: int) -> torch.Tensor:
+@torch.library.custom_op("lookahead::row_argmax_out", mutates_args=("out",))
+def _row_argmax_op(logits: torch.Tensor, vocab_splits: int, out: torch.Tensor) -> None:
     R, V = logits.shape
-    out = torch.empty((R,), dtype=torch.int64, device=logits.device)
     if R == 0:
-        return out
-    c = logits[None, :, None, :]  # [1, R, 1, V]: rows as "candidates" g with K = 1
+        return
+    c = logits[None, :, None, :]  # [1, R, 1, V]: the rows read as candidates g = 0..R-1 with K = 1
     vals, idxs, splits = _argmax_partials(None, c, None, R, R, 1, V, False,
                                           vocab_splits if vocab_splits > 0 else None)
     block_r = 128
     _row_argmax_merge_kernel[(triton.cdiv(R, block_r),)](vals, idxs, out, R, splits, BLOCK_R=block_r)
-    return out
 
 
 @_row_argmax_op.register_fake
-def _(logits, vocab_splits):
-    return logits.new_empty((logits.shape[0],), dtype=torch.int64)
+def _(logits, vocab_splits, out):
+    return None
 
 
 # ---- public launchers ----------------------------------------------------------------------------------------------
@@ -430,8 +415,26 @@ def _check_splits(name: str, vocab_splits) -> int:
     return vocab_splits
 
 
+def _outputs(name: str, out, B: int, K: int, device):
+    """The ``(accept_len [B], best [B], tokens [B, K+1])`` int64 outputs: ``out`` checked, or fresh ones."""
+    if out is None:
+        return (torch.empty((B,), dtype=torch.int64, device=device),
+                torch.empty((B,), dtype=torch.int64, device=device),
+                torch.empty((B, K + 1), dtype=torch.int64, device=device))
+    shapes = ((B,), (B,), (B, K + 1))
+    if not isinstance(out, (tuple, list)) or len(out) != 3 or not all(
+            isinstance(t, torch.Tensor) and tuple(t.shape) == s and t.dtype == torch.int64 and t.device == device
+            for t, s in zip(out, shapes)):
+        raise ValueError(f"{name}: out must be a tuple of three int64 tensors on {device} shaped [B], [B], "
+                         f"[B, K+1] = {[list(s) for s in shapes]}")
+    if out[0].stride(0) != 1 or out[1].stride(0) != 1 or out[2].stride(1) != 1:
+        raise ValueError(f"{name}: out tensors must be contiguous along their last dimension")
+    return tuple(out)
+
+
 def verify_greedy(x_logits: torch.Tensor, cand_logits: torch.Tensor, candidates: torch.Tensor,
-                  num_candidates: torch.Tensor | int | None = None, *, vocab_splits: int | None = None):
+                  num_candidates: torch.Tensor | int | None = None, *, vocab_splits: int | None = None,
+                  out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
     """Greedy verification on the GPU, exactly ``verify_greedy_reference`` (see it for the rule).
 
     Args:
@@ -440,8 +443,9 @@ def verify_greedy(x_logits: torch.Tensor, cand_logits: torch.Tensor, candidates:
         cand_logits: ``[B, G, K, V]`` same dtype, logits at each candidate token (any strides); ``K >= 1``.
         candidates: ``[B, G, K]`` int64 candidate ids (ids outside ``[0, V)`` never match).
         num_candidates: int in ``0..G`` or int64 ``[B]`` (values clamped to ``0..G`` on the GPU); default ``G``.
-            Rows of unused candidates are never read, so they may hold anything.
+            Rows of unused candidates are never read, so they may hold anything (NaN included).
         vocab_splits: how many programs share one row's argmax (default: enough to fill the GPU; 1 on CPU).
+        out: optional ``(accept_len, best, tokens)`` to write into (e.g. static buffers for a CUDA graph).
     Returns:
         ``accept_len`` int64 ``[B]`` in ``0..K``; ``best`` int64 ``[B]`` (``-1`` when nothing is accepted);
         ``tokens`` int64 ``[B, K+1]``: accepted tokens, then the bonus, then ``-1``. Argmax picks the first index
@@ -451,13 +455,17 @@ def verify_greedy(x_logits: torch.Tensor, cand_logits: torch.Tensor, candidates:
     check_verify_inputs(name, x_logits, cand_logits, candidates, num_candidates)
     _check_device(name, candidates)
     splits = _check_splits(name, vocab_splits)
-    n_t, n_const = _num_candidates_arg(num_candidates, candidates.shape[1])
-    return _verify_greedy_op(x_logits, cand_logits, candidates, n_t, n_const, splits)
+    B, G, K = candidates.shape
+    n_t, n_const = _num_candidates_arg(num_candidates, G)
+    outs = _outputs(name, out, B, K, candidates.device)
+    _verify_greedy_op(x_logits, cand_logits, candidates, n_t, n_const, splits, *outs)
+    return outs
 
 
 def verify_sample(x_probs: torch.Tensor, cand_probs: torch.Tensor, candidates: torch.Tensor,
                   num_candidates: torch.Tensor | int | None = None, *, generator: torch.Generator | None = None,
-                  uniforms: torch.Tensor | None = None):
+                  uniforms: torch.Tensor | None = None,
+                  out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
     """Speculative-sampling verification on the GPU, exactly ``verify_sample_reference`` given the same uniforms.
 
     Args:
@@ -468,6 +476,7 @@ def verify_sample(x_probs: torch.Tensor, cand_probs: torch.Tensor, candidates: t
         num_candidates: int in ``0..G`` or int64 ``[B]`` (clamped to ``0..G`` on the GPU); default ``G``.
         generator: used to draw ``uniforms`` when they are not given (``draw_verify_uniforms``).
         uniforms: float64 (or float32) ``[B, K, G+1]`` in ``[0, 1)``, layout of ``draw_verify_uniforms``.
+        out: optional ``(accept_len, best, tokens)`` to write into.
     Returns:
         As ``verify_greedy``: ``accept_len`` ``[B]``, ``best`` ``[B]`` (``-1`` if none), ``tokens`` ``[B, K+1]``
         (``-1`` padded; a bonus of ``-1`` flags a row without positive mass, i.e. invalid probabilities).
@@ -485,14 +494,17 @@ def verify_sample(x_probs: torch.Tensor, cand_probs: torch.Tensor, candidates: t
         raise ValueError(f"{name}: pass either generator or uniforms, not both")
     check_verify_uniforms(name, uniforms, B, G, K, candidates.device)
     n_t, n_const = _num_candidates_arg(num_candidates, G)
-    return _verify_sample_op(x_probs, cand_probs, candidates, n_t, n_const, uniforms)
+    outs = _outputs(name, out, B, K, candidates.device)
+    _verify_sample_op(x_probs, cand_probs, candidates, n_t, n_const, uniforms, *outs)
+    return outs
 
 
-def row_argmax(logits: torch.Tensor, *, vocab_splits: int | None = None) -> torch.Tensor:
+def row_argmax(logits: torch.Tensor, *, vocab_splits: int | None = None, out: torch.Tensor | None = None):
     """Argmax of each row of ``logits`` ``[R, V]`` (float16/bfloat16/float32/float64, any strides) on the GPU.
 
-    For the rows of the window's last level in greedy decoding. Returns int64 ``[R]``; first index among equal
-    maxima, NaN counts as the largest (as ``torch.argmax``, its reference). Two launches, no host sync.
+    For the rows of the window's last level in greedy decoding. Returns int64 ``[R]`` (written into ``out`` if
+    given); first index among equal maxima, NaN counts as the largest (as ``torch.argmax``, its reference).
+    Two launches, no host sync.
     """
     name = "row_argmax"
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[1] < 1:
@@ -501,4 +513,11 @@ def row_argmax(logits: torch.Tensor, *, vocab_splits: int | None = None) -> torc
     if logits.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         raise ValueError(f"{name}: logits must be float16, bfloat16, float32 or float64, got {logits.dtype}")
     _check_device(name, logits)
-    return _row_argmax_op(logits, _check_splits(name, vocab_splits))
+    R = logits.shape[0]
+    if out is None:
+        out = torch.empty((R,), dtype=torch.int64, device=logits.device)
+    elif not (isinstance(out, torch.Tensor) and tuple(out.shape) == (R,) and out.dtype == torch.int64
+              and out.device == logits.device and out.stride(0) == 1):
+        raise ValueError(f"{name}: out must be a contiguous int64 tensor [{R}] on {logits.device}")
+    _row_argmax_op(logits, _check_splits(name, vocab_splits), out)
+    return out
