@@ -52,7 +52,8 @@ def _coords(idx, window, lookahead_len, guess_len):
     return is_verify, level, column
 
 
-@triton.jit
+# The step's sizes change from step to step during warm-up: do not compile a variant per value.
+@triton.jit(do_not_specialize=["T", "M", "S", "window", "lookahead_len", "guess_len", "num_splits"])
 def _attn_fwd_kernel(
     # pointers
     Q, K, V, CACHE_LEN, OUT, O_PART, LSE_PART,
@@ -186,7 +187,7 @@ def _attn_fwd_kernel(
         tl.store(o_ptrs, o.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "num_splits"])
 def _attn_merge_kernel(
     # pointers
     O_PART, LSE_PART, OUT,
@@ -400,12 +401,21 @@ def lookahead_attention(q, k_cache, v_cache, *, cache_len, layout: StepLayout, s
             got = (tuple(out.shape), out.dtype, out.device) if isinstance(out, torch.Tensor) else type(out).__name__
             raise ValueError(f"out must be a tensor of shape {tuple(q.shape)}, dtype {q.dtype} on {q.device}; "
                              f"got {got}")
-    Hkv = k_cache.shape[2]
+    Hkv, S = k_cache.shape[2], k_cache.shape[1]
+    # A host-side cache_len (int or CPU tensor) is checked here even when the kernel runs on the GPU; a device
+    # tensor is never read back (no sync), and the cache size then bounds the rows to read.
+    if isinstance(cache_len, torch.Tensor) and cache_len.device.type != "cpu":
+        max_rows = S
+    else:
+        host = torch.as_tensor(cache_len).reshape(-1)
+        if int(host.min()) < 0:
+            raise ValueError(f"cache_len must be >= 0, got {host.tolist()}")
+        if int(host.max()) + T > S:
+            raise ValueError(f"cache too short: cache_len {int(host.max())} + T {T} > S {S} rows")
+        max_rows = int(host.max()) + T
     if num_splits is None:
         M = (Hq // Hkv) * T
         programs = triton.cdiv(M, _tile_config(M, D, q.dtype)[0]) * B * Hkv
-        # A host-side bound on the rows to read; a device cache_len is not synced, the cache size bounds it.
-        max_rows = int(lens.max()) + T if lens.device.type == "cpu" else k_cache.shape[1]
         num_splits = choose_num_splits(programs, max_rows, _num_sms(q.device))
     elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= _MAX_SPLITS:
         raise ValueError(f"num_splits must be None or an int in 1..{_MAX_SPLITS}, got {num_splits!r}")

@@ -271,3 +271,56 @@ def test_bench_dry_run(kernel_device, tmp_path, capsys):
     for row in result["rows"]:
         assert not row["errors"]
         assert max(row["rel_err_vs_torch"], row["rel_err_sdpa_vs_torch"], row["rel_err_flex_vs_torch"]) < 1e-2
+
+
+_COMPILE_SM90 = r'''
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from lookahead_kernels import attention as A
+
+target = GPUTarget("cuda", 90, 32)
+fwd, merge = A._attn_fwd_kernel, A._attn_merge_kernel
+assert isinstance(fwd, triton.runtime.JITFunction)
+for split in (False, True):
+    sig = {n: "i32" for n in fwd.arg_names}
+    sig.update(Q="*fp16", K="*fp16", V="*fp16", OUT="*fp16", CACHE_LEN="*i64", scale_log2="fp32",
+               O_PART="*fp32" if split else "*fp16", LSE_PART="*fp32" if split else "*fp16")
+    const = dict(HEAD_DIM=80, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, MIN_CHUNK=256, SPLIT=split, IEEE=False,
+                 UPCAST=False)
+    sig.update({k: "constexpr" for k in const})
+    triton.compile(ASTSource(fn=fwd, signature=sig, constexprs=const), target=target,
+                   options=dict(num_warps=4, num_stages=2))
+sig = {n: "i32" for n in merge.arg_names}
+sig.update(O_PART="*fp32", LSE_PART="*fp32", OUT="*fp16")
+const = dict(HEAD_DIM=80, BLOCK_M=32, BLOCK_D=128)
+sig.update({k: "constexpr" for k in const})
+triton.compile(ASTSource(fn=merge, signature=sig, constexprs=const), target=target, options=dict(num_warps=4))
+print("compiled")
+'''
+
+
+def test_kernels_compile_for_sm90(kernel_device):
+    """Without a GPU the interpreter never compiles the kernels: compile them for an H100 (sm_90) ahead of time,
+    through ptxas, so type errors of the compiled path show up on CPU too."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if kernel_device == "cuda":
+        pytest.skip("on a GPU every other test compiles the kernels")
+    triton = pytest.importorskip("triton")
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    if not (os.path.exists(os.path.join(bin_dir, "ptxas")) or shutil.which("ptxas")):
+        pytest.skip("no ptxas in this Triton install")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # silences a Triton 3.9 notice; fusion is the default anyway
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True,
+                          timeout=300)
+    if proc.returncode != 0 and ("ImportError" in proc.stderr or "AttributeError" in proc.stderr
+                                 and "triton" in proc.stderr and "lookahead_kernels" not in proc.stderr):
+        pytest.skip(f"this Triton lacks the ahead-of-time API used here: {proc.stderr[-300:]}")
+    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
