@@ -293,9 +293,9 @@ def _check_device(name: str, t: torch.Tensor) -> None:
                      f"references in lookahead_kernels.verify_ref")
 
 
-def _block_v(V: int, device: torch.device) -> int:
+def _block_v(V: int, device: torch.device, gpu_cap: int = 2048) -> int:
     # The interpreter runs each block as one numpy operation: big blocks are fast there.
-    cap = 16384 if device.type == "cpu" else 2048
+    cap = 16384 if device.type == "cpu" else gpu_cap
     return min(cap, max(16, triton.next_power_of_2(V)))
 
 
@@ -334,6 +334,7 @@ def _argmax_partials(x, c, n_t, n_const, G, K, V, has_x, splits):
         G, K, V, n_const, slice_len,
         xs.stride(0), xs.stride(-1), c.stride(0), c.stride(1), c.stride(2), c.stride(3),
         HAS_X=has_x, HAS_N_TENSOR=n_t is not None, F64=c.dtype == torch.float64, BLOCK_V=block_v,
+        num_warps=8,  # one program streams a long slice: keep many loads in flight
     )
     return vals, idxs, splits
 
@@ -380,7 +381,9 @@ def _verify_sample_op(x_probs: torch.Tensor, cand_probs: torch.Tensor, candidate
         candidates.stride(0), candidates.stride(1), candidates.stride(2),
         uniforms.stride(0), uniforms.stride(1), uniforms.stride(2), tokens.stride(0),
         HAS_N_TENSOR=num_candidates is not None, BLOCK_G=max(2, triton.next_power_of_2(G)),
-        BLOCK_K1=max(2, triton.next_power_of_2(K + 1)), BLOCK_V=_block_v(V, candidates.device),
+        # the residual scan compares a [BLOCK_V, BLOCK_G] tile per chunk: smaller chunks on the GPU
+        BLOCK_K1=max(2, triton.next_power_of_2(K + 1)), BLOCK_V=_block_v(V, candidates.device, gpu_cap=1024),
+        num_warps=8,
     )
 
 
