@@ -402,6 +402,8 @@ def lookahead_attention(q, k_cache, v_cache, *, cache_len, layout: StepLayout, s
             raise ValueError(f"out must be a tensor of shape {tuple(q.shape)}, dtype {q.dtype} on {q.device}; "
                              f"got {got}")
     Hkv, S = k_cache.shape[2], k_cache.shape[1]
+    if B == 0:  # nothing to attend; a grid of size 0 cannot launch
+        return out if out is not None else torch.empty(q.shape, dtype=q.dtype, device=q.device)
     # A host-side cache_len (int or CPU tensor) is checked here even when the kernel runs on the GPU; a device
     # tensor is never read back (no sync), and the cache size then bounds the rows to read.
     if isinstance(cache_len, torch.Tensor) and cache_len.device.type != "cpu":
