@@ -16,6 +16,12 @@ import torch
 from lookahead_kernels.verify_ref import inverse_cdf_sample
 
 
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} tensor of shape {list(value.shape)}"
+    return type(value).__name__
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How tokens are drawn, with Hugging Face semantics.
@@ -59,7 +65,7 @@ def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         row is one-hot at ``argmax`` (first index among ties), so sampling from it is greedy decoding.
     """
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point() or logits.dim() < 1:
-        raise ValueError(f"warp_logits: logits must be a floating tensor [..., V], got {logits!r:.80}")
+        raise ValueError(f"warp_logits: logits must be a floating tensor [..., V], got {_describe(logits)}")
     if not isinstance(params, SamplingParams):
         raise ValueError(f"warp_logits: params must be a SamplingParams, got {type(params).__name__}")
     V = logits.shape[-1]
@@ -93,7 +99,7 @@ def sample_rows(probs: torch.Tensor, generator: torch.Generator | None = None) -
     int64 ``[...]``; ``-1`` only for a row without positive mass (invalid input).
     """
     if not isinstance(probs, torch.Tensor) or not probs.is_floating_point() or probs.dim() < 1 or probs.shape[-1] < 1:
-        raise ValueError(f"sample_rows: probs must be a floating tensor [..., V] with V >= 1, got {probs!r:.80}")
+        raise ValueError(f"sample_rows: probs must be a floating tensor [..., V] with V >= 1, got {_describe(probs)}")
     lead = probs.shape[:-1]
     rows = probs.reshape(-1, probs.shape[-1]).double()
     u = torch.rand(rows.shape[0], dtype=torch.float64, device=probs.device, generator=generator)

@@ -165,7 +165,8 @@ def _greedy_walk_kernel(
     bc = tl.maximum(best, 0)
     toks = tl.load(cand_ptr + b.to(tl.int64) * stb + bc * stg + kk * stk, mask=kk < acc, other=-1)
     bonus_row = b * R + 1 + bc * K + tl.maximum(acc - 1, 0)
-    bonus = _merge_slices(val_ptr, idx_ptr, bonus_row + tl.arange(0, 1), tl.full([1], 1, tl.int1), S)
+    # masked when nothing is accepted: with G = 0 that row does not exist
+    bonus = _merge_slices(val_ptr, idx_ptr, bonus_row + tl.arange(0, 1), tl.full([1], 1, tl.int1) & (acc > 0), S)
     bonus = tl.where(acc > 0, tl.sum(bonus, axis=0), y0)
     toks = tl.where(kk == acc, bonus, toks)
     tl.store(tok_ptr + b * sob + kk, toks, mask=kk < K + 1)

@@ -1,9 +1,13 @@
-"""Torch references for verification (test oracle and CPU path).
+"""Torch references for verification (test oracle, CPU path and bench baseline), and their input checks.
 
 Greedy verification of one step: ``y0 = argmax(logits at x)``; candidate ``c`` is accepted token by token
 while ``candidates[c, m] == argmax(logits at the candidate's previous token)`` (``x`` for ``m = 0``). The step
 takes the longest accepted prefix (the first candidate among equals), then one bonus token: the argmax at the
 last accepted token (at ``x`` when nothing is accepted).
+
+Sampling verification (``verify_sample_reference``) is multi-candidate speculative sampling with point-mass
+drafts; its random numbers come from ``draw_verify_uniforms`` in a fixed layout so that the Triton kernel in
+``verify.py``, given the same tensor, makes the same choices. Token draws use ``inverse_cdf_sample``.
 """
 
 from __future__ import annotations

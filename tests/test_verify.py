@@ -400,6 +400,15 @@ def test_bad_sampling_params(kwargs):
         SamplingParams(**kwargs)
 
 
+def test_bad_warp_and_sample_inputs():
+    with pytest.raises(ValueError, match="logits"):
+        warp_logits(torch.zeros(3, dtype=torch.long), SamplingParams())
+    with pytest.raises(ValueError, match="SamplingParams"):
+        warp_logits(torch.zeros(3), {"temperature": 1.0})
+    with pytest.raises(ValueError, match="probs"):
+        sample_rows(torch.zeros(2, 0))
+
+
 # ---- bad arguments --------------------------------------------------------------------------------------------------
 def test_bad_verify_arguments(vk, kernel_device):
     dev = kernel_device
@@ -424,6 +433,8 @@ def test_bad_verify_arguments(vk, kernel_device):
             vk.verify_greedy(x, c, cand, torch.tensor([1, 4]))
     with pytest.raises(ValueError, match="uniforms"):
         vk.verify_sample(x, c, cand, uniforms=torch.rand(2, 2, 3, device=dev))
+    with pytest.raises(ValueError, match="either generator or uniforms"):
+        vk.verify_sample(x, c, cand, generator=torch.Generator(dev), uniforms=draw_verify_uniforms(2, 3, 2, dev))
     with pytest.raises(ValueError, match="out"):
         vk.verify_greedy(x, c, cand, out=poisoned(2, 3, dev))
     with pytest.raises(ValueError, match="vocab_splits"):
@@ -441,3 +452,20 @@ def verify_greedy_reference_checked(*args, **kw):
 def verify_sample_reference_checked(*args, **kw):
     B, G, K = args[2].shape if args[2].dim() == 3 else (2, 3, 2)
     return verify_sample_reference(*args, uniforms=draw_verify_uniforms(B, G, max(K, 1), args[0].device), **kw)
+
+
+def test_custom_ops_opcheck(vk, kernel_device):
+    """Schemas, fake (meta) implementations and mutation declarations of the registered ops."""
+    gen = torch.Generator().manual_seed(31)
+    B, G, K, V = 2, 2, 2, 16
+    x, c, cand = greedy_case(B, G, K, V, gen, kernel_device)
+    xp, cp = torch.softmax(x, -1), torch.softmax(c, -1)
+    u = draw_verify_uniforms(B, G, K, generator=gen).to(kernel_device)
+    n = torch.tensor([2, 1], device=kernel_device)
+    tests = ("test_schema", "test_faketensor")
+    torch.library.opcheck(torch.ops.lookahead.verify_greedy_out.default,
+                          (x, c, cand, n, G, 0, *poisoned(B, K, kernel_device)), test_utils=tests)
+    torch.library.opcheck(torch.ops.lookahead.verify_sample_out.default,
+                          (xp, cp, cand, None, G, u, *poisoned(B, K, kernel_device)), test_utils=tests)
+    torch.library.opcheck(torch.ops.lookahead.row_argmax_out.default,
+                          (x, 2, torch.empty(B, dtype=torch.long, device=kernel_device)), test_utils=tests)
