@@ -17,6 +17,7 @@ the test oracle is :func:`lookahead_kernels.attention_ref.attention_dense_refere
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -311,15 +312,7 @@ def _launch(q, k_cache, v_cache, cache_len, window, levels, guesses, guess_len, 
 
 def _on_device(q):
     # Triton launches on the current CUDA device; make it q's.
-    return torch.cuda.device(q.device) if q.is_cuda else _NullContext()
-
-
-class _NullContext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
+    return torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
 
 
 @torch.library.custom_op("lookahead::attention", mutates_args=())
