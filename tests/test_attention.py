@@ -324,3 +324,14 @@ def test_kernels_compile_for_sm90(kernel_device):
                                  and "triton" in proc.stderr and "lookahead_kernels" not in proc.stderr):
         pytest.skip(f"this Triton lacks the ahead-of-time API used here: {proc.stderr[-300:]}")
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_opcheck(attn, kernel_device):
+    """torch.library.opcheck: schema, fake (meta) implementation and dispatch of both custom ops."""
+    layout = StepLayout(2, 2, 1, 2)
+    q, k, v, lens = make_inputs(layout, [3, 20], 1, 2, 64, torch.float16, kernel_device)
+    k, v = k.nan_to_num(0.0), v.nan_to_num(0.0)
+    lens = lens.to(device=kernel_device, dtype=torch.int64)
+    args = (q, k, v, lens, layout.window, layout.levels, layout.guesses, layout.guess_len, 0.125, 2)
+    torch.library.opcheck(torch.ops.lookahead.attention.default, args)
+    torch.library.opcheck(torch.ops.lookahead.attention_out.default, (*args, torch.empty_like(q)))
