@@ -469,3 +469,61 @@ def test_custom_ops_opcheck(vk, kernel_device):
                           (xp, cp, cand, None, G, u, *poisoned(B, K, kernel_device)), test_utils=tests)
     torch.library.opcheck(torch.ops.lookahead.row_argmax_out.default,
                           (x, 2, torch.empty(B, dtype=torch.long, device=kernel_device)), test_utils=tests)
+
+
+_SM90_SCRIPT = r'''
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from lookahead_kernels import verify as vk
+
+assert isinstance(vk._sample_walk_kernel, triton.runtime.JITFunction)
+h100 = GPUTarget("cuda", 90, 32)
+
+
+def build(fn, pointers, consts, ones=()):
+    sig = {name: "i32" for name in fn.arg_names}  # sizes and strides
+    sig.update(pointers)
+    consts = dict(consts, **{name: 1 for name in ones})  # Triton specialises ints equal to 1 as constants
+    sig.update({name: "constexpr" for name in consts})
+    triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=h100, options=dict(num_warps=8))
+
+
+for dtype, ones in (("fp32", ("sxv", "scv", "sug", "G")), ("bf16", ())):
+    build(vk._sample_walk_kernel,
+          dict(x_ptr="*" + dtype, c_ptr="*" + dtype, cand_ptr="*i64", n_ptr="*i64", u_ptr="*fp64", acc_ptr="*i64",
+               best_ptr="*i64", tok_ptr="*i64"),
+          dict(HAS_N_TENSOR=not ones, BLOCK_G=16, BLOCK_K1=8, BLOCK_V=1024), ones)
+for dtype, f64 in (("fp16", False), ("fp64", True)):
+    build(vk._argmax_partial_kernel,
+          dict(x_ptr="*" + dtype, c_ptr="*" + dtype, n_ptr="*i64", val_ptr="*fp64", idx_ptr="*i64"),
+          dict(HAS_X=not f64, HAS_N_TENSOR=f64, F64=f64, BLOCK_V=2048), ("sxv", "scv"))
+build(vk._greedy_walk_kernel,
+      dict(val_ptr="*fp64", idx_ptr="*i64", cand_ptr="*i64", n_ptr="*i64", acc_ptr="*i64", best_ptr="*i64",
+           tok_ptr="*i64"), dict(HAS_N_TENSOR=True, BLOCK_G=16, BLOCK_K=8), ("stk",))
+build(vk._row_argmax_merge_kernel, dict(val_ptr="*fp64", idx_ptr="*i64", out_ptr="*i64"), dict(BLOCK_R=128))
+print("sm90 ok")
+'''
+
+
+def test_kernels_compile_for_h100(kernel_device):
+    """The interpreter never compiles: build every kernel for sm_90 through ptxas so compiled-path type errors
+    (loop-carried types, constexpr specialisation of strides equal to 1) show up without a GPU."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if kernel_device == "cuda":
+        pytest.skip("on a GPU the other tests compile the kernels")
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not (os.path.exists(ptxas) or shutil.which("ptxas")):
+        pytest.skip("this Triton install has no ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", _SM90_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "sm90 ok" in proc.stdout, proc.stderr[-3000:]
