@@ -235,24 +235,29 @@ def _sample_walk_kernel(
     for d in range(0, K):
         if active != 0:
             S = _row_sum(row, row_sv, V, BLOCK_V)
+            # gather every live candidate's token, weight and uniform at once: the sequential tries below
+            # then run on registers instead of a chain of dependent global loads
             toks_d = tl.load(cand_ptr + b64 * stb + gv * stg + d * stk, mask=live, other=-1)
+            in_vocab = live & (toks_d >= 0) & (toks_d < V)
+            p_d = tl.load(row + toks_d * row_sv, mask=in_vocab, other=0).to(tl.float64)
+            u_d = tl.load(u_ptr + b64 * sub + d * suk + gv * sug, mask=live, other=1.0).to(tl.float64)
             rej = no_rej  # tokens rejected at this depth (their weight is now 0)
             acc_c = tl.zeros([], tl.int32) - 1
             acc_t = tl.zeros([], tl.int64) - 1
             for c in range(0, G):
-                is_live = tl.max(tl.where((gv == c) & live, 1, 0), axis=0)
+                here = gv == c
+                is_live = tl.max(tl.where(here & live, 1, 0), axis=0)
                 if (is_live != 0) & (acc_c < 0):
-                    t = tl.load(cand_ptr + b64 * stb + c * stg + d * stk)
-                    u = tl.load(u_ptr + b64 * sub + d * suk + c * sug).to(tl.float64)
+                    t = tl.sum(tl.where(here, toks_d, 0), axis=0)
+                    u = tl.sum(tl.where(here, u_d, 0.0), axis=0)
                     seen = tl.max(tl.where(rej == t, 1, 0), axis=0)
-                    ok = (t >= 0) & (t < V) & (seen == 0)
-                    p_t = tl.load(row + t * row_sv, mask=ok, other=0).to(tl.float64)
+                    p_t = tl.where(seen == 0, tl.sum(tl.where(here, p_d, 0.0), axis=0), 0.0)
                     if u * S < p_t:
                         acc_c = tl.zeros([], tl.int32) + c
                         acc_t = t.to(tl.int64)
                     else:
                         S = S - p_t
-                        rej = tl.where(gv == c, t, rej)
+                        rej = tl.where(here, t, rej)
             if acc_c >= 0:
                 out = tl.where(kv == d, acc_t, out)
                 best = acc_c
