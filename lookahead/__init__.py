@@ -1,5 +1,14 @@
-"""Lookahead decoding for Llama-family models: several tokens per forward pass, output exactly the model's."""
+"""Lookahead decoding for Llama-family models: several tokens per forward pass, output exactly the model's.
+
+    import lookahead
+    model, tokenizer = lookahead.load_default()
+    out = model.generate(input_ids, max_new_tokens=128, lookahead=lookahead.LookaheadConfig())
+"""
 
 from .config import LookaheadConfig
+from .generate import GenerateOutput, GenerationStats
+from .loading import load_default
+from .model import KVCache, LlamaForCausalLM, ModelConfig
 
-__all__ = ["LookaheadConfig"]
+__all__ = ["LookaheadConfig", "LlamaForCausalLM", "ModelConfig", "KVCache", "load_default", "GenerateOutput",
+           "GenerationStats"]

@@ -253,7 +253,7 @@ def _lookahead_loop(model, cache, cache_len, emitter, sampler, stats, device, la
         step = build_step(x, cache_len, window.step_tokens(x), window.levels, W, candidates, device)
         logits = model(step.tokens[None], step.positions[None], cache, cache_len, step.layout, step.logits_rows)[0]
         g = candidates.shape[0]
-        cand_logits = logits[step.candidate_rows].reshape(g, K, -1)
+        cand_logits = logits[step.candidate_rows].reshape(g, K, logits.shape[-1])
         accept_len, best, tokens = sampler.verify(logits[0], cand_logits, candidates.to(device))
         outputs = sampler.choose(logits[step.window_rows])
         # One read-back per step: accepted length, candidate, emitted tokens and the window's new guesses.
