@@ -16,6 +16,7 @@ import torch
 from lookahead_kernels import StepLayout, verify_greedy_reference
 
 from .config import LookaheadConfig
+from .guesses import GuessSource
 from .step import build_step
 from .window import LookaheadWindow
 
@@ -161,12 +162,6 @@ class _Sampler:
         return verify_sample_reference(x_probs, cand_probs, candidates[None], uniforms=uniforms)
 
 
-def _make_pool(config: LookaheadConfig, vocab_size: int, device):
-    from .pools import make_pool
-
-    return make_pool(config, vocab_size, device)
-
-
 @torch.inference_mode()
 def generate(model, input_ids, max_new_tokens: int = 128, *, lookahead: LookaheadConfig | None = None,
              do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
@@ -232,13 +227,12 @@ def _plain_loop(model, cache, cache_len, emitter, sampler, stats, device) -> Non
 
 
 def _lookahead_loop(model, cache, cache_len, emitter, sampler, stats, device, la: LookaheadConfig, ids) -> None:
-    W, N, G, K = la.window, la.ngram, la.guess, la.ngram - 1
+    W, N, K = la.window, la.ngram, la.ngram - 1
     max_pos = model.config.max_position_embeddings
     window = LookaheadWindow(W, N, torch.Generator().manual_seed(la.seed))
     window.reset(ids[0])
-    pool = _make_pool(la, model.config.vocab_size, device)
-    if la.pool_from_prompt:
-        pool.insert_sequence(ids[0].cpu())
+    guesses = GuessSource(la, model.config.vocab_size, device)
+    guesses.start(ids[0])
     x = emitter.sequence[-1]
     while not emitter.done:
         # Near the end of the model's positions the window would run past them: finish with plain steps.
@@ -249,7 +243,7 @@ def _lookahead_loop(model, cache, cache_len, emitter, sampler, stats, device, la
             stats.accepted.append(emitter.emit([y]))
             x = y
             continue
-        candidates = pool.lookup(x)[:G] if G > 0 else torch.empty(0, K, dtype=torch.long)
+        candidates = guesses.candidates(emitter.sequence)
         step = build_step(x, cache_len, window.step_tokens(x), window.levels, W, candidates, device)
         logits = model(step.tokens[None], step.positions[None], cache, cache_len, step.layout, step.logits_rows)[0]
         g = candidates.shape[0]
@@ -265,9 +259,8 @@ def _lookahead_loop(model, cache, cache_len, emitter, sampler, stats, device, la
             cache.move_rows(src, cache_len + 1)
         sequence = torch.tensor(emitter.sequence, dtype=torch.long)
         ngrams = window.advance(x, torch.tensor(new_guesses), a, sequence)
-        if ngrams is not None and G > 0:
-            pool.insert(ngrams)
         cache_len += 1 + a
         stats.steps += 1
         stats.accepted.append(emitter.emit(emitted))
+        guesses.observe(ngrams, emitter.sequence, a, c)
         x = emitted[-1]

