@@ -15,6 +15,8 @@ _LAZY = {
     "lookahead_attention": ".attention",
     "verify_greedy": ".verify",
     "verify_sample": ".verify",
+    "row_argmax": ".verify",
+    "draw_verify_uniforms": ".verify_ref",
     "verify_sample_reference": ".verify_ref",
     "load_pool_extension": ".pool_ext",
 }
