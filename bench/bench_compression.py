@@ -4,8 +4,9 @@ Compression = new tokens / forward passes after the prefill (plain decoding: 1.0
 and prompts, not on the machine, so this runs on CPU. Each prompt is also decoded plainly once and the outputs
 compared token for token.
 
-    python bench/bench_compression.py                       # both dev sets, 4 configs, 128 new tokens
-    python bench/bench_compression.py --limit 5 --configs 7,5,7
+    python bench/bench_compression.py      # both dev sets: (15,5,15) on every prompt, three smaller configs
+                                           # on the first 12 prompts of each set; 128 new tokens
+    python bench/bench_compression.py --limit 5 --configs 7,5,7 --subset-configs
 
 Writes bench/results/compression-<tag>.{json,md} (and a .png bar chart when matplotlib is present).
 """
@@ -29,7 +30,8 @@ from lookahead.cli import machine_info, read_prompts  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(HERE), "..", "shared", "data")
 DEFAULT_SETS = [os.path.join(DATA, "mt_bench_dev.jsonl"), os.path.join(DATA, "humaneval_dev.jsonl")]
-DEFAULT_CONFIGS = ["15,5,15", "10,5,10", "7,5,7", "5,3,5"]
+DEFAULT_CONFIGS = ["15,5,15"]
+DEFAULT_SUBSET_CONFIGS = ["10,5,10", "7,5,7", "5,3,5"]
 
 
 def parse_config(text: str) -> LookaheadConfig:
@@ -40,7 +42,10 @@ def parse_config(text: str) -> LookaheadConfig:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sets", nargs="+", default=DEFAULT_SETS, help="prompt files (JSONL)")
-    ap.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, help="W,N,G triples")
+    ap.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, help="W,N,G triples run on every prompt")
+    ap.add_argument("--subset-configs", nargs="*", default=DEFAULT_SUBSET_CONFIGS,
+                    help="W,N,G triples run on the first --subset-limit prompts of each set only")
+    ap.add_argument("--subset-limit", type=int, default=12)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--limit", type=int, default=None, help="first N prompts of each set")
     ap.add_argument("--pool-backend", default="auto")
@@ -49,9 +54,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from tqdm.auto import tqdm
 
-    configs = [parse_config(c) for c in args.configs]
-    configs = [LookaheadConfig(window=c.window, ngram=c.ngram, guess=c.guess, pool_backend=args.pool_backend)
-               for c in configs]
+    def configs_of(texts, limit):
+        return [(LookaheadConfig(window=c.window, ngram=c.ngram, guess=c.guess, pool_backend=args.pool_backend),
+                 limit) for c in map(parse_config, texts)]
+
+    configs = configs_of(args.configs, None) + configs_of(args.subset_configs, args.subset_limit)
+    os.makedirs(args.out_dir, exist_ok=True)
+    base = os.path.join(args.out_dir, f"compression-{args.tag}")
     model, tokenizer = load_default()
     result = {"machine": machine_info("cpu"), "command": "python " + " ".join([os.path.relpath(__file__)] + (argv or sys.argv[1:])),
               "max_new_tokens": args.max_new_tokens, "sets": {}}
@@ -64,32 +73,36 @@ def main(argv=None) -> int:
                  for p in tqdm(prompts, desc=f"{name} plain", unit="prompt", file=sys.stderr)]
         per_set["plain_tokens_per_second"] = (sum(o.stats.new_tokens for o in plain)
                                               / sum(o.stats.seconds for o in plain))
-        for cfg in configs:
+        for cfg, limit in configs:
             key = f"{cfg.window},{cfg.ngram},{cfg.guess}"
             rows = []
-            for p, ref in zip(tqdm(prompts, desc=f"{name} ({key})", unit="prompt", file=sys.stderr), plain):
+            subset = prompts[:limit]
+            for p, ref in zip(tqdm(subset, desc=f"{name} ({key})", unit="prompt", file=sys.stderr), plain):
                 out = model.generate(p, max_new_tokens=args.max_new_tokens, lookahead=cfg)
                 rows.append({"compression": out.stats.compression_ratio, "new_tokens": out.stats.new_tokens,
                              "steps": out.stats.steps, "seconds": out.stats.seconds,
                              "identical": bool(torch.equal(out.sequences, ref.sequences))})
             per_set["configs"][key] = {
+                "prompts": len(subset),
                 "mean_compression": statistics.fmean(r["compression"] for r in rows),
                 "median_compression": statistics.median(r["compression"] for r in rows),
                 "tokens_per_second": sum(r["new_tokens"] for r in rows) / sum(r["seconds"] for r in rows),
                 "identical": sum(r["identical"] for r in rows),
                 "rows": rows,
             }
-        result["sets"][name] = per_set
-    result["wall_seconds"] = time.perf_counter() - started
-    os.makedirs(args.out_dir, exist_ok=True)
-    base = os.path.join(args.out_dir, f"compression-{args.tag}")
+            result["sets"][name] = per_set
+            result["wall_seconds"] = time.perf_counter() - started
+            write(result, base)  # after every configuration, so a cut-off run keeps what it measured
+    plot(result, base + ".png")
+    print(render_markdown(result))
+    return 0
+
+
+def write(result: dict, base: str) -> None:
     with open(base + ".json", "w") as f:
         json.dump(result, f, indent=1)
     with open(base + ".md", "w") as f:
         f.write(render_markdown(result))
-    plot(result, base + ".png")
-    print(render_markdown(result))
-    return 0
 
 
 def render_markdown(result: dict) -> str:
@@ -99,13 +112,13 @@ def render_markdown(result: dict) -> str:
              f"Machine: {m['platform']}, {m['cpu_count']} CPUs, torch {m['torch']}, git {m['git']}. "
              f"Command: `{result['command']}`.",
              "Compression = new tokens / forward passes after the prefill (plain decoding = 1.00). "
-             "Tokens/s are CPU figures from the same run.", "",
+             "Tokens/s are CPU figures from the same run (one thread); a subset means the first prompts of the set.", "",
              "| set | prompts | (W,N,G) | mean compression | median | identical to plain greedy | tokens/s lookahead | tokens/s plain |",
              "|---|---|---|---|---|---|---|---|"]
     for name, s in result["sets"].items():
         for key, c in s["configs"].items():
-            lines.append(f"| {name} | {s['prompts']} | ({key}) | {c['mean_compression']:.3f} | "
-                         f"{c['median_compression']:.3f} | {c['identical']}/{s['prompts']} | "
+            lines.append(f"| {name} | {c['prompts']} of {s['prompts']} | ({key}) | {c['mean_compression']:.3f} | "
+                         f"{c['median_compression']:.3f} | {c['identical']}/{c['prompts']} | "
                          f"{c['tokens_per_second']:.1f} | {s['plain_tokens_per_second']:.1f} |")
     return "\n".join(lines) + "\n"
 
@@ -119,7 +132,8 @@ def plot(result: dict, path: str) -> None:
     except ImportError:
         return
     sets = list(result["sets"])
-    keys = list(next(iter(result["sets"].values()))["configs"])
+    keys = [k for k in next(iter(result["sets"].values()))["configs"]
+            if all(k in s["configs"] for s in result["sets"].values())]
     fig, ax = plt.subplots(figsize=(7, 3.5))
     width = 0.8 / len(sets)
     for j, name in enumerate(sets):
@@ -129,6 +143,7 @@ def plot(result: dict, path: str) -> None:
     ax.set_xticks([i + width * (len(sets) - 1) / 2 for i in range(len(keys))], [f"({k})" for k in keys])
     ax.set_xlabel("(W, N, G)")
     ax.set_ylabel("mean step compression")
+    ax.set_ylim(bottom=0)
     ax.set_title("Lookahead decoding, SmolLM2-135M-Instruct, greedy")
     ax.legend()
     fig.tight_layout()
