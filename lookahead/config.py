@@ -27,6 +27,16 @@ class LookaheadConfig:
         pool_backend: ``"auto"`` (CUDA on a GPU, C++ on CPU where it builds, else Python), ``"python"``,
             ``"cpp"`` or ``"cuda"``.
         seed: seeds the tokens that fill the window's empty columns (drawn from the sequence so far).
+        pool_two_token_key: look candidates up by the last two committed tokens ``(sequence[-2], x)`` first, in a
+            bounded hashed table, and fill up with the one-token pool's candidates (de-duplicated).
+        pool_two_token_slots: slots of that hashed table (>= 0); ``0`` sizes it from the parameters, the next
+            power of two >= ``64 * window * max(guess, 1)``. Each slot holds one two-token key and at most
+            ``guess`` continuations.
+        pool_rank_by_hits: offer each key's continuations by how many of their tokens were accepted, then most
+            recently used first, and evict the least-hit (then oldest) one when a key is full; without it a key
+            keeps its ``guess`` most recently inserted continuations, oldest first.
+        pool_from_output: also add the n-grams of the committed output (those ending in each step's new
+            tokens) to the pool(s), after the window's.
     """
 
     window: int = 15
@@ -35,14 +45,21 @@ class LookaheadConfig:
     pool_from_prompt: bool = True
     pool_backend: str = "auto"
     seed: int = 0
+    pool_two_token_key: bool = False
+    pool_two_token_slots: int = 0
+    pool_rank_by_hits: bool = False
+    pool_from_output: bool = False
 
     def __post_init__(self) -> None:
         _require_int("window", self.window, 1)
         _require_int("ngram", self.ngram, 2)
         _require_int("guess", self.guess, 0)
         _require_int("seed", self.seed, 0)
-        if not isinstance(self.pool_from_prompt, bool):
-            raise ValueError(f"LookaheadConfig.pool_from_prompt must be a bool, got {self.pool_from_prompt!r}")
+        _require_int("pool_two_token_slots", self.pool_two_token_slots, 0)
+        for name in ("pool_from_prompt", "pool_two_token_key", "pool_rank_by_hits", "pool_from_output"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"LookaheadConfig.{name} must be a bool (True or False), got {value!r}")
         if self.pool_backend not in POOL_BACKENDS:
             raise ValueError(f"LookaheadConfig.pool_backend must be one of {POOL_BACKENDS}, got {self.pool_backend!r}")
 
@@ -50,6 +67,14 @@ class LookaheadConfig:
     def levels(self) -> int:
         """Levels the window holds once warm: ``ngram - 1``."""
         return self.ngram - 1
+
+    @property
+    def two_token_slots(self) -> int:
+        """Slots of the two-token table: ``pool_two_token_slots``, or when 0 the next power of two >=
+        ``64 * W * max(G, 1)`` (room for the window n-grams of about ``64 * G`` steps)."""
+        if self.pool_two_token_slots:
+            return self.pool_two_token_slots
+        return 1 << (64 * self.window * max(self.guess, 1) - 1).bit_length()
 
     @property
     def tokens_per_step(self) -> int:
