@@ -25,13 +25,9 @@ Without CUDA (and without ``--dry-run``) it prints that it needs a GPU and exits
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import platform
-import re
 import statistics
-import subprocess
 import sys
 import time
 
@@ -40,6 +36,9 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+from _common import command_line, device_label, device_slug, machine_info, write_results  # noqa: E402
 
 # (name, query heads, key/value heads, head dim)
 MODELS = [("llama2-7b", 32, 32, 128), ("llama3-8b", 32, 8, 128)]
@@ -155,14 +154,6 @@ def run_config(model, wng, cache_len, device, dtype, timer, flex_fn):
     return row
 
 
-def git_revision() -> str:
-    try:
-        return subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def _fmt_us(ms) -> str:
     return "—" if ms is None else f"{ms * 1e3:.1f}"
 
@@ -173,7 +164,7 @@ def render_markdown(result: dict) -> str:
     lines = [
         "# Lookahead attention: per-call time",
         "",
-        f"Device: {m['device']}; torch {m['torch']}, triton {m['triton']}, CUDA {m['cuda']}, Python {m['python']}; "
+        f"Device: {device_label(m)}; torch {m['torch']}, triton {m['triton']}, CUDA {m['cuda']}, Python {m['python']}; "
         f"git {m['git']}. dtype {result['dtype']}, B=1.",
         f"Command: `{result['command']}`",
         f"Device-to-device copy bandwidth (read + write): {copy:.0f} GB/s.",
@@ -224,17 +215,14 @@ def main(argv=None) -> int:
         device, timer, sweep = torch.device("cuda"), cuda_timer, (QUICK if args.quick else
                                                                    dict(models=MODELS, steps=STEPS,
                                                                         cache_lens=CACHE_LENS))
-    import triton
     from torch.nn.attention.flex_attention import flex_attention
 
     dtype = torch.float16
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    slug = re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-") + ("-dry-run" if args.dry_run else "")
-    cmd_args = argv if argv is not None else sys.argv[1:]
+    info = machine_info(str(device))
+    device_name = device_label(info)
     result = {
-        "machine": {"device": device_name, "torch": torch.__version__, "triton": triton.__version__,
-                    "cuda": torch.version.cuda, "python": platform.python_version(), "git": git_revision()},
-        "command": "python " + " ".join([os.path.relpath(os.path.abspath(__file__), ROOT), *cmd_args]),
+        "machine": info,
+        "command": command_line(__file__, argv if argv is not None else sys.argv[1:]),
         "dtype": str(dtype).replace("torch.", ""), "rows": [], "notes": [],
     }
     if args.dry_run:
@@ -269,13 +257,8 @@ def main(argv=None) -> int:
                     result["notes"].append(f"WARNING: {row['model']} {tuple(wng)} cache_len {cache_len}: ours "
                                            f"differs from attention_torch by {row['rel_err_vs_torch']:.2e}")
 
-    os.makedirs(args.out_dir, exist_ok=True)
-    base = os.path.join(args.out_dir, f"attention-{slug}")
-    with open(base + ".json", "w") as f:
-        json.dump(result, f, indent=1)
-    with open(base + ".md", "w") as f:
-        f.write(render_markdown(result))
-    print(f"wrote {base}.json and {base}.md")
+    stem = f"attention-{device_slug(info)}" + ("-dry-run" if args.dry_run else "")
+    write_results(args.out_dir, stem, result, render_markdown(result))
     return 0
 
 

@@ -18,12 +18,8 @@ around ``insert(check=False)`` and ``lookup_padded(device key)`` (the sync-free 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import re
 import statistics
-import subprocess
 import sys
 import time
 
@@ -32,6 +28,9 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+from _common import command_line, device_label, device_slug, machine_info, write_results  # noqa: E402
 
 from lookahead.pool import NGramPool  # noqa: E402
 from lookahead.pools import CppNGramPool, CudaNGramPool  # noqa: E402
@@ -93,25 +92,6 @@ def summarize(ins: list[float], look: list[float]) -> dict:
             "step_us": statistics.median(total), "timed_steps": len(total)}
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def git_revision() -> str:
-    try:
-        return subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def render_markdown(result: dict) -> str:
     m = result["machine"]
     lines = [
@@ -120,7 +100,7 @@ def render_markdown(result: dict) -> str:
         f"Per step: insert {result['window']} n-grams of N={result['ngram']}, then one lookup; G={result['guess']}. "
         f"Medians over {result['steps']} steps after {result['warmup']} warm-up steps.",
         "",
-        f"Device: {m['device']} ({m['cpu']}, {m['cpu_count']} CPUs); torch {m['torch']}, CUDA {m['cuda']}, "
+        f"Device: {device_label(m)} ({m['cpu']}, {m['cpu_count']} CPUs); torch {m['torch']}, CUDA {m['cuda']}, "
         f"Python {m['python']}; git {m['git']}.",
         f"Command: `{result['command']}`",
         "",
@@ -147,13 +127,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     has_cuda = torch.cuda.is_available()
-    device_name = torch.cuda.get_device_name() if has_cuda else "cpu"
-    slug = re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
+    info = machine_info("cuda" if has_cuda else "cpu")
     result = {
-        "machine": {"device": device_name, "cpu": cpu_model(), "cpu_count": os.cpu_count(),
-                    "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-                    "git": git_revision()},
-        "command": "python " + " ".join([os.path.relpath(__file__, ROOT)] + (argv if argv is not None else sys.argv[1:])),
+        "machine": info,
+        "command": command_line(__file__, argv if argv is not None else sys.argv[1:]),
         "window": args.window, "ngram": args.ngram, "guess": args.guess, "steps": args.steps,
         "warmup": args.warmup, "rows": [], "notes": [],
     }
@@ -186,13 +163,7 @@ def main(argv=None) -> int:
             print(f"{name:6s} vocab {vocab:6d}: insert {row['insert_us']:8.1f} us  lookup {row['lookup_us']:7.1f} us"
                   f"  step {row['step_us']:8.1f} us  make {row['make_ms']:.2f} ms  ({row['stored']} stored)")
 
-    os.makedirs(args.out_dir, exist_ok=True)
-    base = os.path.join(args.out_dir, f"pool-{slug}")
-    with open(base + ".json", "w") as f:
-        json.dump(result, f, indent=1)
-    with open(base + ".md", "w") as f:
-        f.write(render_markdown(result))
-    print(f"wrote {base}.json and {base}.md")
+    write_results(args.out_dir, f"pool-{device_slug(info)}", result, render_markdown(result))
     return 0
 
 

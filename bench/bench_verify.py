@@ -18,12 +18,8 @@ follow the argmax chain (candidate 0 fully, the others 0..K tokens deep), so wal
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import re
 import statistics
-import subprocess
 import sys
 import time
 
@@ -32,6 +28,9 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+from _common import command_line, device_slug, machine_info, write_results  # noqa: E402
 
 from lookahead.sampling import SamplingParams, warp_logits  # noqa: E402
 from lookahead_kernels.verify_ref import (draw_verify_uniforms, verify_greedy_reference,  # noqa: E402
@@ -124,41 +123,6 @@ def time_gpu(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3, None
 
 
-# ---- machine -----------------------------------------------------------------------------------------------------
-def git_revision() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return rev + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def machine(device: str) -> dict:
-    info = {"device": device, "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-            "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-            "git": git_revision()}
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
-    if device == "cuda":
-        info["gpu"] = torch.cuda.get_device_name()
-    else:
-        info["torch_threads"] = torch.get_num_threads()
-        info["load_average"] = [round(v, 2) for v in os.getloadavg()]  # other work on the machine skews CPU rows
-    return info
-
-
-def slug(info: dict) -> str:
-    name = info.get("gpu") or "cpu"
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-
-
 # ---- main --------------------------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -203,29 +167,25 @@ def main(argv=None) -> int:
                                  "us": round(us, 2), "reps": reps})
                     print(f"{mode:6s} {method:16s} V={V:6d} N={N} G={G:2d}: {us:10.1f} us", flush=True)
 
-    info = machine(device)
-    result = {"machine": info, "command": "python " + " ".join([os.path.relpath(__file__, ROOT)]
-                                                              + (sys.argv[1:] if argv is None else argv)),
+    info = machine_info(device)  # at the end: its load average is the one the CPU rows ran under
+    result = {"machine": info, "command": command_line(__file__, sys.argv[1:] if argv is None else argv),
               "timer": ("triton.testing.do_bench median" if on_gpu else "time.perf_counter median (CPU)"),
               "batch": 1, "dtype": "float32", "rows": rows}
-    os.makedirs(args.out_dir, exist_ok=True)
-    base = os.path.join(args.out_dir, f"verify-{slug(info)}")
-    with open(base + ".json", "w") as f:
-        json.dump(result, f, indent=1)
-    with open(base + ".md", "w") as f:
-        f.write(render_markdown(result))
-    print(render_markdown(result))
+    markdown = render_markdown(result)
+    write_results(args.out_dir, f"verify-{device_slug(info)}", result, markdown)
+    print(markdown)
     return 0
 
 
 def render_markdown(result: dict) -> str:
     m = result["machine"]
     where = m.get("gpu") or f"CPU ({m['cpu']}, {m['cpu_count']} cores)"
+    cpu_load = "gpu" not in m and m.get("load_average") is not None
     methods = sorted({r["method"] for r in result["rows"]})
     lines = ["# Verification of one lookahead step: microseconds per step", "",
              f"Device: {where}; torch {m['torch']}, triton {m['triton']}, CUDA {m['cuda']}, Python {m['python']}; "
              f"git {m['git']}." + (f" CPU load average at the end: {m['load_average']} ({m['torch_threads']} "
-                                   "torch thread)." if "load_average" in m else ""), f"Command: `{result['command']}`. Timer: {result['timer']}. "
+                                   "torch thread)." if cpu_load else ""), f"Command: `{result['command']}`. Timer: {result['timer']}. "
              f"B = {result['batch']}, {result['dtype']}, K = N - 1 tokens per candidate.", ""]
     if "triton" not in methods:
         lines += ["Triton kernel rows need a GPU and are absent here. Sampling rows include drawing the "

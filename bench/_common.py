@@ -1,0 +1,91 @@
+"""Helpers shared by the benchmark scripts: git revision, machine description, result file names and writing.
+
+The scripts import this as a sibling module (``bench/`` is put on ``sys.path`` first), so it works both for
+``python bench/bench_x.py`` and for loading a script by file path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import subprocess
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def git_revision() -> str:
+    """Short hash of HEAD, with ``-dirty`` when tracked files have uncommitted changes; "unknown" without git."""
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return rev + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except Exception:  # not installed, or unusable on this machine
+        return None
+    return getattr(triton, "__version__", None)
+
+
+def machine_info(device: str) -> dict:
+    """What a result depends on: ``device`` ("cpu", "cuda", "cuda:1"), ``gpu`` name on CUDA, CPU, versions, git,
+    and the load average (other work on the machine skews CPU timings)."""
+    info = {"device": device, "cpu": cpu_model(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+            "triton": _triton_version(), "cuda": torch.version.cuda, "python": platform.python_version(),
+            "platform": platform.platform(), "git": git_revision(), "torch_threads": torch.get_num_threads()}
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    try:
+        info["load_average"] = [round(v, 2) for v in os.getloadavg()]
+    except (AttributeError, OSError):
+        info["load_average"] = None
+    return info
+
+
+def device_label(info: dict) -> str:
+    """The GPU's name, or "cpu"."""
+    return info.get("gpu") or "cpu"
+
+
+def device_slug(info: dict) -> str:
+    """The device part of result file names: ``nvidia-h100-80gb-hbm3``, ``cpu``."""
+    return re.sub(r"[^a-z0-9]+", "-", device_label(info).lower()).strip("-")
+
+
+def command_line(script: str, argv: list[str]) -> str:
+    """``python bench/<script> args...`` as run from the repository root."""
+    return "python " + " ".join([os.path.relpath(os.path.abspath(script), ROOT), *argv])
+
+
+def write_results(out_dir: str, stem: str, result: dict, markdown: str) -> str:
+    """Writes ``out_dir/stem.json`` and ``out_dir/stem.md``; returns ``out_dir/stem``."""
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, stem)
+    with open(base + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    with open(base + ".md", "w") as f:
+        f.write(markdown)
+    print(f"wrote {base}.json and {base}.md")
+    return base
