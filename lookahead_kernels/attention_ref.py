@@ -41,10 +41,12 @@ def check_attention_args(q, k_cache, v_cache, cache_len, layout: StepLayout) -> 
         raise ValueError(f"q, k_cache, v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if not (q.device == k_cache.device == v_cache.device):
         raise ValueError(f"q, k_cache, v_cache must be on one device, got {q.device}, {k_cache.device}, {v_cache.device}")
+    if B == 0:
+        raise ValueError("q has a batch of 0 sequences; at least one is needed")
     if isinstance(cache_len, bool):
         raise ValueError("cache_len must be an int or an integer tensor [B]")
     if isinstance(cache_len, int):
-        lens = torch.full((B,), cache_len, dtype=torch.int64, device=q.device)
+        lens = torch.full((B,), cache_len, dtype=torch.int64)
     elif isinstance(cache_len, torch.Tensor) and not cache_len.is_floating_point() and cache_len.dtype != torch.bool:
         if cache_len.dim() == 0:
             lens = cache_len.reshape(1).expand(B)
@@ -52,16 +54,15 @@ def check_attention_args(q, k_cache, v_cache, cache_len, layout: StepLayout) -> 
             lens = cache_len
         else:
             raise ValueError(f"cache_len tensor must have shape [B={B}], got {tuple(cache_len.shape)}")
-        lens = lens.to(device=q.device, dtype=torch.int64)
     else:
         raise ValueError(f"cache_len must be an int or an integer tensor [B], got {cache_len!r}")
-    # Only a host-side value can be checked without a device sync; device tensors are checked on CPU only.
+    # Host-side values are checked before they move; reading a device tensor back would cost a sync.
     if lens.device.type == "cpu":
         if int(lens.min()) < 0:
             raise ValueError(f"cache_len must be >= 0, got {lens.tolist()}")
         if int(lens.max()) + T > S:
             raise ValueError(f"cache too short: cache_len {int(lens.max())} + T {T} > S {S} rows")
-    return lens
+    return lens.to(device=q.device, dtype=torch.int64)
 
 
 def _attend(q, k, v, scale, mask=None):

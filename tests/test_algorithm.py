@@ -169,3 +169,16 @@ def test_verify_greedy_none_accepted_and_first_of_equals():
     # unused candidate rows are ignored whatever they hold
     a, _, _ = verify_greedy_reference(x_logits, cand_logits, torch.tensor([[[4, 4], [3, 1]]]), num_candidates=1)
     assert a.tolist() == [0]
+
+
+def test_attention_args_reject_empty_batch_and_short_cache():
+    from lookahead_kernels import attention_torch
+
+    layout = StepLayout(2, 1)
+    q = torch.zeros(0, 2, 2, 4)
+    kv = torch.zeros(0, 8, 2, 4)
+    with pytest.raises(ValueError, match="batch of 0"):
+        attention_torch(q, kv, kv, cache_len=torch.zeros(0, dtype=torch.long), layout=layout)
+    q, kv = torch.zeros(1, 2, 2, 4), torch.zeros(1, 8, 2, 4)
+    with pytest.raises(ValueError, match="cache too short"):
+        attention_torch(q, kv, kv, cache_len=7, layout=layout)
