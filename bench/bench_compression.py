@@ -49,6 +49,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--limit", type=int, default=None, help="first N prompts of each set")
     ap.add_argument("--pool-backend", default="auto")
+    ap.add_argument("--temperature", type=float, default=None,
+                    help="sample at this temperature (seeded) instead of greedy decoding")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
     ap.add_argument("--tag", default="cpu", help="file name tag under bench/results/")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     args = ap.parse_args(argv)
@@ -62,14 +65,22 @@ def main(argv=None) -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     base = os.path.join(args.out_dir, f"compression-{args.tag}")
     model, tokenizer = load_default()
+
+    def sampling() -> dict:
+        """Keyword arguments of generate: greedy, or seeded sampling (a fresh generator per call)."""
+        if args.temperature is None:
+            return {}
+        return {"do_sample": True, "temperature": args.temperature,
+                "generator": torch.Generator().manual_seed(args.seed)}
+
     result = {"machine": machine_info("cpu"), "command": "python " + " ".join([os.path.relpath(__file__)] + (argv or sys.argv[1:])),
-              "max_new_tokens": args.max_new_tokens, "sets": {}}
+              "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "sets": {}}
     started = time.perf_counter()
     for path in args.sets:
         name = os.path.splitext(os.path.basename(path))[0]
         prompts = read_prompts(path, tokenizer)[: args.limit]
         per_set = {"prompts": len(prompts), "configs": {}}
-        plain = [model.generate(p, max_new_tokens=args.max_new_tokens)
+        plain = [model.generate(p, max_new_tokens=args.max_new_tokens, **sampling())
                  for p in tqdm(prompts, desc=f"{name} plain", unit="prompt", file=sys.stderr)]
         per_set["plain_tokens_per_second"] = (sum(o.stats.new_tokens for o in plain)
                                               / sum(o.stats.seconds for o in plain))
@@ -78,7 +89,7 @@ def main(argv=None) -> int:
             rows = []
             subset = prompts[:limit]
             for p, ref in zip(tqdm(subset, desc=f"{name} ({key})", unit="prompt", file=sys.stderr), plain):
-                out = model.generate(p, max_new_tokens=args.max_new_tokens, lookahead=cfg)
+                out = model.generate(p, max_new_tokens=args.max_new_tokens, lookahead=cfg, **sampling())
                 rows.append({"compression": out.stats.compression_ratio, "new_tokens": out.stats.new_tokens,
                              "steps": out.stats.steps, "seconds": out.stats.seconds,
                              "identical": bool(torch.equal(out.sequences, ref.sequences))})
@@ -107,13 +118,18 @@ def write(result: dict, base: str) -> None:
 
 def render_markdown(result: dict) -> str:
     m = result["machine"]
-    lines = [f"# Step compression, greedy, {result['max_new_tokens']} new tokens, SmolLM2-135M-Instruct (float32)",
+    temp = result.get("temperature")
+    mode = "greedy" if temp is None else f"sampling at temperature {temp}"
+    lines = [f"# Step compression, {mode}, {result['max_new_tokens']} new tokens, SmolLM2-135M-Instruct (float32)",
              "",
              f"Machine: {m['platform']}, {m['cpu_count']} CPUs, torch {m['torch']}, git {m['git']}. "
              f"Command: `{result['command']}`.",
              "Compression = new tokens / forward passes after the prefill (plain decoding = 1.00). "
              "Tokens/s are CPU figures from the same run (one thread); a subset means the first prompts of the set.", "",
-             "| set | prompts | (W,N,G) | mean compression | median | identical to plain greedy | tokens/s lookahead | tokens/s plain |",
+             "With sampling, 'identical' compares seeded runs that draw different random numbers, so it is not a "
+             "check; the sampling distribution is tested in tests/test_sampling_e2e.py." if temp is not None else "",
+             "",
+             "| set | prompts | (W,N,G) | mean compression | median | identical to plain | tokens/s lookahead | tokens/s plain |",
              "|---|---|---|---|---|---|---|---|"]
     for name, s in result["sets"].items():
         for key, c in s["configs"].items():

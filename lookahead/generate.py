@@ -131,6 +131,10 @@ class _Sampler:
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
         """LongTensor ``[R]``: one token per row of ``logits [R, V]``."""
         if self.greedy:
+            if logits.device.type == "cuda":
+                from lookahead_kernels import row_argmax
+
+                return row_argmax(logits)
             return logits.argmax(-1)
         from .sampling import sample_rows, warp_logits
 
