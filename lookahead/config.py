@@ -27,6 +27,8 @@ class LookaheadConfig:
         pool_backend: ``"auto"`` (CUDA on a GPU, C++ on CPU where it builds, else Python), ``"python"``,
             ``"cpp"`` or ``"cuda"``.
         seed: seeds the tokens that fill the window's empty columns (drawn from the sequence so far).
+        The three ``pool_*`` improvements below default to on: together they measured best (greedy, SmolLM2, dev
+        subsets; ``bench/results/guesses-cpu.md``). All off is the original one-token pool.
         pool_two_token_key: look candidates up by the last two committed tokens ``(sequence[-2], x)`` first, in a
             bounded hashed table, and fill up with the one-token pool's candidates (de-duplicated).
         pool_two_token_slots: slots of that hashed table (>= 0); ``0`` sizes it from the parameters, the next
@@ -34,7 +36,9 @@ class LookaheadConfig:
             ``guess`` continuations.
         pool_rank_by_hits: offer each key's continuations by how many of their tokens were accepted, then most
             recently used first, and evict the least-hit (then oldest) one when a key is full; without it a key
-            keeps its ``guess`` most recently inserted continuations, oldest first.
+            keeps its ``guess`` most recently inserted continuations, oldest first. With it on, the one-token key
+            lives in a Python table (the C++/CUDA pools keep no hit counts): ``pool_backend`` applies only when
+            this is off.
         pool_from_output: also add the n-grams of the committed output (those ending in each step's new
             tokens) to the pool(s), after the window's.
     """
@@ -45,10 +49,10 @@ class LookaheadConfig:
     pool_from_prompt: bool = True
     pool_backend: str = "auto"
     seed: int = 0
-    pool_two_token_key: bool = False
+    pool_two_token_key: bool = True
     pool_two_token_slots: int = 0
-    pool_rank_by_hits: bool = False
-    pool_from_output: bool = False
+    pool_rank_by_hits: bool = True
+    pool_from_output: bool = True
 
     def __post_init__(self) -> None:
         _require_int("window", self.window, 1)
