@@ -27,8 +27,10 @@ class LookaheadConfig:
         pool_backend: ``"auto"`` (CUDA on a GPU, C++ on CPU where it builds, else Python), ``"python"``,
             ``"cpp"`` or ``"cuda"``.
         seed: seeds the tokens that fill the window's empty columns (drawn from the sequence so far).
-        The three ``pool_*`` improvements below default to on: together they measured best (greedy, SmolLM2, dev
-        subsets; ``bench/results/guesses-cpu.md``). All off is the original one-token pool.
+        The three ``pool_*`` improvements below default to off, which is the original one-token pool. Together
+        they measured +1.1% compression at (15,5,15) and +2.8% at (7,5,7) (greedy, SmolLM2, 8 prompts of each dev
+        set, 64 tokens; ``bench/results/guesses-cpu.md``), within the prompt-to-prompt spread, while
+        ``pool_rank_by_hits`` would move the pool off the C++/CUDA backends onto the host.
         pool_two_token_key: look candidates up by the last two committed tokens ``(sequence[-2], x)`` first, in a
             bounded hashed table, and fill up with the one-token pool's candidates (de-duplicated).
         pool_two_token_slots: slots of that hashed table (>= 0); ``0`` sizes it from the parameters, the next
@@ -49,10 +51,10 @@ class LookaheadConfig:
     pool_from_prompt: bool = True
     pool_backend: str = "auto"
     seed: int = 0
-    pool_two_token_key: bool = True
+    pool_two_token_key: bool = False
     pool_two_token_slots: int = 0
-    pool_rank_by_hits: bool = True
-    pool_from_output: bool = True
+    pool_rank_by_hits: bool = False
+    pool_from_output: bool = False
 
     def __post_init__(self) -> None:
         _require_int("window", self.window, 1)
