@@ -235,6 +235,9 @@ def _lookahead_loop(model, cache, cache_len, emitter, sampler, stats, device, la
     max_pos = model.config.max_position_embeddings
     window = LookaheadWindow(W, N, torch.Generator().manual_seed(la.seed))
     window.reset(ids[0])
+    # The committed sequence as a tensor, filled as tokens are emitted: refill tokens are drawn from it.
+    history = torch.empty(len(emitter.sequence) + emitter.max_new_tokens, dtype=torch.long)
+    history[: len(emitter.sequence)] = torch.tensor(emitter.sequence)
     guesses = GuessSource(la, model.config.vocab_size, device)
     guesses.start(ids[0])
     x = emitter.sequence[-1]
@@ -261,10 +264,11 @@ def _lookahead_loop(model, cache, cache_len, emitter, sampler, stats, device, la
         if a > 0:
             src = cache_len + torch.tensor([[step.layout.candidate_row(c, m) for m in range(1, a + 1)]], device=device)
             cache.move_rows(src, cache_len + 1)
-        sequence = torch.tensor(emitter.sequence, dtype=torch.long)
-        ngrams = window.advance(x, torch.tensor(new_guesses), a, sequence)
+        committed = len(emitter.sequence)
+        ngrams = window.advance(x, torch.tensor(new_guesses), a, history[:committed])
         cache_len += 1 + a
         stats.steps += 1
         stats.accepted.append(emitter.emit(emitted))
+        history[committed: len(emitter.sequence)] = torch.tensor(emitter.sequence[committed:], dtype=torch.long)
         guesses.observe(ngrams, emitter.sequence, a, c)
         x = emitted[-1]
