@@ -59,19 +59,20 @@ def _config(args) -> LookaheadConfig:
 class _TextStream:
     """Prints text as tokens arrive, decoding the whole tail so multi-token characters come out whole."""
 
-    def __init__(self, tokenizer, out=sys.stdout):
+    def __init__(self, tokenizer, out=None):
         self.tokenizer = tokenizer
         self.tokens: list[int] = []
         self.printed = ""
-        self.out = out
+        self.out = out  # None: whatever sys.stdout is when text arrives
 
     def __call__(self, new_tokens: list[int]) -> None:
         self.tokens.extend(new_tokens)
         text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
         if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest
             return
-        self.out.write(text[len(self.printed):])
-        self.out.flush()
+        out = self.out or sys.stdout
+        out.write(text[len(self.printed):])
+        out.flush()
         self.printed = text
 
 
