@@ -54,7 +54,15 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
     ap.add_argument("--tag", default="cpu", help="file name tag under bench/results/")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    ap.add_argument("--render", metavar="JSON", help="only re-write the markdown table and plot of a results file")
     args = ap.parse_args(argv)
+    if args.render:
+        with open(args.render) as f:
+            result = json.load(f)
+        base = os.path.splitext(args.render)[0]
+        write(result, base)
+        plot(result, base + ".png")
+        return 0
     from tqdm.auto import tqdm
 
     def configs_of(texts, limit):
@@ -78,8 +86,9 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     for path in args.sets:
         name = os.path.splitext(os.path.basename(path))[0]
-        prompts = read_prompts(path, tokenizer)[: args.limit]
-        per_set = {"prompts": len(prompts), "configs": {}}
+        every = read_prompts(path, tokenizer)
+        prompts = every[: args.limit]
+        per_set = {"prompts": len(prompts), "set_size": len(every), "configs": {}}
         plain = [model.generate(p, max_new_tokens=args.max_new_tokens, **sampling())
                  for p in tqdm(prompts, desc=f"{name} plain", unit="prompt", file=sys.stderr)]
         per_set["plain_tokens_per_second"] = (sum(o.stats.new_tokens for o in plain)
@@ -125,15 +134,16 @@ def render_markdown(result: dict) -> str:
              f"Machine: {m['platform']}, {m['cpu_count']} CPUs, torch {m['torch']}, git {m['git']}. "
              f"Command: `{result['command']}`.",
              "Compression = new tokens / forward passes after the prefill (plain decoding = 1.00). "
-             "Tokens/s are CPU figures from the same run (one thread); a subset means the first prompts of the set.", "",
-             "With sampling, 'identical' compares seeded runs that draw different random numbers, so it is not a "
-             "check; the sampling distribution is tested in tests/test_sampling_e2e.py." if temp is not None else "",
-             "",
+             "Tokens/s are CPU figures from the same run (one torch thread, other jobs sharing the 2 cores: compare "
+             "within a row only); a subset means the first prompts of the set.", "",
+             *(["With sampling, 'identical' compares seeded runs that draw different random numbers, so it is not "
+                "a check; the sampling distribution is tested in tests/test_sampling_e2e.py.", ""] if temp is not None
+               else []),
              "| set | prompts | (W,N,G) | mean compression | median | identical to plain | tokens/s lookahead | tokens/s plain |",
              "|---|---|---|---|---|---|---|---|"]
     for name, s in result["sets"].items():
         for key, c in s["configs"].items():
-            lines.append(f"| {name} | {c['prompts']} of {s['prompts']} | ({key}) | {c['mean_compression']:.3f} | "
+            lines.append(f"| {name} | first {c['prompts']} of {s.get('set_size', s['prompts'])} | ({key}) | {c['mean_compression']:.3f} | "
                          f"{c['median_compression']:.3f} | {c['identical']}/{c['prompts']} | "
                          f"{c['tokens_per_second']:.1f} | {s['plain_tokens_per_second']:.1f} |")
     return "\n".join(lines) + "\n"
@@ -160,7 +170,9 @@ def plot(result: dict, path: str) -> None:
     ax.set_xlabel("(W, N, G)")
     ax.set_ylabel("mean step compression")
     ax.set_ylim(bottom=0)
-    ax.set_title("Lookahead decoding, SmolLM2-135M-Instruct, greedy")
+    temp = result.get("temperature")
+    mode = "greedy" if temp is None else f"sampling, T={temp}"
+    ax.set_title(f"Lookahead decoding, SmolLM2-135M-Instruct, {mode}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
