@@ -143,7 +143,9 @@ def render_markdown(result: dict) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for name, s in result["sets"].items():
         for key, c in s["configs"].items():
-            lines.append(f"| {name} | first {c['prompts']} of {s.get('set_size', s['prompts'])} | ({key}) | {c['mean_compression']:.3f} | "
+            size = s.get("set_size", s["prompts"])
+            which = f"all {size}" if c["prompts"] == size else f"first {c['prompts']} of {size}"
+            lines.append(f"| {name} | {which} | ({key}) | {c['mean_compression']:.3f} | "
                          f"{c['median_compression']:.3f} | {c['identical']}/{c['prompts']} | "
                          f"{c['tokens_per_second']:.1f} | {s['plain_tokens_per_second']:.1f} |")
     return "\n".join(lines) + "\n"
