@@ -9,6 +9,13 @@ token for token. Compression depends on the model and prompts, not the machine, 
     python bench/bench_guesses.py --limit 2 --max-new-tokens 16 --tag smoke
 
 Writes bench/results/guesses-<tag>.{json,md}, rewritten after every prompt so a cut-off run keeps its rows.
+Sets can run in separate processes (``--sets A --tag t-a``, ``--sets B --tag t-b``) and be joined with
+``--merge guesses-t-a.json guesses-t-b.json --tag t``.
+
+The one-token runs also measure how far any pool could go (``reach``): at every warm step, the longest prefix of
+the true continuation that the best n-gram keyed by ``x`` among *everything produced so far* would have given:
+every window n-gram of earlier steps plus every n-gram of the committed sequence (prompt and output). A pool that
+kept and offered all of them, however keyed or ranked, could accept no more tokens at that step.
 """
 
 from __future__ import annotations
@@ -48,6 +55,44 @@ def variant_config(wng: str, options: dict, backend: str) -> LookaheadConfig:
     return LookaheadConfig(window=w, ngram=n, guess=g, pool_backend=backend, **{**OFF, **options})
 
 
+def _common_prefix(a, b) -> int:
+    n = 0
+    for s, t in zip(a, b):
+        if s != t:
+            break
+        n += 1
+    return n
+
+
+def pool_reach(trace, sequence: list[int], ngram: int) -> dict:
+    """Accepted candidate tokens vs the most any pool of the n-grams seen so far could have given (see above).
+
+    Counts the steps whose true continuation ``sequence[x+1 : x+N]`` is complete. Returns ``steps``,
+    ``accepted`` (tokens the run accepted), ``offered`` (best prefix among the offered candidates; equals
+    ``accepted`` for greedy) and ``reach`` (best prefix among all n-grams seen before the step, keyed by ``x``).
+    """
+    k = ngram - 1
+    seen: dict[int, set] = {}
+    next_start = 0  # sequence n-grams starting before this index are already in ``seen``
+    out = {"steps": 0, "accepted": 0, "offered": 0, "reach": 0}
+    for st in trace:
+        xi = st.x_index
+        while next_start + k <= xi:  # n-grams of the committed sequence up to and including x
+            seen.setdefault(sequence[next_start], set()).add(tuple(sequence[next_start + 1: next_start + ngram]))
+            next_start += 1
+        truth = tuple(sequence[xi + 1: xi + ngram])
+        if len(truth) == k:
+            offered = max((_common_prefix(c, truth) for c in st.candidates), default=0)
+            reach = max((_common_prefix(c, truth) for c in seen.get(sequence[xi], ())), default=0)
+            out["steps"] += 1
+            out["accepted"] += st.accepted
+            out["offered"] += offered
+            out["reach"] += max(reach, offered)
+        for g in st.ngrams:
+            seen.setdefault(g[0], set()).add(tuple(g[1:]))
+    return out
+
+
 def summarise(result: dict) -> None:
     """Per set/config/variant means, and each variant's mean over sets relative to the one-token pool."""
     for s in result["sets"].values():
@@ -57,6 +102,9 @@ def summarise(result: dict) -> None:
                 v["mean_compression"] = statistics.fmean(r["compression"] for r in rows) if rows else None
                 v["identical"] = sum(r["identical"] for r in rows)
                 v["prompts"] = len(rows)
+                reach = [r["reach"] for r in rows if "reach" in r]
+                if reach:
+                    v["reach"] = {key: sum(r[key] for r in reach) for key in reach[0]}
 
 
 def render_markdown(result: dict) -> str:
@@ -93,7 +141,40 @@ def render_markdown(result: dict) -> str:
             else:
                 tail = "- | -"
             lines.append(f"| ({key}) | {name} | " + " | ".join(cells) + f" | {tail} |")
+    reach_lines = []
+    for s in sets:
+        for key, per in result["sets"][s]["configs"].items():
+            r = per.get("one-token", {}).get("reach")
+            if r and r["steps"]:
+                reach_lines.append(f"| {s} | ({key}) | {r['steps']} | {r['accepted'] / r['steps']:.3f} | "
+                                   f"{r['reach'] / r['steps']:.3f} | {r['accepted'] / max(r['reach'], 1):.1%} |")
+    if reach_lines:
+        lines += ["", "## How far any pool could go (one-token runs)", "",
+                  "At every step with a complete true continuation: candidate tokens accepted, and the most that the "
+                  "best n-gram keyed by `x` among everything produced before the step (all earlier window n-grams, "
+                  "the prompt's and the output's n-grams) would have given. No pool of those n-grams, however keyed, "
+                  "ranked or sized, accepts more.", "",
+                  "| set | (W,N,G) | steps | accepted tokens / step | reach / step | accepted / reach |",
+                  "|---|---|---|---|---|---|"] + reach_lines
     return "\n".join(lines) + "\n"
+
+
+def merge(paths: list[str]) -> dict:
+    """Join results of the same command run on different sets (``--sets`` split across processes)."""
+    parts = []
+    for path in paths:
+        with open(path) as f:
+            parts.append(json.load(f))
+    result = dict(parts[0])
+    result["sets"] = {}
+    for path, part in zip(paths, parts):
+        for key in ("max_new_tokens", "limit", "configs", "variants"):
+            if part[key] != result[key]:
+                raise ValueError(f"{path}: {key} differs between the merged runs ({part[key]} vs {result[key]})")
+        result["sets"].update(part["sets"])
+    result["command"] = " ; ".join(p["command"] for p in parts)
+    result["wall_seconds"] = max(p.get("wall_seconds", 0) for p in parts)
+    return result
 
 
 def write(result: dict, base: str) -> None:
@@ -114,7 +195,13 @@ def main(argv=None) -> int:
     ap.add_argument("--pool-backend", default="auto")
     ap.add_argument("--tag", default="cpu", help="file name tag under bench/results/")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    ap.add_argument("--merge", nargs="+", metavar="JSON", help="join these result files into guesses-<tag>")
     args = ap.parse_args(argv)
+    if args.merge:
+        result = merge(args.merge)
+        write(result, os.path.join(args.out_dir, f"guesses-{args.tag}"))
+        print(render_markdown(result))
+        return 0
     for c in args.configs:  # fail on a bad triple before loading the model
         variant_config(c, {}, args.pool_backend)
 
@@ -136,11 +223,15 @@ def main(argv=None) -> int:
             for c in args.configs:
                 for v in args.variants:
                     cfg = variant_config(c, VARIANTS[v], args.pool_backend)
-                    out = model.generate(p, max_new_tokens=args.max_new_tokens, lookahead=cfg)
-                    per_set["configs"][c][v]["rows"].append({
+                    out = model.generate(p, max_new_tokens=args.max_new_tokens, lookahead=cfg,
+                                         trace=v == "one-token")
+                    row = {
                         "prompt": i, "compression": out.stats.compression_ratio, "new_tokens": out.stats.new_tokens,
                         "steps": out.stats.steps, "seconds": out.stats.seconds,
-                        "identical": bool(torch.equal(out.sequences, ref.sequences))})
+                        "identical": bool(torch.equal(out.sequences, ref.sequences))}
+                    if out.stats.trace is not None:
+                        row["reach"] = pool_reach(out.stats.trace, out.sequences[0].tolist(), cfg.ngram)
+                    per_set["configs"][c][v]["rows"].append(row)
             result["wall_seconds"] = time.perf_counter() - started
             write(result, base)
             print(f"{name} prompt {i + 1}/{len(prompts)} done, {result['wall_seconds']:.0f} s", file=sys.stderr,

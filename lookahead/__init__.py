@@ -6,9 +6,9 @@
 """
 
 from .config import LookaheadConfig
-from .generate import GenerateOutput, GenerationStats
+from .generate import GenerateOutput, GenerationStats, StepTrace
 from .loading import load_default
 from .model import KVCache, LlamaForCausalLM, ModelConfig
 
 __all__ = ["LookaheadConfig", "LlamaForCausalLM", "ModelConfig", "KVCache", "load_default", "GenerateOutput",
-           "GenerationStats"]
+           "GenerationStats", "StepTrace"]

@@ -21,6 +21,23 @@ from .step import build_step
 from .window import LookaheadWindow
 
 
+@dataclasses.dataclass(frozen=True)
+class StepTrace:
+    """What one lookahead step offered and produced (recorded only with ``generate(..., trace=True)``).
+
+    Attributes:
+        x_index: index of the step's input token ``x`` in ``sequences[0]``.
+        candidates: the verified candidates, each a tuple of ``N-1`` token ids, in offering order.
+        ngrams: the window's n-grams the step produced (``W`` tuples of ``N`` ids; empty while warming up).
+        accepted: candidate tokens accepted (the bonus token not counted).
+    """
+
+    x_index: int
+    candidates: tuple
+    ngrams: tuple
+    accepted: int
+
+
 @dataclasses.dataclass
 class GenerationStats:
     """What one ``generate`` call did.
@@ -31,6 +48,8 @@ class GenerationStats:
         seconds: wall time of the whole call, prefill included.
         prefill_seconds: wall time of the prefill alone.
         accepted: per step, the tokens it emitted (accepted candidate tokens plus the bonus token).
+        trace: per lookahead step, a :class:`StepTrace` when ``generate`` was called with ``trace=True``, else
+            ``None``. For analysing guess quality (``bench/bench_guesses.py``); it costs host memory per step.
     """
 
     new_tokens: int = 0
@@ -38,6 +57,7 @@ class GenerationStats:
     seconds: float = 0.0
     prefill_seconds: float = 0.0
     accepted: list = dataclasses.field(default_factory=list)
+    trace: list | None = None
 
     @property
     def compression_ratio(self) -> float:
@@ -170,13 +190,14 @@ class _Sampler:
 def generate(model, input_ids, max_new_tokens: int = 128, *, lookahead: LookaheadConfig | None = None,
              do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
              generator: torch.Generator | None = None, eos_token_id=None,
-             streamer: Callable[[list[int]], None] | None = None) -> GenerateOutput:
+             streamer: Callable[[list[int]], None] | None = None, trace: bool = False) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` tokens after ``input_ids`` (``[1, prompt_len]`` or ``[prompt_len]``).
 
     ``lookahead=None`` decodes one token per forward pass; a :class:`LookaheadConfig` decodes with lookahead.
     Greedy output is identical either way; sampled output has the same distribution. Generation stops after
     ``max_new_tokens`` tokens or right after an EOS token (``eos_token_id`` defaults to the model's own).
-    ``streamer`` is called with each step's newly emitted tokens.
+    ``streamer`` is called with each step's newly emitted tokens. ``trace=True`` records each lookahead step's
+    candidates and window n-grams in ``stats.trace`` (see :class:`StepTrace`).
     """
     started = time.perf_counter()
     cfg = model.config
@@ -189,13 +210,15 @@ def generate(model, input_ids, max_new_tokens: int = 128, *, lookahead: Lookahea
                          f"{cfg.max_position_embeddings} positions")
     if lookahead is not None and not isinstance(lookahead, LookaheadConfig):
         raise ValueError(f"lookahead must be a LookaheadConfig or None, got {type(lookahead).__name__}")
+    if not isinstance(trace, bool):
+        raise ValueError(f"trace must be a bool, got {trace!r}")
     if not isinstance(do_sample, bool):
         raise ValueError(f"do_sample must be a bool, got {do_sample!r}")
     sampler = _Sampler(do_sample, temperature, top_k, top_p, generator)
     device = model.device
     prompt = ids[0].tolist()
     emitter = _Emitter(prompt, max_new_tokens, _eos_set(model, eos_token_id), streamer)
-    stats = GenerationStats()
+    stats = GenerationStats(trace=[] if trace else None)
 
     step_cap = lookahead.tokens_per_step if lookahead is not None else 1
     cache = model.new_cache(1, prompt_len + max_new_tokens + step_cap)
@@ -270,5 +293,8 @@ def _lookahead_loop(model, cache, cache_len, emitter, sampler, stats, device, la
         stats.steps += 1
         stats.accepted.append(emitter.emit(emitted))
         history[committed: len(emitter.sequence)] = torch.tensor(emitter.sequence[committed:], dtype=torch.long)
+        if stats.trace is not None:
+            stats.trace.append(StepTrace(committed - 1, tuple(map(tuple, candidates.tolist())),
+                                         () if ngrams is None else tuple(map(tuple, ngrams.tolist())), a))
         guesses.observe(ngrams, emitter.sequence, a, c)
         x = emitted[-1]

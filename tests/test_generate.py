@@ -59,6 +59,35 @@ def test_lookahead_accepts_several_tokens_per_step(tiny):
     assert out.stats.compression_ratio > 1.0
 
 
+def test_trace_records_each_step_and_bounds_the_pool(tiny):
+    _, ours = tiny
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8]])
+    cfg = LookaheadConfig(window=5, ngram=4, guess=5)
+    plain = ours.generate(ids, max_new_tokens=30, lookahead=cfg)
+    assert plain.stats.trace is None
+    out = ours.generate(ids, max_new_tokens=30, lookahead=cfg, trace=True)
+    assert torch.equal(out.sequences, plain.sequences)
+    seq, trace = out.sequences[0].tolist(), out.stats.trace
+    assert len(trace) == out.stats.steps
+    for st, emitted in zip(trace, out.stats.accepted):
+        assert len(st.candidates) <= cfg.guess and all(len(c) == cfg.ngram - 1 for c in st.candidates)
+        assert all(len(g) == cfg.ngram for g in st.ngrams) and len(st.ngrams) in (0, cfg.window)
+        assert emitted <= st.accepted + 1
+        if st.ngrams:
+            assert st.ngrams[0][0] == seq[st.x_index]  # column 0 of the window starts at x
+    assert [st.x_index for st in trace] == [ids.shape[1] - 1 + sum(out.stats.accepted[:i]) for i in range(len(trace))]
+    with pytest.raises(ValueError, match="trace"):
+        ours.generate(ids, max_new_tokens=3, lookahead=cfg, trace=1)
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "bench_guesses.py")
+    spec = importlib.util.spec_from_file_location("bench_guesses", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    reach = bench.pool_reach(trace, seq, cfg.ngram)
+    assert reach["steps"] > 0 and reach["offered"] == reach["accepted"] <= reach["reach"]
+    assert reach["reach"] <= reach["steps"] * (cfg.ngram - 1)
+
+
 def test_single_token_prompt_and_one_new_token(tiny):
     hf, ours = tiny
     ids = torch.tensor([[3]])
