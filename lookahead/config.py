@@ -43,6 +43,10 @@ class LookaheadConfig:
             this is off.
         pool_from_output: also add the n-grams of the committed output (those ending in each step's new
             tokens) to the pool(s), after the window's.
+        pad_candidates: give every step room for all ``guess`` candidates, padding the unused ones (verification
+            ignores them through its ``num_candidates``). The step's shape is then constant and the one-token
+            pool's lookup stays on the device, with no host sync. ``None`` (default): on for CUDA devices, off on
+            the CPU, where the padded rows would cost compute.
     """
 
     window: int = 15
@@ -55,6 +59,7 @@ class LookaheadConfig:
     pool_two_token_slots: int = 0
     pool_rank_by_hits: bool = False
     pool_from_output: bool = False
+    pad_candidates: bool | None = None
 
     def __post_init__(self) -> None:
         _require_int("window", self.window, 1)
@@ -66,6 +71,9 @@ class LookaheadConfig:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"LookaheadConfig.{name} must be a bool (True or False), got {value!r}")
+        if self.pad_candidates is not None and not isinstance(self.pad_candidates, bool):
+            raise ValueError(f"LookaheadConfig.pad_candidates must be None (auto), True or False, got "
+                             f"{self.pad_candidates!r}")
         if self.pool_backend not in POOL_BACKENDS:
             raise ValueError(f"LookaheadConfig.pool_backend must be one of {POOL_BACKENDS}, got {self.pool_backend!r}")
 

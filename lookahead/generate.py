@@ -160,15 +160,18 @@ class _Sampler:
 
         return sample_rows(warp_logits(logits, self.params), self.generator)
 
-    def verify(self, x_logits, cand_logits, candidates):
-        """Verification of one sequence: returns ``(accept_len [1], best [1], tokens [1, K+1])``."""
+    def verify(self, x_logits, cand_logits, candidates, num_candidates=None):
+        """Verification of one sequence: returns ``(accept_len [1], best [1], tokens [1, K+1])``.
+
+        ``num_candidates``: int64 ``[1]`` on the logits' device, how many leading candidates are real (the rest
+        are padding), or ``None`` for all of them."""
         device = x_logits.device
         if self.greedy:
             if device.type == "cuda":
                 from lookahead_kernels import verify_greedy
 
-                return verify_greedy(x_logits[None], cand_logits[None], candidates[None])
-            return verify_greedy_reference(x_logits[None], cand_logits[None], candidates[None])
+                return verify_greedy(x_logits[None], cand_logits[None], candidates[None], num_candidates)
+            return verify_greedy_reference(x_logits[None], cand_logits[None], candidates[None], num_candidates)
         from lookahead_kernels.verify_ref import draw_verify_uniforms
 
         from .sampling import warp_logits
@@ -180,10 +183,10 @@ class _Sampler:
         if device.type == "cuda":
             from lookahead_kernels import verify_sample
 
-            return verify_sample(x_probs, cand_probs, candidates[None], uniforms=uniforms)
+            return verify_sample(x_probs, cand_probs, candidates[None], num_candidates, uniforms=uniforms)
         from lookahead_kernels import verify_sample_reference
 
-        return verify_sample_reference(x_probs, cand_probs, candidates[None], uniforms=uniforms)
+        return verify_sample_reference(x_probs, cand_probs, candidates[None], num_candidates, uniforms=uniforms)
 
 
 @torch.inference_mode()
@@ -263,6 +266,7 @@ def _lookahead_loop(model, cache, cache_len, emitter, sampler, stats, device, la
     history[: len(emitter.sequence)] = torch.tensor(emitter.sequence)
     guesses = GuessSource(la, model.config.vocab_size, device)
     guesses.start(ids[0])
+    pad = la.pad_candidates if la.pad_candidates is not None else device.type == "cuda"
     x = emitter.sequence[-1]
     while not emitter.done:
         # Near the end of the model's positions the window would run past them: finish with plain steps.
@@ -273,17 +277,22 @@ def _lookahead_loop(model, cache, cache_len, emitter, sampler, stats, device, la
             stats.accepted.append(emitter.emit([y]))
             x = y
             continue
-        candidates = guesses.candidates(emitter.sequence)
+        if pad:  # constant shape; the count of real candidates stays on the device until the read-back
+            candidates, count = guesses.padded_candidates(emitter.sequence, device)
+        else:
+            candidates, count = guesses.candidates(emitter.sequence), None
         step = build_step(x, cache_len, window.step_tokens(x), window.levels, W, candidates, device)
         logits = model(step.tokens[None], step.positions[None], cache, cache_len, step.layout, step.logits_rows)[0]
         g = candidates.shape[0]
         cand_logits = logits[step.candidate_rows].reshape(g, K, logits.shape[-1])
-        accept_len, best, tokens = sampler.verify(logits[0], cand_logits, candidates.to(device))
+        candidates = candidates.to(device)
+        accept_len, best, tokens = sampler.verify(logits[0], cand_logits, candidates, count)
         outputs = sampler.choose(logits[step.window_rows])
-        # One read-back per step: accepted length, candidate, emitted tokens and the window's new guesses.
-        back = torch.cat([accept_len, best, tokens[0], outputs]).tolist()
-        a, c = back[0], back[1]
-        emitted, new_guesses = back[2:3 + a], back[3 + K:]
+        # One read-back per step: accepted length, candidate, real candidates, emitted tokens, the window's guesses.
+        head = [accept_len, best] + ([count] if count is not None else [])
+        back = torch.cat(head + [tokens[0], outputs]).tolist()
+        a, c, g_real = back[0], back[1], (back[2] if count is not None else g)
+        emitted, new_guesses = back[len(head): len(head) + 1 + a], back[len(head) + 1 + K:]
         if a > 0:
             src = cache_len + torch.tensor([[step.layout.candidate_row(c, m) for m in range(1, a + 1)]], device=device)
             cache.move_rows(src, cache_len + 1)
@@ -294,7 +303,7 @@ def _lookahead_loop(model, cache, cache_len, emitter, sampler, stats, device, la
         stats.accepted.append(emitter.emit(emitted))
         history[committed: len(emitter.sequence)] = torch.tensor(emitter.sequence[committed:], dtype=torch.long)
         if stats.trace is not None:
-            stats.trace.append(StepTrace(committed - 1, tuple(map(tuple, candidates.tolist())),
+            stats.trace.append(StepTrace(committed - 1, tuple(map(tuple, candidates[:g_real].tolist())),
                                          () if ngrams is None else tuple(map(tuple, ngrams.tolist())), a))
         guesses.observe(ngrams, emitter.sequence, a, c)
         x = emitted[-1]

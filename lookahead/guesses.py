@@ -242,6 +242,25 @@ class GuessSource:
             return torch.empty(0, k, dtype=torch.long)
         return torch.tensor(list(offered), dtype=torch.long)
 
+    def padded_candidates(self, sequence: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The candidates of :meth:`candidates` padded to ``guess`` rows, for steps of constant shape.
+
+        Returns ``(candidates, count)`` on ``device``: int64 ``[guess, N-1]`` whose rows ``count..`` are padding
+        (token 0, a valid id to embed; verification ignores them), and int64 ``[1]``. With the plain one-token
+        pool of a table backend the lookup runs where the pool lives and nothing is read back to the host.
+        """
+        from .pools import TableNGramPool
+
+        k, g = self.config.ngram - 1, self.config.guess
+        if self._plain and g > 0 and isinstance(self.pool, TableNGramPool):
+            self._x_index, self._offered = len(sequence) - 1, []
+            out, count = self.pool.lookup_padded(sequence[-1])
+            return out.clamp_min(0).to(device), count.reshape(1).to(device)
+        cands = self.candidates(sequence)
+        padded = torch.zeros(g, k, dtype=torch.long)
+        padded[: cands.shape[0]] = cands
+        return padded.to(device), torch.tensor([cands.shape[0]], dtype=torch.long, device=device)
+
     def observe(self, ngrams: torch.Tensor | None, sequence: list[int], accepted: int, best: int) -> None:
         """After a step: the window's n-grams ``[W, N]`` (or ``None`` while warming up), the committed sequence
         (the step's emitted tokens included), how many candidate tokens were accepted and from which candidate

@@ -49,15 +49,15 @@ def build_step(x: int, position: int, lookahead_tokens: torch.Tensor, levels: in
     Args:
         x: the last committed token, fed at ``position``.
         lookahead_tokens: LongTensor ``[levels * window]`` with ``x`` at index 0.
-        candidates: LongTensor ``[g, K]``.
+        candidates: LongTensor ``[g, K]`` (host or ``device``; padded rows count as candidates here).
     """
     g, k = candidates.shape
     layout = StepLayout(window, levels, g, max(k, 1))
-    tokens = torch.cat([lookahead_tokens.reshape(-1), candidates.reshape(-1)])
+    tokens = torch.cat([lookahead_tokens.reshape(-1).to(device), candidates.reshape(-1).to(device)])
     last = list(layout.last_level_rows())
     rows = ([] if levels == 1 else [0]) + last + list(range(layout.lookahead_len, layout.T))
     return Step(
-        tokens=tokens.to(device),
+        tokens=tokens,
         positions=(position + layout.position_offsets()).to(device),
         layout=layout,
         candidates=candidates,

@@ -29,6 +29,7 @@ def dataclasses_frozen_error():
     ({"window": 0}, "window"), ({"ngram": 1}, "ngram"), ({"guess": -1}, "guess"),
     ({"window": 2.5}, "window"), ({"ngram": "5"}, "ngram"), ({"guess": True}, "guess"),
     ({"pool_backend": "gpu"}, "pool_backend"), ({"pool_from_prompt": 1}, "pool_from_prompt"),
+    ({"pad_candidates": 1}, "pad_candidates"), ({"pad_candidates": "auto"}, "pad_candidates"),
 ])
 def test_config_rejects_bad_values(kwargs, word):
     with pytest.raises(ValueError, match=word):

@@ -1,5 +1,6 @@
 """End to end: greedy lookahead output equals transformers' greedy output token for token."""
 
+import dataclasses
 import importlib.util
 import os
 
@@ -57,6 +58,29 @@ def test_lookahead_accepts_several_tokens_per_step(tiny):
     out = ours.generate(ids, max_new_tokens=40, lookahead=LookaheadConfig(window=5, ngram=4, guess=5))
     assert max(out.stats.accepted) >= 2
     assert out.stats.compression_ratio > 1.0
+
+
+@pytest.mark.parametrize("options", [
+    dict(pool_backend="python"), dict(pool_backend="cpp"),
+    dict(pool_backend="python", pool_two_token_key=True, pool_rank_by_hits=True, pool_from_output=True)])
+def test_padded_candidates_give_the_same_tokens(tiny, options):
+    """Steps padded to G candidates (the CUDA default) decode exactly what unpadded steps decode."""
+    hf, ours = tiny
+    for seed, (w, n, g) in enumerate([(7, 5, 7), (4, 2, 3), (3, 4, 0), (5, 3, 5)]):
+        ids = torch.cat([torch.tensor([[5, 6, 7, 8] * 3]),
+                         torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(seed))], dim=1)
+        ref = hf_greedy(hf, ids, 30)
+        cfg = LookaheadConfig(window=w, ngram=n, guess=g, pad_candidates=True, **options)
+        out = ours.generate(ids, max_new_tokens=30, lookahead=cfg, trace=True)
+        assert torch.equal(out.sequences, ref), (w, n, g)
+        assert sum(out.stats.accepted) == 30
+        assert all(len(st.candidates) <= g for st in out.stats.trace)
+        unpadded = ours.generate(ids, max_new_tokens=30, lookahead=dataclasses.replace(cfg, pad_candidates=False))
+        assert unpadded.stats.accepted == out.stats.accepted
+        # Sampling through padded steps: top_k=1 leaves one token of probability 1, so it must equal greedy.
+        sampled = ours.generate(ids, max_new_tokens=30, lookahead=cfg, do_sample=True, top_k=1,
+                                generator=torch.Generator().manual_seed(1))
+        assert torch.equal(sampled.sequences, ref), (w, n, g)
 
 
 def test_trace_records_each_step_and_bounds_the_pool(tiny):
