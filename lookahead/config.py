@@ -4,14 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from lookahead_kernels.validation import require_int
+
 POOL_BACKENDS = ("auto", "python", "cpp", "cuda")
-
-
-def _require_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"LookaheadConfig.{name} must be an integer >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"LookaheadConfig.{name} must be >= {minimum}, got {value}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,11 +57,11 @@ class LookaheadConfig:
     pad_candidates: bool | None = None
 
     def __post_init__(self) -> None:
-        _require_int("window", self.window, 1)
-        _require_int("ngram", self.ngram, 2)
-        _require_int("guess", self.guess, 0)
-        _require_int("seed", self.seed, 0)
-        _require_int("pool_two_token_slots", self.pool_two_token_slots, 0)
+        require_int("LookaheadConfig.window", self.window, 1)
+        require_int("LookaheadConfig.ngram", self.ngram, 2)
+        require_int("LookaheadConfig.guess", self.guess, 0)
+        require_int("LookaheadConfig.seed", self.seed, 0)
+        require_int("LookaheadConfig.pool_two_token_slots", self.pool_two_token_slots, 0)
         for name in ("pool_from_prompt", "pool_two_token_key", "pool_rank_by_hits", "pool_from_output"):
             value = getattr(self, name)
             if not isinstance(value, bool):

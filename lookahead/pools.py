@@ -24,6 +24,8 @@ from typing import Callable
 
 import torch
 
+from lookahead_kernels.validation import require_int
+
 from .config import LookaheadConfig
 from .pool import NGramPool
 
@@ -36,12 +38,6 @@ def _default_loader(cuda: bool):
     from lookahead_kernels.pool_ext import load_pool_extension
 
     return load_pool_extension(cuda)
-
-
-def _require_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
 
 
 def _int_tensor(name: str, value) -> torch.Tensor:
@@ -68,9 +64,9 @@ class TableNGramPool:
     """
 
     def __init__(self, ngram: int, guess: int, vocab_size: int, device: torch.device, ops):
-        self.ngram = _require_int("ngram", ngram, 2)
-        self.guess = _require_int("guess", guess, 0)
-        self.vocab_size = _require_int("vocab_size", vocab_size, 1)
+        self.ngram = require_int("ngram", ngram, 2)
+        self.guess = require_int("guess", guess, 0)
+        self.vocab_size = require_int("vocab_size", vocab_size, 1)
         if vocab_size > torch.iinfo(torch.int32).max:
             raise ValueError(f"vocab_size must be < 2**31 (tokens are stored as int32), got {vocab_size}")
         self.device = torch.device(device)
@@ -209,7 +205,7 @@ def make_pool(config: LookaheadConfig, vocab_size: int, device="cpu", *, loader:
     """
     if not isinstance(config, LookaheadConfig):
         raise ValueError(f"config must be a LookaheadConfig, got {type(config).__name__}")
-    _require_int("vocab_size", vocab_size, 1)
+    require_int("vocab_size", vocab_size, 1)
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as exc:

@@ -22,15 +22,10 @@ import dataclasses
 
 import torch
 
+from .validation import require_int
+
 LOOKAHEAD_BRANCH = 0
 VERIFY_BRANCH = 1
-
-
-def _check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"StepLayout.{name} must be an int >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"StepLayout.{name} must be >= {minimum}, got {value}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,10 +41,10 @@ class StepLayout:
     guess_len: int = 1
 
     def __post_init__(self) -> None:
-        _check_int("window", self.window, 1)
-        _check_int("levels", self.levels, 1)
-        _check_int("guesses", self.guesses, 0)
-        _check_int("guess_len", self.guess_len, 1)
+        require_int("StepLayout.window", self.window, 1)
+        require_int("StepLayout.levels", self.levels, 1)
+        require_int("StepLayout.guesses", self.guesses, 0)
+        require_int("StepLayout.guess_len", self.guess_len, 1)
 
     @classmethod
     def prefill(cls, length: int) -> "StepLayout":
