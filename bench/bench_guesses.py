@@ -9,8 +9,8 @@ token for token. Compression depends on the model and prompts, not the machine, 
     python bench/bench_guesses.py --limit 2 --max-new-tokens 16 --tag smoke
 
 Writes bench/results/guesses-<tag>.{json,md}, rewritten after every prompt so a cut-off run keeps its rows.
-Sets can run in separate processes (``--sets A --tag t-a``, ``--sets B --tag t-b``) and be joined with
-``--merge guesses-t-a.json guesses-t-b.json --tag t``.
+Sets, or ranges of one set (``--start``), can run in separate processes (``--sets A --tag t-a``, ``--sets B
+--tag t-b``) and be joined with ``--merge guesses-t-a.json guesses-t-b.json --tag t``.
 
 The one-token runs also measure how far any pool could go (``reach``): at every warm step, the longest prefix of
 the true continuation that the best n-gram keyed by ``x`` among *everything produced so far* would have given:
@@ -112,8 +112,9 @@ def render_markdown(result: dict) -> str:
     lines = [f"# Pool improvements: step compression, greedy, {result['max_new_tokens']} new tokens, "
              "SmolLM2-135M-Instruct (float32)", "",
              f"Machine: {m['platform']}, {m['cpu_count']} CPUs, torch {m['torch']}, git {m['git']}. "
-             f"Command: `{result['command']}`. Wall time {result.get('wall_seconds', 0):.0f} s.",
-             f"Subset: the first {result['limit']} prompts of each set (first turn), at most "
+             f"Command: `{result['command']}`. Wall time {result.get('wall_seconds', 0):.0f} s"
+             + (" (the longest of the joined runs)." if result.get("merged_from") else "."),
+             f"Prompts: {_describe_prompts(result)} (first turn), at most "
              f"{result['max_new_tokens']} new tokens each.",
              "Compression = new tokens / forward passes after the prefill (plain decoding = 1.00); "
              "mean over prompts. `vs one-token`: relative to the original pool in the same set and (W,N,G).", ""]
@@ -159,20 +160,45 @@ def render_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _describe_prompts(result: dict) -> str:
+    """Which prompts of each set the rows cover, e.g. ``mt_bench_dev 0-19`` (0-based indices in the file)."""
+    out = []
+    for name, s in result["sets"].items():
+        rows = next(iter(next(iter(s["configs"].values())).values()))["rows"]
+        idx = sorted(r["prompt"] for r in rows)
+        ranges, lo = [], None
+        for i, v in enumerate(idx):
+            lo = v if lo is None else lo
+            if i + 1 == len(idx) or idx[i + 1] != v + 1:
+                ranges.append(f"{lo}-{v}" if v > lo else f"{lo}")
+                lo = None
+        out.append(f"{name} {', '.join(ranges) or 'none'}")
+    return "; ".join(out)
+
+
 def merge(paths: list[str]) -> dict:
-    """Join results of the same command run on different sets (``--sets`` split across processes)."""
+    """Join results of the same command run on different sets or prompt ranges (split across processes)."""
     parts = []
     for path in paths:
         with open(path) as f:
             parts.append(json.load(f))
-    result = dict(parts[0])
-    result["sets"] = {}
-    for path, part in zip(paths, parts):
-        for key in ("max_new_tokens", "limit", "configs", "variants"):
+    result = json.loads(json.dumps(parts[0]))
+    for path, part in zip(paths[1:], parts[1:]):
+        for key in ("max_new_tokens", "configs", "variants"):
             if part[key] != result[key]:
                 raise ValueError(f"{path}: {key} differs between the merged runs ({part[key]} vs {result[key]})")
-        result["sets"].update(part["sets"])
+        for name, s in part["sets"].items():
+            if name not in result["sets"]:
+                result["sets"][name] = s
+                continue
+            mine = result["sets"][name]
+            for c, per in s["configs"].items():
+                for v, entry in per.items():
+                    have = {r["prompt"] for r in mine["configs"][c][v]["rows"]}
+                    mine["configs"][c][v]["rows"] += [r for r in entry["rows"] if r["prompt"] not in have]
+            mine["prompts"] = len(next(iter(mine["configs"].values()))[result["variants"][0]]["rows"])
     result["command"] = " ; ".join(p["command"] for p in parts)
+    result["merged_from"] = [{"command": p["command"], "git": p["machine"]["git"]} for p in parts]
     result["wall_seconds"] = max(p.get("wall_seconds", 0) for p in parts)
     return result
 
@@ -191,7 +217,8 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, help="W,N,G triples")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--limit", type=int, default=8, help="first K prompts of each set")
+    ap.add_argument("--limit", type=int, default=8, help="K prompts of each set, from --start")
+    ap.add_argument("--start", type=int, default=0, help="index of the first prompt taken from each set")
     ap.add_argument("--pool-backend", default="auto")
     ap.add_argument("--tag", default="cpu", help="file name tag under bench/results/")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
@@ -215,7 +242,7 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     for path in args.sets:
         name = os.path.splitext(os.path.basename(path))[0]
-        prompts = read_prompts(path, tokenizer)[: args.limit]
+        prompts = read_prompts(path, tokenizer)[args.start: args.start + args.limit]
         per_set = result["sets"][name] = {"prompts": len(prompts), "configs": {
             c: {v: {"rows": []} for v in args.variants} for c in args.configs}}
         for i, p in enumerate(prompts):
@@ -226,7 +253,8 @@ def main(argv=None) -> int:
                     out = model.generate(p, max_new_tokens=args.max_new_tokens, lookahead=cfg,
                                          trace=v == "one-token")
                     row = {
-                        "prompt": i, "compression": out.stats.compression_ratio, "new_tokens": out.stats.new_tokens,
+                        "prompt": args.start + i, "compression": out.stats.compression_ratio,
+                        "new_tokens": out.stats.new_tokens,
                         "steps": out.stats.steps, "seconds": out.stats.seconds,
                         "identical": bool(torch.equal(out.sequences, ref.sequences))}
                     if out.stats.trace is not None:
