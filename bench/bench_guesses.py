@@ -1,9 +1,10 @@
 """Step compression of greedy lookahead with the original one-token pool vs the pool improvements.
 
 Variants (options of LookaheadConfig): ``one-token`` (all off: the original pool), ``two-token``
-(``pool_two_token_key``), ``rank-by-hits`` (``pool_rank_by_hits``), ``from-output`` (``pool_from_output``) and
-``all`` (the three together). Each prompt is decoded plainly once; every lookahead output is compared with it
-token for token. Compression depends on the model and prompts, not the machine, so this runs on CPU.
+(``pool_two_token_key``), ``rank-by-hits`` (``pool_rank_by_hits``), ``from-output`` (``pool_from_output``),
+``all`` (those three together), ``history`` (``guess_from_history``) and ``all+history``. Each prompt is decoded
+plainly once; every lookahead output is compared with it token for token. Compression depends on the model and
+prompts, not the machine, so this runs on CPU.
 
     python bench/bench_guesses.py --limit 8 --max-new-tokens 64           # first 8 prompts of each dev set
     python bench/bench_guesses.py --limit 2 --max-new-tokens 16 --tag smoke
@@ -39,13 +40,16 @@ from lookahead.cli import machine_info, read_prompts  # noqa: E402
 DATA = os.path.join(os.path.dirname(HERE), "..", "shared", "data")
 DEFAULT_SETS = [os.path.join(DATA, "mt_bench_dev.jsonl"), os.path.join(DATA, "humaneval_dev.jsonl")]
 DEFAULT_CONFIGS = ["15,5,15", "7,5,7"]
-OFF = dict(pool_two_token_key=False, pool_rank_by_hits=False, pool_from_output=False)
+OFF = dict(pool_two_token_key=False, pool_rank_by_hits=False, pool_from_output=False, guess_from_history=False)
 VARIANTS = {
     "one-token": {},
     "two-token": {"pool_two_token_key": True},
     "rank-by-hits": {"pool_rank_by_hits": True},
     "from-output": {"pool_from_output": True},
     "all": {"pool_two_token_key": True, "pool_rank_by_hits": True, "pool_from_output": True},
+    "history": {"guess_from_history": True},
+    "all+history": {"pool_two_token_key": True, "pool_rank_by_hits": True, "pool_from_output": True,
+                    "guess_from_history": True},
 }
 
 

@@ -38,6 +38,9 @@ class LookaheadConfig:
             this is off.
         pool_from_output: also add the n-grams of the committed output (those ending in each step's new
             tokens) to the pool(s), after the window's.
+        guess_from_history: offer first (in up to half of the ``guess`` slots) what followed the latest earlier
+            occurrences of the sequence's last 3, 2 or 1 tokens in the prompt and output, then the pool's
+            candidates. A host-side index that is never evicted, so the prompt's n-grams survive a small ``guess``.
         pad_candidates: give every step room for all ``guess`` candidates, padding the unused ones (verification
             ignores them through its ``num_candidates``). The step's shape is then constant and the one-token
             pool's lookup stays on the device, with no host sync. ``None`` (default): on for CUDA devices, off on
@@ -54,6 +57,7 @@ class LookaheadConfig:
     pool_two_token_slots: int = 0
     pool_rank_by_hits: bool = False
     pool_from_output: bool = False
+    guess_from_history: bool = False
     pad_candidates: bool | None = None
 
     def __post_init__(self) -> None:
@@ -62,7 +66,8 @@ class LookaheadConfig:
         require_int("LookaheadConfig.guess", self.guess, 0)
         require_int("LookaheadConfig.seed", self.seed, 0)
         require_int("LookaheadConfig.pool_two_token_slots", self.pool_two_token_slots, 0)
-        for name in ("pool_from_prompt", "pool_two_token_key", "pool_rank_by_hits", "pool_from_output"):
+        for name in ("pool_from_prompt", "pool_two_token_key", "pool_rank_by_hits", "pool_from_output",
+                     "guess_from_history"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"LookaheadConfig.{name} must be a bool (True or False), got {value!r}")

@@ -156,6 +156,47 @@ class NGramTable:
             self._entry(tuple(key), create=True)  # refreshes the slot's use clock
 
 
+class HistoryIndex:
+    """Where every 1-, 2- and 3-token context ends in the committed sequence (prompt and output), so a step can
+    be offered what followed the latest earlier occurrences of its own last tokens.
+
+    Unlike the pool, nothing here is ever evicted, and a longer matching context ranks first. Indexing is
+    incremental (each committed token is indexed once), and a lookup stops after ``limit`` continuations.
+
+    Args:
+        ngram: ``N``; continuations have ``N - 1`` tokens.
+        max_context: longest context matched (3).
+    """
+
+    def __init__(self, ngram: int, max_context: int = 3):
+        self.cont_len, self.max_context = ngram - 1, max_context
+        self._ends: list[dict[tuple, list[int]]] = [{} for _ in range(max_context)]
+        self._indexed = 0
+
+    def _extend(self, sequence: list[int]) -> None:
+        for j in range(self._indexed, len(sequence)):
+            for c in range(1, min(self.max_context, j + 1) + 1):
+                self._ends[c - 1].setdefault(tuple(sequence[j - c + 1: j + 1]), []).append(j)
+        self._indexed = len(sequence)
+
+    def continuations(self, sequence: list[int], limit: int) -> list[tuple]:
+        """Up to ``limit`` distinct continuations (tuples of ``N-1`` ids) that followed earlier occurrences of the
+        last 3, then 2, then 1 tokens of ``sequence``, most recent occurrence first within each context length.
+        Occurrences whose continuation would run into ``x`` itself are skipped."""
+        if len(sequence) < self._indexed:
+            raise ValueError("HistoryIndex: the sequence got shorter; use a new index for a new sequence")
+        self._extend(sequence)
+        out: dict[tuple, None] = {}
+        last, k = len(sequence) - 1, self.cont_len
+        for c in range(min(self.max_context, len(sequence)), 0, -1):
+            for j in reversed(self._ends[c - 1].get(tuple(sequence[-c:]), ())):
+                if len(out) >= limit:
+                    return list(out)
+                if j + k <= last:
+                    out.setdefault(tuple(sequence[j + 1: j + 1 + k]), None)
+        return list(out)
+
+
 def _common_prefix(a, b) -> int:
     n = 0
     for s, t in zip(a, b):
@@ -186,12 +227,13 @@ class GuessSource:
         self.one = NGramTable(1, n, g, ranked=True) if self.ranked else None
         self.two = (NGramTable(2, n, g, ranked=self.ranked, slots=config.two_token_slots)
                     if config.pool_two_token_key else None)
+        self.history = HistoryIndex(n) if config.guess_from_history else None
         self._x_index: int | None = None  # where the last candidates' x sits in the sequence
         self._offered: list[tuple[tuple, list]] = []  # (continuation, [(table, key), ..]) to credit hits to
 
     @property
     def _plain(self) -> bool:
-        return self.two is None and self.one is None
+        return self.two is None and self.one is None and self.history is None
 
     def _insert_one(self, rows: list[list[int]]) -> None:
         if not rows:
@@ -204,6 +246,8 @@ class GuessSource:
     def start(self, prompt: torch.Tensor) -> None:
         """Called once with the prompt (1-D LongTensor) before the first step."""
         self._x_index, self._offered = None, []
+        if self.history is not None:
+            self.history = HistoryIndex(self.config.ngram)
         if not self.config.pool_from_prompt or self.config.guess == 0:
             return
         if self._plain:
@@ -236,11 +280,30 @@ class GuessSource:
                 offered[cont].append((self.one, (x,)))
             elif len(offered) < g:
                 offered[cont] = [(self.one, (x,))]
+        if self.history is not None:
+            offered = self._with_history(self.history.continuations(sequence, g), offered, g)
         if self.ranked:
             self._offered = list(offered.items())
         if not offered:
             return torch.empty(0, k, dtype=torch.long)
         return torch.tensor(list(offered), dtype=torch.long)
+
+    @staticmethod
+    def _with_history(history: list[tuple], offered: dict, g: int) -> dict:
+        """History continuations take up to half the ``g`` slots first, the pool's the rest; whichever has more
+        tops up the slots the other leaves empty. Keeps each continuation's crediting sources."""
+        half = (g + 1) // 2
+        merged = {cont: offered.get(cont, []) for cont in history[:half]}
+        for cont, sources in offered.items():
+            if cont in merged:
+                merged[cont] = sources
+            elif len(merged) < g:
+                merged[cont] = sources
+        for cont in history[half:]:
+            if len(merged) >= g:
+                break
+            merged.setdefault(cont, offered.get(cont, []))
+        return merged
 
     def padded_candidates(self, sequence: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
         """The candidates of :meth:`candidates` padded to ``guess`` rows, for steps of constant shape.

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from lookahead import LlamaForCausalLM, LookaheadConfig
-from lookahead.guesses import GuessSource, NGramTable
+from lookahead.guesses import GuessSource, HistoryIndex, NGramTable
 from lookahead.pool import NGramPool
 
 OFF = dict(pool_two_token_key=False, pool_rank_by_hits=False, pool_from_output=False)
@@ -89,6 +89,34 @@ def test_two_token_candidates_first_then_one_token_fill_deduplicated():
     assert rows(src.candidates([5, 8, 1])) == [(70, 71), (60, 61), (80, 81), (90, 91)]
     # A one-token sequence has no two-token key.
     assert rows(src.candidates([1])) == [(70, 71), (60, 61), (80, 81), (90, 91)]
+
+
+def test_history_offers_longest_context_first_then_most_recent():
+    h = HistoryIndex(ngram=3)
+    seq = [1, 2, 3, 9, 9, 4, 2, 3, 8, 8, 5, 3, 7, 7, 2, 3]
+    # Last tokens (.., 2, 3): the 2-token context (2, 3) ended at 7 and 2 -> (8, 8) newest, then (9, 9); then the
+    # 1-token context 3 adds (7, 7) (ended at 11); x itself (index 15) is never a match.
+    assert h.continuations(seq, 10) == [(8, 8), (9, 9), (7, 7)]
+    assert h.continuations(seq, 2) == [(8, 8), (9, 9)]
+    # Growing the sequence indexes only the new tokens: (4, 2, 3) ended at 7, then (2, 3) at 15 and 2.
+    seq += [4, 2, 3]
+    assert h.continuations(seq, 10)[:3] == [(8, 8), (4, 2), (9, 9)]
+    with pytest.raises(ValueError, match="shorter"):
+        h.continuations(seq[:3], 1)
+
+
+def test_history_takes_half_the_slots_then_the_pool_then_tops_up():
+    src = source(g=4, guess_from_history=True)
+    seq = [1, 10, 11, 2, 1, 20, 21, 2, 1, 30, 31, 2, 1]
+    src.start(torch.tensor(seq[:-1]))
+    src.pool.insert(torch.tensor([[1, 70, 71], [1, 80, 81], [1, 90, 91]]))
+    # History for x=1: (2, 1) ended at 8 and 4 -> (30, 31), (20, 21), in half of the 4 slots; the pool fills the
+    # rest oldest first. With fewer pool candidates the history tops up: 1 alone adds (10, 11).
+    assert rows(src.candidates(seq)) == [(30, 31), (20, 21), (70, 71), (80, 81)]
+    src = source(g=4, guess_from_history=True)
+    src.start(torch.tensor(seq[:-1]))
+    src.pool.insert(torch.tensor([[1, 70, 71]]))
+    assert rows(src.candidates(seq)) == [(30, 31), (20, 21), (70, 71), (10, 11)]
 
 
 def test_window_ngrams_are_keyed_by_the_token_before_their_column():
@@ -187,7 +215,7 @@ def test_output_ngrams_off_adds_nothing():
 
 # ---- options ------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("bad", [{"pool_two_token_key": 1}, {"pool_rank_by_hits": "yes"}, {"pool_from_output": None},
+@pytest.mark.parametrize("bad", [{"pool_two_token_key": 1}, {"pool_rank_by_hits": "yes"}, {"pool_from_output": None}, {"guess_from_history": 1},
                                  {"pool_two_token_slots": -1}, {"pool_two_token_slots": 2.0},
                                  {"pool_two_token_slots": True}])
 def test_bad_options_raise(bad):
@@ -198,7 +226,7 @@ def test_bad_options_raise(bad):
 
 def test_options_exist_with_bool_defaults():
     c = LookaheadConfig()
-    for name in ("pool_two_token_key", "pool_rank_by_hits", "pool_from_output"):
+    for name in ("pool_two_token_key", "pool_rank_by_hits", "pool_from_output", "guess_from_history"):
         assert isinstance(getattr(c, name), bool)
     assert c.pool_two_token_slots == 0
 
@@ -215,9 +243,10 @@ def tiny():
     return LlamaForCausalLM.from_hf(transformers.LlamaForCausalLM(cfg).eval())
 
 
-@pytest.mark.parametrize("two,ranked,output", list(itertools.product([False, True], repeat=3)))
-def test_every_option_combination_is_greedy_identical(tiny, two, ranked, output):
-    opts = dict(pool_two_token_key=two, pool_rank_by_hits=ranked, pool_from_output=output)
+@pytest.mark.parametrize("two,ranked,output,history", list(itertools.product([False, True], repeat=4)))
+def test_every_option_combination_is_greedy_identical(tiny, two, ranked, output, history):
+    opts = dict(pool_two_token_key=two, pool_rank_by_hits=ranked, pool_from_output=output,
+                guess_from_history=history)
     prompts = [torch.randint(0, 53, (1, 9), generator=torch.Generator().manual_seed(s)) for s in range(2)]
     prompts.append(torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]]))  # repetitive: candidates get accepted
     for ids in prompts:
