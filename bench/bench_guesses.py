@@ -133,13 +133,16 @@ def render_markdown(result: dict) -> str:
             for s in sets:
                 per = result["sets"][s]["configs"].get(key, {})
                 v, b = per.get(name), per.get("one-token")
-                if not v or v["mean_compression"] is None:
+                if not v or v["mean_compression"] is None or not b:
                     cells.append("- | - | -")
                     continue
-                rel = v["mean_compression"] / b["mean_compression"] - 1
+                # Relative to the one-token pool on the same prompts (a variant may cover fewer).
+                done = {r["prompt"] for r in v["rows"]}
+                base = statistics.fmean(r["compression"] for r in b["rows"] if r["prompt"] in done)
+                rel = v["mean_compression"] / base - 1
                 cells.append(f"{v['mean_compression']:.3f} | {rel:+.1%} | {v['identical']}/{v['prompts']}")
                 means.append(v["mean_compression"])
-                bases.append(b["mean_compression"])
+                bases.append(base)
             if means:
                 mean, base = statistics.fmean(means), statistics.fmean(bases)
                 tail = f"{mean:.3f} | {mean / base - 1:+.1%}"
@@ -188,19 +191,21 @@ def merge(paths: list[str]) -> dict:
             parts.append(json.load(f))
     result = json.loads(json.dumps(parts[0]))
     for path, part in zip(paths[1:], parts[1:]):
-        for key in ("max_new_tokens", "configs", "variants"):
-            if part[key] != result[key]:
-                raise ValueError(f"{path}: {key} differs between the merged runs ({part[key]} vs {result[key]})")
+        if part["max_new_tokens"] != result["max_new_tokens"]:
+            raise ValueError(f"{path}: max_new_tokens differs between the merged runs ({part['max_new_tokens']} vs "
+                             f"{result['max_new_tokens']})")
+        result["configs"] += [c for c in part["configs"] if c not in result["configs"]]
+        result["variants"] += [v for v in part["variants"] if v not in result["variants"]]
+        result["options"] = {**result.get("options", {}), **part.get("options", {})}
         for name, s in part["sets"].items():
-            if name not in result["sets"]:
-                result["sets"][name] = s
-                continue
-            mine = result["sets"][name]
+            mine = result["sets"].setdefault(name, {"prompts": 0, "configs": {c: {} for c in result["configs"]}})
             for c, per in s["configs"].items():
                 for v, entry in per.items():
-                    have = {r["prompt"] for r in mine["configs"][c][v]["rows"]}
-                    mine["configs"][c][v]["rows"] += [r for r in entry["rows"] if r["prompt"] not in have]
-            mine["prompts"] = len(next(iter(mine["configs"].values()))[result["variants"][0]]["rows"])
+                    rows = mine["configs"].setdefault(c, {}).setdefault(v, {"rows": []})["rows"]
+                    have = {r["prompt"] for r in rows}
+                    rows += [r for r in entry["rows"] if r["prompt"] not in have]
+                    rows.sort(key=lambda r: r["prompt"])
+            mine["prompts"] = max(len(e["rows"]) for per in mine["configs"].values() for e in per.values())
     result["command"] = " ; ".join(p["command"] for p in parts)
     result["merged_from"] = [{"command": p["command"], "git": p["machine"]["git"]} for p in parts]
     result["wall_seconds"] = max(p.get("wall_seconds", 0) for p in parts)
