@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from lookahead import LookaheadConfig, load_default  # noqa: E402
 from lookahead.cli import machine_info, read_prompts  # noqa: E402
+from lookahead.guesses import common_prefix  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(HERE), "..", "shared", "data")
 DEFAULT_SETS = [os.path.join(DATA, "mt_bench_dev.jsonl"), os.path.join(DATA, "humaneval_dev.jsonl")]
@@ -59,15 +60,6 @@ def variant_config(wng: str, options: dict, backend: str) -> LookaheadConfig:
     return LookaheadConfig(window=w, ngram=n, guess=g, pool_backend=backend, **{**OFF, **options})
 
 
-def _common_prefix(a, b) -> int:
-    n = 0
-    for s, t in zip(a, b):
-        if s != t:
-            break
-        n += 1
-    return n
-
-
 def pool_reach(trace, sequence: list[int], ngram: int) -> dict:
     """Accepted candidate tokens vs the most any pool of the n-grams seen so far could have given (see above).
 
@@ -86,8 +78,8 @@ def pool_reach(trace, sequence: list[int], ngram: int) -> dict:
             next_start += 1
         truth = tuple(sequence[xi + 1: xi + ngram])
         if len(truth) == k:
-            offered = max((_common_prefix(c, truth) for c in st.candidates), default=0)
-            reach = max((_common_prefix(c, truth) for c in seen.get(sequence[xi], ())), default=0)
+            offered = max((common_prefix(c, truth) for c in st.candidates), default=0)
+            reach = max((common_prefix(c, truth) for c in seen.get(sequence[xi], ())), default=0)
             out["steps"] += 1
             out["accepted"] += st.accepted
             out["offered"] += offered

@@ -197,7 +197,8 @@ class HistoryIndex:
         return list(out)
 
 
-def _common_prefix(a, b) -> int:
+def common_prefix(a, b) -> int:
+    """How many leading tokens two sequences share (what a greedy verifier accepts of ``a`` if ``b`` is true)."""
     n = 0
     for s, t in zip(a, b):
         if s != t:
@@ -343,7 +344,7 @@ class GuessSource:
             # candidate gets ``accepted``; others sharing its prefix get their share).
             taken = sequence[xi + 1: xi + 1 + accepted]
             for cont, sources in self._offered:
-                m = _common_prefix(cont, taken)
+                m = common_prefix(cont, taken)
                 if m:
                     for table, key in sources:
                         table.credit(key, cont, m)
