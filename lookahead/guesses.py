@@ -244,6 +244,15 @@ class GuessSource:
         else:
             self.pool.insert(torch.tensor(rows, dtype=torch.long))
 
+    def _insert_window(self, ngrams: torch.Tensor) -> None:
+        from .pools import TableNGramPool
+
+        if isinstance(self.pool, TableNGramPool):
+            # The model's own argmax/sampled ids are in range: skip the check, which on CUDA is a host sync.
+            self.pool.insert(ngrams, check=False)
+        else:
+            self.pool.insert(ngrams)
+
     def start(self, prompt: torch.Tensor) -> None:
         """Called once with the prompt (1-D LongTensor) before the first step."""
         self._x_index, self._offered = None, []
@@ -334,7 +343,7 @@ class GuessSource:
             return
         if self._plain and not cfg.pool_from_output:
             if ngrams is not None:
-                self.pool.insert(ngrams)
+                self._insert_window(ngrams)
             return
         n = cfg.ngram
         # x's index: remembered from candidates(); the step committed accepted + 1 tokens after it otherwise.
@@ -351,7 +360,7 @@ class GuessSource:
         if ngrams is not None:
             rows = ngrams.tolist()
             if self._plain:
-                self.pool.insert(ngrams)
+                self._insert_window(ngrams)
             else:
                 self._insert_one(rows)
             if self.two is not None:
