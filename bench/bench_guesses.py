@@ -146,16 +146,18 @@ def render_markdown(result: dict) -> str:
         for key, per in result["sets"][s]["configs"].items():
             r = per.get("one-token", {}).get("reach")
             if r and r["steps"]:
-                reach_lines.append(f"| {s} | ({key}) | {r['steps']} | {r['accepted'] / r['steps']:.3f} | "
-                                   f"{r['reach'] / r['steps']:.3f} | {r['accepted'] / max(r['reach'], 1):.1%} |")
+                acc, reach = r["accepted"] / r["steps"], r["reach"] / r["steps"]
+                reach_lines.append(f"| {s} | ({key}) | {r['steps']} | {acc:.3f} | {reach:.3f} | "
+                                   f"{r['accepted'] / max(r['reach'], 1):.1%} | {(1 + reach) / (1 + acc) - 1:+.1%} |")
     if reach_lines:
         lines += ["", "## How far any pool could go (one-token runs)", "",
                   "At every step with a complete true continuation: candidate tokens accepted, and the most that the "
                   "best n-gram keyed by `x` among everything produced before the step (all earlier window n-grams, "
                   "the prompt's and the output's n-grams) would have given. No pool of those n-grams, however keyed, "
-                  "ranked or sized, accepts more.", "",
-                  "| set | (W,N,G) | steps | accepted tokens / step | reach / step | accepted / reach |",
-                  "|---|---|---|---|---|---|"] + reach_lines
+                  "ranked or sized, accepts more. `ceiling`: the compression such a pool could add, to first order "
+                  "(each step emits its accepted tokens plus one: `(1 + reach) / (1 + accepted) - 1`).", "",
+                  "| set | (W,N,G) | steps | accepted tokens / step | reach / step | accepted / reach | ceiling |",
+                  "|---|---|---|---|---|---|---|"] + reach_lines
     return "\n".join(lines) + "\n"
 
 

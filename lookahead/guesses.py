@@ -242,13 +242,14 @@ class GuessSource:
         if self.one is not None:
             self.one.insert(rows)
         else:
-            self.pool.insert(torch.tensor(rows, dtype=torch.long))
+            self._insert_window(torch.tensor(rows, dtype=torch.long))
 
     def _insert_window(self, ngrams: torch.Tensor) -> None:
+        """Insert n-grams of ids the model produced (window guesses, committed tokens) into the one-token pool."""
         from .pools import TableNGramPool
 
         if isinstance(self.pool, TableNGramPool):
-            # The model's own argmax/sampled ids are in range: skip the check, which on CUDA is a host sync.
+            # The model's own ids are in range: skip the check, which on CUDA is a host sync.
             self.pool.insert(ngrams, check=False)
         else:
             self.pool.insert(ngrams)

@@ -215,7 +215,8 @@ def test_output_ngrams_off_adds_nothing():
 
 # ---- options ------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("bad", [{"pool_two_token_key": 1}, {"pool_rank_by_hits": "yes"}, {"pool_from_output": None}, {"guess_from_history": 1},
+@pytest.mark.parametrize("bad", [{"pool_two_token_key": 1}, {"pool_rank_by_hits": "yes"}, {"pool_from_output": None},
+                                 {"guess_from_history": 1},
                                  {"pool_two_token_slots": -1}, {"pool_two_token_slots": 2.0},
                                  {"pool_two_token_slots": True}])
 def test_bad_options_raise(bad):
