@@ -22,11 +22,11 @@ class LookaheadConfig:
         pool_backend: ``"auto"`` (CUDA on a GPU, C++ on CPU where it builds, else Python), ``"python"``,
             ``"cpp"`` or ``"cuda"``.
         seed: seeds the tokens that fill the window's empty columns (drawn from the sequence so far).
-        The guess improvements below were measured against the original one-token pool (greedy, SmolLM2, first
-        20 prompts of each dev set, 64 tokens; ``bench/results/guesses-cpu-20.md``). Only ``pool_from_output`` is
-        on by default: it raised compression in every set and configuration (+1.6% at (15,5,15), +3.9% at
-        (7,5,7), mean over the two sets) and keeps the pool on the C++/CUDA backends. The others gained less or
-        the same and need host-side tables; ``guess_from_history`` pays at a small ``guess`` (+5.2% at (7,5,7)).
+        The guess improvements below were measured against the original one-token pool (greedy, SmolLM2, 34
+        MT-Bench and 20 HumanEval dev prompts, 64 tokens; ``bench/results/guesses-cpu-20.md``). Only
+        ``pool_from_output`` is on by default: it raised compression in every set and configuration (+1.5% at
+        (15,5,15), +3.6% at (7,5,7), mean over the two sets) and keeps the pool on the C++/CUDA backends. The
+        others need host-side tables; ``guess_from_history`` pays at a small ``guess`` (+4.9% at (7,5,7)).
         pool_two_token_key: look candidates up by the last two committed tokens ``(sequence[-2], x)`` first, in a
             bounded hashed table, and fill up with the one-token pool's candidates (de-duplicated).
         pool_two_token_slots: slots of that hashed table (>= 0); ``0`` sizes it from the parameters, the next
