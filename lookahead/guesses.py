@@ -218,7 +218,7 @@ class GuessSource:
     """
 
     def __init__(self, config: LookaheadConfig, vocab_size: int, device):
-        from .pools import make_pool
+        from .pools import TableNGramPool, make_pool
 
         self.config = config
         n, g = config.ngram, config.guess
@@ -229,6 +229,8 @@ class GuessSource:
         self.two = (NGramTable(2, n, g, ranked=self.ranked, slots=config.two_token_slots)
                     if config.pool_two_token_key else None)
         self.history = HistoryIndex(n) if config.guess_from_history else None
+        # C++/CUDA tables: inserts can skip the id check (a host sync on CUDA) and lookups can stay padded.
+        self._table_pool = isinstance(self.pool, TableNGramPool)
         self._x_index: int | None = None  # where the last candidates' x sits in the sequence
         self._offered: list[tuple[tuple, list]] = []  # (continuation, [(table, key), ..]) to credit hits to
 
@@ -246,9 +248,7 @@ class GuessSource:
 
     def _insert_window(self, ngrams: torch.Tensor) -> None:
         """Insert n-grams of ids the model produced (window guesses, committed tokens) into the one-token pool."""
-        from .pools import TableNGramPool
-
-        if isinstance(self.pool, TableNGramPool):
+        if self._table_pool:
             # The model's own ids are in range: skip the check, which on CUDA is a host sync.
             self.pool.insert(ngrams, check=False)
         else:
@@ -323,10 +323,8 @@ class GuessSource:
         (token 0, a valid id to embed; verification ignores them), and int64 ``[1]``. With the plain one-token
         pool of a table backend the lookup runs where the pool lives and nothing is read back to the host.
         """
-        from .pools import TableNGramPool
-
         k, g = self.config.ngram - 1, self.config.guess
-        if self._plain and g > 0 and isinstance(self.pool, TableNGramPool):
+        if self._plain and g > 0 and self._table_pool:
             self._x_index, self._offered = len(sequence) - 1, []
             out, count = self.pool.lookup_padded(sequence[-1])
             return out.clamp_min(0).to(device), count.reshape(1).to(device)
@@ -359,11 +357,12 @@ class GuessSource:
                     for table, key in sources:
                         table.credit(key, cont, m)
         if ngrams is not None:
-            rows = ngrams.tolist()
-            if self._plain:
-                self._insert_window(ngrams)
+            # Host lists only for the Python tables; the one-token pool takes the tensor as it is.
+            rows = ngrams.tolist() if self.one is not None or self.two is not None else None
+            if self.one is not None:
+                self.one.insert(rows)
             else:
-                self._insert_one(rows)
+                self._insert_window(ngrams)
             if self.two is not None:
                 before = [sequence[xi - 1] if xi >= 1 else None] + [r[0] for r in rows[:-1]]
                 self.two.insert([[b] + r for b, r in zip(before, rows) if b is not None])
