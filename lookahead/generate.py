@@ -294,7 +294,7 @@ def _lookahead_loop(model, cache, cache_len, emitter, sampler, stats, device, la
         a, c, g_real = back[0], back[1], (back[2] if count is not None else g)
         emitted, new_guesses = back[len(head): len(head) + 1 + a], back[len(head) + 1 + K:]
         if a > 0:
-            src = cache_len + torch.tensor([[step.layout.candidate_row(c, m) for m in range(1, a + 1)]], device=device)
+            src = cache_len + torch.tensor([[step.layout.node_row(c * K + m - 1) for m in range(1, a + 1)]], device=device)
             cache.move_rows(src, cache_len + 1)
         committed = len(emitter.sequence)
         ngrams = window.advance(x, torch.tensor(new_guesses), a, history[:committed])

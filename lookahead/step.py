@@ -39,7 +39,7 @@ class Step:
     def candidate_rows(self) -> slice:
         """Slice of the returned logits holding the candidate tokens (``g * (N-1)`` rows, candidate-major)."""
         start = self.layout.window + (0 if self.layout.levels == 1 else 1)
-        return slice(start, start + self.layout.guesses * self.layout.guess_len)
+        return slice(start, start + self.layout.tree_size)
 
 
 def build_step(x: int, position: int, lookahead_tokens: torch.Tensor, levels: int, window: int,
@@ -52,7 +52,7 @@ def build_step(x: int, position: int, lookahead_tokens: torch.Tensor, levels: in
         candidates: LongTensor ``[g, K]`` (host or ``device``; padded rows count as candidates here).
     """
     g, k = candidates.shape
-    layout = StepLayout(window, levels, g, max(k, 1))
+    layout = StepLayout.linear(window, levels, g, max(k, 1))
     tokens = torch.cat([lookahead_tokens.reshape(-1).to(device), candidates.reshape(-1).to(device)])
     last = list(layout.last_level_rows())
     rows = ([] if levels == 1 else [0]) + last + list(range(layout.lookahead_len, layout.T))

@@ -96,12 +96,15 @@ def attention_torch(q, k_cache, v_cache, *, cache_len, layout: StepLayout, sm_sc
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
     cdtype = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
     idx = torch.arange(T, device=q.device)
-    block_mask = layout.visible(idx[:, None], idx[None, :]).repeat(G, 1)  # [G*T, T], rows head-major
+    per_row_tree = layout.tree is not None and layout.tree.batched
+    shared_mask = None if per_row_tree else layout.visible(idx[:, None], idx[None, :]).repeat(G, 1)  # [G*T, T]
     out = torch.empty_like(q)
-    # Sequences with different cache_len are handled one by one (this is the CPU path).
-    uniform = lens.device.type == "cpu" and bool((lens == lens[0]).all())
+    # Sequences with different cache_len (or trees) are handled one by one (this is the CPU path).
+    uniform = not per_row_tree and lens.device.type == "cpu" and bool((lens == lens[0]).all())
     groups = [(slice(0, B), int(lens[0]))] if uniform else [(slice(b, b + 1), int(lens[b])) for b in range(B)]
     for rows, n in groups:
+        block_mask = shared_mask if shared_mask is not None else \
+            layout.visible(idx[:, None], idx[None, :], rows.start).repeat(G, 1)
         qb = q[rows].to(cdtype).permute(0, 2, 1, 3)  # [b, Hq, T, D]
         qb = qb.reshape(qb.shape[0], Hkv, G * T, D)
         ks = k_cache[rows].to(cdtype).permute(0, 2, 1, 3)  # [b, Hkv, S, D]
@@ -118,12 +121,12 @@ def attention_torch(q, k_cache, v_cache, *, cache_len, layout: StepLayout, sm_sc
     return out
 
 
-def dense_mask(layout: StepLayout, cache_len: int, kv_len: int, device=None) -> torch.Tensor:
-    """BoolTensor ``[T, kv_len]`` of the rule over cache rows (test oracle only)."""
+def dense_mask(layout: StepLayout, cache_len: int, kv_len: int, device=None, b: int = 0) -> torch.Tensor:
+    """BoolTensor ``[T, kv_len]`` of the rule over cache rows for sequence ``b`` (test oracle only)."""
     q_idx = torch.arange(layout.T, device=device)[:, None]
     kv_idx = torch.arange(kv_len, device=device)[None, :]
-    mod = layout.mask_mod(torch.tensor([cache_len], device=device))
-    return mod(torch.zeros((), dtype=torch.long, device=device), None, q_idx, kv_idx)
+    mod = layout.mask_mod(torch.full((b + 1,), cache_len, device=device))
+    return mod(torch.tensor(b, device=device), None, q_idx, kv_idx)
 
 
 def attention_dense_reference(q, k_cache, v_cache, *, cache_len, layout: StepLayout, sm_scale=None,
@@ -140,7 +143,7 @@ def attention_dense_reference(q, k_cache, v_cache, *, cache_len, layout: StepLay
     for b in range(B):
         n = int(lens[b])
         kv = n + T
-        mask = dense_mask(layout, n, kv, device=q.device)  # [T, kv]
+        mask = dense_mask(layout, n, kv, device=q.device, b=b)  # [T, kv]
         k = k_cache[b, :kv].to(dtype).repeat_interleave(Hq // Hkv, dim=1)  # [kv, Hq, D]
         v = v_cache[b, :kv].to(dtype).repeat_interleave(Hq // Hkv, dim=1)
         s = torch.einsum("thd,khd->htk", q[b].to(dtype), k) * scale

@@ -38,7 +38,7 @@ def test_config_rejects_bad_values(kwargs, word):
 
 # ---- layout --------------------------------------------------------------------------------------------------
 def test_layout_hand_worked_mask_and_positions():
-    layout = StepLayout(window=3, levels=2, guesses=2, guess_len=2)
+    layout = StepLayout.linear(window=3, levels=2, guesses=2, guess_len=2)
     assert layout.T == 3 * 2 + 2 * 2
     idx = torch.arange(layout.T)
     got = layout.visible(idx[:, None], idx[None, :]).int()
@@ -58,22 +58,22 @@ def test_layout_hand_worked_mask_and_positions():
     assert torch.equal(got, want)
     assert layout.position_offsets().tolist() == [0, 1, 2, 1, 2, 3, 1, 2, 1, 2]
     assert list(layout.last_level_rows()) == [3, 4, 5]
-    assert layout.candidate_row(1, 2) == 9
+    assert layout.node_row(1 * 2 + 2 - 1) == 9
 
 
 def test_layout_prefill_is_causal_and_dense_mask_sees_prefix():
     layout = StepLayout.prefill(5)
     idx = torch.arange(5)
     assert torch.equal(layout.visible(idx[:, None], idx[None, :]), torch.ones(5, 5, dtype=torch.bool).tril())
-    m = dense_mask(StepLayout(2, 1, 1, 1), cache_len=3, kv_len=8)
+    m = dense_mask(StepLayout.linear(2, 1, 1, 1), cache_len=3, kv_len=8)
     assert m[:, :3].all() and not m[:, 6:].any()
 
 
 @pytest.mark.parametrize("kwargs", [{"window": 0, "levels": 1}, {"window": 2, "levels": 0},
                                     {"window": 2, "levels": 1, "guesses": -1}, {"window": 2.0, "levels": 1}])
 def test_layout_rejects_bad_values(kwargs):
-    with pytest.raises(ValueError, match="StepLayout"):
-        StepLayout(**kwargs)
+    with pytest.raises(ValueError, match="StepLayout|TreeShape"):
+        StepLayout.linear(**kwargs)
 
 
 # ---- window --------------------------------------------------------------------------------------------------
@@ -135,7 +135,8 @@ def test_build_step_packs_tokens_positions_and_rows():
                       candidates=torch.tensor([[30, 31], [40, 41]]), device="cpu")
     assert step.tokens.tolist() == [5, 7, 9, 11, 12, 9, 30, 31, 40, 41]
     assert step.positions.tolist() == [100, 101, 102, 101, 102, 103, 101, 102, 101, 102]
-    assert step.layout == StepLayout(3, 2, 2, 2)
+    assert (step.layout.window, step.layout.levels, step.layout.tree_size) == (3, 2, 4)
+    assert step.layout.tree.end.tolist() == [2, 2, 4, 4]
     assert step.logits_rows.tolist() == [0, 3, 4, 5, 6, 7, 8, 9]
     assert (step.window_rows, step.candidate_rows) == (slice(1, 4), slice(4, 8))
     one = build_step(5, 0, torch.tensor([5, 7, 9]), levels=1, window=3, candidates=torch.empty(0, 2, dtype=torch.long),

@@ -110,7 +110,7 @@ def test_prefill_then_decode_match_transformers(pair):
 
 def test_lookahead_step_matches_ancestor_chains(pair):
     hf, ours = pair
-    layout = StepLayout(3, 2, 2, 2)  # window 3, two levels, two candidates of two tokens: T = 10
+    layout = StepLayout.linear(3, 2, 2, 2)  # window 3, two levels, two candidates of two tokens: T = 10
     torch.manual_seed(2)
     p = 9  # committed prefix length; token 0 of the step (x) sits at position p
     prefix = torch.randint(0, VOCAB, (p,)).tolist()
@@ -129,7 +129,7 @@ def test_lookahead_step_matches_ancestor_chains(pair):
 
 def test_logits_rows_subset(pair):
     _, ours = pair
-    layout = StepLayout(3, 2, 2, 2)
+    layout = StepLayout.linear(3, 2, 2, 2)
     torch.manual_seed(3)
     prefix = torch.randint(0, VOCAB, (1, 5))
     step_ids = torch.randint(0, VOCAB, (1, layout.T))
@@ -158,7 +158,7 @@ def test_batched_steps_with_different_cache_lengths():
     cache, _ = prefill(ours, seqs[:, :10])
     # Sequence 0 continues at position 6 (its rows 6.. are overwritten), sequence 1 at position 10.
     lens = torch.tensor([6, 10])
-    layout = StepLayout(2, 2, 1, 2)
+    layout = StepLayout.linear(2, 2, 1, 2)
     step_ids = torch.randint(0, VOCAB, (2, layout.T))
     positions = lens[:, None] + layout.position_offsets()[None]
     with torch.inference_mode():
@@ -445,7 +445,7 @@ def test_cuda_lookahead_step_matches_cpu(dtype, tol):
     cpu = LlamaForCausalLM.from_hf(hf)
     gpu = LlamaForCausalLM.from_hf(hf.to("cuda", dtype))
     assert gpu.device.type == "cuda" and gpu.dtype == dtype
-    layout = StepLayout(4, 3, 3, 2)
+    layout = StepLayout.linear(4, 3, 3, 2)
     torch.manual_seed(8)
     prefix = torch.randint(0, VOCAB, (2, 11))
     step_ids = torch.randint(0, VOCAB, (2, layout.T))
