@@ -1,8 +1,9 @@
 """Per-call time of attention for one lookahead step: the Triton kernel against SDPA and FlexAttention.
 
 Shapes: Llama-2-7B (32 heads x 128, MHA) and Llama-3-8B (32 query / 8 key-value heads x 128), float16, B=1,
-warm steps of (W, N, G) = (15, 5, 15) and (7, 5, 7) (levels N-1, G guesses of N-1 tokens), committed prefix
-``cache_len`` in 512, 2048, 8192, 32768. Per configuration:
+warm steps of (W, N, G) = (15, 5, 15) and (7, 5, 7) (levels N-1, G linear guesses of N-1 tokens) and a step
+(15, 5, tree 60) whose verification branch is a random pre-ordered token tree of 60 nodes (the same token count
+as G=15 guesses of 4), committed prefix ``cache_len`` in 512, 2048, 8192, 32768. Per configuration:
 
 * ``ours``: ``lookahead_kernels.lookahead_attention`` (mask evaluated in the kernel, split-KV chosen by it);
 * ``sdpa``: ``scaled_dot_product_attention`` with a dense boolean ``[T, cache_len + T]`` mask, with the mask
@@ -42,17 +43,46 @@ from _common import command_line, device_label, device_slug, machine_info, write
 
 # (name, query heads, key/value heads, head dim)
 MODELS = [("llama2-7b", 32, 32, 128), ("llama3-8b", 32, 8, 128)]
-STEPS = [(15, 5, 15), (7, 5, 7)]  # (W, N, G), warm
+# (W, N, G) warm with G linear guesses of N-1 tokens, or (W, N, V, "tree"): a random token tree of V nodes.
+STEPS = [(15, 5, 15), (7, 5, 7), (15, 5, 60, "tree")]
 CACHE_LENS = [512, 2048, 8192, 32768]
-QUICK = dict(models=MODELS, steps=STEPS[:1], cache_lens=[512, 8192])
+QUICK = dict(models=MODELS, steps=[STEPS[0], STEPS[2]], cache_lens=[512, 8192])
 # --dry-run: tiny shapes that the CPU (Triton interpreter) runs in seconds.
-DRY = dict(models=[("tiny-mha", 2, 2, 64), ("tiny-gqa", 4, 2, 64)], steps=[(3, 3, 2)], cache_lens=[16, 70])
+DRY = dict(models=[("tiny-mha", 2, 2, 64), ("tiny-gqa", 4, 2, 64)], steps=[(3, 3, 2), (3, 3, 7, "tree")],
+           cache_lens=[16, 70])
 
 
-def step_layout(window: int, ngram: int, guesses: int):
+def bench_tree(nodes: int, seed: int = 0):
+    """A random pre-ordered tree of ``nodes`` nodes (a TreeShape): each node hangs under a node of the path from a
+    root to the previous node, extending that path with probability 0.6 (a few long branches, many short ones)."""
+    import random
+
+    from lookahead_kernels.tree import TreeShape
+
+    rng = random.Random(seed)
+    parents, path = [], []
+    for i in range(nodes):
+        path = path if rng.random() < 0.6 else path[:rng.randint(0, len(path))]
+        parents.append(path[-1] if path else -1)
+        path.append(i)
+    return TreeShape.from_parents(parents)
+
+
+def step_layout(window: int, ngram: int, guesses: int, kind: str = "linear", device=None):
+    """Layout of a warm step: ``guesses`` linear candidates of ``ngram - 1`` tokens, or with ``kind="tree"`` a
+    :func:`bench_tree` of ``guesses`` nodes (on ``device``, where the kernel reads it)."""
     from lookahead_kernels.layout import StepLayout
 
-    return StepLayout(window, ngram - 1, guesses, ngram - 1)
+    if kind == "tree":
+        return StepLayout(window, ngram - 1, bench_tree(guesses).to(device or "cpu"))
+    return StepLayout.linear(window, ngram - 1, guesses, ngram - 1, device=device)
+
+
+def step_name(wng) -> str:
+    """``(15, 5, 15)`` for linear guesses, ``(15, 5, tree 60)`` for a tree step."""
+    if len(wng) == 4:
+        return f"({wng[0]}, {wng[1]}, {wng[3]} {wng[2]})"
+    return str(tuple(wng))
 
 
 def bytes_needed(cache_len: int, T: int, hq: int, hkv: int, d: int, elem: int) -> int:
@@ -116,7 +146,7 @@ def run_config(model, wng, cache_len, device, dtype, timer, flex_fn):
     from lookahead_kernels.attention_ref import attention_torch, dense_mask
 
     name, hq, hkv, d = model
-    layout = step_layout(*wng)
+    layout = step_layout(*wng, device=device)
     T = layout.T
     kv = cache_len + T
     q, k, v = make_inputs(cache_len, layout, hq, hkv, d, dtype, device)
@@ -182,14 +212,14 @@ def render_markdown(result: dict) -> str:
         x_sdpa = t["sdpa"] / t["ours"]
         x_flex = f"{t['flex'] / t['ours']:.2f}" if "flex" in t else "—"
         lines.append(
-            f"| {r['model']} | {tuple(r['W_N_G'])} | {r['T']} | {r['cache_len']} | {r['num_splits']} | "
+            f"| {r['model']} | {step_name(r['W_N_G'])} | {r['T']} | {r['cache_len']} | {r['num_splits']} | "
             f"{_fmt_us(t['ours'])} | {_fmt_us(t['sdpa+mask'])} | {_fmt_us(t['sdpa'])} | "
             f"{_fmt_us(t.get('flex+mask'))} | {_fmt_us(t.get('flex'))} | {r['bytes'] / 1e6:.2f} | {gbs:.0f} | "
             f"{100 * gbs / copy:.0f} | {x_sdpa:.2f} | {x_flex} |")
     lines += ["", *(f"- {note}" for note in result["notes"])]
     for r in result["rows"]:
         for what, msg in r["errors"].items():
-            lines.append(f"- {r['model']} {tuple(r['W_N_G'])} cache_len {r['cache_len']}: {what} failed: {msg}")
+            lines.append(f"- {r['model']} {step_name(r['W_N_G'])} cache_len {r['cache_len']}: {what} failed: {msg}")
     return "\n".join(lines) + "\n"
 
 
@@ -250,11 +280,11 @@ def main(argv=None) -> int:
                     row = run_config(model, wng, cache_len, device, dtype, timer, flex_fn)
                 result["rows"].append(row)
                 t = row["ms"]
-                print(f"{row['model']:10s} {tuple(wng)} T={row['T']:4d} cache_len={cache_len:6d} "
+                print(f"{row['model']:10s} {step_name(wng)} T={row['T']:4d} cache_len={cache_len:6d} "
                       f"splits={row['num_splits']:2d}  ours {_fmt_us(t['ours'])} us  sdpa {_fmt_us(t['sdpa'])} us  "
                       f"flex {_fmt_us(t.get('flex'))} us  err {row['rel_err_vs_torch']:.1e}")
                 if row["rel_err_vs_torch"] > 1e-2:
-                    result["notes"].append(f"WARNING: {row['model']} {tuple(wng)} cache_len {cache_len}: ours "
+                    result["notes"].append(f"WARNING: {row['model']} {step_name(wng)} cache_len {cache_len}: ours "
                                            f"differs from attention_torch by {row['rel_err_vs_torch']:.2e}")
 
     stem = f"attention-{device_slug(info)}" + ("-dry-run" if args.dry_run else "")

@@ -4,8 +4,10 @@ Queries of one key/value head are packed token-major into the M dimension of a t
 ``m // G`` and query head ``h * G + m % G`` (``G = Hq // Hkv``), so the ``G`` query heads that share a key head
 read each key/value row once. Key rows before ``cache_len[b]`` (the committed prefix) are visible to every
 query and are read with no mask but the row bound; rows ``cache_len[b] .. cache_len[b] + T - 1`` are the step's
-own tokens, and there the rule of :meth:`StepLayout.visible` is recomputed per tile from the four layout
-integers by index arithmetic. No ``[T, S]`` or ``[T, T]`` mask exists anywhere on this path.
+own tokens, and there the rule of :meth:`StepLayout.visible` is recomputed per tile: lookahead tokens from two
+layout integers by index arithmetic, verification-tree nodes from the tree's ``end`` array (one integer loaded per
+key row of the tile, so O(BLOCK_N) loads; node ``j`` is visible to node ``i`` iff ``j <= i < end[j]``). No
+``[T, S]`` or ``[T, T]`` mask exists anywhere on this path.
 
 Split-KV (flash-decoding): when ``B * Hkv`` query tiles would leave the GPU idle, the key rows
 ``0 .. cache_len + T - 1`` of each sequence are cut into ``num_splits`` ranges, one program each; every program
@@ -43,28 +45,21 @@ _PROGRAMS_PER_SM = 2
 # ---------------------------------------------------------------------------------------------------------------
 # kernels
 # ---------------------------------------------------------------------------------------------------------------
-@triton.jit
-def _coords(idx, window, lookahead_len, guess_len):
-    # (is_verify, level, column) of step indices, as StepLayout.token_coords.
-    is_verify = idx >= lookahead_len
-    u = tl.maximum(idx - lookahead_len, 0)
-    level = tl.where(is_verify, u % guess_len + 1, idx // window)
-    column = tl.where(is_verify, u // guess_len, idx % window)
-    return is_verify, level, column
-
-
-# The step's sizes change from step to step during warm-up: do not compile a variant per value.
-@triton.jit(do_not_specialize=["T", "M", "S", "window", "lookahead_len", "guess_len", "num_splits"])
+# The step's sizes change from step to step (warm-up, tree size): do not compile a variant per value. The
+# tree strides follow V (a [B, V] tree's row stride is V; 0 for a tree shared by the batch).
+@triton.jit(do_not_specialize=["T", "M", "S", "window", "lookahead_len", "tree_size", "num_splits",
+                               "stride_eb", "stride_ev"])
 def _attn_fwd_kernel(
     # pointers
-    Q, K, V, CACHE_LEN, OUT, O_PART, LSE_PART,
+    Q, K, V, CACHE_LEN, END, OUT, O_PART, LSE_PART,
     # sizes
-    T, M, S, HKV, GROUP, window, lookahead_len, guess_len, num_splits, scale_log2,
+    T, M, S, HKV, GROUP, window, lookahead_len, tree_size, num_splits, scale_log2,
     # strides
     stride_qb, stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_ob, stride_ot, stride_oh, stride_od,
+    stride_eb, stride_ev,
     stride_ps, stride_ls,
     # meta-parameters
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -136,8 +131,13 @@ def _attn_fwd_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
-    # The tile straddling cache_len and the step's own rows: prefix bound plus the layout rule.
-    bq, lq, cq = _coords(t, window, lookahead_len, guess_len)
+    # The tile straddling cache_len and the step's own rows: prefix bound plus the layout rule. Per query row:
+    # lookahead (level, column), or tree node uq (rows t >= T are never stored; their values do not matter).
+    q_look = t < lookahead_len
+    lq = t // window
+    cq = t % window
+    uq = t - lookahead_len
+    end_base = END + b.to(tl.int64) * stride_eb
     for start in range(full_end, hi, BLOCK_N):
         n = start + offs_n
         # Rows past the step (or the cache) may hold anything, NaN included: never load them.
@@ -151,12 +151,22 @@ def _attn_fwd_kernel(
             s = tl.dot(q, k)
         s = s * scale_log2
         kidx = n - L
-        bk, lk, ck = _coords(kidx, window, lookahead_len, guess_len)
-        ancestor = (((lk[None, :] == 0) & (ck[None, :] <= cq[:, None]))
-                    | ((ck[None, :] == cq[:, None]) & (lk[None, :] <= lq[:, None])))
-        rule = (kidx[None, :] == 0) | ((bq[:, None] == bk[None, :]) & ancestor)
-        in_step = (kidx >= 0) & (kidx < T)
-        visible = n_ok[None, :] & ((kidx < 0)[None, :] | (in_step[None, :] & rule))
+        # Lookahead keys: a level-0 token at a column <= the query's, or the query's own column at a level <=.
+        k_look = (kidx >= 0) & (kidx < lookahead_len)
+        lk = kidx // window
+        ck = kidx % window
+        look = (q_look[:, None] & k_look[None, :]
+                & (((lk[None, :] == 0) & (ck[None, :] <= cq[:, None]))
+                   | ((ck[None, :] == cq[:, None]) & (lk[None, :] <= lq[:, None]))))
+        # Tree keys: node uk is visible to node uq iff uk <= uq < end[uk]; one end load per key row. A lookahead
+        # query has uq < 0 <= uk, so it sees no tree key.
+        uk = kidx - lookahead_len
+        k_tree = (uk >= 0) & (uk < tree_size) & n_ok
+        end_k = tl.load(end_base + tl.where(k_tree, uk, 0).to(tl.int64) * stride_ev, mask=k_tree, other=0)
+        end_k = end_k.to(tl.int32)
+        tree = k_tree[None, :] & (uk[None, :] <= uq[:, None]) & (uq[:, None] < end_k[None, :])
+        # x (step index 0) is visible to every step token; rows before it are the committed prefix.
+        visible = n_ok[None, :] & ((kidx <= 0)[None, :] | look | tree)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row may see nothing in this tile (or this split): keep exp2 away from (-inf) - (-inf).
@@ -268,11 +278,18 @@ def _interpreted(kernel) -> bool:
     return not isinstance(kernel, triton.runtime.JITFunction)
 
 
-def _launch(q, k_cache, v_cache, cache_len, window, levels, guesses, guess_len, sm_scale, num_splits, out,
+def _launch(q, k_cache, v_cache, cache_len, window, levels, tree_size, end, sm_scale, num_splits, out,
             o_part=None, lse_part=None):
-    """Run the kernels into ``out``. Arguments are already validated. ``o_part``/``lse_part`` let tests poison
-    the split workspace (``[num_splits, B, Hkv, M, D]`` and ``[num_splits, B, Hkv, M]`` float32)."""
+    """Run the kernels into ``out``. Arguments are already validated; ``end`` is the tree's end array (``[V]``
+    shared or ``[B, V]`` per sequence, integer, on ``q``'s device; empty with ``tree_size == 0``).
+    ``o_part``/``lse_part`` let tests poison the split workspace (``[num_splits, B, Hkv, M, D]`` and
+    ``[num_splits, B, Hkv, M]`` float32)."""
     B, T, Hq, D = q.shape
+    if tree_size:
+        stride_eb = end.stride(0) if end.dim() == 2 else 0
+        stride_ev = end.stride(-1)
+    else:
+        stride_eb = stride_ev = 0
     S, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
     M = G * T
@@ -291,9 +308,10 @@ def _launch(q, k_cache, v_cache, cache_len, window, levels, guesses, guess_len, 
         stride_ps = stride_ls = 0
     grid = (triton.cdiv(M, block_m), B * Hkv, num_splits)
     _attn_fwd_kernel[grid](
-        q, k_cache, v_cache, cache_len, out, o_part, lse_part,
-        T, M, S, Hkv, G, window, window * levels, guess_len, num_splits, sm_scale * _LOG2E,
+        q, k_cache, v_cache, cache_len, end, out, o_part, lse_part,
+        T, M, S, Hkv, G, window, window * levels, tree_size, num_splits, sm_scale * _LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
+        stride_eb, stride_ev,
         stride_ps, stride_ls,
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         MIN_CHUNK=_MIN_CHUNK, SPLIT=split, IEEE=q.dtype == torch.float32 or upcast, UPCAST=upcast,
@@ -310,6 +328,23 @@ def _launch(q, k_cache, v_cache, cache_len, window, levels, guesses, guess_len, 
         )
 
 
+def tree_end(layout: StepLayout, batch: int, device) -> torch.Tensor:
+    """The ``end`` argument of the custom ops for ``layout``: its tree's end array (``[V]`` or ``[B, V]``, int32
+    or int64) on ``device``, or an empty int64 tensor when the layout has no tree (``tree_size == 0``).
+
+    Raises ``ValueError`` when a per-sequence tree does not have ``batch`` rows."""
+    tree = layout.tree
+    if tree is None or tree.size == 0:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    end = tree.end
+    if end.dim() == 2 and end.shape[0] != batch:
+        raise ValueError(f"the layout's per-sequence tree has {end.shape[0]} rows but the batch has B={batch}")
+    if end.dtype not in (torch.int32, torch.int64):
+        end = end.to(torch.int64)
+    # No copy when the tree already lives on the device (build it there: a host tree costs a copy per call).
+    return end.to(device)
+
+
 def _on_device(q):
     # Triton launches on the current CUDA device; make it q's.
     return torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
@@ -317,29 +352,29 @@ def _on_device(q):
 
 @torch.library.custom_op("lookahead::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: torch.Tensor,
-                  window: int, levels: int, guesses: int, guess_len: int, sm_scale: float,
+                  window: int, levels: int, tree_size: int, end: torch.Tensor, sm_scale: float,
                   num_splits: int) -> torch.Tensor:
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     with _on_device(q):
-        _launch(q, k_cache, v_cache, cache_len, window, levels, guesses, guess_len, sm_scale, num_splits, out)
+        _launch(q, k_cache, v_cache, cache_len, window, levels, tree_size, end, sm_scale, num_splits, out)
     return out
 
 
 @_attention_op.register_fake
-def _attention_fake(q, k_cache, v_cache, cache_len, window, levels, guesses, guess_len, sm_scale, num_splits):
+def _attention_fake(q, k_cache, v_cache, cache_len, window, levels, tree_size, end, sm_scale, num_splits):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
 @torch.library.custom_op("lookahead::attention_out", mutates_args=("out",))
 def _attention_out_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: torch.Tensor,
-                      window: int, levels: int, guesses: int, guess_len: int, sm_scale: float,
+                      window: int, levels: int, tree_size: int, end: torch.Tensor, sm_scale: float,
                       num_splits: int, out: torch.Tensor) -> None:
     with _on_device(q):
-        _launch(q, k_cache, v_cache, cache_len, window, levels, guesses, guess_len, sm_scale, num_splits, out)
+        _launch(q, k_cache, v_cache, cache_len, window, levels, tree_size, end, sm_scale, num_splits, out)
 
 
 @_attention_out_op.register_fake
-def _attention_out_fake(q, k_cache, v_cache, cache_len, window, levels, guesses, guess_len, sm_scale,
+def _attention_out_fake(q, k_cache, v_cache, cache_len, window, levels, tree_size, end, sm_scale,
                         num_splits, out):
     return None
 
@@ -364,7 +399,8 @@ def lookahead_attention(q, k_cache, v_cache, *, cache_len, layout: StepLayout, s
             ``cache_len + T <= S`` (checked when it is an int or a CPU tensor; a CUDA tensor is not read on the
             host).
         layout: the step's :class:`StepLayout`. Rows before ``cache_len`` are visible to every query; among the
-            step's rows ``layout.visible`` holds.
+            step's rows ``layout.visible`` holds. Its tree (``[V]`` shared, or ``[B, V]`` per sequence) is read
+            on ``q``'s device: build it there, or it is copied there on every call.
         sm_scale: softmax scale, default ``1/sqrt(D)``.
         num_splits: key ranges per query tile (split-KV); ``None`` chooses from the prefix length and the
             device's SM count; ``1`` disables splitting.
@@ -414,7 +450,7 @@ def lookahead_attention(q, k_cache, v_cache, *, cache_len, layout: StepLayout, s
         num_splits = choose_num_splits(programs, max_rows, _num_sms(q.device))
     elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= _MAX_SPLITS:
         raise ValueError(f"num_splits must be None or an int in 1..{_MAX_SPLITS}, got {num_splits!r}")
-    args = (q, k_cache, v_cache, lens, layout.window, layout.levels, layout.guesses, layout.guess_len,
+    args = (q, k_cache, v_cache, lens, layout.window, layout.levels, layout.tree_size, tree_end(layout, B, q.device),
             float(sm_scale), num_splits)
     if out is None:
         return torch.ops.lookahead.attention(*args)
