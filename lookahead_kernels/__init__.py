@@ -8,20 +8,25 @@ import importlib
 
 from .attention_ref import attention_dense_reference, attention_torch, dense_mask
 from .layout import StepLayout
-from .verify_ref import verify_greedy_reference
+from .verify_ref import (draw_tree_uniforms, verify_greedy_reference, verify_tree_greedy_reference,
+                         verify_tree_sample_reference)
 
 # name -> submodule that defines it; imported on first access (Triton import and kernel definition are slow).
 _LAZY = {
     "lookahead_attention": ".attention",
+    "verify_tree_greedy": ".verify",
+    "verify_tree_sample": ".verify",
+    "row_argmax": ".verify",
+    "load_pool_extension": ".pool_ext",
+    # linear candidates as a tree; removed when the decode loop moves to trees (with verify_greedy_reference)
     "verify_greedy": ".verify",
     "verify_sample": ".verify",
-    "row_argmax": ".verify",
     "draw_verify_uniforms": ".verify_ref",
     "verify_sample_reference": ".verify_ref",
-    "load_pool_extension": ".pool_ext",
 }
 
 __all__ = ["StepLayout", "attention_torch", "attention_dense_reference", "dense_mask",
+           "verify_tree_greedy_reference", "verify_tree_sample_reference", "draw_tree_uniforms",
            "verify_greedy_reference", *_LAZY]
 
 

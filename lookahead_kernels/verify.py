@@ -1,23 +1,30 @@
-"""Fused verification of one lookahead step in Triton: greedy (argmax matching) and speculative sampling.
+"""Fused verification of one lookahead step on the draft tree in Triton: greedy (argmax matching) and sampling.
 
-Semantics are those of the torch references in ``verify_ref.py`` (``verify_greedy_reference``,
-``verify_sample_reference``), which are the oracle and the CPU path. Every launch covers all candidates of all
-batch rows; nothing synchronises with the host and the outputs stay on the device.
+Semantics are those of the torch references in ``verify_ref.py`` (``verify_tree_greedy_reference``,
+``verify_tree_sample_reference``), which are the oracle and the CPU path; read their module docstring for the
+tree encoding and the rules. Every launch covers all batch rows; nothing synchronises with the host and the
+outputs stay on the device.
 
-Greedy is two launches: ``_argmax_partial_kernel`` (grid ``[B, 1 + G*K, splits]``: each program reduces one
-slice of one row's vocabulary to a (max, first index) pair) and ``_greedy_walk_kernel`` (grid ``[B]``: merges the
-slices, matches candidates against the argmaxes, writes the outputs). ``row_argmax`` reuses the partial kernel
+Greedy is two launches: ``_argmax_partial_kernel`` (grid ``[B, 1 + V, splits]``: each program reduces one slice of
+one row's vocabulary, at ``x`` or at a real node, to a (max, first index) pair) and ``_tree_greedy_walk_kernel``
+(grid ``[B]``: merges the slices, finds every node's parent from ``end`` and whether its token is the argmax at
+its parent, then walks down from ``x`` taking the first matching child). ``row_argmax`` reuses the partial kernel
 for other rows (the window's last level) plus a small merge kernel.
 
-Sampling is one launch, ``_sample_walk_kernel`` (grid ``[B]``): the walk is sequential by nature; it reads one
-vocabulary row per depth (for its sum) and one more for the bonus draw. The probabilities come from
-``lookahead.sampling.warp_logits`` (top-k / top-p warping is not fused). Random numbers are drawn by the launcher
-with ``torch.rand`` in the layout of ``draw_verify_uniforms`` and consumed identically by the reference.
+Sampling is one launch, ``_tree_sample_walk_kernel`` (grid ``[B]``): the walk is sequential by nature. It reads
+one vocabulary row per visited node (for its sum), one token weight per tried child, and for the bonus one more
+pass over the row (chunk sums, corrected for the rejected tokens) plus one chunk at token granularity. The
+probabilities come from ``lookahead.sampling.warp_logits`` (top-k / top-p warping is not fused). Random numbers
+are drawn by the launcher with ``torch.rand`` in the layout of ``draw_tree_uniforms`` and consumed identically by
+the reference.
 
-Kernels are torch custom ops that write into given outputs (``lookahead::verify_greedy_out``,
-``lookahead::verify_sample_out``, ``lookahead::row_argmax_out``) with fake implementations; the launchers
+Kernels are torch custom ops that write into given outputs (``lookahead::verify_tree_greedy_out``,
+``lookahead::verify_tree_sample_out``, ``lookahead::row_argmax_out``) with fake implementations; the launchers
 allocate the outputs unless ``out=`` is passed. On CPU tensors they run only under Triton's interpreter
 (``TRITON_INTERPRET=1`` set before this module is imported); otherwise use the references.
+
+``verify_greedy`` / ``verify_sample`` verify the old linear candidates ``[B, G, K]`` on these kernels (linear
+candidates as a tree; removed when the decode loop moves to trees).
 """
 
 from __future__ import annotations
@@ -26,13 +33,25 @@ import torch
 import triton
 import triton.language as tl
 
-from .verify_ref import check_verify_inputs, check_verify_uniforms, draw_verify_uniforms
+from .verify_ref import (check_tree_verify_inputs, draw_tree_uniforms, linear_greedy, linear_sample,
+                         resolve_uniforms)
 
-__all__ = ["verify_greedy", "verify_sample", "row_argmax"]
+__all__ = ["verify_tree_greedy", "verify_tree_sample", "row_argmax", "draw_tree_uniforms"]
 
 
 # ---- kernels -------------------------------------------------------------------------------------------------------
-@triton.jit
+def _device_fn(fn):
+    """``triton.jit`` for a device function called by the kernels; under Triton's interpreter the plain function.
+
+    The interpreter re-patches ``triton.language`` on every device-function call (about 2 ms each), which made the
+    interpreted kernels several times slower; called as plain Python inside a running kernel, the function sees
+    the language already patched and computes the same thing.
+    """
+    jitted = triton.jit(fn)
+    return jitted if isinstance(jitted, triton.runtime.JITFunction) else fn
+
+
+@_device_fn
 def _slice_argmax(row_ptr, stride_v, lo, hi, BLOCK_V: tl.constexpr, F64: tl.constexpr):
     """(max, first index of the max) of ``row[lo:hi]``; NaN counts as the largest, as in torch.argmax."""
     best_val = tl.full([], float("-inf"), tl.float64 if F64 else tl.float32)
@@ -103,7 +122,7 @@ def _argmax_partial_kernel(
             tl.store(idx_ptr + out, idx.to(tl.int64))
 
 
-@triton.jit
+@_device_fn
 def _merge_slices(val_ptr, idx_ptr, offs, mask, S):
     """Merge the S slice results stored at ``offs*S + s`` (slices in vocabulary order, first index wins)."""
     best_val = tl.load(val_ptr + offs * S, mask=mask, other=float("-inf"))
@@ -125,56 +144,66 @@ def _row_argmax_merge_kernel(val_ptr, idx_ptr, out_ptr, R, S, BLOCK_R: tl.conste
 
 
 @triton.jit
-def _greedy_walk_kernel(
+def _tree_greedy_walk_kernel(
     # pointers
-    val_ptr, idx_ptr, cand_ptr, n_ptr, acc_ptr, best_ptr, tok_ptr,
+    val_ptr, idx_ptr, tok_ptr, end_ptr, n_ptr, acc_ptr, path_ptr, emit_ptr,
     # sizes
-    G, K, n_const, S,
+    V, n_const, S, A,
     # strides (elements)
-    stb, stg, stk, sob,
+    stb, stv, seb, sev, spb, smb,
     # meta-parameters
-    HAS_N_TENSOR: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_N_TENSOR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    """Program b: merge the argmax slices of its rows, find the longest accepted candidate, write the outputs."""
+    """Program b: merge the argmax slices of its rows, walk the tree from x, write the outputs.
+
+    Node i matches when its token is the argmax at its parent (x for a root). Since that argmax depends on the
+    parent alone, the walk is: from the current node, move to its first matching child, up to A times.
+    """
     b = tl.program_id(0)
-    R = 1 + G * K
+    b64 = b.to(tl.int64)
     if HAS_N_TENSOR:
         n = tl.load(n_ptr + b)
     else:
-        n = n_const
-    n = tl.minimum(tl.maximum(n, 0), G)
-    y0 = _merge_slices(val_ptr, idx_ptr, b * R + tl.arange(0, 1), tl.full([1], 1, tl.int1), S)
-    y0 = tl.sum(y0, axis=0)
-    g = tl.arange(0, BLOCK_G)[:, None]
-    k = tl.arange(0, BLOCK_K)[None, :]
-    real = (g < n) & (k < K)
-    cand = tl.load(cand_ptr + b.to(tl.int64) * stb + g * stg + k * stk, mask=real, other=-1)
-    # target[g, k]: the argmax where candidates[g, k] stands, i.e. after candidates[g, k-1] (x for k = 0)
-    prev = (g < n) & (k >= 1) & (k < K)
-    target = _merge_slices(val_ptr, idx_ptr, b * R + 1 + g * K + (k - 1), prev, S)
-    target = tl.where(k == 0, y0, target)
-    miss = real & (cand != target)
-    length = tl.min(tl.where(miss, k, K), axis=1)  # [BLOCK_G]: first mismatch
-    gv = tl.arange(0, BLOCK_G)
-    length = tl.where(gv < n, length, -1)
-    acc = tl.maximum(tl.max(length, axis=0), 0)
-    best = tl.min(tl.where(length == acc, gv, BLOCK_G), axis=0)
-    best = tl.where(acc > 0, best, -1)
-    # tokens: the best candidate's first acc tokens, then the bonus (argmax after its last accepted token)
-    kk = tl.arange(0, BLOCK_K)
-    bc = tl.maximum(best, 0)
-    toks = tl.load(cand_ptr + b.to(tl.int64) * stb + bc * stg + kk * stk, mask=kk < acc, other=-1)
-    bonus_row = b * R + 1 + bc * K + tl.maximum(acc - 1, 0)
-    # masked when nothing is accepted: with G = 0 that row does not exist
-    bonus = _merge_slices(val_ptr, idx_ptr, bonus_row + tl.arange(0, 1), tl.full([1], 1, tl.int1) & (acc > 0), S)
-    bonus = tl.where(acc > 0, tl.sum(bonus, axis=0), y0)
-    toks = tl.where(kk == acc, bonus, toks)
-    tl.store(tok_ptr + b * sob + kk, toks, mask=kk < K + 1)
+        n = tl.zeros([], tl.int64) + n_const
+    n = tl.minimum(tl.maximum(n, 0), V).to(tl.int32)
+    base = b * (1 + V)  # row 0 of the partials is x, row 1 + i is node i
+    y = tl.sum(_merge_slices(val_ptr, idx_ptr, base + tl.arange(0, 1), tl.full([1], 1, tl.int1), S), axis=0)
+    nodes = tl.arange(0, BLOCK_N)
+    real = nodes < n
+    tok = tl.load(tok_ptr + b64 * stb + nodes * stv, mask=real, other=-1)
+    pred = _merge_slices(val_ptr, idx_ptr, base + 1 + nodes, real, S)  # argmax after each real node
+    # parent[i]: the largest j < i with end[j] > i (-1 for a root); only real j (a real node's ancestors are real)
+    parent = tl.full([BLOCK_N], -1, tl.int32)
+    for j0 in range(0, n, CHUNK):
+        jj = j0 + tl.arange(0, CHUNK)
+        ej = tl.load(end_ptr + b64 * seb + jj * sev, mask=jj < n, other=0)
+        inside = (jj[:, None] < nodes[None, :]) & (nodes[None, :] < ej[:, None])
+        parent = tl.maximum(parent, tl.max(tl.where(inside, jj[:, None], -1), axis=0))
+    has_parent = real & (parent >= 0)
+    at_parent = _merge_slices(val_ptr, idx_ptr, base + 1 + parent, has_parent, S)
+    match = real & (tok == tl.where(has_parent, at_parent, y))
+    av = tl.arange(0, BLOCK_A)
+    path = tl.full([BLOCK_A], -1, tl.int64)
+    emitted = tl.full([BLOCK_A], -1, tl.int64)
+    cur = tl.zeros([], tl.int32) - 1
+    acc = tl.zeros([], tl.int32)
+    for s in range(0, A):
+        # once a step finds no child the walk is over: cur stays, so every later step finds none either
+        nxt = tl.min(tl.where(match & (parent == cur), nodes, BLOCK_N), axis=0)
+        go = nxt < BLOCK_N
+        here = (av == s) & go
+        path = tl.where(here, nxt.to(tl.int64), path)
+        emitted = tl.where(here, y, emitted)  # the accepted token is the argmax that matched it
+        y = tl.where(go, tl.sum(tl.where(nodes == nxt, pred, 0), axis=0), y)
+        acc = tl.where(go, acc + 1, acc)
+        cur = tl.where(go, nxt, cur)
+    emitted = tl.where(av == acc, y, emitted)
+    tl.store(path_ptr + b64 * spb + av, path, mask=av < A)
+    tl.store(emit_ptr + b64 * smb + av, emitted, mask=av < A + 1)
     tl.store(acc_ptr + b, acc.to(tl.int64))
-    tl.store(best_ptr + b, best.to(tl.int64))
 
 
-@triton.jit
+@_device_fn
 def _row_sum(row_ptr, stride_v, V, BLOCK_V: tl.constexpr):
     acc = tl.zeros([BLOCK_V], tl.float64)
     for start in range(0, V, BLOCK_V):
@@ -183,101 +212,117 @@ def _row_sum(row_ptr, stride_v, V, BLOCK_V: tl.constexpr):
     return tl.sum(acc, axis=0)
 
 
-@triton.jit
-def _inverse_cdf(row_ptr, stride_v, V, rej, target, BLOCK_V: tl.constexpr):
-    """Smallest i with target < CDF(i) of the row with the tokens in ``rej`` zeroed (see inverse_cdf_sample)."""
+@_device_fn
+def _residual_inverse_cdf(row_ptr, stride_v, VOCAB, rej_tok, rej_p, target,
+                          BLOCK_V: tl.constexpr, SUB_V: tl.constexpr):
+    """``inverse_cdf_sample`` of the row with the rejected tokens zeroed, without a [vocab, rejected] tile.
+
+    ``rej_tok`` ``[BLOCK_N]`` holds the rejected tokens (``-1`` elsewhere) and ``rej_p`` their weights as they were
+    subtracted (0 for a repeat, so each distinct token counts once). Pass 1 streams the row in chunks of
+    ``BLOCK_V``: a chunk's residual mass is its sum minus the rejected mass inside it, which finds the chunk where
+    the residual CDF passes ``target`` (and the last chunk with residual mass, for the rounding fallback). Pass 2
+    zeroes the rejected tokens in that one chunk only, ``SUB_V`` tokens at a time, and picks the token.
+    """
+    rvalid = (rej_tok >= 0) & (rej_tok < VOCAB)
     running = tl.zeros([], tl.float64)
-    found = tl.zeros([], tl.int32) + V
-    last_pos = tl.zeros([], tl.int32) - 1
-    for start in range(0, V, BLOCK_V):
+    found_start = tl.zeros([], tl.int32) - 1
+    found_base = tl.zeros([], tl.float64)
+    last_start = tl.zeros([], tl.int32) - 1
+    last_base = tl.zeros([], tl.float64)
+    for start in range(0, VOCAB, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
-        mask = offs < V
-        p = tl.load(row_ptr + offs * stride_v, mask=mask, other=0).to(tl.float64)
-        zeroed = tl.max(tl.where(offs[:, None] == rej[None, :], 1, 0), axis=1) > 0
-        p = tl.where(zeroed, 0.0, p)
-        cdf = running + tl.cumsum(p, axis=0)
-        found = tl.minimum(found, tl.min(tl.where(mask & (target < cdf), offs, V), axis=0))
-        last_pos = tl.maximum(last_pos, tl.max(tl.where(p > 0, offs, -1), axis=0))
-        running = tl.max(cdf, axis=0)
-    return tl.where(found < V, found, last_pos).to(tl.int64)
+        p = tl.load(row_ptr + offs * stride_v, mask=offs < VOCAB, other=0).to(tl.float64)
+        in_chunk = rvalid & (rej_tok >= start) & (rej_tok < start + BLOCK_V)
+        chunk = tl.sum(p, axis=0) - tl.sum(tl.where(in_chunk, rej_p, 0.0), axis=0)
+        npos = tl.sum(tl.where(p > 0, 1, 0), axis=0) - tl.sum(tl.where(in_chunk & (rej_p > 0), 1, 0), axis=0)
+        hit = (found_start < 0) & (target < running + chunk)
+        found_base = tl.where(hit, running, found_base)
+        found_start = tl.where(hit, start, found_start)
+        last_base = tl.where(npos > 0, running, last_base)
+        last_start = tl.where(npos > 0, start, last_start)
+        running += chunk
+    use_found = found_start >= 0
+    pick = tl.where(use_found, found_start, last_start)
+    base = tl.where(use_found, found_base, last_base)
+    found = tl.zeros([], tl.int32) + VOCAB
+    last_pos = tl.zeros([], tl.int32) - 1
+    if pick >= 0:
+        for sub in range(0, BLOCK_V, SUB_V):
+            offs = pick + sub + tl.arange(0, SUB_V)
+            mask = offs < VOCAB
+            p = tl.load(row_ptr + offs * stride_v, mask=mask, other=0).to(tl.float64)
+            zeroed = tl.max(tl.where(offs[:, None] == rej_tok[None, :], 1, 0), axis=1) > 0
+            p = tl.where(zeroed, 0.0, p)
+            cdf = base + tl.cumsum(p, axis=0)
+            found = tl.minimum(found, tl.min(tl.where(mask & (target < cdf), offs, VOCAB), axis=0))
+            last_pos = tl.maximum(last_pos, tl.max(tl.where(p > 0, offs, -1), axis=0))
+            base += tl.sum(p, axis=0)
+    # the chunk sums and the token CDF round differently: found only counts in the chunk pass 1 chose for it
+    return tl.where(use_found & (found < VOCAB), found, last_pos).to(tl.int64)
 
 
 @triton.jit
-def _sample_walk_kernel(
+def _tree_sample_walk_kernel(
     # pointers
-    x_ptr, c_ptr, cand_ptr, n_ptr, u_ptr, acc_ptr, best_ptr, tok_ptr,
+    x_ptr, c_ptr, tok_ptr, end_ptr, n_ptr, u_ptr, acc_ptr, path_ptr, emit_ptr,
     # sizes
-    G, K, V, n_const,
+    V, VOCAB, n_const, A,
     # strides (elements)
-    sxb, sxv, scb, scg, sck, scv, stb, stg, stk, sub, suk, sug, sob,
+    sxb, sxv, scb, scn, scv, stb, stv, seb, sev, sub, suv, spb, smb,
     # meta-parameters
-    HAS_N_TENSOR: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K1: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_N_TENSOR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_V: tl.constexpr,
+    SUB_V: tl.constexpr,
 ):
-    """Program b: the speculative-sampling walk of ``verify_sample_reference`` for batch row b."""
+    """Program b: the speculative-sampling walk of ``verify_tree_sample_reference`` for batch row b."""
     b = tl.program_id(0)
     b64 = b.to(tl.int64)
     if HAS_N_TENSOR:
         n = tl.load(n_ptr + b)
     else:
-        n = n_const
-    n = tl.minimum(tl.maximum(n, 0), G)
-    gv = tl.arange(0, BLOCK_G)
-    kv = tl.arange(0, BLOCK_K1)
-    live = gv < n
-    out = tl.full([BLOCK_K1], -1, tl.int64)
+        n = tl.zeros([], tl.int64) + n_const
+    n = tl.minimum(tl.maximum(n, 0), V).to(tl.int64)
+    nodes = tl.arange(0, BLOCK_N)
+    av = tl.arange(0, BLOCK_A)
+    path = tl.full([BLOCK_A], -1, tl.int64)
+    emitted = tl.full([BLOCK_A], -1, tl.int64)
     # loop-carried scalars are typed tensors (a stride of 1 arrives as a constexpr)
-    row = x_ptr + b64 * sxb  # current distribution; becomes a candidate row after each acceptance
+    row = x_ptr + b64 * sxb  # the current distribution; a node's row after each acceptance
     row_sv = tl.zeros([], tl.int64) + sxv
-    active = tl.zeros([], tl.int32) + 1
-    acc_len = tl.zeros([], tl.int32)
-    best = tl.zeros([], tl.int32) - 1
-    no_rej = tl.full([BLOCK_G], -1, tl.int64)
-    for d in range(0, K):
-        if active != 0:
-            S = _row_sum(row, row_sv, V, BLOCK_V)
-            # gather every live candidate's token, weight and uniform at once: the sequential tries below
-            # then run on registers instead of a chain of dependent global loads
-            toks_d = tl.load(cand_ptr + b64 * stb + gv * stg + d * stk, mask=live, other=-1)
-            in_vocab = live & (toks_d >= 0) & (toks_d < V)
-            p_d = tl.load(row + toks_d * row_sv, mask=in_vocab, other=0).to(tl.float64)
-            u_d = tl.load(u_ptr + b64 * sub + d * suk + gv * sug, mask=live, other=1.0).to(tl.float64)
-            rej = no_rej  # tokens rejected at this depth (their weight is now 0)
-            acc_c = tl.zeros([], tl.int32) - 1
-            acc_t = tl.zeros([], tl.int64) - 1
-            for c in range(0, G):
-                here = gv == c
-                is_live = tl.max(tl.where(here & live, 1, 0), axis=0)
-                if (is_live != 0) & (acc_c < 0):
-                    t = tl.sum(tl.where(here, toks_d, 0), axis=0)
-                    u = tl.sum(tl.where(here, u_d, 0.0), axis=0)
-                    seen = tl.max(tl.where(rej == t, 1, 0), axis=0)
-                    p_t = tl.where(seen == 0, tl.sum(tl.where(here, p_d, 0.0), axis=0), 0.0)
-                    if u * S < p_t:
-                        acc_c = tl.zeros([], tl.int32) + c
-                        acc_t = t.to(tl.int64)
-                    else:
-                        S = S - p_t
-                        rej = tl.where(here, t, rej)
-            if acc_c >= 0:
-                out = tl.where(kv == d, acc_t, out)
-                best = acc_c
-                acc_len = tl.zeros([], tl.int32) + d + 1
-                live = live & (toks_d == acc_t)
-                row = c_ptr + b64 * scb + acc_c * scg + d * sck
-                row_sv = tl.zeros([], tl.int64) + scv
-            else:
-                active = tl.zeros([], tl.int32)
-                u = tl.load(u_ptr + b64 * sub + d * suk + G * sug).to(tl.float64)
-                bonus = _inverse_cdf(row, row_sv, V, rej, u * S, BLOCK_V)
-                out = tl.where(kv == d, bonus, out)
-    if active != 0:  # all K accepted: the bonus comes from the distribution after the last one
-        S = _row_sum(row, row_sv, V, BLOCK_V)
-        u = tl.load(u_ptr + b64 * sub + (K - 1) * suk + G * sug).to(tl.float64)
-        bonus = _inverse_cdf(row, row_sv, V, no_rej, u * S, BLOCK_V)
-        out = tl.where(kv == K, bonus, out)
-    tl.store(tok_ptr + b64 * sob + kv, out, mask=kv < K + 1)
-    tl.store(acc_ptr + b, acc_len.to(tl.int64))
-    tl.store(best_ptr + b, best.to(tl.int64))
+    S = _row_sum(row, row_sv, VOCAB, BLOCK_V)
+    c = tl.zeros([], tl.int64)  # the next child to try: the roots start at node 0 ...
+    lim = n  # ... and the children of the current node lie below lim
+    acc = tl.zeros([], tl.int64)
+    rej_tok = tl.full([BLOCK_N], -1, tl.int64)  # by node: the tokens rejected at the current node
+    rej_p = tl.zeros([BLOCK_N], tl.float64)  # and the weight each one took away from S
+    while (c < lim) & (acc < A):
+        t = tl.load(tok_ptr + b64 * stb + c * stv)
+        u = tl.load(u_ptr + b64 * sub + c * suv).to(tl.float64)
+        e = tl.load(end_ptr + b64 * seb + c * sev)
+        seen = tl.max(tl.where(rej_tok == t, 1, 0), axis=0)  # a repeated sibling token: its weight is 0 now
+        live = (t >= 0) & (t < VOCAB) & (seen == 0)
+        p_t = tl.load(row + t * row_sv, mask=live, other=0).to(tl.float64)
+        if u * S < p_t:
+            path = tl.where(av == acc, c, path)
+            emitted = tl.where(av == acc, t, emitted)
+            acc += 1
+            row = c_ptr + b64 * scb + c * scn
+            row_sv = tl.zeros([], tl.int64) + scv
+            S = _row_sum(row, row_sv, VOCAB, BLOCK_V)
+            lim = tl.minimum(e, n)
+            c = c + 1
+            rej_tok = tl.full([BLOCK_N], -1, tl.int64)
+            rej_p = tl.zeros([BLOCK_N], tl.float64)
+        else:
+            S = S - p_t
+            rej_tok = tl.where(nodes == c, t, rej_tok)
+            rej_p = tl.where(nodes == c, p_t, rej_p)
+            c = tl.maximum(e, c + 1)  # the next sibling (max: a malformed end never loops)
+    u = tl.load(u_ptr + b64 * sub + V * suv).to(tl.float64)
+    bonus = _residual_inverse_cdf(row, row_sv, VOCAB, rej_tok, rej_p, u * S, BLOCK_V, SUB_V)
+    emitted = tl.where(av == acc, bonus, emitted)
+    tl.store(path_ptr + b64 * spb + av, path, mask=av < A)
+    tl.store(emit_ptr + b64 * smb + av, emitted, mask=av < A + 1)
+    tl.store(acc_ptr + b, acc)
 
 
 # ---- launch helpers ------------------------------------------------------------------------------------------------
@@ -286,7 +331,7 @@ def _interpreted() -> bool:
         from triton.runtime.interpreter import InterpretedFunction
     except ImportError:  # pragma: no cover - every supported Triton has it
         return False
-    return isinstance(_sample_walk_kernel, InterpretedFunction)
+    return isinstance(_tree_sample_walk_kernel, InterpretedFunction)
 
 
 def _check_device(name: str, t: torch.Tensor) -> None:
@@ -305,6 +350,10 @@ def _block_v(V: int, device: torch.device, gpu_cap: int = 2048) -> int:
     return min(cap, max(16, triton.next_power_of_2(V)))
 
 
+def _block(n: int) -> int:
+    return max(2, triton.next_power_of_2(n))
+
+
 def _vocab_splits(rows: int, V: int, block_v: int, device: torch.device) -> int:
     """Slices per row so that the partial-argmax grid fills the GPU (one slice under the interpreter)."""
     if device.type != "cuda":
@@ -314,13 +363,13 @@ def _vocab_splits(rows: int, V: int, block_v: int, device: torch.device) -> int:
     return max(1, min(want, triton.cdiv(V, block_v)))
 
 
-def _num_candidates_arg(num_candidates, G: int):
+def _num_nodes_arg(num_nodes, V: int):
     """(tensor or None, int): a tensor is passed through (clamped in the kernel), an int as a constant."""
-    if num_candidates is None:
-        return None, G
-    if isinstance(num_candidates, int):
-        return None, num_candidates
-    return num_candidates, G
+    if num_nodes is None:
+        return None, V
+    if isinstance(num_nodes, int):
+        return None, num_nodes
+    return num_nodes, V
 
 
 def _argmax_partials(x, c, n_t, n_const, G, K, V, has_x, splits):
@@ -336,7 +385,7 @@ def _argmax_partials(x, c, n_t, n_const, G, K, V, has_x, splits):
         return vals, idxs, splits
     xs = x if has_x else c
     _argmax_partial_kernel[(B, rows, splits)](
-        xs, c, n_t if n_t is not None else idxs, vals, idxs,
+        xs, c if c.numel() else xs, n_t if n_t is not None else idxs, vals, idxs,
         G, K, V, n_const, slice_len,
         xs.stride(0), xs.stride(-1), c.stride(0), c.stride(1), c.stride(2), c.stride(3),
         HAS_X=has_x, HAS_N_TENSOR=n_t is not None, F64=c.dtype == torch.float64, BLOCK_V=block_v,
@@ -345,56 +394,72 @@ def _argmax_partials(x, c, n_t, n_const, G, K, V, has_x, splits):
     return vals, idxs, splits
 
 
+def _end_strides(end: torch.Tensor):
+    """(batch stride, node stride) of ``end`` [V] (one tree for every row: batch stride 0) or [B, V]."""
+    return (end.stride(0), end.stride(1)) if end.dim() == 2 else (0, end.stride(0))
+
+
 # ---- custom ops (write into given outputs: static buffers for CUDA graphs, poisoned buffers in tests) ------------
-@torch.library.custom_op("lookahead::verify_greedy_out", mutates_args=("accept_len", "best", "tokens"))
-def _verify_greedy_op(x_logits: torch.Tensor, cand_logits: torch.Tensor, candidates: torch.Tensor,
-                      num_candidates: torch.Tensor | None, n_const: int, vocab_splits: int,
-                      accept_len: torch.Tensor, best: torch.Tensor, tokens: torch.Tensor) -> None:
-    B, G, K = candidates.shape
-    V = x_logits.shape[1]
+# An empty tensor is replaced by a dummy of the same element type (never dereferenced): its pointer may be null.
+@torch.library.custom_op("lookahead::verify_tree_greedy_out", mutates_args=("accept_len", "path", "emitted"))
+def _verify_tree_greedy_op(x_logits: torch.Tensor, node_logits: torch.Tensor, tokens: torch.Tensor,
+                           end: torch.Tensor, num_nodes: torch.Tensor | None, n_const: int, max_accept: int,
+                           vocab_splits: int, accept_len: torch.Tensor, path: torch.Tensor,
+                           emitted: torch.Tensor) -> None:
+    B, V = tokens.shape
+    vocab = x_logits.shape[1]
     if B == 0:
         return
-    vals, idxs, splits = _argmax_partials(x_logits, cand_logits, num_candidates, n_const, G, K, V, True,
-                                          vocab_splits if vocab_splits > 0 else None)
-    _greedy_walk_kernel[(B,)](
-        vals, idxs, candidates, num_candidates if num_candidates is not None else idxs, accept_len, best, tokens,
-        G, K, n_const, splits,
-        candidates.stride(0), candidates.stride(1), candidates.stride(2), tokens.stride(0),
-        HAS_N_TENSOR=num_candidates is not None, BLOCK_G=max(2, triton.next_power_of_2(G)),
-        BLOCK_K=max(2, triton.next_power_of_2(K + 1)),
+    # the node rows read as G = V candidates of K = 1 token: the partial kernel skips rows i >= num_nodes
+    vals, idxs, splits = _argmax_partials(x_logits, node_logits[:, :, None, :], num_nodes, n_const, V, 1, vocab,
+                                          True, vocab_splits if vocab_splits > 0 else None)
+    seb, sev = _end_strides(end)
+    block_n = _block(V)
+    _tree_greedy_walk_kernel[(B,)](
+        vals, idxs, tokens if V else accept_len, end if V else accept_len,
+        num_nodes if num_nodes is not None else accept_len, accept_len, path if max_accept else accept_len, emitted,
+        V, n_const, splits, max_accept,
+        tokens.stride(0), tokens.stride(1), seb, sev, path.stride(0), emitted.stride(0),
+        HAS_N_TENSOR=num_nodes is not None, BLOCK_N=block_n, BLOCK_A=_block(max_accept + 1),
+        CHUNK=min(block_n, 64 if tokens.device.type == "cpu" else 16),
     )
 
 
-@_verify_greedy_op.register_fake
-def _(x_logits, cand_logits, candidates, num_candidates, n_const, vocab_splits, accept_len, best, tokens):
+@_verify_tree_greedy_op.register_fake
+def _(x_logits, node_logits, tokens, end, num_nodes, n_const, max_accept, vocab_splits, accept_len, path, emitted):
     return None
 
 
-@torch.library.custom_op("lookahead::verify_sample_out", mutates_args=("accept_len", "best", "tokens"))
-def _verify_sample_op(x_probs: torch.Tensor, cand_probs: torch.Tensor, candidates: torch.Tensor,
-                      num_candidates: torch.Tensor | None, n_const: int, uniforms: torch.Tensor,
-                      accept_len: torch.Tensor, best: torch.Tensor, tokens: torch.Tensor) -> None:
-    B, G, K = candidates.shape
-    V = x_probs.shape[1]
+@torch.library.custom_op("lookahead::verify_tree_sample_out", mutates_args=("accept_len", "path", "emitted"))
+def _verify_tree_sample_op(x_probs: torch.Tensor, node_probs: torch.Tensor, tokens: torch.Tensor,
+                           end: torch.Tensor, num_nodes: torch.Tensor | None, n_const: int, max_accept: int,
+                           uniforms: torch.Tensor, accept_len: torch.Tensor, path: torch.Tensor,
+                           emitted: torch.Tensor) -> None:
+    B, V = tokens.shape
+    vocab = x_probs.shape[1]
     if B == 0:
         return
-    c = cand_probs
-    _sample_walk_kernel[(B,)](
-        x_probs, c, candidates, num_candidates if num_candidates is not None else accept_len, uniforms,
-        accept_len, best, tokens,
-        G, K, V, n_const,
-        x_probs.stride(0), x_probs.stride(1), c.stride(0), c.stride(1), c.stride(2), c.stride(3),
-        candidates.stride(0), candidates.stride(1), candidates.stride(2),
-        uniforms.stride(0), uniforms.stride(1), uniforms.stride(2), tokens.stride(0),
-        HAS_N_TENSOR=num_candidates is not None, BLOCK_G=max(2, triton.next_power_of_2(G)),
-        # the residual scan compares a [BLOCK_V, BLOCK_G] tile per chunk: smaller chunks on the GPU
-        BLOCK_K1=max(2, triton.next_power_of_2(K + 1)), BLOCK_V=_block_v(V, candidates.device, gpu_cap=1024),
-        num_warps=8,
+    seb, sev = _end_strides(end)
+    block_n = _block(V)
+    block_v = _block_v(vocab, tokens.device)
+    # pass 2 of the bonus draw compares a [SUB_V, BLOCK_N] tile of tokens with the rejected ones
+    sub_v = min(block_v, max(16, (1 << 20 if tokens.device.type == "cpu" else 4096) // block_n))
+    c = node_probs
+    _tree_sample_walk_kernel[(B,)](
+        x_probs, c if V else x_probs, tokens if V else accept_len, end if V else accept_len,
+        num_nodes if num_nodes is not None else accept_len, uniforms, accept_len,
+        path if max_accept else accept_len, emitted,
+        V, vocab, n_const, max_accept,
+        x_probs.stride(0), x_probs.stride(1), c.stride(0), c.stride(1), c.stride(2),
+        tokens.stride(0), tokens.stride(1), seb, sev, uniforms.stride(0), uniforms.stride(1),
+        path.stride(0), emitted.stride(0),
+        HAS_N_TENSOR=num_nodes is not None, BLOCK_N=block_n, BLOCK_A=_block(max_accept + 1), BLOCK_V=block_v,
+        SUB_V=sub_v, num_warps=8,
     )
 
 
-@_verify_sample_op.register_fake
-def _(x_probs, cand_probs, candidates, num_candidates, n_const, uniforms, accept_len, best, tokens):
+@_verify_tree_sample_op.register_fake
+def _(x_probs, node_probs, tokens, end, num_nodes, n_const, max_accept, uniforms, accept_len, path, emitted):
     return None
 
 
@@ -424,87 +489,82 @@ def _check_splits(name: str, vocab_splits) -> int:
     return vocab_splits
 
 
-def _outputs(name: str, out, B: int, K: int, device):
-    """The ``(accept_len [B], best [B], tokens [B, K+1])`` int64 outputs: ``out`` checked, or fresh ones."""
+def _outputs(name: str, out, B: int, max_accept: int, device):
+    """The ``(accept_len [B], path [B, A], emitted [B, A+1])`` int64 outputs: ``out`` checked, or fresh ones."""
+    shapes = ((B,), (B, max_accept), (B, max_accept + 1))
     if out is None:
-        return (torch.empty((B,), dtype=torch.int64, device=device),
-                torch.empty((B,), dtype=torch.int64, device=device),
-                torch.empty((B, K + 1), dtype=torch.int64, device=device))
-    shapes = ((B,), (B,), (B, K + 1))
+        return tuple(torch.empty(s, dtype=torch.int64, device=device) for s in shapes)
     if not isinstance(out, (tuple, list)) or len(out) != 3 or not all(
             isinstance(t, torch.Tensor) and tuple(t.shape) == s and t.dtype == torch.int64 and t.device == device
             for t, s in zip(out, shapes)):
-        raise ValueError(f"{name}: out must be a tuple of three int64 tensors on {device} shaped [B], [B], "
-                         f"[B, K+1] = {[list(s) for s in shapes]}")
-    if out[0].stride(0) != 1 or out[1].stride(0) != 1 or out[2].stride(1) != 1:
+        raise ValueError(f"{name}: out must be a tuple of three int64 tensors on {device} shaped [B], "
+                         f"[B, max_accept], [B, max_accept + 1] = {[list(s) for s in shapes]}")
+    if out[0].stride(0) != 1 or (max_accept and out[1].stride(1) != 1) or out[2].stride(1) != 1:
         raise ValueError(f"{name}: out tensors must be contiguous along their last dimension")
     return tuple(out)
 
 
-def verify_greedy(x_logits: torch.Tensor, cand_logits: torch.Tensor, candidates: torch.Tensor,
-                  num_candidates: torch.Tensor | int | None = None, *, vocab_splits: int | None = None,
-                  out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
-    """Greedy verification on the GPU, exactly ``verify_greedy_reference`` (see it for the rule).
+def verify_tree_greedy(x_logits: torch.Tensor, node_logits: torch.Tensor, tokens: torch.Tensor,
+                       end: torch.Tensor, num_nodes: torch.Tensor | int | None, max_accept: int, *,
+                       vocab_splits: int | None = None,
+                       out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+    """Greedy verification of a token tree on the GPU, exactly ``verify_tree_greedy_reference`` (see it).
 
     Args:
-        x_logits: ``[B, V]`` float16/bfloat16/float32/float64 logits at ``x`` (any strides, e.g. a view of the
-            model's ``[B, T, V]`` output).
-        cand_logits: ``[B, G, K, V]`` same dtype, logits at each candidate token (any strides); ``K >= 1``.
-        candidates: ``[B, G, K]`` int64 candidate ids (ids outside ``[0, V)`` never match).
-        num_candidates: int in ``0..G`` or int64 ``[B]`` (values clamped to ``0..G`` on the GPU); default ``G``.
-            Rows of unused candidates are never read, so they may hold anything (NaN included).
+        x_logits: ``[B, vocab]`` float16/bfloat16/float32/float64 logits at ``x`` (any strides, e.g. a view of the
+            model's ``[B, T, vocab]`` output).
+        node_logits: ``[B, V, vocab]`` same dtype, logits at each node (any strides).
+        tokens: ``[B, V]`` int64 node tokens (ids outside the vocabulary never match).
+        end: ``[V]`` or ``[B, V]`` int64 subtree ends (``TreeShape.end``).
+        num_nodes: int64 ``[B]`` real nodes per row (clamped to ``0..V`` on the GPU), an int, or ``None`` (all).
+            Rows of padding nodes are never read, so they may hold anything (NaN included).
+        max_accept: the most nodes accepted (``>= 0``; at least the tree's depth in normal use).
         vocab_splits: how many programs share one row's argmax (default: enough to fill the GPU; 1 on CPU).
-        out: optional ``(accept_len, best, tokens)`` to write into (e.g. static buffers for a CUDA graph).
+        out: optional ``(accept_len, path, emitted)`` to write into (e.g. static buffers for a CUDA graph).
     Returns:
-        ``accept_len`` int64 ``[B]`` in ``0..K``; ``best`` int64 ``[B]`` (``-1`` when nothing is accepted);
-        ``tokens`` int64 ``[B, K+1]``: accepted tokens, then the bonus, then ``-1``. Argmax picks the first index
-        among equal maxima and treats NaN as the largest, like ``torch.argmax``. Two launches, no host sync.
+        ``accept_len`` int64 ``[B]``; ``path`` int64 ``[B, max_accept]`` (accepted nodes, then ``-1``);
+        ``emitted`` int64 ``[B, max_accept + 1]`` (accepted tokens, the bonus, then ``-1``). Argmax picks the
+        first index among equal maxima and treats NaN as the largest, like ``torch.argmax``. Two launches, no
+        host sync.
     """
-    name = "verify_greedy"
-    check_verify_inputs(name, x_logits, cand_logits, candidates, num_candidates)
-    _check_device(name, candidates)
+    name = "verify_tree_greedy"
+    check_tree_verify_inputs(name, x_logits, node_logits, tokens, end, num_nodes, max_accept)
+    _check_device(name, tokens)
     splits = _check_splits(name, vocab_splits)
-    B, G, K = candidates.shape
-    n_t, n_const = _num_candidates_arg(num_candidates, G)
-    outs = _outputs(name, out, B, K, candidates.device)
-    _verify_greedy_op(x_logits, cand_logits, candidates, n_t, n_const, splits, *outs)
+    B, V = tokens.shape
+    n_t, n_const = _num_nodes_arg(num_nodes, V)
+    outs = _outputs(name, out, B, max_accept, tokens.device)
+    _verify_tree_greedy_op(x_logits, node_logits, tokens, end, n_t, n_const, max_accept, splits, *outs)
     return outs
 
 
-def verify_sample(x_probs: torch.Tensor, cand_probs: torch.Tensor, candidates: torch.Tensor,
-                  num_candidates: torch.Tensor | int | None = None, *, generator: torch.Generator | None = None,
-                  uniforms: torch.Tensor | None = None,
-                  out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
-    """Speculative-sampling verification on the GPU, exactly ``verify_sample_reference`` given the same uniforms.
+def verify_tree_sample(x_probs: torch.Tensor, node_probs: torch.Tensor, tokens: torch.Tensor, end: torch.Tensor,
+                       num_nodes: torch.Tensor | int | None, max_accept: int, uniforms: torch.Tensor | None = None,
+                       generator: torch.Generator | None = None, *,
+                       out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+    """Speculative sampling on a token tree on the GPU, exactly ``verify_tree_sample_reference`` given the same
+    uniforms (up to float64 rounding of sums over the vocabulary).
 
     Args:
-        x_probs: ``[B, V]`` float16/bfloat16/float32/float64 nonnegative weights at ``x`` (``warp_logits``
+        x_probs: ``[B, vocab]`` float16/bfloat16/float32/float64 nonnegative weights at ``x`` (``warp_logits``
             output; rows need not be normalised; any strides).
-        cand_probs: ``[B, G, K, V]`` same dtype, weights after each candidate token; ``K >= 1``.
-        candidates: ``[B, G, K]`` int64 candidate ids (ids outside ``[0, V)`` have probability 0).
-        num_candidates: int in ``0..G`` or int64 ``[B]`` (clamped to ``0..G`` on the GPU); default ``G``.
-        generator: used to draw ``uniforms`` when they are not given (``draw_verify_uniforms``).
-        uniforms: float64 (or float32) ``[B, K, G+1]`` in ``[0, 1)``, layout of ``draw_verify_uniforms``.
-        out: optional ``(accept_len, best, tokens)`` to write into.
+        node_probs: ``[B, V, vocab]`` same dtype, the weights after each node (any strides).
+        tokens, end, num_nodes, max_accept: as ``verify_tree_greedy``.
+        uniforms: float64 (or float32) ``[B, V+1]`` in ``[0, 1)``, layout of ``draw_tree_uniforms``; drawn on the
+            tensors' device with ``generator`` when ``None``.
+        out: optional ``(accept_len, path, emitted)`` to write into.
     Returns:
-        As ``verify_greedy``: ``accept_len`` ``[B]``, ``best`` ``[B]`` (``-1`` if none), ``tokens`` ``[B, K+1]``
-        (``-1`` padded; a bonus of ``-1`` flags a row without positive mass, i.e. invalid probabilities).
-        One launch (plus the ``torch.rand`` when drawing), no host sync.
+        As ``verify_tree_greedy`` (a bonus of ``-1`` flags a distribution without positive mass, i.e. invalid
+        probabilities). One launch (plus the ``torch.rand`` when drawing), no host sync.
     """
-    name = "verify_sample"
-    check_verify_inputs(name, x_probs, cand_probs, candidates, num_candidates)
-    _check_device(name, candidates)
-    B, G, K = candidates.shape
-    if uniforms is None:
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise ValueError(f"{name}: generator must be a torch.Generator or None, got {type(generator).__name__}")
-        uniforms = draw_verify_uniforms(B, G, K, candidates.device, generator)
-    elif generator is not None:
-        raise ValueError(f"{name}: pass either generator or uniforms, not both")
-    check_verify_uniforms(name, uniforms, B, G, K, candidates.device)
-    n_t, n_const = _num_candidates_arg(num_candidates, G)
-    outs = _outputs(name, out, B, K, candidates.device)
-    _verify_sample_op(x_probs, cand_probs, candidates, n_t, n_const, uniforms, *outs)
+    name = "verify_tree_sample"
+    check_tree_verify_inputs(name, x_probs, node_probs, tokens, end, num_nodes, max_accept)
+    _check_device(name, tokens)
+    B, V = tokens.shape
+    uniforms = resolve_uniforms(name, uniforms, generator, B, V, tokens.device)
+    n_t, n_const = _num_nodes_arg(num_nodes, V)
+    outs = _outputs(name, out, B, max_accept, tokens.device)
+    _verify_tree_sample_op(x_probs, node_probs, tokens, end, n_t, n_const, max_accept, uniforms, *outs)
     return outs
 
 
@@ -530,3 +590,14 @@ def row_argmax(logits: torch.Tensor, *, vocab_splits: int | None = None, out: to
         raise ValueError(f"{name}: out must be a contiguous int64 tensor [{R}] on {logits.device}")
     _row_argmax_op(logits, _check_splits(name, vocab_splits), out)
     return out
+
+
+# ---- linear candidates as a tree; removed when the decode loop moves to trees ----------------------------------
+def verify_greedy(x_logits, cand_logits, candidates, num_candidates=None):
+    """Old linear API (``[B, G, K]`` candidates) on ``verify_tree_greedy``; see ``verify_ref.linear_greedy``."""
+    return linear_greedy(verify_tree_greedy, x_logits, cand_logits, candidates, num_candidates)
+
+
+def verify_sample(x_probs, cand_probs, candidates, num_candidates=None, *, generator=None, uniforms=None):
+    """Old linear API (``[B, G, K]`` candidates) on ``verify_tree_sample``; see ``verify_ref.linear_sample``."""
+    return linear_sample(verify_tree_sample, x_probs, cand_probs, candidates, num_candidates, uniforms, generator)

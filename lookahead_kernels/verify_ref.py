@@ -1,142 +1,226 @@
-"""Torch references for verification (test oracle, CPU path and bench baseline), and their input checks.
+"""Torch references for verification on the draft tree (test oracle, CPU path and bench baseline), and their checks.
 
-Greedy verification of one step: ``y0 = argmax(logits at x)``; candidate ``c`` is accepted token by token
-while ``candidates[c, m] == argmax(logits at the candidate's previous token)`` (``x`` for ``m = 0``). The step
-takes the longest accepted prefix (the first candidate among equals), then one bonus token: the argmax at the
-last accepted token (at ``x`` when nothing is accepted).
+The verification branch is a token tree of ``V`` nodes in depth-first pre-order (``tree.py``,
+``shared/design/draft-tree.md``): node ``j`` is an ancestor of node ``i``, or ``i`` itself, iff
+``j <= i < end[j]``. The children of ``x`` (the roots) are ``0, end[0], end[end[0]], ...``; the first child of
+node ``j`` is ``j + 1`` when ``end[j] > j + 1``, and the next sibling of a child ``c`` of ``j`` is ``end[c]`` when
+``end[c] < end[j]``. "Children in order" below means in that (node index) order. Only the first ``num_nodes``
+nodes of a row are real; the rest are padding (leaves after the real tree) and are never accepted, whatever
+their tokens, logits or probabilities hold.
 
-Sampling verification (``verify_sample_reference``) is multi-candidate speculative sampling with point-mass
-drafts; its random numbers come from ``draw_verify_uniforms`` in a fixed layout so that the Triton kernel in
-``verify.py``, given the same tensor, makes the same choices. Token draws use ``inverse_cdf_sample``.
+Greedy (``verify_tree_greedy_reference``): ``y = argmax`` at ``x``; while the current node (``x``, then the last
+accepted node) has a real child whose token is ``y``, move to the first such child, accept it and let
+``y = argmax`` at it. Emit the accepted tokens, then ``y`` (the bonus token).
+
+Sampling (``verify_tree_sample_reference``): speculative sampling with point-mass drafts on the tree. At the
+current node, with ``q`` its (warped) distribution, the real children are tried in order: child ``c`` with token
+``t`` is accepted with probability ``q(t) / sum(q)`` (decided by ``uniforms[b, c]``); on rejection ``q(t)`` is set
+to 0 (so later tries renormalise implicitly) and the next child is tried. On acceptance the walk descends with
+``c``'s distribution. When every child is rejected, the node is a leaf, or ``max_accept`` nodes are accepted, the
+bonus token is drawn from what is left of ``q`` by inverse CDF with ``uniforms[b, V]``. The emitted sequence
+then has exactly the distribution of sampling token by token from the per-node distributions (the target
+model's), for any tree: a repeated sibling token (not a trie) just has probability 0 at its second try, and a
+child with ``q(t) = 0`` is always rejected. What is left of ``q`` after rejecting every child is never all zero
+when the siblings carry distinct tokens: the last positive-mass token, if drafted, is accepted with probability
+1 (up to float64 rounding of the running sum, i.e. for a uniform within ~1e-16 of 1); a bonus of ``-1`` flags a
+distribution without positive mass (invalid input).
+
+Outputs of both: ``accept_len`` int64 ``[B]``; ``path`` int64 ``[B, max_accept]``, the accepted node indices
+from the root down, ``-1`` after ``accept_len``; ``emitted`` int64 ``[B, max_accept + 1]``, the accepted tokens,
+then the bonus token, ``-1`` after.
+
+The Triton kernels in ``verify.py`` follow these references exactly (given the same uniforms, up to float64
+rounding of sums). ``verify_greedy_reference`` and ``verify_sample_reference`` (and ``draw_verify_uniforms``)
+are thin shims that verify the old linear candidates ``[B, G, K]`` as trees; they go when the decode loop has
+moved to trees.
 """
 
 from __future__ import annotations
 
 import torch
 
+__all__ = ["verify_tree_greedy_reference", "verify_tree_sample_reference", "draw_tree_uniforms",
+           "inverse_cdf_sample", "check_tree_verify_inputs", "check_tree_uniforms", "tree_parents"]
 
-def verify_greedy_reference(x_logits: torch.Tensor, cand_logits: torch.Tensor, candidates: torch.Tensor,
-                            num_candidates: torch.Tensor | int | None = None):
-    """Greedy verification, plain torch.
-
-    Args:
-        x_logits: ``[B, V]`` float logits at ``x``.
-        cand_logits: ``[B, G, K, V]`` float logits at each candidate token (``K = ngram - 1``).
-        candidates: ``[B, G, K]`` int64 candidate token ids.
-        num_candidates: int or int64 ``[B]``: how many of the ``G`` candidates are real (default all); the
-            rest are ignored whatever they hold.
-    Returns:
-        ``accept_len`` int64 ``[B]`` in ``0..K``; ``best`` int64 ``[B]``: the accepted candidate, ``-1`` when
-        ``accept_len == 0``; ``tokens`` int64 ``[B, K+1]``: the accepted tokens then the bonus token, padded
-        with ``-1`` after position ``accept_len``.
-    """
-    B, G, K = candidates.shape
-    dev = candidates.device
-    if num_candidates is None:
-        num_candidates = G
-    if isinstance(num_candidates, int):
-        num_candidates = torch.full((B,), num_candidates, dtype=torch.long, device=dev)
-    y0 = x_logits.argmax(-1)  # [B]
-    tokens = torch.full((B, K + 1), -1, dtype=torch.long, device=dev)
-    if G == 0:
-        tokens[:, 0] = y0
-        return torch.zeros(B, dtype=torch.long, device=dev), torch.full((B,), -1, dtype=torch.long, device=dev), tokens
-    pred = cand_logits.argmax(-1)  # [B, G, K]: argmax after each candidate token
-    # target[m] is what the model predicts at the position of candidates[:, :, m].
-    target = torch.cat([y0[:, None, None].expand(B, G, 1), pred[:, :, :-1]], dim=2)
-    match = (candidates == target).long().cumprod(dim=2)  # [B, G, K], 1 while all earlier matched
-    lengths = match.sum(dim=2)
-    real = torch.arange(G, device=dev)[None, :] < num_candidates[:, None]
-    lengths = torch.where(real, lengths, torch.full_like(lengths, -1))
-    accept_len, best = lengths.max(dim=1)  # max returns the first index among equals
-    accept_len = accept_len.clamp(min=0)
-    best = torch.where(accept_len > 0, best, torch.full_like(best, -1))
-    for b in range(B):
-        a = int(accept_len[b])
-        if a == 0:
-            tokens[b, 0] = y0[b]
-        else:
-            c = int(best[b])
-            tokens[b, :a] = candidates[b, c, :a]
-            tokens[b, a] = pred[b, c, a - 1]
-    return accept_len, best, tokens
-
-
-# ---- input checks shared by the references' callers and the kernel launchers ----------------------------------
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def check_verify_inputs(name: str, x_rows: torch.Tensor, cand_rows: torch.Tensor, candidates: torch.Tensor,
-                        num_candidates) -> None:
-    """Raise ``ValueError`` unless the verification inputs have the documented shapes, dtypes and devices.
+# ---- input checks shared by the references and the kernel launchers ------------------------------------------
+def _shape(t) -> str:
+    return f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
 
-    ``name`` prefixes the message (the public function that was called). Values inside tensors are not read
-    (that would synchronise with a GPU): candidate ids outside ``[0, V)`` are simply never accepted, and a
-    ``num_candidates`` tensor is clamped to ``[0, G]``; an int ``num_candidates`` or one in a CPU tensor is checked.
+
+def check_tree_verify_inputs(name: str, x_rows: torch.Tensor, node_rows: torch.Tensor, tokens: torch.Tensor,
+                             end: torch.Tensor, num_nodes, max_accept) -> None:
+    """Raise ``ValueError`` unless the tree verification inputs have the documented shapes, dtypes and devices.
+
+    ``name`` prefixes the message (the public function that was called). On the CPU the tree (``end``) and
+    ``num_nodes`` are checked too; tensors on another device are never read (that would synchronise): there a
+    ``num_nodes`` outside ``0..V`` is clamped, token ids outside the vocabulary are simply never accepted, and an
+    ``end`` that does not encode a pre-ordered tree gives unspecified (but memory-safe) results.
     """
-    for arg, t in (("x", x_rows), ("cand", cand_rows), ("candidates", candidates)):
+    for arg, t in (("x", x_rows), ("node", node_rows), ("tokens", tokens), ("end", end)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
-    if candidates.dim() != 3 or candidates.dtype != torch.int64:
-        raise ValueError(f"{name}: candidates must be an int64 tensor [B, G, K], got {candidates.dtype} "
-                         f"{list(candidates.shape)}")
-    B, G, K = candidates.shape
-    if K < 1:
-        raise ValueError(f"{name}: candidates must have K >= 1 tokens each (K = ngram - 1), got K = {K}")
+    if tokens.dim() != 2 or tokens.dtype != torch.int64:
+        raise ValueError(f"{name}: tokens must be an int64 tensor [B, V] (a token per tree node), got {_shape(tokens)}")
+    B, V = tokens.shape
     if x_rows.dim() != 2 or x_rows.shape[0] != B or x_rows.shape[1] < 1:
-        raise ValueError(f"{name}: the rows at x must be [B, V] with B = {B} (from candidates) and V >= 1, "
+        raise ValueError(f"{name}: the rows at x must be [B, vocab] with B = {B} (from tokens) and vocab >= 1, "
                          f"got {list(x_rows.shape)}")
-    V = x_rows.shape[1]
-    if tuple(cand_rows.shape) != (B, G, K, V):
-        raise ValueError(f"{name}: the candidate rows must be [B, G, K, V] = {[B, G, K, V]}, got {list(cand_rows.shape)}")
-    if x_rows.dtype not in _FLOAT_DTYPES or cand_rows.dtype != x_rows.dtype:
-        raise ValueError(f"{name}: the rows at x and at the candidates must share one floating dtype "
-                         f"(float16, bfloat16, float32 or float64), got {x_rows.dtype} and {cand_rows.dtype}")
-    if not (x_rows.device == cand_rows.device == candidates.device):
-        raise ValueError(f"{name}: all tensors must be on one device, got x on {x_rows.device}, candidate rows on "
-                         f"{cand_rows.device}, candidates on {candidates.device}")
-    if num_candidates is None:
+    vocab = x_rows.shape[1]
+    if tuple(node_rows.shape) != (B, V, vocab):
+        raise ValueError(f"{name}: the node rows must be [B, V, vocab] = {[B, V, vocab]}, got {list(node_rows.shape)}")
+    if x_rows.dtype not in _FLOAT_DTYPES or node_rows.dtype != x_rows.dtype:
+        raise ValueError(f"{name}: the rows at x and at the nodes must share one floating dtype "
+                         f"(float16, bfloat16, float32 or float64), got {x_rows.dtype} and {node_rows.dtype}")
+    if end.dtype != torch.int64 or end.dim() not in (1, 2) or end.shape[-1] != V or (end.dim() == 2 and end.shape[0] != B):
+        raise ValueError(f"{name}: end must be an int64 tensor [V] (one tree for the batch) or [B, V] = "
+                         f"{[B, V]}, got {_shape(end)}")
+    dev = tokens.device
+    if not (x_rows.device == node_rows.device == dev == end.device):
+        raise ValueError(f"{name}: all tensors must be on one device, got x on {x_rows.device}, node rows on "
+                         f"{node_rows.device}, tokens on {dev}, end on {end.device}")
+    if isinstance(max_accept, bool) or not isinstance(max_accept, int) or max_accept < 0:
+        raise ValueError(f"{name}: max_accept must be an int >= 0 (at least the tree's depth to accept whole "
+                         f"paths), got {max_accept!r}")
+    if dev.type == "cpu" and V > 0:
+        _check_end_values(name, end)
+    if num_nodes is None:
         return
-    if isinstance(num_candidates, bool) or not isinstance(num_candidates, (int, torch.Tensor)):
-        raise ValueError(f"{name}: num_candidates must be None, an int or an int64 tensor [B], got {num_candidates!r}")
-    if isinstance(num_candidates, int):
-        if not 0 <= num_candidates <= G:
-            raise ValueError(f"{name}: num_candidates must be in 0..G = 0..{G}, got {num_candidates}")
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, (int, torch.Tensor)):
+        raise ValueError(f"{name}: num_nodes must be None, an int or an int64 tensor [B], got {num_nodes!r}")
+    if isinstance(num_nodes, int):
+        if not 0 <= num_nodes <= V:
+            raise ValueError(f"{name}: num_nodes must be in 0..V = 0..{V}, got {num_nodes}")
         return
-    if num_candidates.dtype != torch.int64 or tuple(num_candidates.shape) != (B,):
-        raise ValueError(f"{name}: num_candidates tensor must be int64 [B] = [{B}], got {num_candidates.dtype} "
-                         f"{list(num_candidates.shape)}")
-    if num_candidates.device != candidates.device:
-        raise ValueError(f"{name}: num_candidates must be on {candidates.device}, got {num_candidates.device}")
-    if num_candidates.device.type == "cpu" and B > 0:
-        lo, hi = int(num_candidates.min()), int(num_candidates.max())
-        if lo < 0 or hi > G:
-            raise ValueError(f"{name}: num_candidates values must be in 0..G = 0..{G}, got min {lo}, max {hi}")
+    if num_nodes.dtype != torch.int64 or tuple(num_nodes.shape) != (B,):
+        raise ValueError(f"{name}: num_nodes tensor must be int64 [B] = [{B}], got {_shape(num_nodes)}")
+    if num_nodes.device != dev:
+        raise ValueError(f"{name}: num_nodes must be on {dev}, got {num_nodes.device}")
+    if dev.type == "cpu" and B > 0:
+        lo, hi = int(num_nodes.min()), int(num_nodes.max())
+        if lo < 0 or hi > V:
+            raise ValueError(f"{name}: num_nodes values must be in 0..V = 0..{V}, got min {lo}, max {hi}")
 
 
-def check_verify_uniforms(name: str, uniforms, B: int, G: int, K: int, device) -> None:
-    """Raise ``ValueError`` unless ``uniforms`` is a float32/float64 ``[B, K, G+1]`` tensor on ``device``."""
+def _check_end_values(name: str, end: torch.Tensor) -> None:
+    """``end`` ([V] or [B, V]) must encode pre-ordered trees: ``i < end[i] <= V`` and nested subtrees."""
+    V = end.shape[-1]
+    idx = torch.arange(V)
+    if bool((end <= idx).any()) or bool((end > V).any()):
+        raise ValueError(f"{name}: tree end[i] must satisfy i < end[i] <= V = {V}, got {end.tolist()}")
+    inside = (idx[:, None] <= idx[None, :]) & (idx[None, :] < end[..., :, None])  # [.., j, i]: i in j's subtree
+    if bool((inside & (end[..., None, :] > end[..., :, None])).any()):
+        raise ValueError(f"{name}: tree end is not a pre-order nesting of subtrees (a subtree runs past its "
+                         f"parent's): {end.tolist()}")
+
+
+def check_tree_uniforms(name: str, uniforms, B: int, V: int, device) -> None:
+    """Raise ``ValueError`` unless ``uniforms`` is a float32/float64 ``[B, V+1]`` tensor on ``device``."""
     if not isinstance(uniforms, torch.Tensor):
-        raise ValueError(f"{name}: uniforms must be a tensor [B, K, G+1] (see draw_verify_uniforms), got "
+        raise ValueError(f"{name}: uniforms must be a tensor [B, V+1] (see draw_tree_uniforms), got "
                          f"{type(uniforms).__name__}")
-    if tuple(uniforms.shape) != (B, K, G + 1) or uniforms.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"{name}: uniforms must be float64 (or float32) [B, K, G+1] = {[B, K, G + 1]}, got "
-                         f"{uniforms.dtype} {list(uniforms.shape)}")
+    if tuple(uniforms.shape) != (B, V + 1) or uniforms.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"{name}: uniforms must be float64 (or float32) [B, V+1] = {[B, V + 1]}, got "
+                         f"{_shape(uniforms)}")
     if uniforms.device != torch.device(device):
         raise ValueError(f"{name}: uniforms must be on {device}, got {uniforms.device}")
 
 
-# ---- sampling ----------------------------------------------------------------------------------------------------
-def draw_verify_uniforms(B: int, G: int, K: int, device=None, generator: torch.Generator | None = None):
-    """The random numbers one sampling verification consumes: float64 ``[B, K, G+1]`` in ``[0, 1)``.
+def resolve_uniforms(name: str, uniforms, generator, B: int, V: int, device):
+    """``uniforms`` checked, or drawn with ``generator`` by ``draw_tree_uniforms`` when not given."""
+    if uniforms is None:
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise ValueError(f"{name}: generator must be a torch.Generator or None, got {type(generator).__name__}")
+        uniforms = draw_tree_uniforms(B, V, device, generator)
+    elif generator is not None:
+        raise ValueError(f"{name}: pass either generator or uniforms, not both")
+    check_tree_uniforms(name, uniforms, B, V, device)
+    return uniforms
 
-    ``uniforms[b, d, c]`` (``c < G``) decides the try of candidate ``c`` at depth ``d`` (0-based) and
-    ``uniforms[b, d, G]`` draws the bonus token when the walk ends at depth ``d`` (``d = K-1`` when all ``K``
-    tokens are accepted). Unused entries are simply ignored, so the layout never depends on the data. Drawn
-    with one ``torch.rand`` on ``device`` (no host synchronisation; capturable in a CUDA graph whose generator
-    state is registered). Float64 so tokens with probability far below ``2**-24`` keep their exact chance.
+
+def _num_nodes_tensor(num_nodes, B: int, V: int, device) -> torch.Tensor:
+    if num_nodes is None:
+        return torch.full((B,), V, dtype=torch.long, device=device)
+    if isinstance(num_nodes, int):
+        return torch.full((B,), num_nodes, dtype=torch.long, device=device)
+    return num_nodes.clamp(0, V)
+
+
+def _outputs(B: int, max_accept: int, device):
+    return (torch.zeros(B, dtype=torch.long, device=device),
+            torch.full((B, max_accept), -1, dtype=torch.long, device=device),
+            torch.full((B, max_accept + 1), -1, dtype=torch.long, device=device))
+
+
+def tree_parents(end: torch.Tensor) -> torch.Tensor:
+    """int64 like ``end`` ([V] or [B, V]): each node's parent, the largest ``j < i`` with ``end[j] > i`` (``-1``
+    for a child of ``x``)."""
+    V = end.shape[-1]
+    idx = torch.arange(V, device=end.device)
+    strict = (idx[:, None] < idx[None, :]) & (idx[None, :] < end[..., :, None])  # [.., j, i]
+    return torch.where(strict, idx[:, None], -1).amax(dim=-2) if V else end.clone()
+
+
+# ---- greedy -------------------------------------------------------------------------------------------------------
+def verify_tree_greedy_reference(x_logits: torch.Tensor, node_logits: torch.Tensor, tokens: torch.Tensor,
+                                 end: torch.Tensor, num_nodes: torch.Tensor | int | None, max_accept: int):
+    """Greedy verification of a token tree, plain torch (vectorised over the batch; see the module docstring).
+
+    Args:
+        x_logits: ``[B, vocab]`` float logits at ``x``.
+        node_logits: ``[B, V, vocab]`` same dtype, logits at each tree node.
+        tokens: ``[B, V]`` int64 node tokens (ids outside the vocabulary never match).
+        end: ``[V]`` (one tree for the batch) or ``[B, V]`` int64 subtree ends (``TreeShape.end``).
+        num_nodes: int64 ``[B]`` real nodes per row (an int for all rows), or ``None``: all ``V`` are real.
+        max_accept: the most nodes accepted (at least the tree's depth to accept whole paths).
+    Returns:
+        ``(accept_len [B], path [B, max_accept], emitted [B, max_accept + 1])``, int64. Argmax is
+        ``torch.argmax``: the first index among equal maxima, NaN counts as the largest.
     """
-    return torch.rand((B, K, G + 1), dtype=torch.float64, device=device, generator=generator)
+    check_tree_verify_inputs("verify_tree_greedy_reference", x_logits, node_logits, tokens, end, num_nodes,
+                             max_accept)
+    B, V = tokens.shape
+    dev = tokens.device
+    accept_len, path, emitted = _outputs(B, max_accept, dev)
+    y = x_logits.argmax(-1)  # [B]
+    steps = min(max_accept, V)
+    if steps > 0 and B > 0:
+        n = _num_nodes_tensor(num_nodes, B, V, dev)
+        rows = torch.arange(B, device=dev)
+        idx = torch.arange(V, device=dev)
+        parent = tree_parents(end).expand(B, V)
+        pred = node_logits.argmax(-1)  # [B, V]: argmax after each node (rows of padding nodes are never used)
+        # a node matches when its token is the argmax at its parent
+        target = torch.where(parent < 0, y[:, None], pred.gather(1, parent.clamp(min=0)))
+        match = (idx[None, :] < n[:, None]) & (tokens == target)
+        cur = torch.full((B,), -1, dtype=torch.long, device=dev)
+        for s in range(steps):
+            cand = match & (parent == cur[:, None])
+            go = cand.any(-1)
+            if not bool(go.any()):
+                break
+            nxt = cand.to(torch.int8).argmax(-1)  # the first matching child
+            path[go, s] = nxt[go]
+            emitted[go, s] = tokens[rows, nxt][go]
+            y = torch.where(go, pred[rows, nxt], y)
+            cur = torch.where(go, nxt, cur)
+            accept_len += go.long()  # a row that stops never goes on: cur stays, and so does its empty match
+    emitted.scatter_(1, accept_len[:, None], y[:, None])
+    return accept_len, path, emitted
+
+
+# ---- sampling -----------------------------------------------------------------------------------------------------
+def draw_tree_uniforms(B: int, V: int, device=None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The random numbers one sampling verification of a ``V``-node tree consumes: float64 ``[B, V+1]`` in [0, 1).
+
+    ``uniforms[b, c]`` (``c < V``) decides the try of node ``c`` (each node is tried at most once per walk) and
+    ``uniforms[b, V]`` draws the bonus token. Unused entries are ignored, so the layout never depends on the
+    data. One ``torch.rand`` on ``device`` (no host synchronisation; capturable in a CUDA graph whose generator
+    state is registered). Float64 so that tokens with probability far below ``2**-24`` keep their exact chance.
+    """
+    return torch.rand((B, V + 1), dtype=torch.float64, device=device, generator=generator)
 
 
 def inverse_cdf_sample(weights: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -157,82 +241,153 @@ def inverse_cdf_sample(weights: torch.Tensor, target: torch.Tensor) -> torch.Ten
     return torch.where(hit.any(-1), first, last_pos)
 
 
-def verify_sample_reference(x_probs: torch.Tensor, cand_probs: torch.Tensor, candidates: torch.Tensor,
-                            num_candidates: torch.Tensor | int | None = None, *, uniforms: torch.Tensor):
-    """Multi-candidate speculative sampling with point-mass drafts, plain torch (vectorised over ``B``).
+def verify_tree_sample_reference(x_probs: torch.Tensor, node_probs: torch.Tensor, tokens: torch.Tensor,
+                                 end: torch.Tensor, num_nodes: torch.Tensor | int | None, max_accept: int,
+                                 uniforms: torch.Tensor | None = None, generator: torch.Generator | None = None):
+    """Speculative sampling on a token tree with point-mass drafts, plain torch (vectorised over the batch).
 
-    The walk, per batch row: ``r`` starts as the distribution at ``x`` and ``S = sum(r)`` (float64; rows need not
-    be normalised). At depth ``d = 0..K-1`` the live candidates (real, and agreeing with every accepted token so
-    far) are tried in candidate order: candidate ``c`` with token ``t = candidates[b, c, d]`` is accepted iff
-    ``uniforms[b, d, c] * S < r(t)`` (probability ``r(t)/S``; ``r(t) = 0`` for ``t`` outside ``[0, V)``); on
-    rejection ``S -= r(t)`` and ``r(t) = 0``. On acceptance the live set keeps the candidates with ``t`` at depth
-    ``d``, ``r`` becomes ``cand_probs[b, c, d]`` (the accepted candidate is the first live one carrying ``t``,
-    since an earlier one carrying it would have zeroed ``r(t)``), ``S = sum(r)`` and the walk goes one deeper.
-    If every live candidate is rejected at depth ``d`` the bonus token is drawn from the residual ``r`` with
-    ``uniforms[b, d, G]``; after ``K`` acceptances it is drawn from ``cand_probs[b, best, K-1]`` with
-    ``uniforms[b, K-1, G]``. Drawing follows ``inverse_cdf_sample`` with ``target = u * S``. The emitted
-    tokens have exactly the target model's distribution.
+    The walk, per batch row (see also the module docstring): ``r`` starts as the distribution at ``x`` and
+    ``S = sum(r)`` (float64; rows need not be normalised). The real children ``c`` of the current node are tried
+    in order: with ``t = tokens[b, c]`` and ``r(t) = 0`` for ``t`` outside the vocabulary, ``c`` is accepted iff
+    ``uniforms[b, c] * S < r(t)``; on rejection ``S -= r(t)`` and ``r(t) = 0``. On acceptance ``r`` becomes
+    ``node_probs[b, c]`` and ``S = sum(r)``. When no child is left to try (or ``max_accept`` nodes are accepted)
+    the bonus is ``inverse_cdf_sample(r, uniforms[b, V] * S)``.
 
     Args:
-        x_probs: ``[B, V]`` float, nonnegative weights at ``x`` (``warp_logits`` output).
-        cand_probs: ``[B, G, K, V]`` same dtype, weights after each candidate token.
-        candidates: ``[B, G, K]`` int64 candidate ids.
-        num_candidates: int or int64 ``[B]``: real candidates per row (default ``G``); the rest are ignored.
-        uniforms: float64 ``[B, K, G+1]`` from ``draw_verify_uniforms``.
+        x_probs: ``[B, vocab]`` float, nonnegative weights at ``x`` (``warp_logits`` output).
+        node_probs: ``[B, V, vocab]`` same dtype, the weights after each node.
+        tokens, end, num_nodes, max_accept: as ``verify_tree_greedy_reference``.
+        uniforms: float64 (or float32) ``[B, V+1]`` from ``draw_tree_uniforms``; drawn with ``generator`` if
+            ``None``.
     Returns:
-        ``accept_len`` int64 ``[B]`` in ``0..K``; ``best`` int64 ``[B]``, ``-1`` when ``accept_len == 0``;
-        ``tokens`` int64 ``[B, K+1]``: accepted tokens then the bonus, ``-1`` after position ``accept_len``
-        (and a bonus of ``-1`` only for a row without positive mass, which is invalid input).
+        ``(accept_len [B], path [B, max_accept], emitted [B, max_accept + 1])`` as the greedy reference (a bonus of
+        ``-1`` only for a distribution without positive mass, which is invalid input).
     """
-    check_verify_inputs("verify_sample_reference", x_probs, cand_probs, candidates, num_candidates)
-    B, G, K = candidates.shape
-    V = x_probs.shape[1]
-    dev = candidates.device
-    check_verify_uniforms("verify_sample_reference", uniforms, B, G, K, dev)
-    u_all = uniforms.double()
-    if num_candidates is None:
-        num_candidates = G
-    if isinstance(num_candidates, int):
-        num_candidates = torch.full((B,), num_candidates, dtype=torch.long, device=dev)
+    name = "verify_tree_sample_reference"
+    check_tree_verify_inputs(name, x_probs, node_probs, tokens, end, num_nodes, max_accept)
+    B, V = tokens.shape
+    vocab = x_probs.shape[1]
+    dev = tokens.device
+    u_all = resolve_uniforms(name, uniforms, generator, B, V, dev).double()
+    accept_len, path, emitted = _outputs(B, max_accept, dev)
+    if B == 0:
+        return accept_len, path, emitted
+    n = _num_nodes_tensor(num_nodes, B, V, dev)
+    end2 = end.expand(B, V)
     rows = torch.arange(B, device=dev)
-    live = torch.arange(G, device=dev)[None, :] < num_candidates[:, None]  # [B, G]
+    r = x_probs.double().clone()  # [B, vocab]: the current (residual) weights of each row
+    S = r.sum(-1)
+    c = torch.zeros(B, dtype=torch.long, device=dev)  # the next child to try (the roots start at node 0)
+    lim = n.clone()  # children of the current node lie below lim (for x: every real node)
     active = torch.ones(B, dtype=torch.bool, device=dev)
-    accept_len = torch.zeros(B, dtype=torch.long, device=dev)
-    best = torch.full((B,), -1, dtype=torch.long, device=dev)
-    tokens = torch.full((B, K + 1), -1, dtype=torch.long, device=dev)
-    r = x_probs.double().clone()  # [B, V]: the current (residual) weights of each row
-    for d in range(K):
-        S = r.sum(-1)
-        searching = active.clone()
-        acc_c = torch.full((B,), -1, dtype=torch.long, device=dev)
-        acc_t = torch.full((B,), -1, dtype=torch.long, device=dev)
-        for c in range(G):
-            t = candidates[:, c, d]
-            in_vocab = (t >= 0) & (t < V)
-            tc = t.clamp(0, V - 1)
-            p_t = torch.where(in_vocab, r[rows, tc], torch.zeros_like(S))
-            trying = searching & live[:, c]
-            acc = trying & (u_all[:, d, c] * S < p_t)
-            rej = trying & ~acc
-            S = torch.where(rej, S - p_t, S)
-            zero = rej & in_vocab
-            r[rows[zero], tc[zero]] = 0.0
-            acc_c = torch.where(acc, c, acc_c)
-            acc_t = torch.where(acc, t, acc_t)
-            searching &= ~acc
-        stop = active & (acc_c < 0)
-        if stop.any():
-            bonus = inverse_cdf_sample(r[stop], u_all[stop, d, G] * S[stop])
-            tokens[stop, d] = bonus
-        go = active & (acc_c >= 0)
-        tokens[go, d] = acc_t[go]
-        best = torch.where(go, acc_c, best)
-        accept_len = torch.where(go, d + 1, accept_len)
-        live &= candidates[:, :, d] == acc_t[:, None]
-        active = go
-        if go.any():
-            r[go] = cand_probs[rows[go], acc_c[go], d].double()
-    if active.any():
-        S = r[active].sum(-1)
-        tokens[active, K] = inverse_cdf_sample(r[active], u_all[active, K - 1, G] * S)
+    while True:
+        trying = active & (accept_len < max_accept) & (c < lim)
+        stop = active & ~trying
+        if bool(stop.any()):  # no child left to try: the bonus comes from what is left of r
+            emitted[stop, accept_len[stop]] = inverse_cdf_sample(r[stop], u_all[stop, V] * S[stop])
+            active &= ~stop
+        if not bool(trying.any()):
+            break
+        cc = c.clamp(0, max(V - 1, 0))
+        t = tokens[rows, cc]
+        in_vocab = (t >= 0) & (t < vocab)
+        tc = t.clamp(0, vocab - 1)
+        p_t = torch.where(in_vocab, r[rows, tc], torch.zeros_like(S))
+        acc = trying & (u_all[rows, cc] * S < p_t)
+        rej = trying & ~acc
+        S = torch.where(rej, S - p_t, S)
+        zero = rej & in_vocab
+        r[rows[zero], tc[zero]] = 0.0
+        # the next sibling; max() keeps a malformed end (never from a valid tree) from looping
+        c = torch.where(rej, torch.maximum(end2[rows, cc], cc + 1), c)
+        if bool(acc.any()):
+            path[acc, accept_len[acc]] = cc[acc]
+            emitted[acc, accept_len[acc]] = t[acc]
+            accept_len += acc.long()
+            r[acc] = node_probs[rows[acc], cc[acc]].double()
+            S = torch.where(acc, r.sum(-1), S)
+            lim = torch.where(acc, torch.minimum(end2[rows, cc], n), lim)
+            c = torch.where(acc, cc + 1, c)
+    return accept_len, path, emitted
+
+
+# ---- linear candidates as a tree; removed when the decode loop moves to trees ----------------------------------
+def _linear_num_nodes(num_candidates, B: int, G: int, device):
+    if num_candidates is None:
+        return torch.full((B,), G, dtype=torch.long, device=device)
+    if isinstance(num_candidates, bool) or not isinstance(num_candidates, (int, torch.Tensor)):
+        raise ValueError(f"num_candidates must be None, an int or an int64 tensor [B], got {num_candidates!r}")
+    if isinstance(num_candidates, int):
+        if not 0 <= num_candidates <= G:
+            raise ValueError(f"num_candidates must be in 0..G = 0..{G}, got {num_candidates}")
+        return torch.full((B,), num_candidates, dtype=torch.long, device=device)
+    return num_candidates.clamp(0, G)
+
+
+def linear_greedy(verify, x_logits, cand_logits, candidates, num_candidates=None):
+    """Old linear API on a tree verifier: each candidate is verified as its own chain (``TreeShape.linear(1,
+    K)``) and the longest wins (the first among equals), exactly the old rule. Returns ``(accept_len, best,
+    tokens [B, K+1])``."""
+    if not isinstance(candidates, torch.Tensor) or candidates.dim() != 3:
+        raise ValueError(f"candidates must be an int64 tensor [B, G, K], got {_shape(candidates)}")
+    B, G, K = candidates.shape
+    dev = candidates.device
+    if cand_logits.dim() != 4:
+        raise ValueError(f"candidate rows must be [B, G, K, vocab], got {list(cand_logits.shape)}")
+    n = _linear_num_nodes(num_candidates, B, G, dev)
+    vocab = x_logits.shape[-1]
+    end = torch.full((K,), K, dtype=torch.long, device=dev)
+    if G == 0:
+        acc, _, emitted = verify(x_logits, cand_logits.reshape(B, 0, vocab), candidates.reshape(B, 0),
+                                 end[:0], None, K)
+        return acc, torch.full((B,), -1, dtype=torch.long, device=dev), emitted
+    chains = torch.arange(G, device=dev)[None, :] < n[:, None]  # [B, G]
+    acc, _, emitted = verify(x_logits[:, None, :].expand(B, G, vocab).reshape(B * G, vocab),
+                             cand_logits.reshape(B * G, K, vocab), candidates.reshape(B * G, K), end,
+                             torch.where(chains, K, 0).reshape(B * G), K)
+    lengths = torch.where(chains, acc.view(B, G), -1)
+    accept_len, best = lengths.max(dim=1)  # the first index among equals
+    accept_len = accept_len.clamp(min=0)
+    best = torch.where(accept_len > 0, best, -1)
+    tokens = emitted.view(B, G, K + 1)[torch.arange(B, device=dev), best.clamp(min=0)]
     return accept_len, best, tokens
+
+
+def linear_sample(verify, x_probs, cand_probs, candidates, num_candidates=None, uniforms=None, generator=None):
+    """Old linear API on the tree sampler: the candidates as ``TreeShape.linear(G, K)`` (chains that do not share
+    prefixes, so fewer acceptances than the old walk when candidates share one; the distribution is exact).
+    ``uniforms`` in the old layout ``[B, K, G+1]``: node ``c*K + d`` uses ``[b, d, c]``, the bonus ``[b, 0, G]``."""
+    if not isinstance(candidates, torch.Tensor) or candidates.dim() != 3:
+        raise ValueError(f"candidates must be an int64 tensor [B, G, K], got {_shape(candidates)}")
+    B, G, K = candidates.shape
+    dev = candidates.device
+    if uniforms is None:
+        uniforms = draw_verify_uniforms(B, G, K, dev, generator)
+    elif generator is not None:
+        raise ValueError("pass either generator or uniforms, not both")
+    if not isinstance(uniforms, torch.Tensor) or tuple(uniforms.shape) != (B, K, G + 1):
+        raise ValueError(f"uniforms must be [B, K, G+1] = {[B, K, G + 1]}, got {_shape(uniforms)}")
+    u = torch.cat([uniforms[:, :, :G].transpose(1, 2).reshape(B, G * K), uniforms[:, 0, G:]], dim=1)
+    n = _linear_num_nodes(num_candidates, B, G, dev)
+    idx = torch.arange(G * K, device=dev)
+    end = (idx // K + 1) * K  # TreeShape.linear(G, K).end
+    vocab = x_probs.shape[-1]
+    acc, path, emitted = verify(x_probs, cand_probs.reshape(B, G * K, vocab), candidates.reshape(B, G * K), end,
+                                n * K, K, uniforms=u)
+    best = torch.where(acc > 0, path[:, 0].clamp(min=0) // K, -1)
+    return acc, best, emitted
+
+
+def draw_verify_uniforms(B: int, G: int, K: int, device=None, generator: torch.Generator | None = None):
+    """Old linear layout ``[B, K, G+1]`` (shim; see ``linear_sample``)."""
+    return torch.rand((B, K, G + 1), dtype=torch.float64, device=device, generator=generator)
+
+
+def verify_greedy_reference(x_logits, cand_logits, candidates, num_candidates=None):
+    """Linear candidates as a tree; removed when the decode loop moves to trees (see ``linear_greedy``)."""
+    return linear_greedy(verify_tree_greedy_reference, x_logits, cand_logits, candidates, num_candidates)
+
+
+def verify_sample_reference(x_probs, cand_probs, candidates, num_candidates=None, *, uniforms):
+    """Linear candidates as a tree; removed when the decode loop moves to trees (see ``linear_sample``)."""
+    return linear_sample(verify_tree_sample_reference, x_probs, cand_probs, candidates, num_candidates, uniforms)

@@ -1,8 +1,13 @@
-"""Verification kernels against their torch references, the sampling verifier's statistics, and warping.
+"""Tree verification kernels against their torch references, the sampling verifier's statistics, and warping.
 
-Kernel tests run on ``kernel_device`` (CUDA, or CPU under Triton's interpreter), so shapes stay small; outputs
-are written into buffers poisoned with ``POISON`` so that an element the kernel forgets fails the comparison.
+Kernel tests run on ``kernel_device`` (CUDA, or CPU under Triton's interpreter, where every program of a launch
+runs in Python), so shapes stay small; outputs are written into buffers poisoned with ``POISON`` so that an
+element the kernel forgets fails the comparison. Trees are random pre-ordered trees of several shapes (one chain,
+a star, deep, bushy, the linear candidates), per batch row or shared, padded with leaves after ``num_nodes``.
 """
+
+import zlib
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -10,8 +15,9 @@ import torch
 from scipy import stats
 
 from lookahead.sampling import SamplingParams, sample_rows, warp_logits
-from lookahead_kernels.verify_ref import (draw_verify_uniforms, inverse_cdf_sample, verify_greedy_reference,
-                                          verify_sample_reference)
+from lookahead_kernels.tree import TreeShape
+from lookahead_kernels.verify_ref import (draw_tree_uniforms, inverse_cdf_sample, tree_parents,
+                                          verify_tree_greedy_reference, verify_tree_sample_reference)
 
 POISON = -777
 
@@ -22,139 +28,261 @@ def vk():
     return verify
 
 
-def poisoned(B, K, device):
+def poisoned(B, A, device):
     return (torch.full((B,), POISON, dtype=torch.long, device=device),
-            torch.full((B,), POISON, dtype=torch.long, device=device),
-            torch.full((B, K + 1), POISON, dtype=torch.long, device=device))
+            torch.full((B, A), POISON, dtype=torch.long, device=device),
+            torch.full((B, A + 1), POISON, dtype=torch.long, device=device))
 
 
 def assert_same(ref, got):
-    names = ("accept_len", "best", "tokens")
-    for name, r, g in zip(names, ref, got):
+    for name, r, g in zip(("accept_len", "path", "emitted"), ref, got):
         assert not (g == POISON).any(), f"{name}: unwritten elements"
         assert torch.equal(r.cpu(), g.cpu()), f"{name} differs:\nreference {r}\nkernel    {g}"
 
 
-def greedy_case(B, G, K, V, gen, device, dtype=torch.float32, ties=False, plant=True):
-    """Random logits and candidates; some candidates follow the argmax chain so that prefixes get accepted."""
+def assert_consistent(out, tokens, end, num_nodes=None):
+    """The outputs describe a walk: accepted nodes form a root-down path of real nodes whose tokens are emitted."""
+    acc, path, emitted = (t.cpu() for t in out)
+    B, V = tokens.shape
+    end = end.cpu().expand(B, V)
+    parents = tree_parents(end)
+    for b in range(B):
+        a = int(acc[b])
+        n = V if num_nodes is None else int(num_nodes[b])
+        nodes = path[b, :a].tolist()
+        assert path[b, a:].eq(-1).all() and emitted[b, a + 1:].eq(-1).all() and emitted[b, a] >= 0
+        assert all(0 <= i < n for i in nodes)
+        assert [int(parents[b, i]) for i in nodes] == ([-1] + nodes[:-1])[:a]
+        assert emitted[b, :a].tolist() == tokens[b, nodes].tolist()
+
+
+# ---- trees ---------------------------------------------------------------------------------------------------------
+def random_parents(size, kind, gen):
+    """Parents (-1 for a child of x) of a random tree of ``size`` nodes, numbered in pre-order.
+
+    Node i's parent is drawn from the rightmost path (x and the ancestors-or-self of node i-1): that keeps the
+    numbering pre-order, and every pre-ordered tree can come out."""
+    parents, stack = [], [-1]  # stack: x, then the path from x down to the last node
+    for i in range(size):
+        r = float(torch.rand((), generator=gen))
+        if kind == "chain":
+            k = len(stack) - 1
+        elif kind == "star":
+            k = 0
+        elif kind == "deep":  # mostly extends the last node
+            k = len(stack) - 1 if r < 0.75 else int(torch.randint(0, len(stack), (), generator=gen))
+        elif kind == "bushy":  # hangs off x or the first two levels
+            k = int(torch.randint(0, min(3, len(stack)), (), generator=gen))
+        else:
+            raise ValueError(kind)
+        parents.append(stack[k])
+        stack = stack[:k + 1] + [i]
+    return parents
+
+
+def padded_end(parents, V):
+    """``end [V]``: the tree of ``parents`` followed by padding leaves."""
+    end = list(range(1, V + 1))
+    if parents:
+        end[: len(parents)] = TreeShape.from_parents(parents).end.tolist()
+    return torch.tensor(end)
+
+
+def tree_batch(B, V, kind, gen, pad, shared):
+    """``(end [V] or [B, V], num_nodes [B] or None, parents per row)`` for ``B`` rows of ``V`` nodes."""
+    if kind == "linear":
+        g, k = V
+        end = TreeShape.linear(g, k).end
+        V = g * k
+        parents = [p.item() for p in TreeShape.linear(g, k).parents()]
+        sizes = [int(torch.randint(0, V + 1, (), generator=gen)) if pad else V for _ in range(B)]
+        return end, (torch.tensor(sizes) if pad else None), [parents] * B
+    rows = 1 if shared else B
+    sizes = [int(torch.randint(0, V + 1, (), generator=gen)) if pad else V for _ in range(rows)]
+    if pad:
+        sizes[0] = V - 1  # at least one padding node, and a big tree
+    parents = [random_parents(n, kind, gen) for n in sizes]
+    end = torch.stack([padded_end(p, V) for p in parents])
+    if shared:
+        return end[0], (torch.tensor(sizes * B) if pad else None), parents * B
+    return end, (torch.tensor(sizes) if pad else None), parents
+
+
+def max_depth(parents_rows):
+    best = 0
+    for parents in parents_rows:
+        depth = []
+        for p in parents:
+            depth.append(1 if p < 0 else depth[p] + 1)
+        best = max([best] + depth)
+    return best
+
+
+def to(device, *tensors):
+    return [t.to(device) if isinstance(t, torch.Tensor) else t for t in tensors]
+
+
+# ---- greedy --------------------------------------------------------------------------------------------------------
+def greedy_tree_case(B, V, vocab, kind, gen, pad=False, shared=False, ties=False, dtype=torch.float32, plant=0.7):
+    """Random logits on a random tree; a node's token is, with probability ``plant``, the argmax at its parent
+    (so walks go deep, and siblings often repeat a token), else random (ids out of range included)."""
+    end, n, parents = tree_batch(B, V, kind, gen, pad, shared)
+    V = end.shape[-1]
     if ties:  # few distinct values: many equal maxima
-        x = torch.randint(0, 3, (B, V), generator=gen).to(dtype)
-        c = torch.randint(0, 3, (B, G, K, V), generator=gen).to(dtype)
+        x = torch.randint(0, 3, (B, vocab), generator=gen).to(dtype)
+        nodes = torch.randint(0, 3, (B, V, vocab), generator=gen).to(dtype)
     else:
-        x = torch.randn(B, V, generator=gen).to(dtype)
-        c = torch.randn(B, G, K, V, generator=gen).to(dtype)
-    cand = torch.randint(0, V, (B, G, K), generator=gen)
-    if plant and G > 0:
-        y0, pred = x.argmax(-1), c.argmax(-1)
+        x = torch.randn(B, vocab, generator=gen).to(dtype)
+        nodes = torch.randn(B, V, vocab, generator=gen).to(dtype)
+    tokens = torch.randint(0, vocab, (B, V), generator=gen)
+    y0, pred = x.argmax(-1), nodes.argmax(-1)
+    for b in range(B):
+        for i, p in enumerate(parents[b]):
+            if float(torch.rand((), generator=gen)) < plant:
+                tokens[b, i] = y0[b] if p < 0 else pred[b, p]
+    tokens[torch.rand(B, V, generator=gen) < 0.03] = -1
+    tokens[torch.rand(B, V, generator=gen) < 0.03] = vocab + 5
+    if n is not None:  # padding: the best possible tokens and garbage rows, never to be read or accepted
         for b in range(B):
-            for g in range(G):
-                depth = int(torch.randint(0, K + 1, (1,), generator=gen))  # follow the chain this deep
-                for m in range(depth):
-                    cand[b, g, m] = y0[b] if m == 0 else pred[b, g, m - 1]
-    return x.to(device), c.to(device), cand.to(device)
+            tokens[b, int(n[b]):] = y0[b]
+            nodes[b, int(n[b]):] = float("nan")
+    return x, nodes, tokens, end, n, max(1, max_depth(parents))
 
 
-# ---- greedy -------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("B,G,K,V,ties,splits", [
-    (3, 4, 3, 50, False, None), (3, 4, 3, 50, True, None), (2, 5, 2, 37, True, 3), (4, 3, 1, 20, True, None),
-    (2, 2, 4, 1000, False, 4),
+@pytest.mark.parametrize("kind,V,pad,shared,ties", [
+    ("chain", 6, False, True, False), ("star", 6, False, False, True), ("deep", 10, True, False, False),
+    ("bushy", 10, False, False, True), ("bushy", 12, True, True, False), ("linear", (3, 3), False, True, True),
+    ("linear", (2, 4), True, True, False), ("deep", 9, True, False, True),
 ])
-def test_greedy_matches_reference(vk, kernel_device, B, G, K, V, ties, splits):
-    gen = torch.Generator().manual_seed(B * 1000 + G * 100 + K * 10 + V + ties)
-    for _ in range(3):
-        x, c, cand = greedy_case(B, G, K, V, gen, kernel_device, ties=ties)
-        ref = verify_greedy_reference(x, c, cand)
-        got = vk.verify_greedy(x, c, cand, vocab_splits=splits, out=poisoned(B, K, kernel_device))
+def test_greedy_matches_reference(vk, kernel_device, kind, V, pad, shared, ties):
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((kind, V, pad, shared, ties)).encode()))
+    B, vocab = 3, 37
+    accepted = 0
+    for rep in range(2):
+        x, nodes, tokens, end, n, depth = greedy_tree_case(B, V, vocab, kind, gen, pad, shared, ties)
+        x, nodes, tokens, end, n = to(kernel_device, x, nodes, tokens, end, n)
+        A = depth + rep - 1  # at the depth, and one short of it (the cap)
+        ref = verify_tree_greedy_reference(x, nodes, tokens, end, n, A)
+        got = vk.verify_tree_greedy(x, nodes, tokens, end, n, A, vocab_splits=(2 if rep else None),
+                                    out=poisoned(B, A, kernel_device))
         assert_same(ref, got)
+        assert_consistent(ref, tokens.cpu(), end, n)
+        accepted += int(ref[0].sum())
+    assert accepted > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
 def test_greedy_dtypes(vk, kernel_device, dtype):
     gen = torch.Generator().manual_seed(7)
-    x, c, cand = greedy_case(3, 3, 2, 64, gen, kernel_device, dtype=dtype, ties=True)
-    assert_same(verify_greedy_reference(x, c, cand),
-                vk.verify_greedy(x, c, cand, vocab_splits=2, out=poisoned(3, 2, kernel_device)))
+    x, nodes, tokens, end, n, depth = greedy_tree_case(2, 7, 64, "bushy", gen, ties=True, dtype=dtype)
+    x, nodes, tokens, end = to(kernel_device, x, nodes, tokens, end)
+    assert_same(verify_tree_greedy_reference(x, nodes, tokens, end, None, depth),
+                vk.verify_tree_greedy(x, nodes, tokens, end, None, depth, vocab_splits=2,
+                                      out=poisoned(2, depth, kernel_device)))
 
 
-def test_greedy_duplicates_all_rejected_all_accepted(vk, kernel_device):
-    gen = torch.Generator().manual_seed(1)
-    B, G, K, V = 3, 4, 3, 40
-    x, c, cand = greedy_case(B, G, K, V, gen, kernel_device, plant=False)
-    y0, pred = x.argmax(-1), c.argmax(-1)
-    # row 0: every candidate rejected at depth 1
-    cand[0] = (y0[0] + 1) % V
-    # row 1: candidate 2 fully accepted, candidates 1 and 3 duplicate it (best must be the first, 1)
-    chain = torch.stack([y0[1], pred[1, 1, 0], pred[1, 1, 1]])
-    cand[1, 1] = chain
-    cand[1, 2] = chain
-    cand[1, 3] = chain
-    c[1, 2] = c[1, 1]
-    c[1, 3] = c[1, 1]
-    # row 2: all candidates identical, accepted one token deep
-    cand[2] = torch.stack([y0[2], (pred[2, 0, 0] + 1) % V, y0[2]])
-    c[2] = c[2, 0]
-    ref = verify_greedy_reference(x, c, cand)
-    assert ref[0].tolist() == [0, 3, 1] and ref[1].tolist() == [-1, 1, 0]
-    assert_same(ref, vk.verify_greedy(x, c, cand, out=poisoned(B, K, kernel_device)))
+def onehot(ids, vocab=10):
+    ids = torch.as_tensor(ids)
+    return torch.zeros(*ids.shape, vocab).scatter_(-1, ids[..., None], 1.0)
 
 
-def test_greedy_no_candidates(vk, kernel_device):
+def test_greedy_hand_worked(vk, kernel_device):
+    #          x                 tokens: 0:3  1:5  2:1  3:7  4:3  5:2 (padding in row 1)
+    #        /   \               argmax: x -> 3, 0 -> 7, 1 -> 1, 2 -> 2, 3 -> 9, 4 -> 2
+    #       0     4
+    #      / \
+    #     1   3
+    #     |
+    #     2
+    end = TreeShape.from_parents([-1, 0, 1, 0, -1]).end
+    end = torch.cat([end, torch.tensor([6])])
+    tokens = torch.tensor([[3, 5, 1, 7, 3, 2]] * 4)
+    x = onehot([3, 3, 3, 3])
+    nodes = onehot([[7, 1, 2, 9, 2, 0]] * 4)
+    # row 1: 0 -> 5 at node 0, so node 1 (token 5) is taken, then 1 -> node 2 (token 1), then bonus 2
+    nodes[1, 0] = onehot(5)
+    # row 2: x -> 4 matches no root; row 3: node 0 no longer real (num_nodes 0)
+    x[2] = onehot(4)
+    n = torch.tensor([5, 5, 5, 0])
+    ref = verify_tree_greedy_reference(x, nodes, tokens, end, n, 3)
+    assert ref[0].tolist() == [2, 3, 0, 0]
+    assert ref[1].tolist() == [[0, 3, -1], [0, 1, 2], [-1, -1, -1], [-1, -1, -1]]
+    assert ref[2].tolist() == [[3, 7, 9, -1], [3, 5, 1, 2], [4, -1, -1, -1], [3, -1, -1, -1]]
+    assert_same(ref, vk.verify_tree_greedy(*to(kernel_device, x, nodes, tokens, end, n), 3,
+                                           out=poisoned(4, 3, kernel_device)))
+    # max_accept caps the walk: row 1 stops after node 1, the bonus is the argmax there
+    capped = verify_tree_greedy_reference(x, nodes, tokens, end, n, 2)
+    assert capped[2].tolist()[1] == [3, 5, 1]
+    assert_same(capped, vk.verify_tree_greedy(*to(kernel_device, x, nodes, tokens, end, n), 2,
+                                              out=poisoned(4, 2, kernel_device)))
+    # max_accept = 0: the argmax at x alone
+    zero = verify_tree_greedy_reference(x, nodes, tokens, end, n, 0)
+    assert zero[2].tolist() == [[3], [3], [4], [3]] and zero[1].shape == (4, 0)
+    assert_same(zero, vk.verify_tree_greedy(*to(kernel_device, x, nodes, tokens, end, n), 0,
+                                            out=poisoned(4, 0, kernel_device)))
+
+
+def test_greedy_repeated_sibling_takes_the_first(vk, kernel_device):
+    """Not a trie: two roots carry the argmax at x; only the first is followed, even when the second goes deeper."""
+    end = TreeShape.from_parents([-1, -1, 1]).end  # roots 0 and 1, node 2 under node 1
+    tokens = torch.tensor([[4, 4, 6]])
+    x, nodes = onehot([4]), onehot([[1, 6, 8]])
+    ref = verify_tree_greedy_reference(x, nodes, tokens, end, None, 2)
+    assert (ref[0].tolist(), ref[1].tolist(), ref[2].tolist()) == ([1], [[0, -1]], [[4, 1, -1]])
+    assert_same(ref, vk.verify_tree_greedy(*to(kernel_device, x, nodes, tokens, end), None, 2,
+                                           out=poisoned(1, 2, kernel_device)))
+
+
+def test_greedy_empty_tree(vk, kernel_device):
     gen = torch.Generator().manual_seed(2)
-    x, c, cand = greedy_case(2, 0, 3, 30, gen, kernel_device)
-    ref = verify_greedy_reference(x, c, cand)
-    assert ref[2][:, 1:].eq(-1).all()
-    assert_same(ref, vk.verify_greedy(x, c, cand, out=poisoned(2, 3, kernel_device)))
+    x = torch.randn(2, 30, generator=gen).to(kernel_device)
+    nodes = torch.empty(2, 0, 30, device=kernel_device)
+    tokens = torch.empty(2, 0, dtype=torch.long, device=kernel_device)
+    end = torch.empty(0, dtype=torch.long, device=kernel_device)
+    ref = verify_tree_greedy_reference(x, nodes, tokens, end, None, 3)
+    assert ref[0].eq(0).all() and ref[1].eq(-1).all() and ref[2][:, 0].equal(x.argmax(-1))
+    assert_same(ref, vk.verify_tree_greedy(x, nodes, tokens, end, None, 3, out=poisoned(2, 3, kernel_device)))
 
 
-@pytest.mark.parametrize("as_tensor", [False, True])
-def test_greedy_fewer_candidates_with_garbage(vk, kernel_device, as_tensor):
-    gen = torch.Generator().manual_seed(3)
-    B, G, K, V = 3, 5, 3, 50
-    x, c, cand = greedy_case(B, G, K, V, gen, kernel_device)
-    n = torch.tensor([2, 0, 5], device=kernel_device) if as_tensor else 3
-    nl = n.tolist() if as_tensor else [n] * B
-    for b in range(B):  # unused rows: the best possible candidate, NaN logits, ids out of range
-        cand[b, nl[b]:] = cand[b, 0]
-        if nl[b] < G:
-            cand[b, nl[b]:, 0] = x[b].argmax()
-            cand[b, -1] = torch.tensor([-1, V + 3, 2**40])
-            c[b, nl[b]:] = float("nan")
-    ref = verify_greedy_reference(x, c, cand, n)
-    assert_same(ref, vk.verify_greedy(x, c, cand, n, vocab_splits=2, out=poisoned(B, K, kernel_device)))
-
-
-@pytest.mark.parametrize("V", [1000, 32000, 49152, 128256])
-def test_greedy_vocab_sizes(vk, kernel_device, V):
-    gen = torch.Generator().manual_seed(V)
-    B, G, K = 1, 2, 2
-    x, c, cand = greedy_case(B, G, K, V, gen, kernel_device)
-    x[0, V - 1] = x[0].max() + 1  # the maximum in the last slice of the vocabulary
-    cand[0, 1, 0] = V - 1
-    ref = verify_greedy_reference(x, c, cand)
-    assert_same(ref, vk.verify_greedy(x, c, cand, out=poisoned(B, K, kernel_device)))
+@pytest.mark.parametrize("vocab", [1000, 49152, 128256])
+def test_greedy_vocab_sizes(vk, kernel_device, vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    x, nodes, tokens, end, _, depth = greedy_tree_case(1, 3, vocab, "chain", gen, plant=1.0)
+    x[0, vocab - 1] = x[0].max() + 1  # the maximum in the last slice of the vocabulary
+    tokens[0] = torch.stack([torch.tensor(vocab - 1), nodes[0, 0].argmax(), nodes[0, 1].argmax()])
+    x, nodes, tokens, end = to(kernel_device, x, nodes, tokens, end)
+    ref = verify_tree_greedy_reference(x, nodes, tokens, end, None, 3)
+    assert ref[0].item() == 3
+    assert_same(ref, vk.verify_tree_greedy(x, nodes, tokens, end, None, 3, out=poisoned(1, 3, kernel_device)))
 
 
 def test_greedy_strided_views(vk, kernel_device):
-    """x and candidate rows as views into the model's [B, T, V] logits, as the decoding loop passes them."""
+    """x and node rows as views into the model's [B, T, vocab] logits, as the decoding loop passes them."""
     gen = torch.Generator().manual_seed(4)
-    B, la, G, K, V = 2, 5, 3, 2, 40
-    logits = torch.randn(B, la + G * K, V, generator=gen).to(kernel_device)
-    x, c = logits[:, 0], logits[:, la:].view(B, G, K, V)
-    cand = torch.randint(0, V, (B, G, K), generator=gen).to(kernel_device)
-    cand[:, 0, 0] = x.argmax(-1)
-    cand[:, 0, 1] = c[:, 0, 0].argmax(-1)
-    ref = verify_greedy_reference(x, c, cand)
-    assert ref[0].tolist() == [2, 2]
-    assert_same(ref, vk.verify_greedy(x, c, cand, out=poisoned(B, K, kernel_device)))
+    B, la, V, vocab = 2, 5, 6, 40
+    logits = torch.randn(B, la + V + 2, vocab, generator=gen).to(kernel_device)
+    x, nodes = logits[:, 0], logits[:, la: la + V]
+    end = TreeShape.from_parents([-1, 0, 0, -1, 3, 4]).end.to(kernel_device)
+    tokens = torch.randint(0, vocab, (B, V), generator=gen).to(kernel_device)
+    tokens[:, 0] = (x.argmax(-1) + 1) % vocab
+    tokens[:, 3] = x.argmax(-1)
+    tokens[:, 4] = nodes[:, 3].argmax(-1)
+    tokens[:, 5] = nodes[:, 4].argmax(-1)
+    ref = verify_tree_greedy_reference(x, nodes, tokens, end, None, 3)
+    assert ref[0].tolist() == [3, 3]
+    assert_same(ref, vk.verify_tree_greedy(x, nodes, tokens, end, None, 3, out=poisoned(B, 3, kernel_device)))
 
 
 def test_greedy_nan_like_torch(vk, kernel_device):
-    x = torch.tensor([[0.0, 5.0, float("nan"), 5.0, float("nan")], [1.0, 1.0, 1.0, 0.0, 1.0]], device=kernel_device)
-    c = torch.zeros(2, 1, 1, 5, device=kernel_device)
-    cand = torch.tensor([[[2]], [[0]]], device=kernel_device)
-    ref = verify_greedy_reference(x, c, cand)
-    assert ref[0].tolist() == [1, 1]
-    assert_same(ref, vk.verify_greedy(x, c, cand, vocab_splits=2, out=poisoned(2, 1, kernel_device)))
+    x = torch.tensor([[0.0, 5.0, float("nan"), 5.0, float("nan")], [1.0, 1.0, 1.0, 0.0, 1.0]])
+    nodes = torch.tensor([[[float("nan"), 0.0, 0.0, 9.0, 0.0], [0.0] * 5],
+                          [[0.0, 2.0, 2.0, 1.0, 2.0], [0.0] * 5]])
+    tokens = torch.tensor([[2, 3], [0, 1]])  # a chain: NaN at x is argmax 2, then NaN at node 0 is 0 (not 3)
+    end = torch.tensor([2, 2])
+    ref = verify_tree_greedy_reference(x, nodes, tokens, end, None, 2)
+    assert ref[0].tolist() == [1, 2] and ref[2].tolist() == [[2, 0, -1], [0, 1, 0]]
+    assert_same(ref, vk.verify_tree_greedy(*to(kernel_device, x, nodes, tokens, end), None, 2, vocab_splits=2,
+                                           out=poisoned(2, 2, kernel_device)))
 
 
 @pytest.mark.parametrize("R,V,splits,ties", [(7, 1000, None, False), (5, 300, 3, True), (3, 128256, None, False)])
@@ -170,100 +298,212 @@ def test_row_argmax(vk, kernel_device, R, V, splits, ties):
 
 
 # ---- sampling: kernel == reference ---------------------------------------------------------------------------------
-def sample_case(B, G, K, V, gen, device, hot=4, dtype=torch.float32):
-    """Peaked random distributions over ``hot`` tokens (so that walks go deep), some exact zeros, candidates
-    drawn mostly from the hot tokens (duplicates included), and a few ids out of range."""
+def sample_tree_case(B, V, vocab, kind, gen, pad=False, shared=False, dtype=torch.float32, hot=4):
+    """Peaked random distributions over ``hot`` tokens, some exact zeros; node tokens are often the most likely
+    token at their parent (first children above all, so that walks go deep), else drawn from the hot tokens (repeated siblings included),
+    and a few ids are out of range; padding rows are NaN."""
     def dist(*shape):
-        w = torch.rand(*shape, V, generator=gen) * 0.05
+        w = torch.rand(*shape, vocab, generator=gen) * 0.05
         w[..., :hot] += torch.rand(*shape, hot, generator=gen) * 4
-        w[torch.rand(*shape, V, generator=gen) < 0.2] = 0
+        w[torch.rand(*shape, vocab, generator=gen) < 0.2] = 0
         w[..., 0] += 0.1  # every row keeps some mass
         return (w / w.sum(-1, keepdim=True)).to(dtype)
-    x, c = dist(B), dist(B, G, K)
-    cand = torch.randint(0, hot + 1, (B, G, K), generator=gen)
-    cand[torch.rand(B, G, K, generator=gen) < 0.05] = -1
-    return x.to(device), c.to(device), cand.to(device)
+    end, n, parents = tree_batch(B, V, kind, gen, pad, shared)
+    V = end.shape[-1]
+    x, nodes = dist(B), dist(B, V)
+    tokens = torch.randint(0, hot + 1, (B, V), generator=gen)
+    for b in range(B):  # first children mostly, other nodes sometimes, carry the most likely token at their parent
+        for i, p in enumerate(parents[b]):
+            if float(torch.rand((), generator=gen)) < (0.8 if i == p + 1 else 0.3):
+                tokens[b, i] = (x[b] if p < 0 else nodes[b, p]).float().argmax()
+    tokens[torch.rand(B, V, generator=gen) < 0.05] = -1
+    if n is not None:
+        for b in range(B):
+            tokens[b, int(n[b]):] = 0
+            nodes[b, int(n[b]):] = float("nan")
+    return x, nodes, tokens, end, n, max(1, max_depth(parents))
 
 
-@pytest.mark.parametrize("B,G,K,V,dtype", [
-    (6, 4, 3, 20, torch.float32), (4, 1, 1, 9, torch.float32), (3, 6, 2, 33, torch.float16),
-    (3, 3, 4, 17, torch.bfloat16), (3, 0, 2, 12, torch.float32),
+@pytest.mark.parametrize("kind,V,pad,shared,dtype", [
+    ("chain", 5, False, True, torch.float32), ("star", 6, False, False, torch.float32),
+    ("deep", 9, True, False, torch.float32), ("bushy", 10, True, True, torch.float16),
+    ("bushy", 8, False, False, torch.bfloat16), ("linear", (3, 3), True, True, torch.float32),
+    ("deep", 7, False, True, torch.float64),
 ])
-def test_sample_matches_reference(vk, kernel_device, B, G, K, V, dtype):
-    gen = torch.Generator().manual_seed(B + 10 * G + 100 * K + V)
-    x, c, cand = sample_case(B, G, K, V, gen, kernel_device, dtype=dtype)
-    u = draw_verify_uniforms(B, G, K, generator=gen).to(kernel_device)
-    ref = verify_sample_reference(x, c, cand, uniforms=u)
-    assert_same(ref, vk.verify_sample(x, c, cand, uniforms=u, out=poisoned(B, K, kernel_device)))
-
-
-def test_sample_matches_reference_num_candidates_and_seed(vk, kernel_device):
-    gen = torch.Generator().manual_seed(11)
-    B, G, K, V = 4, 5, 3, 16
-    x, c, cand = sample_case(B, G, K, V, gen, kernel_device)
-    n = torch.tensor([5, 0, 2, 3], device=kernel_device)
-    c[2, 2:] = float("nan")  # unused rows are never read
-    u = draw_verify_uniforms(B, G, K, generator=gen).to(kernel_device)
-    assert_same(verify_sample_reference(x, c, cand, n, uniforms=u),
-                vk.verify_sample(x, c, cand, n, uniforms=u, out=poisoned(B, K, kernel_device)))
-    # the launcher draws with draw_verify_uniforms on the tensors' device: same seed, same result
+def test_sample_matches_reference(vk, kernel_device, kind, V, pad, shared, dtype):
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((kind, V, pad, shared, str(dtype))).encode()))
+    B, vocab = 6, 20
+    x, nodes, tokens, end, n, depth = sample_tree_case(B, V, vocab, kind, gen, pad, shared, dtype)
+    u = draw_tree_uniforms(B, tokens.shape[1], generator=gen)
+    u[:, :-1] *= 0.5  # tries accept more often: the walks go deeper
+    x, nodes, tokens, end, n, u = to(kernel_device, x, nodes, tokens, end, n, u)
+    ref = verify_tree_sample_reference(x, nodes, tokens, end, n, depth, u)
+    assert_same(ref, vk.verify_tree_sample(x, nodes, tokens, end, n, depth, u, out=poisoned(B, depth, kernel_device)))
+    assert_consistent(ref, tokens.cpu(), end, n)
+    assert ref[0].max() >= 1  # (walks two deep and more: the big-vocabulary, temperature-0 and statistics tests)
+    # capped one short of the depth, and the launcher's own draw: same seed, same result
+    A = depth - 1
     g1 = torch.Generator(device=kernel_device).manual_seed(5)
     g2 = torch.Generator(device=kernel_device).manual_seed(5)
-    got = vk.verify_sample(x, c, cand, 3, generator=g1)
-    ref = verify_sample_reference(x, c, cand, 3, uniforms=draw_verify_uniforms(B, G, K, kernel_device, g2))
-    assert_same(ref, got)
+    got = vk.verify_tree_sample(x, nodes, tokens, end, n, A, generator=g1, out=poisoned(B, A, kernel_device))
+    assert_same(verify_tree_sample_reference(x, nodes, tokens, end, n, A, generator=g2), got)
+
+
+def test_sample_repeated_sibling_and_zero_weight(vk, kernel_device):
+    """Roots carry tokens [2, 1, 2, 3] where token 1 has weight 0: node 1 is always rejected, node 2 repeats
+    node 0's token so it is rejected once node 0 is (its weight is gone), and the bonus skips both."""
+    end = torch.tensor([1, 2, 3, 4])
+    tokens = torch.tensor([[2, 1, 2, 3]] * 4)
+    x = torch.tensor([[0.2, 0.0, 0.3, 0.1, 0.4]] * 4)
+    nodes = torch.full((4, 4, 5), 0.2)
+    # row 0: accept node 0 (u < 0.3); row 1: reject 0, 1 and 2, accept 3 (0.1 / 0.7 > u); row 2: reject all, the
+    # bonus from [0.2, 0, 0, 0, 0.4] / 0.6 at u = 0.5 is token 4; row 3: the same at u = 0.1 is token 0
+    u = torch.tensor([[0.1, 0.0, 0.0, 0.0, 0.5],
+                      [0.9, 0.0, 0.0, 0.1, 0.5],
+                      [0.9, 0.0, 0.0, 0.9, 0.5],
+                      [0.9, 0.0, 0.0, 0.9, 0.1]], dtype=torch.float64)
+    ref = verify_tree_sample_reference(x, nodes, tokens, end, None, 1, u)
+    assert ref[0].tolist() == [1, 1, 0, 0]
+    assert ref[1].tolist() == [[0], [3], [-1], [-1]]
+    assert ref[2][:, 0].tolist() == [2, 3, 4, 0]
+    assert_same(ref, vk.verify_tree_sample(*to(kernel_device, x, nodes, tokens, end), None, 1,
+                                           u.to(kernel_device), out=poisoned(4, 1, kernel_device)))
+
+
+def test_sample_empty_tree(vk, kernel_device):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.softmax(torch.randn(3, 12, generator=gen), -1).to(kernel_device)
+    nodes = torch.empty(3, 0, 12, device=kernel_device)
+    tokens = torch.empty(3, 0, dtype=torch.long, device=kernel_device)
+    end = torch.empty(0, dtype=torch.long, device=kernel_device)
+    u = draw_tree_uniforms(3, 0, generator=gen).to(kernel_device)
+    ref = verify_tree_sample_reference(x, nodes, tokens, end, None, 2, u)
+    assert ref[0].eq(0).all() and ref[2][:, 0].ge(0).all() and ref[2][:, 1:].eq(-1).all()
+    assert_same(ref, vk.verify_tree_sample(x, nodes, tokens, end, None, 2, u, out=poisoned(3, 2, kernel_device)))
 
 
 def test_sample_big_vocab(vk, kernel_device):
-    gen = torch.Generator().manual_seed(12)
-    B, G, K, V = 1, 2, 2, 128256
-    x, c, cand = sample_case(B, G, K, V, gen, kernel_device, hot=2)
-    for u_first in (0.0, 0.999):  # accept the first try / reject everything
-        u = draw_verify_uniforms(B, G, K, generator=gen).to(kernel_device)
-        u[:, :, 0] = u_first
-        assert_same(verify_sample_reference(x, c, cand, uniforms=u),
-                    vk.verify_sample(x, c, cand, uniforms=u, out=poisoned(B, K, kernel_device)))
+    """Weight on tokens spread over the vocabulary: the bonus after rejections is found chunk by chunk, with the
+    rejected tokens' weight taken out of the chunks that hold them."""
+    vocab = 128256
+    hot = torch.tensor([5, 20000, 40001, 70000, 127999])
+    B = 5
+    x = torch.zeros(B, vocab)
+    x[:, hot] = torch.tensor([0.3, 0.25, 0.2, 0.15, 0.1])
+    x[:, 1000:1010] = 0.001
+    nodes = x[:, None].repeat(1, 4, 1)
+    end = TreeShape.from_parents([-1, 0, -1, -1]).end
+    tokens = hot[[0, 1, 2, 3]].expand(B, 4).clone()
+    u = torch.tensor([[0.99, 0.0, 0.99, 0.99, t] for t in (0.0, 0.01, 0.3, 0.8, 0.999)], dtype=torch.float64)
+    u[0, 0] = 0.0  # row 0 accepts node 0 then node 1
+    x, nodes, tokens, end, u = to(kernel_device, x, nodes, tokens, end, u)
+    ref = verify_tree_sample_reference(x, nodes, tokens, end, None, 2, u)
+    # rows 1-4 reject tokens 5, 40001 and 70000; what is left: 1000..1009, 20000, 127999
+    assert ref[0].tolist() == [2, 0, 0, 0, 0]
+    assert ref[2][1:, 0].tolist() == [1003, 20000, 127999, 127999]
+    assert_same(ref, vk.verify_tree_sample(x, nodes, tokens, end, None, 2, u, out=poisoned(B, 2, kernel_device)))
 
 
-def consistent_case(B, G, K, V, gen, device):
-    """Logits that depend only on the prefix (as a real model's do), with ties, and candidates that share
-    prefixes and follow the argmax chain to random depths. (Greedy and sampling agree only on such inputs:
-    the sampling walk reads the row of the first candidate that carries the accepted prefix.)"""
+def consistent_case(B, V, vocab, gen):
+    """Logits that depend only on the path (as a real model's do), with ties, on a bushy tree whose tokens
+    follow the argmax often."""
     table = {}
 
     def row(key):
         if key not in table:
-            table[key] = torch.randint(0, 3, (V,), generator=gen).float()
+            table[key] = torch.randint(0, 3, (vocab,), generator=gen).float()
         return table[key]
 
+    end, _, parents = tree_batch(B, V, "bushy", gen, False, False)
+    tokens = torch.randint(0, 3, (B, V), generator=gen)
     x = torch.stack([row((b,)) for b in range(B)])
-    cand = torch.randint(0, 3, (B, G, K), generator=gen)
-    c = torch.empty(B, G, K, V)
+    nodes = torch.empty(B, V, vocab)
     for b in range(B):
-        for g in range(G):
-            depth = int(torch.randint(0, K + 1, (1,), generator=gen))
-            for m in range(K):
-                if m < depth:
-                    cand[b, g, m] = (x[b] if m == 0 else c[b, g, m - 1]).argmax()
-                c[b, g, m] = row((b, *cand[b, g, :m + 1].tolist()))
-    return x.to(device), c.to(device), cand.to(device)
+        paths = []
+        for i, p in enumerate(parents[b]):
+            prefix = (b,) if p < 0 else paths[p]
+            if float(torch.rand((), generator=gen)) < 0.6:
+                tokens[b, i] = row(prefix).argmax()
+            paths.append(prefix + (int(tokens[b, i]),))
+            nodes[b, i] = row(paths[-1])
+    return x, nodes, tokens, end, max_depth(parents)
 
 
 def test_temperature_zero_is_greedy(vk, kernel_device):
     gen = torch.Generator().manual_seed(13)
-    B, G, K, V = 4, 3, 3, 30
-    x, c, cand = consistent_case(B, G, K, V, gen, kernel_device)
+    B, V, vocab = 4, 9, 30
+    x, nodes, tokens, end, depth = to(kernel_device, *consistent_case(B, V, vocab, gen))
     greedy = SamplingParams(temperature=0)
     assert greedy.is_greedy and not SamplingParams().is_greedy
-    xp, cp = warp_logits(x, greedy), warp_logits(c, greedy)
-    ref = verify_greedy_reference(x, c, cand)
+    xp, np_ = warp_logits(x, greedy), warp_logits(nodes, greedy)
+    ref = verify_tree_greedy_reference(x, nodes, tokens, end, None, depth)
     assert ref[0].max() >= 2
-    u = draw_verify_uniforms(B, G, K, generator=gen).to(kernel_device)
-    assert_same(ref, verify_sample_reference(xp, cp, cand, uniforms=u))
-    assert_same(ref, vk.verify_sample(xp, cp, cand, uniforms=u, out=poisoned(B, K, kernel_device)))
+    u = draw_tree_uniforms(B, V, generator=gen).to(kernel_device)
+    assert_same(ref, verify_tree_sample_reference(xp, np_, tokens, end, None, depth, u))
+    assert_same(ref, vk.verify_tree_sample(xp, np_, tokens, end, None, depth, u, out=poisoned(B, depth, kernel_device)))
 
 
 # ---- sampling: the verifier keeps the target distribution ----------------------------------------------------------
+VS = 6  # vocabulary of the statistical tests
+
+
+def model_dist(prefix, seed=0):
+    """A known model: the next-token distribution after ``prefix`` (a tuple of tokens), with exact zeros."""
+    rng = np.random.default_rng([seed, len(prefix), *prefix])
+    w = rng.random(VS) + 0.05
+    w[rng.random(VS) < 0.3] = 0
+    w[(sum(prefix) + len(prefix)) % VS] += 0.3
+    return w / w.sum()
+
+
+# Trees as (parent, how the token is chosen from the parent's distribution): rank r = the r-th most likely token,
+# "zero" = a token of weight 0 there, "dup" = the token of the parent's first child (a repeated sibling).
+STAT_TREES = {
+    "star3": [(-1, 0), (-1, 1), (-1, 2)],
+    "chain": [(-1, 0), (0, 0), (1, 1)],
+    "bushy": [(-1, 0), (0, 0), (1, 0), (1, 1), (0, 1), (-1, 1), (5, 0), (5, 2), (-1, 3)],
+    "non-trie": [(-1, 0), (-1, "zero"), (-1, "dup"), (2, 0), (-1, 1)],
+}
+
+
+def stat_tree(name, seed=0):
+    """(parents, tokens, per-node distributions [V, VS], distribution at x) of a STAT_TREES tree."""
+    parents, tokens, paths = [], [], []
+    for i, (p, how) in enumerate(STAT_TREES[name]):
+        prefix = () if p < 0 else paths[p]
+        q = model_dist(prefix, seed)
+        if how == "zero":
+            t = int(np.flatnonzero(q == 0)[0])
+        elif how == "dup":
+            t = tokens[parents.index(p)]
+        else:
+            t = int(np.argsort(-q, kind="stable")[how])
+        parents.append(p)
+        tokens.append(t)
+        paths.append(prefix + (t,))
+    return parents, tokens, np.stack([model_dist(path, seed) for path in paths]), model_dist((), seed)
+
+
+def exact_sequences(parents, tokens, max_accept, seed=0):
+    """Exact probability of every emitted sequence: sample token by token from the model while the sampled token
+    is a child of the current node (the first child carrying it) and fewer than max_accept nodes are accepted."""
+    out = {}
+
+    def walk(node, prefix, prob):
+        q = model_dist(prefix, seed)
+        kids = [c for c, p in enumerate(parents) if p == node] if len(prefix) < max_accept else []
+        for v in np.flatnonzero(q > 0):
+            child = next((c for c in kids if tokens[c] == v), None)
+            if child is None:
+                out[prefix + (int(v),)] = prob * q[v]
+            else:
+                walk(child, prefix + (int(v),), prob * q[v])
+
+    walk(-1, (), 1.0)
+    assert abs(sum(out.values()) - 1) < 1e-9
+    return out
+
+
 def chi2_pvalue(counts: np.ndarray, p: np.ndarray) -> float:
     p = np.asarray(p, dtype=np.float64)
     support = p > 0
@@ -272,78 +512,86 @@ def chi2_pvalue(counts: np.ndarray, p: np.ndarray) -> float:
     return stats.chisquare(counts[support], expected).pvalue
 
 
-V_STAT = 6
-P_X = np.array([0.3, 0.0, 0.25, 0.2, 0.15, 0.1])  # at x; token 1 is impossible
+def chi2_sequences(samples, exact, min_expected=5.0) -> float:
+    """Chi-square p-value of sampled sequences against exact probabilities; rare sequences share one bin."""
+    n = len(samples)
+    counts = Counter(samples)
+    impossible = [s for s in counts if exact.get(s, 0) <= 0]
+    assert not impossible, f"sequences of probability 0 were emitted: {impossible[:5]}"
+    keys = sorted(exact, key=exact.get, reverse=True)
+    big = [k for k in keys if exact[k] * n >= min_expected] or keys[:1]
+    obs = [counts[k] for k in big]
+    exp = [exact[k] * n for k in big]
+    rest = n - sum(obs)
+    rest_exp = n - sum(exp)
+    if rest_exp >= min_expected:
+        obs.append(rest)
+        exp.append(rest_exp)
+    else:  # too rare for a bin of its own: joins the least likely kept bin
+        obs[-1] += rest
+        exp[-1] += rest_exp
+    return stats.chisquare(obs, exp).pvalue
 
 
-def two_depth_model(seed):
-    """A known 2-step model: p at x, q[a] after token a, r[a, b] after (a, b); some exact zeros."""
-    rng = np.random.default_rng(seed)
-    q = rng.random((V_STAT, V_STAT)) + 0.05
-    q[rng.random((V_STAT, V_STAT)) < 0.3] = 0
-    q[:, 4] += 0.2
-    r = rng.random((V_STAT, V_STAT, V_STAT))
-    q, r = q / q.sum(-1, keepdims=True), r / r.sum(-1, keepdims=True)
-    return q, r
+def emitted_sequences(out):
+    acc, _, emitted = (t.cpu() for t in out)
+    return [tuple(emitted[b, : int(acc[b]) + 1].tolist()) for b in range(acc.shape[0])]
 
 
-def stat_inputs(B, G, gen, q, r, device="cpu"):
-    """Candidates: random tokens (impossible ones included); each row's probabilities follow its prefix."""
-    K = 2
-    qt, rt = torch.tensor(q), torch.tensor(r)
-    cand = torch.randint(0, V_STAT, (B, G, K), generator=gen)
-    # half the candidates are good drafts (drawn from the model itself), so that walks often go deep
-    good = torch.rand(B, G, generator=gen) < 0.5
-    first = torch.multinomial(torch.tensor(P_X), B * G, replacement=True, generator=gen).view(B, G)
-    second = torch.multinomial(qt[first].view(-1, V_STAT), 1, generator=gen).view(B, G)
-    cand[good] = torch.stack([first, second], -1)[good]
-    cand[torch.rand(B, generator=gen) < 0.2, 0, 0] = 1  # some rows first try an impossible token
-    x = torch.tensor(P_X, dtype=torch.float64).expand(B, V_STAT)
-    c = torch.stack([qt[cand[..., 0]], rt[cand[..., 0], cand[..., 1]]], dim=2)  # [B, G, 2, V]
-    return x.float().to(device), c.float().to(device), cand.to(device)
+def stat_pvalues(out, parents, tokens, p_x, max_accept):
+    seqs = emitted_sequences(out)
+    first = np.bincount([s[0] for s in seqs], minlength=VS)
+    return [chi2_pvalue(first, p_x), chi2_sequences(seqs, exact_sequences(parents, tokens, max_accept))]
 
 
-def check_two_depth(tokens, accept, q, r, min_count=40):
-    tokens, accept = tokens.cpu().numpy(), accept.cpu().numpy()
-    pvals = [chi2_pvalue(np.bincount(tokens[:, 0], minlength=V_STAT), P_X)]
-    for a in range(V_STAT):  # second token given the first (emitted when the first was accepted)
-        sel = (accept >= 1) & (tokens[:, 0] == a)
-        if sel.sum() >= min_count:
-            pvals.append(chi2_pvalue(np.bincount(tokens[sel, 1], minlength=V_STAT), q[a]))
-    for a in range(V_STAT):  # third token given the first two (the bonus after a full acceptance)
-        for b in range(V_STAT):
-            sel = (accept == 2) & (tokens[:, 0] == a) & (tokens[:, 1] == b)
-            if sel.sum() >= min_count:
-                pvals.append(chi2_pvalue(np.bincount(tokens[sel, 2], minlength=V_STAT), r[a, b]))
-    return pvals
-
-
-@pytest.mark.parametrize("G", [1, 4])
-def test_sample_reference_keeps_distribution(G):
-    q, r = two_depth_model(G)
-    gen = torch.Generator().manual_seed(100 + G)
-    B = 40000
-    x, c, cand = stat_inputs(B, G, gen, q, r)
-    accept, best, tokens = verify_sample_reference(x, c, cand, uniforms=draw_verify_uniforms(B, G, 2, generator=gen))
-    pvals = check_two_depth(tokens, accept, q, r)
-    assert len(pvals) >= 1 + V_STAT - 1
-    assert min(pvals) > 1e-3, pvals
-    # the walk really went deep, and the best candidate carries the accepted tokens
-    assert (accept == 2).float().mean() > 0.02
-    rows = torch.nonzero(accept > 0).squeeze(1)
-    picked = cand[rows, best[rows]]
-    depth = torch.arange(2)[None, :] < accept[rows, None]
-    assert torch.equal(picked[depth], tokens[rows, :2][depth])
+@pytest.mark.parametrize("name,max_accept", [("star3", 1), ("chain", 3), ("chain", 2), ("bushy", 3),
+                                             ("non-trie", 2)])
+def test_sample_reference_keeps_distribution(name, max_accept):
+    parents, tokens, q, p_x = stat_tree(name)
+    B, V = 20000, len(parents)
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()) + max_accept)
+    end = TreeShape.from_parents(parents).end
+    tok = torch.tensor(tokens).expand(B, V)
+    x = torch.tensor(p_x).expand(B, VS)
+    nodes = torch.tensor(q).expand(B, V, VS)
+    out = verify_tree_sample_reference(x, nodes, tok, end, None, max_accept, generator=gen)
+    assert min(stat_pvalues(out, parents, tokens, p_x, max_accept)) > 1e-3
+    exact = exact_sequences(parents, tokens, max_accept)
+    assert out[0].max() == max(len(s) - 1 for s, p in exact.items() if p * B > 50)  # the walk reaches the bottom
+    assert_consistent(out, tok, end)
+    if name == "non-trie":  # node 1 (weight 0) and node 2 (a repeat of node 0) are never accepted
+        assert not ((out[1] == 1) | (out[1] == 2) | (out[1] == 3)).any()
 
 
 def test_sample_kernel_keeps_distribution(vk, kernel_device):
-    q, r = two_depth_model(7)
-    gen = torch.Generator().manual_seed(7)
-    B, G = 300 if kernel_device == "cpu" else 40000, 2
-    x, c, cand = stat_inputs(B, G, gen, q, r, kernel_device)
-    accept, best, tokens = vk.verify_sample(x, c, cand, generator=torch.Generator(kernel_device).manual_seed(3))
-    pvals = check_two_depth(tokens, accept, q, r, min_count=60)
-    assert min(pvals) > 1e-3, pvals
+    """The kernel on several trees in one launch: per-row trees padded to one size, padding made of likely tokens
+    that must never be accepted."""
+    per_tree = 120 if kernel_device == "cpu" else 20000
+    names = ["star3", "chain", "bushy", "non-trie"]
+    trees = [stat_tree(name) for name in names]
+    V = max(len(t[0]) for t in trees)
+    A = 3
+    B = per_tree * len(names)
+    end = torch.empty(B, V, dtype=torch.long)
+    tok = torch.empty(B, V, dtype=torch.long)
+    nodes = torch.full((B, V, VS), float("nan"), dtype=torch.float64)
+    x = torch.empty(B, VS, dtype=torch.float64)
+    n = torch.empty(B, dtype=torch.long)
+    for k, (parents, tokens, q, p_x) in enumerate(trees):
+        rows = slice(k * per_tree, (k + 1) * per_tree)
+        end[rows] = padded_end(parents, V)
+        tok[rows] = torch.tensor(tokens + [int(np.argmax(p_x))] * (V - len(tokens)))
+        nodes[rows, : len(parents)] = torch.tensor(q)
+        x[rows] = torch.tensor(p_x)
+        n[rows] = len(parents)
+    out = vk.verify_tree_sample(*to(kernel_device, x, nodes, tok, end, n), A,
+                                generator=torch.Generator(kernel_device).manual_seed(3))
+    assert_consistent(out, tok, end, n)
+    for k, (parents, tokens, q, p_x) in enumerate(trees):
+        rows = slice(k * per_tree, (k + 1) * per_tree)
+        part = tuple(t[rows] for t in out)
+        assert min(stat_pvalues(part, parents, tokens, p_x, A)) > 1e-3, names[k]
+    assert out[0].max() >= 2
 
 
 def test_inverse_cdf_boundaries():
@@ -412,63 +660,85 @@ def test_bad_warp_and_sample_inputs():
 # ---- bad arguments --------------------------------------------------------------------------------------------------
 def test_bad_verify_arguments(vk, kernel_device):
     dev = kernel_device
-    x, c = torch.rand(2, 10, device=dev), torch.rand(2, 3, 2, 10, device=dev)
-    cand = torch.zeros(2, 3, 2, dtype=torch.long, device=dev)
+    x, nodes = torch.rand(2, 10, device=dev), torch.rand(2, 3, 10, device=dev)
+    tokens = torch.zeros(2, 3, dtype=torch.long, device=dev)
+    end = torch.tensor([3, 3, 3], device=dev)
     cases = [
-        ((x, c, cand.int()), {}, "int64"),
-        ((x, c, cand[..., :0]), {}, "K >= 1"),
-        ((x[:1], c, cand), {}, r"\[B, V\]"),
-        ((x, c[:, :2], cand), {}, r"\[B, G, K, V\]"),
-        ((x.double(), c, cand), {}, "dtype"),
-        ((x, c, cand, 4), {}, "0..G"),
-        ((x, c, cand, torch.tensor([1, 2, 3], device=dev)), {}, "int64"),
-        ((x, c, cand, 1.5), {}, "num_candidates"),
+        ((x, nodes, tokens.int(), end, None, 2), "int64"),
+        ((x, nodes, tokens[0], end, None, 2), r"\[B, V\]"),
+        ((x[:1], nodes, tokens, end, None, 2), r"\[B, vocab\]"),
+        ((x, nodes[:, :2], tokens, end, None, 2), r"\[B, V, vocab\]"),
+        ((x.double(), nodes, tokens, end, None, 2), "dtype"),
+        ((x, nodes, tokens, end[:2], None, 2), "end"),
+        ((x, nodes, tokens, end.expand(3, 3), None, 2), "end"),
+        ((x, nodes, tokens, end.float(), None, 2), "end"),
+        ((x, nodes, tokens, end, 4, 2), "0..V"),
+        ((x, nodes, tokens, end, torch.tensor([1, 2, 3], device=dev), 2), "int64"),
+        ((x, nodes, tokens, end, 1.5, 2), "num_nodes"),
+        ((x, nodes, tokens, end, None, -1), "max_accept"),
+        ((x, nodes, tokens, end, None, True), "max_accept"),
+        ((x, nodes, tokens, end, None, 2.0), "max_accept"),
     ]
-    for fn in (vk.verify_greedy, vk.verify_sample, verify_greedy_reference_checked, verify_sample_reference_checked):
-        for args, kw, msg in cases:
+    if dev == "cpu":  # values are only checked where reading them costs no synchronisation
+        cases += [((x, nodes, tokens, torch.tensor([3, 1, 3]), None, 2), "end"),      # end[1] <= 1
+                  ((x, nodes, tokens, torch.tensor([2, 3, 3]), None, 2), "nesting"),  # node 1 runs past node 0
+                  ((x, nodes, tokens, end, torch.tensor([1, 4]), 2), "0..V")]
+    fns = (vk.verify_tree_greedy, vk.verify_tree_sample, verify_tree_greedy_reference, verify_tree_sample_reference)
+    for fn in fns:
+        for args, msg in cases:
             with pytest.raises(ValueError, match=msg):
-                fn(*args, **kw)
-    if dev == "cpu":
-        with pytest.raises(ValueError, match="0..G"):
-            vk.verify_greedy(x, c, cand, torch.tensor([1, 4]))
-    with pytest.raises(ValueError, match="uniforms"):
-        vk.verify_sample(x, c, cand, uniforms=torch.rand(2, 2, 3, device=dev))
-    with pytest.raises(ValueError, match="either generator or uniforms"):
-        vk.verify_sample(x, c, cand, generator=torch.Generator(dev), uniforms=draw_verify_uniforms(2, 3, 2, dev))
+                fn(*args)
+    for fn in (vk.verify_tree_sample, verify_tree_sample_reference):
+        with pytest.raises(ValueError, match="uniforms"):
+            fn(x, nodes, tokens, end, None, 2, torch.rand(2, 3, device=dev))
+        with pytest.raises(ValueError, match="either generator or uniforms"):
+            fn(x, nodes, tokens, end, None, 2, draw_tree_uniforms(2, 3, dev), torch.Generator(dev))
     with pytest.raises(ValueError, match="out"):
-        vk.verify_greedy(x, c, cand, out=poisoned(2, 3, dev))
+        vk.verify_tree_greedy(x, nodes, tokens, end, None, 2, out=poisoned(2, 3, dev))
     with pytest.raises(ValueError, match="vocab_splits"):
-        vk.verify_greedy(x, c, cand, vocab_splits=0)
+        vk.verify_tree_greedy(x, nodes, tokens, end, None, 2, vocab_splits=0)
     with pytest.raises(ValueError, match=r"\[R, V\]"):
         vk.row_argmax(x[0])
-
-
-def verify_greedy_reference_checked(*args, **kw):
-    from lookahead_kernels.verify_ref import check_verify_inputs
-    check_verify_inputs("verify_greedy_reference", *args[:3], args[3] if len(args) > 3 else None)
-    return verify_greedy_reference(*args, **kw)
-
-
-def verify_sample_reference_checked(*args, **kw):
-    B, G, K = args[2].shape if args[2].dim() == 3 else (2, 3, 2)
-    return verify_sample_reference(*args, uniforms=draw_verify_uniforms(B, G, max(K, 1), args[0].device), **kw)
 
 
 def test_custom_ops_opcheck(vk, kernel_device):
     """Schemas, fake (meta) implementations and mutation declarations of the registered ops."""
     gen = torch.Generator().manual_seed(31)
-    B, G, K, V = 2, 2, 2, 16
-    x, c, cand = greedy_case(B, G, K, V, gen, kernel_device)
-    xp, cp = torch.softmax(x, -1), torch.softmax(c, -1)
-    u = draw_verify_uniforms(B, G, K, generator=gen).to(kernel_device)
-    n = torch.tensor([2, 1], device=kernel_device)
+    B, V, vocab, A = 2, 5, 16, 3
+    x, nodes, tokens, end, n, _ = greedy_tree_case(B, V, vocab, "bushy", gen, pad=True)
+    x, nodes, tokens, end, n = to(kernel_device, x, nodes, tokens, end, n)
+    xp, np_ = torch.softmax(x, -1), torch.softmax(nodes.nan_to_num(), -1)
+    u = draw_tree_uniforms(B, V, generator=gen).to(kernel_device)
     tests = ("test_schema", "test_faketensor")
-    torch.library.opcheck(torch.ops.lookahead.verify_greedy_out.default,
-                          (x, c, cand, n, G, 0, *poisoned(B, K, kernel_device)), test_utils=tests)
-    torch.library.opcheck(torch.ops.lookahead.verify_sample_out.default,
-                          (xp, cp, cand, None, G, u, *poisoned(B, K, kernel_device)), test_utils=tests)
+    torch.library.opcheck(torch.ops.lookahead.verify_tree_greedy_out.default,
+                          (x, nodes, tokens, end, n, V, A, 0, *poisoned(B, A, kernel_device)), test_utils=tests)
+    torch.library.opcheck(torch.ops.lookahead.verify_tree_sample_out.default,
+                          (xp, np_, tokens, end, None, V, A, u, *poisoned(B, A, kernel_device)), test_utils=tests)
     torch.library.opcheck(torch.ops.lookahead.row_argmax_out.default,
                           (x, 2, torch.empty(B, dtype=torch.long, device=kernel_device)), test_utils=tests)
+
+
+# ---- the old linear API, as thin shims over the tree verifiers (removed when the decode loop moves to trees) ------
+def test_linear_shims(vk, kernel_device):
+    from lookahead_kernels.verify_ref import draw_verify_uniforms, verify_greedy_reference, verify_sample_reference
+
+    gen = torch.Generator().manual_seed(41)
+    B, G, K, vocab = 2, 3, 2, 12
+    x, c = torch.randn(B, vocab, generator=gen), torch.randn(B, G, K, vocab, generator=gen)
+    cand = torch.randint(0, vocab, (B, G, K), generator=gen)
+    # candidate 2 shares candidate 0's first token but goes deeper: the longest wins, as before
+    cand[:, 0, 0] = cand[:, 2, 0] = x.argmax(-1)
+    cand[:, 2, 1] = c[:, 2, 0].argmax(-1)
+    cand[:, 0, 1] = (c[:, 0, 0].argmax(-1) + 1) % vocab
+    x, c, cand = to(kernel_device, x, c, cand)
+    n = torch.tensor([3, 2], device=kernel_device)
+    ref = verify_greedy_reference(x, c, cand, n)
+    assert ref[0].tolist() == [2, 1] and ref[1].tolist() == [2, 0]
+    assert all(torch.equal(r.cpu(), g.cpu()) for r, g in zip(ref, vk.verify_greedy(x, c, cand, n)))
+    xp, cp = torch.softmax(x, -1), torch.softmax(c, -1)
+    u = draw_verify_uniforms(B, G, K, generator=gen).to(kernel_device)
+    ref = verify_sample_reference(xp, cp, cand, n, uniforms=u)
+    assert all(torch.equal(r.cpu(), g.cpu()) for r, g in zip(ref, vk.verify_sample(xp, cp, cand, n, uniforms=u)))
 
 
 _SM90_SCRIPT = r'''
@@ -477,7 +747,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from lookahead_kernels import verify as vk
 
-assert isinstance(vk._sample_walk_kernel, triton.runtime.JITFunction)
+assert isinstance(vk._tree_sample_walk_kernel, triton.runtime.JITFunction)
 h100 = GPUTarget("cuda", 90, 32)
 
 
@@ -489,18 +759,19 @@ def build(fn, pointers, consts, ones=()):
     triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=h100, options=dict(num_warps=8))
 
 
-for dtype, ones in (("fp32", ("sxv", "scv", "sug", "G")), ("bf16", ())):
-    build(vk._sample_walk_kernel,
-          dict(x_ptr="*" + dtype, c_ptr="*" + dtype, cand_ptr="*i64", n_ptr="*i64", u_ptr="*fp64", acc_ptr="*i64",
-               best_ptr="*i64", tok_ptr="*i64"),
-          dict(HAS_N_TENSOR=not ones, BLOCK_G=16, BLOCK_K1=8, BLOCK_V=1024), ones)
+for dtype, ones in (("fp32", ("sxv", "scv", "suv", "stv", "sev", "A")), ("bf16", ("V",))):
+    build(vk._tree_sample_walk_kernel,
+          dict(x_ptr="*" + dtype, c_ptr="*" + dtype, tok_ptr="*i64", end_ptr="*i64", n_ptr="*i64", u_ptr="*fp64",
+               acc_ptr="*i64", path_ptr="*i64", emit_ptr="*i64"),
+          dict(HAS_N_TENSOR=not ones, BLOCK_N=128, BLOCK_A=8, BLOCK_V=2048, SUB_V=32), ones)
 for dtype, f64 in (("fp16", False), ("fp64", True)):
     build(vk._argmax_partial_kernel,
           dict(x_ptr="*" + dtype, c_ptr="*" + dtype, n_ptr="*i64", val_ptr="*fp64", idx_ptr="*i64"),
-          dict(HAS_X=not f64, HAS_N_TENSOR=f64, F64=f64, BLOCK_V=2048), ("sxv", "scv"))
-build(vk._greedy_walk_kernel,
-      dict(val_ptr="*fp64", idx_ptr="*i64", cand_ptr="*i64", n_ptr="*i64", acc_ptr="*i64", best_ptr="*i64",
-           tok_ptr="*i64"), dict(HAS_N_TENSOR=True, BLOCK_G=16, BLOCK_K=8), ("stk",))
+          dict(HAS_X=not f64, HAS_N_TENSOR=f64, F64=f64, BLOCK_V=2048), ("sxv", "scv", "K"))
+for has_n, ones in ((True, ("stv", "sev")), (False, ("A", "S", "V"))):
+    build(vk._tree_greedy_walk_kernel,
+          dict(val_ptr="*fp64", idx_ptr="*i64", tok_ptr="*i64", end_ptr="*i64", n_ptr="*i64", acc_ptr="*i64",
+               path_ptr="*i64", emit_ptr="*i64"), dict(HAS_N_TENSOR=has_n, BLOCK_N=128, BLOCK_A=8, CHUNK=16), ones)
 build(vk._row_argmax_merge_kernel, dict(val_ptr="*fp64", idx_ptr="*i64", out_ptr="*i64"), dict(BLOCK_R=128))
 print("sm90 ok")
 '''
