@@ -22,6 +22,9 @@ from torch import nn
 
 from lookahead_kernels.layout import StepLayout
 
+from . import cpu_linear
+from .cpu_linear import CpuLinear, PackedWeight
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
@@ -333,6 +336,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # one fused op, the same formula
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in float32 and cast back before the weight, as the reference implementation does.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -363,16 +368,17 @@ class Attention(nn.Module):
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
         self.split_sizes = (q_size, kv_size, kv_size)
-        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.output_bias)
+        self.qkv_proj = CpuLinear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        self.o_proj = CpuLinear(q_size, config.hidden_size, bias=config.output_bias)
 
     def forward(self, x, cos, sin, cache: KVCache, layer: int, cache_len, layout: StepLayout,
                 attend: AttentionFn) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = apply_rotary(q.view(B, T, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(B, T, self.num_kv_heads, self.head_dim), cos, sin)
-        cache.write(layer, cache_len, k, v.view(B, T, self.num_kv_heads, self.head_dim))
+        Hq, Hkv = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(B, T, Hq + 2 * Hkv, self.head_dim)
+        qk = apply_rotary(qkv[:, :, :Hq + Hkv], cos, sin)  # q and k heads rotated together: one op chain
+        q, k = qk.split((Hq, Hkv), dim=2)
+        cache.write(layer, cache_len, k, qkv[:, :, Hq + Hkv:])
         out = attend(q, cache.k[layer], cache.v[layer], cache_len=cache_len, layout=layout)
         return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
 
@@ -383,8 +389,8 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = CpuLinear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = CpuLinear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -441,7 +447,11 @@ class LlamaForCausalLM(nn.Module):
             self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.lm_head = None if config.tie_word_embeddings else \
-                nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+                CpuLinear(config.hidden_size, config.vocab_size, bias=False)
+        # A tied head is the embedding matrix used as a linear layer; its packed copy lives here.
+        self._tied_head_pack = PackedWeight() if config.tie_word_embeddings and \
+            cpu_linear.onednn_linear_available() else None
+        self._cpu_linear_mode = "packed"
         self.to(dtype)
         # The inverse frequencies must stay float32 whatever dtype the model is cast to, so they are stored
         # as their int32 bit pattern: `Module.to(dtype)` moves integer buffers but never casts them. On a
@@ -475,6 +485,22 @@ class LlamaForCausalLM(nn.Module):
         """Load a Hugging Face directory (config.json + safetensors) or a GGUF file; see :mod:`lookahead.loading`."""
         from .loading import from_pretrained
         return from_pretrained(path, dtype=dtype, device=device, gguf_file=gguf_file)
+
+    def set_cpu_linear(self, mode: str) -> None:
+        """How linear layers run on the CPU in float32: ``"packed"`` (default: oneDNN on weights packed at first
+        use, see :mod:`lookahead.cpu_linear`) or ``"torch"`` (plain ``F.linear``; frees the packed copies)."""
+        if mode not in cpu_linear.CPU_LINEAR_MODES:
+            raise ValueError(f"CPU linear mode must be one of {cpu_linear.CPU_LINEAR_MODES}, got {mode!r}")
+        for module in self.modules():
+            if isinstance(module, CpuLinear):
+                module.set_mode(mode)
+        if self._tied_head_pack is not None and mode == "torch":
+            self._tied_head_pack.clear()
+        self._cpu_linear_mode = mode
+
+    @property
+    def cpu_linear_mode(self) -> str:
+        return self._cpu_linear_mode
 
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
         """An empty :class:`KVCache` for ``batch_size`` sequences of up to ``max_len`` rows (model dtype/device)."""
@@ -561,18 +587,24 @@ class LlamaForCausalLM(nn.Module):
             FloatTensor ``[B, R or T, vocab_size]`` (float32).
         """
         self._check_inputs(input_ids, positions, cache, layout, logits_rows)
-        if attention is None:
-            attention = _kernel_attention() if input_ids.device.type == "cuda" else _torch_attention()
         cache_len = _as_row_starts(cache_len, input_ids.shape[0], input_ids.device, "cache_len")
         _check_row_range(cache_len, layout.T, cache.max_len, "cache_len")
+        if attention is None:
+            if input_ids.device.type == "cuda":
+                attention = _kernel_attention()
+            else:  # attention_torch, with the step's masks built once for all layers
+                from lookahead_kernels.attention_ref import StepAttention
+                attention = StepAttention(layout, cache_len, input_ids.shape[0], input_ids.device)
         x = self.embed(input_ids)
         cos, sin = self.rotary(positions)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache, i, cache_len, layout, attention)
         if logits_rows is not None:
             x = x[:, logits_rows]
-        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(self.norm(x), head).float()
+        if self.lm_head is not None:
+            return self.lm_head(self.norm(x)).float()
+        pack = self._tied_head_pack if self._cpu_linear_mode == "packed" else None
+        return cpu_linear.linear(self.norm(x), self.embed.weight, None, pack).float()
 
     def generate(self, input_ids, max_new_tokens: int = 128, *, lookahead=None, **kwargs):
         """Decode with lookahead decoding; see :func:`lookahead.generate.generate`."""

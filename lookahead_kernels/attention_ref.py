@@ -1,8 +1,9 @@
 """Torch references for attention under the lookahead step's visibility rule.
 
-* :func:`attention_torch` is the CPU path of the model and the baseline the kernel must match: it attends
-  over the committed prefix with no mask at all and over the step's own ``T`` rows with a small ``[T, T]``
-  rule, and merges the two by log-sum-exp. No ``[T, cache_len]`` mask is ever built.
+* :func:`attention_torch` is the CPU path of the model and the baseline the kernel must match: the step's
+  ``[T, T]`` rule, all of the committed prefix, one fused ``scaled_dot_product_attention`` call per group of
+  sequences. :class:`StepAttention` is the same with the per-step work (the rule, the masks) done once, which
+  the model's forward uses for all its layers.
 * :func:`attention_dense_reference` is the test oracle: it builds the full dense mask from the same rule and
   runs plain softmax attention (in float64 when asked), so it shares nothing with the fast paths but the rule.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from .layout import StepLayout
 
@@ -43,6 +45,9 @@ def check_attention_args(q, k_cache, v_cache, cache_len, layout: StepLayout) -> 
         raise ValueError(f"q, k_cache, v_cache must be on one device, got {q.device}, {k_cache.device}, {v_cache.device}")
     if B == 0:
         raise ValueError("q has a batch of 0 sequences; at least one is needed")
+    if layout.tree is not None and layout.tree.batched and layout.tree.end.shape[0] != B:
+        raise ValueError(f"the layout's per-sequence tree has {layout.tree.end.shape[0]} rows but q has a batch "
+                         f"of {B}")
     if isinstance(cache_len, bool):
         raise ValueError("cache_len must be an int or an integer tensor [B]")
     if isinstance(cache_len, int):
@@ -65,16 +70,79 @@ def check_attention_args(q, k_cache, v_cache, cache_len, layout: StepLayout) -> 
     return lens.to(device=q.device, dtype=torch.int64)
 
 
-def _attend(q, k, v, scale, mask=None):
-    """Softmax attention of q ``[B, Hkv, G*T, D]`` over k/v ``[B, Hkv, L, D]``; returns (out, lse)."""
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1, keepdim=True)
-    # Both parts are normalised here and re-weighted by exp(lse_part - lse_total) when merged.
-    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    p = torch.exp(s - safe)
-    return torch.matmul(p, v), lse
+class StepAttention:
+    """:func:`attention_torch` for one step, with the work every layer shares done once.
+
+    The step's ``[T, T]`` visibility (one ``layout.visible`` call), the grouping of sequences by ``cache_len``
+    and the masks depend on the step only, so a model builds this once per forward and calls it per layer::
+
+        attend = StepAttention(layout, cache_len, batch_size, device)
+        out = attend(q, k_cache, v_cache)        # == attention_torch(q, ..., cache_len=..., layout=layout)
+
+    Each group of sequences with one ``cache_len`` ``n`` is one ``scaled_dot_product_attention`` call over rows
+    ``0 .. n+T-1`` under the mask ``[T, n+T]`` = (prefix all visible | the step's rule); no mask at all when the
+    rule lets every step token see every other one (a single decode token).
+    """
+
+    def __init__(self, layout: StepLayout, cache_len, batch_size: int, device):
+        if not isinstance(layout, StepLayout):
+            raise ValueError(f"layout must be a StepLayout, got {type(layout).__name__}")
+        self.layout = layout
+        T = layout.T
+        idx = torch.arange(T, device=device)
+        block = layout.visible(idx[:, None], idx[None, :])  # [T, T]
+        if isinstance(cache_len, int):
+            lens = [cache_len] * batch_size
+        else:
+            lens = cache_len.reshape(-1).expand(batch_size).tolist() if cache_len.dim() == 0 or \
+                cache_len.numel() == 1 else cache_len.tolist()
+        # Sequences with different cache_len are handled one by one (this is the CPU path).
+        if all(n == lens[0] for n in lens):
+            groups = [(slice(0, batch_size), lens[0])]
+        else:
+            groups = [(slice(b, b + 1), n) for b, n in enumerate(lens)]
+        everything = bool(block.all())
+        # A row that sees no key at all (only possible with no prefix) gets zeros, not softmax's NaN.
+        blind = None if bool(block.any(-1).all()) else ~block.any(-1)
+        self.groups = []
+        for rows, n in groups:
+            if everything:
+                mask = None
+            else:
+                mask = torch.cat((torch.ones(T, n, dtype=torch.bool, device=device), block), dim=1)
+            self.groups.append((rows, n, mask, blind if n == 0 else None))
+
+    def __call__(self, q, k_cache, v_cache, *, cache_len=None, layout=None, sm_scale=None):
+        """Attention of ``q [B, T, Hq, D]`` over ``k_cache, v_cache [B, S, Hkv, D]``; ``[B, T, Hq, D]`` in q's dtype.
+
+        ``cache_len`` and ``layout``, when given (as an :data:`AttentionFn` caller does), must be the ones this
+        was built for; only ``layout`` identity is checked, the rest was checked when the step was built.
+        """
+        if layout is not None and layout is not self.layout:
+            raise ValueError("StepAttention called with a different layout than it was built for")
+        B, T, Hq, D = q.shape
+        Hkv = k_cache.shape[2]
+        scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
+        cdtype = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
+        if len(self.groups) == 1:
+            return self._group(q, k_cache, v_cache, self.groups[0], T, Hq, Hkv, scale, cdtype)
+        out = torch.empty_like(q)
+        for group in self.groups:
+            rows = group[0]
+            out[rows] = self._group(q[rows], k_cache[rows], v_cache[rows], group, T, Hq, Hkv, scale, cdtype)
+        return out
+
+    @staticmethod
+    def _group(q, k_cache, v_cache, group, T, Hq, Hkv, scale, cdtype):
+        _, n, mask, blind = group
+        qb = q.to(cdtype).transpose(1, 2)  # [b, Hq, T, D]
+        kb = k_cache[:, :n + T].to(cdtype).transpose(1, 2)  # [b, Hkv, n+T, D]
+        vb = v_cache[:, :n + T].to(cdtype).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=Hq != Hkv)
+        o = o.transpose(1, 2)  # [b, T, Hq, D]
+        if blind is not None:
+            o = o.masked_fill(blind[None, :, None, None], 0.0)
+        return o.to(q.dtype)
 
 
 def attention_torch(q, k_cache, v_cache, *, cache_len, layout: StepLayout, sm_scale=None):
@@ -90,35 +158,8 @@ def attention_torch(q, k_cache, v_cache, *, cache_len, layout: StepLayout, sm_sc
         ``[B, T, Hq, D]`` in ``q``'s dtype. Low-precision inputs are computed in float32.
     """
     lens = check_attention_args(q, k_cache, v_cache, cache_len, layout)
-    B, T, Hq, D = q.shape
-    Hkv = k_cache.shape[2]
-    G = Hq // Hkv
-    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
-    cdtype = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
-    idx = torch.arange(T, device=q.device)
-    per_row_tree = layout.tree is not None and layout.tree.batched
-    shared_mask = None if per_row_tree else layout.visible(idx[:, None], idx[None, :]).repeat(G, 1)  # [G*T, T]
-    out = torch.empty_like(q)
-    # Sequences with different cache_len (or trees) are handled one by one (this is the CPU path).
-    uniform = not per_row_tree and lens.device.type == "cpu" and bool((lens == lens[0]).all())
-    groups = [(slice(0, B), int(lens[0]))] if uniform else [(slice(b, b + 1), int(lens[b])) for b in range(B)]
-    for rows, n in groups:
-        block_mask = shared_mask if shared_mask is not None else \
-            layout.visible(idx[:, None], idx[None, :], rows.start).repeat(G, 1)
-        qb = q[rows].to(cdtype).permute(0, 2, 1, 3)  # [b, Hq, T, D]
-        qb = qb.reshape(qb.shape[0], Hkv, G * T, D)
-        ks = k_cache[rows].to(cdtype).permute(0, 2, 1, 3)  # [b, Hkv, S, D]
-        vs = v_cache[rows].to(cdtype).permute(0, 2, 1, 3)
-        o_blk, lse_blk = _attend(qb, ks[:, :, n:n + T], vs[:, :, n:n + T], scale, block_mask)
-        if n > 0:
-            o_pre, lse_pre = _attend(qb, ks[:, :, :n], vs[:, :, :n], scale)
-            lse = torch.logaddexp(lse_pre, lse_blk)
-            o = o_pre * torch.exp(lse_pre - lse) + o_blk * torch.exp(lse_blk - lse)
-        else:
-            o = o_blk
-        o = o.reshape(o.shape[0], Hq, T, D).permute(0, 2, 1, 3)
-        out[rows] = o.to(q.dtype)
-    return out
+    step = StepAttention(layout, lens.cpu(), q.shape[0], q.device)
+    return step(q, k_cache, v_cache, sm_scale=sm_scale)
 
 
 def dense_mask(layout: StepLayout, cache_len: int, kv_len: int, device=None, b: int = 0) -> torch.Tensor:

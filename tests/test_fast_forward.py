@@ -1,0 +1,143 @@
+"""The fast CPU forward: prepacked (oneDNN) linear layers against a float64 reference, and the whole model's
+logits on the packed path against plain ``F.linear``."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+
+from lookahead import cpu_linear
+from lookahead.cpu_linear import CpuLinear, PackedWeight
+from lookahead.model import LlamaForCausalLM, ModelConfig
+from lookahead_kernels import StepLayout, attention_torch
+from lookahead_kernels.attention_ref import StepAttention
+
+needs_onednn = pytest.mark.skipif(not cpu_linear.onednn_linear_available(), reason="torch built without oneDNN")
+
+
+def ref_linear(x, w, b):
+    y = x.double() @ w.double().t()
+    return y if b is None else y + b.double()
+
+
+@needs_onednn
+@pytest.mark.parametrize("M", [1, 2, 3, 7, 16, 33, 128])
+@pytest.mark.parametrize("N,K,bias", [(37, 19, True), (130, 67, False), (64, 576, True)])
+def test_packed_linear_matches_float64(M, N, K, bias):
+    g = torch.Generator().manual_seed(M * 1000 + N)
+    w = torch.randn(N, K, generator=g)
+    b = torch.randn(N, generator=g) if bias else None
+    # x is a strided view into a NaN-poisoned buffer: anything read outside the view shows up as NaN.
+    buf = torch.full((M, K + 5), float("nan"))
+    buf[:, 2:K + 2] = torch.randn(M, K, generator=g)
+    x = buf[:, 2:K + 2]
+    with torch.inference_mode():
+        y = cpu_linear.linear(x, w, b, PackedWeight())
+    assert y.shape == (M, N) and y.dtype == torch.float32
+    assert torch.isfinite(y).all()
+    ref = ref_linear(x, w, b)
+    assert (y.double() - ref).abs().max() <= 1e-5 * (1 + ref.abs().max())
+
+
+@needs_onednn
+def test_packed_linear_3d_and_weight_updates():
+    lin = CpuLinear(24, 10)
+    x = torch.randn(2, 5, 24)
+    with torch.inference_mode():
+        y = lin(x)
+        assert y.shape == (2, 5, 10)
+        assert torch.allclose(y, torch.nn.functional.linear(x, lin.weight, lin.bias), atol=1e-5)
+    with torch.no_grad():  # an in-place update must not leave a stale packed copy behind
+        lin.weight.mul_(-2.0)
+    with torch.inference_mode():
+        assert torch.allclose(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias), atol=1e-5)
+    lin.weight = torch.nn.Parameter(torch.randn(10, 24))  # a new tensor
+    with torch.inference_mode():
+        assert torch.allclose(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias), atol=1e-5)
+
+
+def test_grad_and_other_dtypes_take_f_linear():
+    lin = CpuLinear(8, 4)
+    x = torch.randn(3, 8)
+    y = lin(x)  # autograd through the weight: the packed op has no backward, so F.linear runs
+    y.sum().backward()
+    assert lin.weight.grad is not None
+    assert not cpu_linear.packed_applies(x.double(), lin.weight.double())
+    with torch.inference_mode():
+        assert cpu_linear.linear(x.double(), lin.weight.double(), None, PackedWeight()).dtype == torch.float64
+
+
+def test_bad_mode_and_copies():
+    lin = CpuLinear(8, 4)
+    with pytest.raises(ValueError, match="mode"):
+        lin.set_mode("fast")
+    with pytest.raises(ValueError, match="features"):
+        with torch.inference_mode():
+            cpu_linear.linear(torch.randn(2, 7), lin.weight, None, PackedWeight())
+    with torch.inference_mode():
+        lin(torch.randn(2, 8))
+    for clone in (copy.deepcopy(lin), pickle.loads(pickle.dumps(lin))):
+        with torch.inference_mode():
+            x = torch.randn(2, 8)
+            assert torch.allclose(clone(x), torch.nn.functional.linear(x, lin.weight, lin.bias), atol=1e-5)
+
+
+TINY = dict(vocab_size=101, hidden_size=48, intermediate_size=72, num_layers=2, num_heads=6, num_kv_heads=2,
+            head_dim=8, max_position_embeddings=256)
+
+
+def _random_model(tied: bool, bias: bool) -> LlamaForCausalLM:
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(ModelConfig(**TINY, tie_word_embeddings=tied, attention_bias=bias, mlp_bias=bias))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    return model.eval()
+
+
+def _run(model, ids, n_prompt):
+    """Prefill, then a 5-token causal step, then a single token: every step's logits."""
+    cache = model.new_cache(1, 64)
+    out = [model(ids[:, :n_prompt], torch.arange(n_prompt)[None], cache, 0, StepLayout.prefill(n_prompt))]
+    out.append(model(ids[:, n_prompt:n_prompt + 5], torch.arange(n_prompt, n_prompt + 5)[None], cache, n_prompt,
+                     StepLayout.prefill(5)))
+    p = n_prompt + 5
+    out.append(model(ids[:, p:p + 1], torch.tensor([[p]]), cache, p, StepLayout.prefill(1)))
+    return out
+
+
+@pytest.mark.parametrize("tied,bias", [(True, False), (False, True)])
+def test_model_packed_matches_plain_linear(tied, bias):
+    model = _random_model(tied, bias)
+    keys = sorted(model.state_dict())
+    ids = torch.randint(0, TINY["vocab_size"], (1, 20))
+    with torch.inference_mode():
+        fast = _run(model, ids, 14)
+        model.set_cpu_linear("torch")
+        plain = _run(model, ids, 14)
+        model.set_cpu_linear("packed")
+        again = _run(model, ids, 14)
+    for f, p, a in zip(fast, plain, again):
+        assert torch.isfinite(f).all()
+        assert (f - p).abs().max() <= 1e-4 * p.abs().max()
+        assert torch.equal(f, a)  # the packed copies are reused or remade identically
+    assert sorted(model.state_dict()) == keys  # the packed copies are not state
+    with pytest.raises(ValueError, match="mode"):
+        model.set_cpu_linear("bf16")
+
+
+def test_step_attention_matches_attention_torch_per_sequence_lengths():
+    torch.manual_seed(0)
+    B, T, Hq, Hkv, D, S = 3, 4, 6, 2, 8, 32
+    q = torch.randn(B, T, Hq, D)
+    k, v = torch.randn(B, S, Hkv, D), torch.randn(B, S, Hkv, D)
+    lens = torch.tensor([0, 5, 11])
+    layout = StepLayout.prefill(T)
+    ref = attention_torch(q, k, v, cache_len=lens, layout=layout)
+    out = StepAttention(layout, lens, B, q.device)(q, k, v, cache_len=lens, layout=layout)
+    assert torch.allclose(out, ref, atol=1e-6)
+    with pytest.raises(ValueError, match="layout"):
+        StepAttention(layout, lens, B, q.device)(q, k, v, layout=StepLayout.prefill(T))
