@@ -191,22 +191,20 @@ def verify_tree_greedy_reference(x_logits: torch.Tensor, node_logits: torch.Tens
         rows = torch.arange(B, device=dev)
         idx = torch.arange(V, device=dev)
         parent = tree_parents(end).expand(B, V)
-        pred = node_logits.argmax(-1)  # [B, V]: argmax after each node (rows of padding nodes are never used)
-        # a node matches when its token is the argmax at its parent
-        target = torch.where(parent < 0, y[:, None], pred.gather(1, parent.clamp(min=0)))
-        match = (idx[None, :] < n[:, None]) & (tokens == target)
+        real = idx[None, :] < n[:, None]
         cur = torch.full((B,), -1, dtype=torch.long, device=dev)
         for s in range(steps):
-            cand = match & (parent == cur[:, None])
+            cand = real & (parent == cur[:, None]) & (tokens == y[:, None])
             go = cand.any(-1)
             if not bool(go.any()):
                 break
             nxt = cand.to(torch.int8).argmax(-1)  # the first matching child
             path[go, s] = nxt[go]
             emitted[go, s] = tokens[rows, nxt][go]
-            y = torch.where(go, pred[rows, nxt], y)
+            # only the rows of visited nodes are reduced (a stopped row's y and cur stay, so it stays stopped)
+            y = torch.where(go, node_logits[rows, nxt].argmax(-1), y)
             cur = torch.where(go, nxt, cur)
-            accept_len += go.long()  # a row that stops never goes on: cur stays, and so does its empty match
+            accept_len += go.long()
     emitted.scatter_(1, accept_len[:, None], y[:, None])
     return accept_len, path, emitted
 
