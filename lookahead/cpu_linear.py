@@ -13,6 +13,8 @@ plain ``F.linear``.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,23 +43,23 @@ class PackedWeight:
     Not a buffer: it never reaches ``state_dict()``; copies and pickles of the owner start without it.
     """
 
-    __slots__ = ("_key", "_packed")
+    __slots__ = ("_ref", "_key", "_packed")
 
     def __init__(self) -> None:
-        self._key = None
-        self._packed = None
+        self._ref = self._key = self._packed = None
 
     def get(self, weight: torch.Tensor) -> torch.Tensor:
         key = _weight_key(weight)
-        if key != self._key:
+        # The weak reference tells a new tensor that reuses a freed one's memory from the one packed.
+        if self._ref is None or self._ref() is not weight or key != self._key:
             self._packed = None  # free the old copy before making the new one
             with torch.no_grad():
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-            self._key = key
+            self._ref, self._key = weakref.ref(weight), key
         return self._packed
 
     def clear(self) -> None:
-        self._key = self._packed = None
+        self._ref = self._key = self._packed = None
 
     def __reduce__(self):  # copies and pickles start empty (an oneDNN tensor can be neither)
         return PackedWeight, ()
