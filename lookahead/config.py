@@ -1,4 +1,4 @@
-"""Lookahead decoding parameters (frozen and validated)."""
+"""Lookahead decoding parameters (frozen and validated) and the step shape they resolve to."""
 
 from __future__ import annotations
 
@@ -7,91 +7,122 @@ import dataclasses
 from lookahead_kernels.validation import require_int
 
 POOL_BACKENDS = ("auto", "python", "cpp", "cuda")
+# Where the verification tree's candidates come from (``lookahead.draft``).
+SOURCES = ("pool", "suffix", "successors")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """A concrete step: ``window`` columns by ``levels`` levels of lookahead (``ngram = levels + 1``) and a
+    verification tree of at most ``tree_budget`` nodes. A warm step feeds ``window * levels + tree_budget``
+    tokens at most; ``window = levels = 1`` with ``tree_budget = 0`` is a plain step."""
+
+    window: int
+    levels: int
+    tree_budget: int
+
+    @property
+    def ngram(self) -> int:
+        return self.levels + 1
+
+    @property
+    def max_tokens(self) -> int:
+        return self.window * self.levels + self.tree_budget
+
+
+def shape_for_budget(max_step_tokens: int) -> StepShape:
+    """The default split of a step budget between the window and the tree.
+
+    The window gets about half (its n-grams feed the pool; it is what chat needs), the tree the rest; below 6
+    tokens the whole budget goes to the tree (suffix matches and successors need no window).
+    """
+    require_int("max_step_tokens", max_step_tokens, 1)
+    share = max_step_tokens // 2
+    if share < 3:
+        return StepShape(1, 1, max_step_tokens - 1)
+    levels = 4 if share >= 40 else 3 if share >= 15 else 2
+    window = share // levels
+    return StepShape(window, levels, max_step_tokens - window * levels)
 
 
 @dataclasses.dataclass(frozen=True)
 class LookaheadConfig:
     """Parameters of lookahead decoding.
 
+    The step size is set either by ``max_step_tokens`` (tokens a warm step feeds, window and tree together;
+    split by :func:`shape_for_budget`) or by the paper's ``window``, ``ngram``, ``guess`` (the tree then gets
+    ``guess * (ngram - 1)`` nodes, the tokens the original linear candidates would take; unset ones default to
+    ``window=15, ngram=5, guess=15``, 120 tokens per step).
+
     Attributes:
         window: ``W``, columns decoded in parallel by the lookahead branch (>= 1).
-        ngram: ``N``, n-gram size (>= 2); the window keeps ``N - 1`` levels and candidates have ``N - 1`` tokens.
-        guess: ``G``, at most this many candidates verified per step and kept per pool key (>= 0; 0 turns
-            verification off, leaving pure Jacobi lookahead).
+        ngram: ``N``, n-gram size (>= 2); the window keeps ``N - 1`` levels.
+        guess: ``G``, continuations kept per pool key; with ``window``/``ngram`` it also sets the tree budget
+            (>= 0; 0 with ``max_step_tokens`` unset turns verification off, leaving pure Jacobi lookahead).
+        max_step_tokens: cap on the tokens a warm step feeds (>= 1). With ``window``/``ngram`` given as well,
+            the tree gets what the window leaves.
+        sources: which candidate sources feed the tree, a tuple of ``"pool"`` (the window's n-grams keyed by
+            ``x``), ``"suffix"`` (what followed earlier occurrences of the sequence's last tokens) and
+            ``"successors"`` (the model's own top next tokens after each token, from the logits a step computes).
         pool_from_prompt: seed the n-gram pool with the prompt's own n-grams.
+        pool_from_output: also add the n-grams of the committed output to the pool.
         pool_backend: ``"auto"`` (CUDA on a GPU, C++ on CPU where it builds, else Python), ``"python"``,
             ``"cpp"`` or ``"cuda"``.
         seed: seeds the tokens that fill the window's empty columns (drawn from the sequence so far).
-        The guess improvements below were measured against the original one-token pool (greedy, SmolLM2, 34
-        MT-Bench and 20 HumanEval dev prompts, 64 tokens; ``bench/results/guesses-cpu-20.md``). Only
-        ``pool_from_output`` is on by default: it raised compression in every set and configuration (+1.5% at
-        (15,5,15), +3.6% at (7,5,7), mean over the two sets) and keeps the pool on the C++/CUDA backends. The
-        others need host-side tables; ``guess_from_history`` pays at a small ``guess`` (+4.9% at (7,5,7)).
-        pool_two_token_key: look candidates up by the last two committed tokens ``(sequence[-2], x)`` first, in a
-            bounded hashed table, and fill up with the one-token pool's candidates (de-duplicated).
-        pool_two_token_slots: slots of that hashed table (>= 0); ``0`` sizes it from the parameters, the next
-            power of two >= ``64 * window * max(guess, 1)``. Each slot holds one two-token key and at most
-            ``guess`` continuations.
-        pool_rank_by_hits: offer each key's continuations by how many of their tokens were accepted, then most
-            recently used first, and evict the least-hit (then oldest) one when a key is full; without it a key
-            keeps its ``guess`` most recently inserted continuations, oldest first. With it on, the one-token key
-            lives in a Python table (the C++/CUDA pools keep no hit counts): ``pool_backend`` applies only when
-            this is off.
-        pool_from_output: also add the n-grams of the committed output (those ending in each step's new
-            tokens) to the pool(s), after the window's.
-        guess_from_history: offer first (in up to half of the ``guess`` slots) what followed the latest earlier
-            occurrences of the sequence's last 3, 2 or 1 tokens in the prompt and output, then the pool's
-            candidates. A host-side index that is never evicted, so the prompt's n-grams survive a small ``guess``.
-        pad_candidates: give every step room for all ``guess`` candidates, padding the unused ones (verification
-            ignores them through its ``num_candidates``). The step's shape is then constant and the one-token
-            pool's lookup stays on the device, with no host sync. ``None`` (default): on for CUDA devices, off on
-            the CPU, where the padded rows would cost compute.
+        pad_tree: pad every step's tree to its budget (constant step shape; verification never accepts the
+            padding). ``None`` (default): on for CUDA devices, off on the CPU, where padded rows cost compute.
     """
 
-    window: int = 15
-    ngram: int = 5
-    guess: int = 15
+    window: int | None = None
+    ngram: int | None = None
+    guess: int | None = None
+    max_step_tokens: int | None = None
+    sources: tuple = SOURCES
     pool_from_prompt: bool = True
+    pool_from_output: bool = True
     pool_backend: str = "auto"
     seed: int = 0
-    pool_two_token_key: bool = False
-    pool_two_token_slots: int = 0
-    pool_rank_by_hits: bool = False
-    pool_from_output: bool = True
-    guess_from_history: bool = False
-    pad_candidates: bool | None = None
+    pad_tree: bool | None = None
 
     def __post_init__(self) -> None:
-        require_int("LookaheadConfig.window", self.window, 1)
-        require_int("LookaheadConfig.ngram", self.ngram, 2)
-        require_int("LookaheadConfig.guess", self.guess, 0)
+        for name, low in (("window", 1), ("ngram", 2), ("guess", 0), ("max_step_tokens", 1)):
+            if getattr(self, name) is not None:
+                require_int(f"LookaheadConfig.{name}", getattr(self, name), low)
         require_int("LookaheadConfig.seed", self.seed, 0)
-        require_int("LookaheadConfig.pool_two_token_slots", self.pool_two_token_slots, 0)
-        for name in ("pool_from_prompt", "pool_two_token_key", "pool_rank_by_hits", "pool_from_output",
-                     "guess_from_history"):
+        if self.max_step_tokens is not None and (self.window is not None or self.ngram is not None):
+            w, n = self.window or 15, self.ngram or 5
+            if w * (n - 1) > self.max_step_tokens:
+                raise ValueError(f"LookaheadConfig: the window alone ({w} x {n - 1} levels) feeds more than "
+                                 f"max_step_tokens={self.max_step_tokens}")
+        sources = tuple(self.sources) if isinstance(self.sources, (tuple, list)) else None
+        if sources is None or any(s not in SOURCES for s in sources) or len(set(sources)) != len(sources):
+            raise ValueError(f"LookaheadConfig.sources must be a tuple of distinct names from {SOURCES}, got "
+                             f"{self.sources!r}")
+        object.__setattr__(self, "sources", sources)
+        for name in ("pool_from_prompt", "pool_from_output"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"LookaheadConfig.{name} must be a bool (True or False), got {value!r}")
-        if self.pad_candidates is not None and not isinstance(self.pad_candidates, bool):
-            raise ValueError(f"LookaheadConfig.pad_candidates must be None (auto), True or False, got "
-                             f"{self.pad_candidates!r}")
+        if self.pad_tree is not None and not isinstance(self.pad_tree, bool):
+            raise ValueError(f"LookaheadConfig.pad_tree must be None (auto), True or False, got {self.pad_tree!r}")
         if self.pool_backend not in POOL_BACKENDS:
             raise ValueError(f"LookaheadConfig.pool_backend must be one of {POOL_BACKENDS}, got {self.pool_backend!r}")
 
-    @property
-    def levels(self) -> int:
-        """Levels the window holds once warm: ``ngram - 1``."""
-        return self.ngram - 1
+    def shape(self) -> StepShape:
+        """The warm step's :class:`StepShape`."""
+        if self.max_step_tokens is not None and self.window is None and self.ngram is None:
+            return shape_for_budget(self.max_step_tokens)
+        window, levels = self.window or 15, (self.ngram or 5) - 1
+        if self.max_step_tokens is not None:
+            return StepShape(window, levels, self.max_step_tokens - window * levels)
+        return StepShape(window, levels, (15 if self.guess is None else self.guess) * levels)
 
     @property
-    def two_token_slots(self) -> int:
-        """Slots of the two-token table: ``pool_two_token_slots``, or when 0 the next power of two >=
-        ``64 * W * max(G, 1)`` (room for the window n-grams of about ``64 * G`` steps)."""
-        if self.pool_two_token_slots:
-            return self.pool_two_token_slots
-        return 1 << (64 * self.window * max(self.guess, 1) - 1).bit_length()
+    def pool_guess(self) -> int:
+        """Continuations kept per pool key: ``guess``, or the window width when unset (the paper's ``G = W``)."""
+        return self.guess if self.guess is not None else max(self.shape().window, 4)
 
     @property
     def tokens_per_step(self) -> int:
-        """Tokens fed per warm step with a full guess set: ``1 + (W-1) + (N-2)*W + G*(N-1)``."""
-        return self.window * (self.ngram - 1) + self.guess * (self.ngram - 1)
+        """Tokens fed per warm step at most."""
+        return self.shape().max_tokens

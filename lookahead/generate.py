@@ -13,10 +13,10 @@ from typing import Callable, Iterable
 
 import torch
 
-from lookahead_kernels import StepLayout, verify_greedy_reference
+from lookahead_kernels import StepLayout
 
 from .config import LookaheadConfig
-from .guesses import GuessSource
+from .draft import DraftBuilder
 from .step import build_step
 from .window import LookaheadWindow
 
@@ -27,15 +27,23 @@ class StepTrace:
 
     Attributes:
         x_index: index of the step's input token ``x`` in ``sequences[0]``.
-        candidates: the verified candidates, each a tuple of ``N-1`` token ids, in offering order.
+        tokens: the tree's real nodes' tokens, in pre-order.
+        parents: each node's parent (``-1`` for children of ``x``).
+        sources: per node, the names of the sources that proposed it.
         ngrams: the window's n-grams the step produced (``W`` tuples of ``N`` ids; empty while warming up).
-        accepted: candidate tokens accepted (the bonus token not counted).
+        path: the accepted nodes, root first (the bonus token not counted).
     """
 
     x_index: int
-    candidates: tuple
+    tokens: tuple
+    parents: tuple
+    sources: tuple
     ngrams: tuple
-    accepted: int
+    path: tuple
+
+    @property
+    def accepted(self) -> int:
+        return len(self.path)
 
 
 @dataclasses.dataclass
@@ -45,6 +53,7 @@ class GenerationStats:
     Attributes:
         new_tokens: tokens emitted after the prompt.
         steps: forward passes after the prefill.
+        fed_tokens: tokens fed by all steps after the prefill (``fed_tokens / steps`` is the mean step size).
         seconds: wall time of the whole call, prefill included.
         prefill_seconds: wall time of the prefill alone.
         accepted: per step, the tokens it emitted (accepted candidate tokens plus the bonus token).
@@ -54,6 +63,7 @@ class GenerationStats:
 
     new_tokens: int = 0
     steps: int = 0
+    fed_tokens: int = 0
     seconds: float = 0.0
     prefill_seconds: float = 0.0
     accepted: list = dataclasses.field(default_factory=list)
@@ -160,33 +170,31 @@ class _Sampler:
 
         return sample_rows(warp_logits(logits, self.params), self.generator)
 
-    def verify(self, x_logits, cand_logits, candidates, num_candidates=None):
-        """Verification of one sequence: returns ``(accept_len [1], best [1], tokens [1, K+1])``.
+    def verify_tree(self, x_logits, node_logits, tokens, end, num_nodes, max_accept: int):
+        """Verification of one sequence's tree: ``(accept_len [1], path [1, max_accept], emitted [1, max_accept+1])``.
 
-        ``num_candidates``: int64 ``[1]`` on the logits' device, how many leading candidates are real (the rest
-        are padding), or ``None`` for all of them."""
+        ``x_logits [vocab]``, ``node_logits [V, vocab]``, ``tokens``/``end`` ``[V]`` on the logits' device;
+        ``num_nodes``: int64 ``[1]`` real nodes (the rest padding) or ``None`` for all."""
         device = x_logits.device
+        cuda = device.type == "cuda"
         if self.greedy:
-            if device.type == "cuda":
-                from lookahead_kernels import verify_greedy
-
-                return verify_greedy(x_logits[None], cand_logits[None], candidates[None], num_candidates)
-            return verify_greedy_reference(x_logits[None], cand_logits[None], candidates[None], num_candidates)
-        from lookahead_kernels.verify_ref import draw_verify_uniforms
+            if cuda:
+                from lookahead_kernels import verify_tree_greedy as verify
+            else:
+                from lookahead_kernels import verify_tree_greedy_reference as verify
+            return verify(x_logits[None], node_logits[None], tokens[None], end[None], num_nodes, max_accept)
+        from lookahead_kernels import draw_tree_uniforms
 
         from .sampling import warp_logits
 
         x_probs = warp_logits(x_logits[None], self.params)
-        cand_probs = warp_logits(cand_logits, self.params)[None]
-        g, k = candidates.shape
-        uniforms = draw_verify_uniforms(1, g, k, device, self.generator)
-        if device.type == "cuda":
-            from lookahead_kernels import verify_sample
-
-            return verify_sample(x_probs, cand_probs, candidates[None], num_candidates, uniforms=uniforms)
-        from lookahead_kernels import verify_sample_reference
-
-        return verify_sample_reference(x_probs, cand_probs, candidates[None], num_candidates, uniforms=uniforms)
+        node_probs = warp_logits(node_logits, self.params)[None]
+        uniforms = draw_tree_uniforms(1, tokens.shape[0], device, self.generator)
+        if cuda:
+            from lookahead_kernels import verify_tree_sample as verify
+        else:
+            from lookahead_kernels import verify_tree_sample_reference as verify
+        return verify(x_probs, node_probs, tokens[None], end[None], num_nodes, max_accept, uniforms=uniforms)
 
 
 @torch.inference_mode()
@@ -252,58 +260,84 @@ def _plain_loop(model, cache, cache_len, emitter, sampler, stats, device) -> Non
         y = _plain_step(model, cache, cache_len, x, sampler, device)
         cache_len += 1
         stats.steps += 1
+        stats.fed_tokens += 1
         stats.accepted.append(emitter.emit([y]))
         x = y
 
 
 def _lookahead_loop(model, cache, cache_len, emitter, sampler, stats, device, la: LookaheadConfig, ids) -> None:
-    W, N, K = la.window, la.ngram, la.ngram - 1
+    shape = la.shape()
+    W = shape.window
     max_pos = model.config.max_position_embeddings
-    window = LookaheadWindow(W, N, torch.Generator().manual_seed(la.seed))
+    window = LookaheadWindow(W, shape.ngram, torch.Generator().manual_seed(la.seed))
     window.reset(ids[0])
     # The committed sequence as a tensor, filled as tokens are emitted: refill tokens are drawn from it.
     history = torch.empty(len(emitter.sequence) + emitter.max_new_tokens, dtype=torch.long)
     history[: len(emitter.sequence)] = torch.tensor(emitter.sequence)
-    guesses = GuessSource(la, model.config.vocab_size, device)
-    guesses.start(ids[0])
-    pad = la.pad_candidates if la.pad_candidates is not None else device.type == "cuda"
+    drafts = DraftBuilder(la, model.config.vocab_size, device)
+    drafts.start(ids[0])
+    pad = la.pad_tree if la.pad_tree is not None else device.type == "cuda"
     x = emitter.sequence[-1]
     while not emitter.done:
-        # Near the end of the model's positions the window would run past them: finish with plain steps.
-        if cache_len + max(W - 1 + window.levels - 1, K) >= max_pos:
+        # While warming up the window feeds fewer tokens: the tree may take what it leaves of the step.
+        budget = shape.max_tokens - W * window.levels
+        # Near the end of the model's positions the window or tree would run past them: finish plainly.
+        if cache_len + max(W - 1 + window.levels - 1, budget) >= max_pos:
             y = _plain_step(model, cache, cache_len, x, sampler, device)
             cache_len += 1
             stats.steps += 1
+            stats.fed_tokens += 1
             stats.accepted.append(emitter.emit([y]))
             x = y
             continue
-        if pad:  # constant shape; the count of real candidates stays on the device until the read-back
-            candidates, count = guesses.padded_candidates(emitter.sequence, device)
-        else:
-            candidates, count = guesses.candidates(emitter.sequence), None
-        step = build_step(x, cache_len, window.step_tokens(x), window.levels, W, candidates, device)
+        tree = drafts.build(emitter.sequence, budget, pad)
+        step = build_step(x, cache_len, window.step_tokens(x), window.levels, W, tree, device)
         logits = model(step.tokens[None], step.positions[None], cache, cache_len, step.layout, step.logits_rows)[0]
-        g = candidates.shape[0]
-        cand_logits = logits[step.candidate_rows].reshape(g, K, logits.shape[-1])
-        candidates = candidates.to(device)
-        accept_len, best, tokens = sampler.verify(logits[0], cand_logits, candidates, count)
+        depth = int(tree.shape.depth[: tree.num_nodes].max()) if tree.num_nodes else 0
+        if tree.size:
+            num_nodes = torch.tensor([tree.num_nodes], device=device) if pad else None
+            accept_len, path, tokens = sampler.verify_tree(
+                logits[0], logits[step.node_rows], step.tokens[step.layout.lookahead_len:], step.layout.tree.end,
+                num_nodes, depth)
+        else:
+            accept_len = torch.zeros(1, dtype=torch.long, device=device)
+            path = torch.empty(1, 0, dtype=torch.long, device=device)
+            tokens = sampler.choose(logits[:1])[None]
         outputs = sampler.choose(logits[step.window_rows])
-        # One read-back per step: accepted length, candidate, real candidates, emitted tokens, the window's guesses.
-        head = [accept_len, best] + ([count] if count is not None else [])
-        back = torch.cat(head + [tokens[0], outputs]).tolist()
-        a, c, g_real = back[0], back[1], (back[2] if count is not None else g)
-        emitted, new_guesses = back[len(head): len(head) + 1 + a], back[len(head) + 1 + K:]
+        # One read-back per step: accepted length, accepted nodes, emitted tokens, the window's new guesses.
+        back = torch.cat([accept_len, path[0], tokens[0], outputs]).tolist()
+        a = back[0]
+        nodes = back[1: 1 + a]
+        emitted = back[1 + depth: 1 + depth + a + 1]
+        new_guesses = back[1 + 2 * depth + 1:]
         if a > 0:
-            src = cache_len + torch.tensor([[step.layout.node_row(c * K + m - 1) for m in range(1, a + 1)]], device=device)
+            src = cache_len + step.layout.lookahead_len + torch.tensor([nodes], device=device)
             cache.move_rows(src, cache_len + 1)
         committed = len(emitter.sequence)
         ngrams = window.advance(x, torch.tensor(new_guesses), a, history[:committed])
         cache_len += 1 + a
         stats.steps += 1
-        stats.accepted.append(emitter.emit(emitted))
+        stats.fed_tokens += step.layout.T
+        taken = emitter.emit(emitted)
+        stats.accepted.append(taken)
         history[committed: len(emitter.sequence)] = torch.tensor(emitter.sequence[committed:], dtype=torch.long)
         if stats.trace is not None:
-            stats.trace.append(StepTrace(committed - 1, tuple(map(tuple, candidates[:g_real].tolist())),
-                                         () if ngrams is None else tuple(map(tuple, ngrams.tolist())), a))
-        guesses.observe(ngrams, emitter.sequence, a, c)
+            stats.trace.append(StepTrace(committed - 1, tuple(tree.tokens[: tree.num_nodes].tolist()),
+                                         tuple(tree.parents), tuple(map(frozenset, tree.sources)),
+                                         () if ngrams is None else tuple(map(tuple, ngrams.tolist())), tuple(nodes)))
+        rows = None
+        if drafts.successors is not None:
+            rows = _successor_rows(step, logits, tree.num_nodes, nodes)
+        drafts.observe(tree, nodes, ngrams, emitter.sequence, taken, rows)
         x = emitted[-1]
+
+
+def _successor_rows(step, logits, num_nodes, nodes):
+    """``(tokens, logits)`` of every row the step computed but padding, with ``x`` and the accepted nodes last
+    (their rows saw the true context, so their successors should win)."""
+    row_tokens = step.tokens[step.logits_rows]
+    first_node = step.node_rows.start
+    last = [0] + [first_node + n for n in nodes]
+    order = [i for i in range(first_node + num_nodes) if i not in last] + last
+    idx = torch.tensor(order, device=logits.device)
+    return row_tokens[idx], logits[idx]

@@ -190,7 +190,8 @@ def make_pool(config: LookaheadConfig, vocab_size: int, device="cpu", *, loader:
     """Make the n-gram pool ``config.pool_backend`` asks for.
 
     Args:
-        config: gives ``ngram``, ``guess`` and ``pool_backend``: ``"python"`` (:class:`NGramPool`), ``"cpp"``
+        config: gives the n-gram size (``config.shape().ngram``), the continuations per key
+            (``config.pool_guess``) and ``pool_backend``: ``"python"`` (:class:`NGramPool`), ``"cpp"``
             (:class:`CppNGramPool`), ``"cuda"`` (:class:`CudaNGramPool` on ``device``), or ``"auto"``: the CUDA
             pool on a CUDA device, else the C++ pool if it builds, else the Python pool, with a warning that says
             why a faster pool was passed over (``"auto"`` never raises for a backend that fails to build).
@@ -210,7 +211,7 @@ def make_pool(config: LookaheadConfig, vocab_size: int, device="cpu", *, loader:
         device = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise ValueError(f"device must be a torch.device or a device string, got {device!r}") from exc
-    backend, n, g = config.pool_backend, config.ngram, config.guess
+    backend, n, g = config.pool_backend, config.shape().ngram, config.pool_guess
     if backend == "python":
         return NGramPool(n, g)
     if backend == "cpp":

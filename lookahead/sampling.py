@@ -1,7 +1,7 @@
 """Sampling parameters, logit warping (temperature, top-k, top-p) and row sampling: the CPU path.
 
-``warp_logits`` turns logits into the probabilities that verification (``verify_sample_reference`` or the
-``verify_sample`` kernel) and ``sample_rows`` consume. Warping is plain torch on any device; it is not fused into
+``warp_logits`` turns logits into the probabilities that verification (``verify_tree_sample_reference`` or the
+``verify_tree_sample`` kernel) and ``sample_rows`` consume. Warping is plain torch on any device; it is not fused into
 the verification kernels (a top-k/top-p over a 128k vocabulary needs a sort or a selection pass of its own).
 """
 

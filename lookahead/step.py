@@ -8,24 +8,24 @@ import torch
 
 from lookahead_kernels import StepLayout
 
+from .draft import DraftTree
+
 
 @dataclasses.dataclass(frozen=True)
 class Step:
     """One step's inputs.
 
     Attributes:
-        tokens: LongTensor ``[T]`` in layout order (``x``, lookahead levels, candidates).
+        tokens: LongTensor ``[T]`` in layout order (``x``, lookahead levels, tree nodes).
         positions: LongTensor ``[T]``, absolute positions (``p + layout.position_offsets()``).
         layout: the :class:`StepLayout`.
-        candidates: LongTensor ``[g, N-1]`` verified this step (``g`` may be 0).
         logits_rows: LongTensor ``[R]``: step rows whose logits are computed, in this order: ``x``, the last
-            lookahead level (``W`` rows, minus ``x`` when there is a single level), then every candidate token.
+            lookahead level (``W`` rows, minus ``x`` when there is a single level), then every tree node.
     """
 
     tokens: torch.Tensor
     positions: torch.Tensor
     layout: StepLayout
-    candidates: torch.Tensor
     logits_rows: torch.Tensor
 
     @property
@@ -36,30 +36,32 @@ class Step:
         return slice(start, start + self.layout.window)
 
     @property
-    def candidate_rows(self) -> slice:
-        """Slice of the returned logits holding the candidate tokens (``g * (N-1)`` rows, candidate-major)."""
+    def node_rows(self) -> slice:
+        """Slice of the returned logits holding the tree nodes, in node order."""
         start = self.layout.window + (0 if self.layout.levels == 1 else 1)
         return slice(start, start + self.layout.tree_size)
 
 
 def build_step(x: int, position: int, lookahead_tokens: torch.Tensor, levels: int, window: int,
-               candidates: torch.Tensor, device) -> Step:
-    """Pack ``x``, the window's ``levels x window`` tokens (``x`` first) and the candidates into one step.
+               tree: DraftTree | None, device) -> Step:
+    """Pack ``x``, the window's ``levels x window`` tokens (``x`` first) and the tree's nodes into one step.
 
     Args:
         x: the last committed token, fed at ``position``.
         lookahead_tokens: LongTensor ``[levels * window]`` with ``x`` at index 0.
-        candidates: LongTensor ``[g, K]`` (host or ``device``; padded rows count as candidates here).
+        tree: the step's :class:`DraftTree` (``None`` or empty: no verification branch).
     """
-    g, k = candidates.shape
-    layout = StepLayout.linear(window, levels, g, max(k, 1))
-    tokens = torch.cat([lookahead_tokens.reshape(-1).to(device), candidates.reshape(-1).to(device)])
+    shape = tree.shape.to(device) if tree is not None and tree.size else None
+    layout = StepLayout(window, levels, shape)
+    parts = [lookahead_tokens.reshape(-1)]
+    if shape is not None:
+        parts.append(tree.tokens)
+    tokens = torch.cat(parts).to(device)
     last = list(layout.last_level_rows())
     rows = ([] if levels == 1 else [0]) + last + list(range(layout.lookahead_len, layout.T))
     return Step(
         tokens=tokens,
-        positions=(position + layout.position_offsets()).to(device),
+        positions=(position + layout.position_offsets(device)).to(device),
         layout=layout,
-        candidates=candidates,
         logits_rows=torch.tensor(rows, dtype=torch.long, device=device),
     )

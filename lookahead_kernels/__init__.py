@@ -8,8 +8,7 @@ import importlib
 
 from .attention_ref import attention_dense_reference, attention_torch, dense_mask
 from .layout import StepLayout
-from .verify_ref import (draw_tree_uniforms, verify_greedy_reference, verify_tree_greedy_reference,
-                         verify_tree_sample_reference)
+from .verify_ref import draw_tree_uniforms, verify_tree_greedy_reference, verify_tree_sample_reference
 
 # name -> submodule that defines it; imported on first access (Triton import and kernel definition are slow).
 _LAZY = {
@@ -18,16 +17,11 @@ _LAZY = {
     "verify_tree_sample": ".verify",
     "row_argmax": ".verify",
     "load_pool_extension": ".pool_ext",
-    # linear candidates as a tree; removed when the decode loop moves to trees (with verify_greedy_reference)
-    "verify_greedy": ".verify",
-    "verify_sample": ".verify",
-    "draw_verify_uniforms": ".verify_ref",
-    "verify_sample_reference": ".verify_ref",
 }
 
 __all__ = ["StepLayout", "attention_torch", "attention_dense_reference", "dense_mask",
            "verify_tree_greedy_reference", "verify_tree_sample_reference", "draw_tree_uniforms",
-           "verify_greedy_reference", *_LAZY]
+           *_LAZY]
 
 
 def __getattr__(name):

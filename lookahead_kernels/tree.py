@@ -100,6 +100,8 @@ class TreeShape:
     def parents(self) -> torch.Tensor:
         """LongTensor like ``end``: each node's parent (``-1`` for children of ``x``)."""
         V = self.size
+        if V == 0:
+            return self.end.clone()
         idx = torch.arange(V, device=self.end.device)
         anc = ancestor_matrix(self.end)  # [..., j, i]
         strict = anc & (idx[:, None] < idx[None, :])

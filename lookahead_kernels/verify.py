@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .verify_ref import (check_tree_verify_inputs, draw_tree_uniforms, linear_greedy, linear_sample,
+from .verify_ref import (check_tree_verify_inputs, draw_tree_uniforms,
                          resolve_uniforms)
 
 __all__ = ["verify_tree_greedy", "verify_tree_sample", "row_argmax", "draw_tree_uniforms"]
@@ -590,14 +590,3 @@ def row_argmax(logits: torch.Tensor, *, vocab_splits: int | None = None, out: to
         raise ValueError(f"{name}: out must be a contiguous int64 tensor [{R}] on {logits.device}")
     _row_argmax_op(logits, _check_splits(name, vocab_splits), out)
     return out
-
-
-# ---- linear candidates as a tree; removed when the decode loop moves to trees ----------------------------------
-def verify_greedy(x_logits, cand_logits, candidates, num_candidates=None):
-    """Old linear API (``[B, G, K]`` candidates) on ``verify_tree_greedy``; see ``verify_ref.linear_greedy``."""
-    return linear_greedy(verify_tree_greedy, x_logits, cand_logits, candidates, num_candidates)
-
-
-def verify_sample(x_probs, cand_probs, candidates, num_candidates=None, *, generator=None, uniforms=None):
-    """Old linear API (``[B, G, K]`` candidates) on ``verify_tree_sample``; see ``verify_ref.linear_sample``."""
-    return linear_sample(verify_tree_sample, x_probs, cand_probs, candidates, num_candidates, uniforms, generator)

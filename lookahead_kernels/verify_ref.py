@@ -30,9 +30,7 @@ from the root down, ``-1`` after ``accept_len``; ``emitted`` int64 ``[B, max_acc
 then the bonus token, ``-1`` after.
 
 The Triton kernels in ``verify.py`` follow these references exactly (given the same uniforms, up to float64
-rounding of sums). ``verify_greedy_reference`` and ``verify_sample_reference`` (and ``draw_verify_uniforms``)
-are thin shims that verify the old linear candidates ``[B, G, K]`` as trees; they go when the decode loop has
-moved to trees.
+rounding of sums). The original linear candidates are the tree ``TreeShape.linear(G, K)``.
 """
 
 from __future__ import annotations
@@ -307,85 +305,3 @@ def verify_tree_sample_reference(x_probs: torch.Tensor, node_probs: torch.Tensor
             lim = torch.where(acc, torch.minimum(end2[rows, cc], n), lim)
             c = torch.where(acc, cc + 1, c)
     return accept_len, path, emitted
-
-
-# ---- linear candidates as a tree; removed when the decode loop moves to trees ----------------------------------
-def _linear_num_nodes(num_candidates, B: int, G: int, device):
-    if num_candidates is None:
-        return torch.full((B,), G, dtype=torch.long, device=device)
-    if isinstance(num_candidates, bool) or not isinstance(num_candidates, (int, torch.Tensor)):
-        raise ValueError(f"num_candidates must be None, an int or an int64 tensor [B], got {num_candidates!r}")
-    if isinstance(num_candidates, int):
-        if not 0 <= num_candidates <= G:
-            raise ValueError(f"num_candidates must be in 0..G = 0..{G}, got {num_candidates}")
-        return torch.full((B,), num_candidates, dtype=torch.long, device=device)
-    return num_candidates.clamp(0, G)
-
-
-def linear_greedy(verify, x_logits, cand_logits, candidates, num_candidates=None):
-    """Old linear API on a tree verifier: each candidate is verified as its own chain (``TreeShape.linear(1,
-    K)``) and the longest wins (the first among equals), exactly the old rule. Returns ``(accept_len, best,
-    tokens [B, K+1])``."""
-    if not isinstance(candidates, torch.Tensor) or candidates.dim() != 3:
-        raise ValueError(f"candidates must be an int64 tensor [B, G, K], got {_shape(candidates)}")
-    B, G, K = candidates.shape
-    dev = candidates.device
-    if cand_logits.dim() != 4:
-        raise ValueError(f"candidate rows must be [B, G, K, vocab], got {list(cand_logits.shape)}")
-    n = _linear_num_nodes(num_candidates, B, G, dev)
-    vocab = x_logits.shape[-1]
-    end = torch.full((K,), K, dtype=torch.long, device=dev)
-    if G == 0:
-        acc, _, emitted = verify(x_logits, cand_logits.reshape(B, 0, vocab), candidates.reshape(B, 0),
-                                 end[:0], None, K)
-        return acc, torch.full((B,), -1, dtype=torch.long, device=dev), emitted
-    chains = torch.arange(G, device=dev)[None, :] < n[:, None]  # [B, G]
-    acc, _, emitted = verify(x_logits[:, None, :].expand(B, G, vocab).reshape(B * G, vocab),
-                             cand_logits.reshape(B * G, K, vocab), candidates.reshape(B * G, K), end,
-                             torch.where(chains, K, 0).reshape(B * G), K)
-    lengths = torch.where(chains, acc.view(B, G), -1)
-    accept_len, best = lengths.max(dim=1)  # the first index among equals
-    accept_len = accept_len.clamp(min=0)
-    best = torch.where(accept_len > 0, best, -1)
-    tokens = emitted.view(B, G, K + 1)[torch.arange(B, device=dev), best.clamp(min=0)]
-    return accept_len, best, tokens
-
-
-def linear_sample(verify, x_probs, cand_probs, candidates, num_candidates=None, uniforms=None, generator=None):
-    """Old linear API on the tree sampler: the candidates as ``TreeShape.linear(G, K)`` (chains that do not share
-    prefixes, so fewer acceptances than the old walk when candidates share one; the distribution is exact).
-    ``uniforms`` in the old layout ``[B, K, G+1]``: node ``c*K + d`` uses ``[b, d, c]``, the bonus ``[b, 0, G]``."""
-    if not isinstance(candidates, torch.Tensor) or candidates.dim() != 3:
-        raise ValueError(f"candidates must be an int64 tensor [B, G, K], got {_shape(candidates)}")
-    B, G, K = candidates.shape
-    dev = candidates.device
-    if uniforms is None:
-        uniforms = draw_verify_uniforms(B, G, K, dev, generator)
-    elif generator is not None:
-        raise ValueError("pass either generator or uniforms, not both")
-    if not isinstance(uniforms, torch.Tensor) or tuple(uniforms.shape) != (B, K, G + 1):
-        raise ValueError(f"uniforms must be [B, K, G+1] = {[B, K, G + 1]}, got {_shape(uniforms)}")
-    u = torch.cat([uniforms[:, :, :G].transpose(1, 2).reshape(B, G * K), uniforms[:, 0, G:]], dim=1)
-    n = _linear_num_nodes(num_candidates, B, G, dev)
-    idx = torch.arange(G * K, device=dev)
-    end = (idx // K + 1) * K  # TreeShape.linear(G, K).end
-    vocab = x_probs.shape[-1]
-    acc, path, emitted = verify(x_probs, cand_probs.reshape(B, G * K, vocab), candidates.reshape(B, G * K), end,
-                                n * K, K, uniforms=u)
-    best = torch.where(acc > 0, path[:, 0].clamp(min=0) // K, -1)
-    return acc, best, emitted
-
-
-def draw_verify_uniforms(B: int, G: int, K: int, device=None, generator: torch.Generator | None = None):
-    """Old linear layout ``[B, K, G+1]`` (shim; see ``linear_sample``)."""
-    return torch.rand((B, K, G + 1), dtype=torch.float64, device=device, generator=generator)
-
-
-def verify_greedy_reference(x_logits, cand_logits, candidates, num_candidates=None):
-    """Linear candidates as a tree; removed when the decode loop moves to trees (see ``linear_greedy``)."""
-    return linear_greedy(verify_tree_greedy_reference, x_logits, cand_logits, candidates, num_candidates)
-
-
-def verify_sample_reference(x_probs, cand_probs, candidates, num_candidates=None, *, uniforms):
-    """Linear candidates as a tree; removed when the decode loop moves to trees (see ``linear_sample``)."""
-    return linear_sample(verify_tree_sample_reference, x_probs, cand_probs, candidates, num_candidates, uniforms)

@@ -4,17 +4,26 @@ import pytest
 import torch
 
 from lookahead import LookaheadConfig
+from lookahead.config import StepShape
 from lookahead.pool import NGramPool
+from lookahead.draft import DraftTree
 from lookahead.step import build_step
 from lookahead.window import LookaheadWindow
-from lookahead_kernels import StepLayout, dense_mask, verify_greedy_reference
+from lookahead_kernels import StepLayout, dense_mask, verify_tree_greedy_reference
+from lookahead_kernels.tree import TreeShape
 
 
 # ---- configuration -------------------------------------------------------------------------------------------
 def test_config_defaults_and_tokens_per_step():
     c = LookaheadConfig()
-    assert (c.window, c.ngram, c.guess, c.pool_from_prompt) == (15, 5, 15, True)
+    assert c.shape() == StepShape(15, 4, 60) and c.pool_from_prompt
     assert c.tokens_per_step == 120  # 1 + 14 + 3*15 + 15*4, the design note's figure
+    assert LookaheadConfig(15, 5, 15).shape() == StepShape(15, 4, 60)
+    assert LookaheadConfig(7, 3).shape() == StepShape(7, 2, 30)
+    assert LookaheadConfig(window=4, ngram=3, max_step_tokens=20).shape() == StepShape(4, 2, 12)
+    for budget in (1, 2, 5, 8, 16, 32, 64, 120, 200):
+        shape = LookaheadConfig(max_step_tokens=budget).shape()
+        assert shape.max_tokens == budget and shape.tree_budget >= budget // 2 - 1, (budget, shape)
     with pytest.raises(dataclasses_frozen_error()):
         c.window = 3
 
@@ -29,7 +38,10 @@ def dataclasses_frozen_error():
     ({"window": 0}, "window"), ({"ngram": 1}, "ngram"), ({"guess": -1}, "guess"),
     ({"window": 2.5}, "window"), ({"ngram": "5"}, "ngram"), ({"guess": True}, "guess"),
     ({"pool_backend": "gpu"}, "pool_backend"), ({"pool_from_prompt": 1}, "pool_from_prompt"),
-    ({"pad_candidates": 1}, "pad_candidates"), ({"pad_candidates": "auto"}, "pad_candidates"),
+    ({"pad_tree": 1}, "pad_tree"), ({"pad_tree": "auto"}, "pad_tree"),
+    ({"max_step_tokens": 0}, "max_step_tokens"), ({"max_step_tokens": 10, "window": 5, "ngram": 4}, "window alone"),
+    ({"sources": ("pool", "lookup")}, "sources"), ({"sources": "pool"}, "sources"),
+    ({"sources": ("pool", "pool")}, "sources"),
 ])
 def test_config_rejects_bad_values(kwargs, word):
     with pytest.raises(ValueError, match=word):
@@ -131,18 +143,17 @@ def test_pool_from_sequence_and_disabled_pool():
 
 # ---- step builder --------------------------------------------------------------------------------------------
 def test_build_step_packs_tokens_positions_and_rows():
-    step = build_step(5, 100, torch.tensor([5, 7, 9, 11, 12, 9]), levels=2, window=3,
-                      candidates=torch.tensor([[30, 31], [40, 41]]), device="cpu")
+    tree = DraftTree(torch.tensor([30, 31, 40, 41]), TreeShape.linear(2, 2), 4, [-1, 0, -1, 2], [[]] * 4, [set()] * 4)
+    step = build_step(5, 100, torch.tensor([5, 7, 9, 11, 12, 9]), levels=2, window=3, tree=tree, device="cpu")
     assert step.tokens.tolist() == [5, 7, 9, 11, 12, 9, 30, 31, 40, 41]
     assert step.positions.tolist() == [100, 101, 102, 101, 102, 103, 101, 102, 101, 102]
     assert (step.layout.window, step.layout.levels, step.layout.tree_size) == (3, 2, 4)
     assert step.layout.tree.end.tolist() == [2, 2, 4, 4]
     assert step.logits_rows.tolist() == [0, 3, 4, 5, 6, 7, 8, 9]
-    assert (step.window_rows, step.candidate_rows) == (slice(1, 4), slice(4, 8))
-    one = build_step(5, 0, torch.tensor([5, 7, 9]), levels=1, window=3, candidates=torch.empty(0, 2, dtype=torch.long),
-                     device="cpu")
+    assert (step.window_rows, step.node_rows) == (slice(1, 4), slice(4, 8))
+    one = build_step(5, 0, torch.tensor([5, 7, 9]), levels=1, window=3, tree=None, device="cpu")
     assert one.logits_rows.tolist() == [0, 1, 2] and one.window_rows == slice(0, 3)
-    assert one.candidate_rows == slice(3, 3)
+    assert one.node_rows == slice(3, 3)
 
 
 # ---- greedy verification -------------------------------------------------------------------------------------
@@ -151,26 +162,17 @@ def _onehot_logits(ids, vocab=10):
     return out.scatter_(-1, torch.as_tensor(ids)[..., None], 1.0)
 
 
-def test_verify_greedy_hand_worked():
-    x_logits = _onehot_logits([3])  # y0 = 3
-    # candidate 0: [3, 5] with predictions [4, 7] -> accepts 3 only (5 != 4), bonus 4
-    # candidate 1: [3, 5] with predictions [5, 8] -> accepts 3, 5, bonus 8
-    cand_logits = _onehot_logits([[[4, 7], [5, 8]]])
-    candidates = torch.tensor([[[3, 5], [3, 5]]])
-    a, best, tokens = verify_greedy_reference(x_logits, cand_logits, candidates)
-    assert (a.tolist(), best.tolist(), tokens.tolist()) == ([2], [1], [[3, 5, 8]])
-
-
-def test_verify_greedy_none_accepted_and_first_of_equals():
-    x_logits = _onehot_logits([3])
-    cand_logits = _onehot_logits([[[1, 1], [1, 1]]])
-    a, best, tokens = verify_greedy_reference(x_logits, cand_logits, torch.tensor([[[4, 4], [5, 5]]]))
-    assert (a.tolist(), best.tolist(), tokens.tolist()) == ([0], [-1], [[3, -1, -1]])
-    a, best, tokens = verify_greedy_reference(x_logits, cand_logits, torch.tensor([[[3, 2], [3, 9]]]))
-    assert (a.tolist(), best.tolist(), tokens.tolist()) == ([1], [0], [[3, 1, -1]])
-    # unused candidate rows are ignored whatever they hold
-    a, _, _ = verify_greedy_reference(x_logits, cand_logits, torch.tensor([[[4, 4], [3, 1]]]), num_candidates=1)
-    assert a.tolist() == [0]
+def test_verify_tree_greedy_hand_worked():
+    # x's argmax is 3; tree: node 0 = 3 (-> node 1 = 5, node 2 = 6), node 3 = 4
+    tree = TreeShape.from_parents([-1, 0, 0, -1])
+    tokens = torch.tensor([[3, 5, 6, 4]])
+    node_logits = _onehot_logits([[6, 1, 1, 1]])  # argmax after node 0 is 6: node 2 is accepted, then bonus 1
+    a, path, emitted = verify_tree_greedy_reference(_onehot_logits([3]), node_logits, tokens, tree.end, None, 3)
+    assert (a.tolist(), path.tolist(), emitted.tolist()) == ([2], [[0, 2, -1]], [[3, 6, 1, -1]])
+    # the same tree with only the first two nodes real: node 2 is padding and never accepted
+    a, path, emitted = verify_tree_greedy_reference(_onehot_logits([3]), node_logits, tokens, tree.end,
+                                                   torch.tensor([2]), 3)
+    assert (a.tolist(), emitted.tolist()) == ([1], [[3, 6, -1, -1]])
 
 
 def test_attention_args_reject_empty_batch_and_short_cache():

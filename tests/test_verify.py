@@ -718,29 +718,6 @@ def test_custom_ops_opcheck(vk, kernel_device):
                           (x, 2, torch.empty(B, dtype=torch.long, device=kernel_device)), test_utils=tests)
 
 
-# ---- the old linear API, as thin shims over the tree verifiers (removed when the decode loop moves to trees) ------
-def test_linear_shims(vk, kernel_device):
-    from lookahead_kernels.verify_ref import draw_verify_uniforms, verify_greedy_reference, verify_sample_reference
-
-    gen = torch.Generator().manual_seed(41)
-    B, G, K, vocab = 2, 3, 2, 12
-    x, c = torch.randn(B, vocab, generator=gen), torch.randn(B, G, K, vocab, generator=gen)
-    cand = torch.randint(0, vocab, (B, G, K), generator=gen)
-    # candidate 2 shares candidate 0's first token but goes deeper: the longest wins, as before
-    cand[:, 0, 0] = cand[:, 2, 0] = x.argmax(-1)
-    cand[:, 2, 1] = c[:, 2, 0].argmax(-1)
-    cand[:, 0, 1] = (c[:, 0, 0].argmax(-1) + 1) % vocab
-    x, c, cand = to(kernel_device, x, c, cand)
-    n = torch.tensor([3, 2], device=kernel_device)
-    ref = verify_greedy_reference(x, c, cand, n)
-    assert ref[0].tolist() == [2, 1] and ref[1].tolist() == [2, 0]
-    assert all(torch.equal(r.cpu(), g.cpu()) for r, g in zip(ref, vk.verify_greedy(x, c, cand, n)))
-    xp, cp = torch.softmax(x, -1), torch.softmax(c, -1)
-    u = draw_verify_uniforms(B, G, K, generator=gen).to(kernel_device)
-    ref = verify_sample_reference(xp, cp, cand, n, uniforms=u)
-    assert all(torch.equal(r.cpu(), g.cpu()) for r, g in zip(ref, vk.verify_sample(xp, cp, cand, n, uniforms=u)))
-
-
 _SM90_SCRIPT = r'''
 import triton
 from triton.backends.compiler import GPUTarget

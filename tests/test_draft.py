@@ -1,0 +1,129 @@
+"""The tree's guess sources (suffix matches, successor table, pool) and the builder that merges them."""
+
+import pytest
+import torch
+
+from lookahead import LookaheadConfig
+from lookahead.draft import AcceptanceStats, DraftBuilder
+from lookahead.successors import SuccessorTable
+from lookahead.suffix import SuffixIndex
+from lookahead_kernels.tree import TreeShape
+
+
+# ---- suffix matches ------------------------------------------------------------------------------------------
+def test_suffix_longest_match_first_and_length_grows_with_the_match():
+    idx = SuffixIndex(max_match=4, max_len=32)
+    seq = [9, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8, 8, 1, 2]
+    got = idx.matches(seq, limit=4)
+    # (8, 1, 2) occurred ending at index 10: up to 4 * 3 = 12 tokens follow it, 9 are there
+    assert got[0] == (tuple(seq[11:]), 3)
+    # (1, 2) also ends at 2 (at 10 its 8 tokens are a prefix of the first); one token (2) adds nothing new
+    assert got[1] == (tuple(seq[3:11]), 2)
+    assert len(got) == 2
+    assert SuffixIndex.length_for(1, 32) == 4 and SuffixIndex.length_for(20, 32) == 32
+
+
+def test_suffix_skips_continuations_that_are_prefixes_of_earlier_ones_and_respects_limit():
+    idx = SuffixIndex(max_match=3, max_len=8)
+    seq = [5, 6, 5, 6, 5, 6]
+    got = idx.matches(seq, limit=1)
+    assert len(got) == 1 and got[0][1] == 3
+    assert SuffixIndex().matches([7], limit=4) == []  # a one-token sequence has nothing earlier
+
+
+def test_suffix_index_is_incremental_and_rejects_a_shorter_sequence():
+    idx = SuffixIndex()
+    seq = [1, 2, 3, 1]
+    assert idx.matches(seq, 4) == [((2, 3, 1), 1)]
+    seq += [2]
+    assert idx.matches(seq, 4)[0] == ((3, 1, 2), 2)
+    with pytest.raises(ValueError, match="shorter"):
+        idx.matches([1], 4)
+
+
+# ---- successor table -------------------------------------------------------------------------------------------
+def test_successor_table_keeps_the_top_k_of_the_latest_row():
+    table = SuccessorTable(vocab_size=10, k=3)
+    logits = torch.zeros(2, 10)
+    logits[0, [4, 7, 1]] = torch.tensor([3.0, 2.0, 1.0])
+    logits[1, [2, 3, 5]] = torch.tensor([1.0, 3.0, 2.0])
+    table.update(torch.tensor([6, 6]), logits)  # the second row for token 6 wins
+    assert [t for t, _ in table.successors(6)] == [3, 5, 2]
+    assert table.successors(0) == []
+
+
+# ---- builder -----------------------------------------------------------------------------------------------------
+def builder(**kw):
+    cfg = LookaheadConfig(window=3, ngram=4, guess=4, pool_backend="python", **kw)
+    return DraftBuilder(cfg, 50, "cpu")
+
+
+def check_trie(tree):
+    shape = TreeShape(tree.shape.depth, tree.shape.end)  # validates the encoding
+    tokens = tree.tokens.tolist()
+    parents = shape.parents().tolist()
+    assert parents[: tree.num_nodes] == tree.parents
+    seen = set()
+    for i in range(tree.num_nodes):
+        key = (parents[i], tokens[i])
+        assert key not in seen, "two siblings share a token"
+        seen.add(key)
+
+
+def test_builder_merges_sources_into_a_trie_under_the_budget():
+    b = builder()
+    prompt = torch.tensor([1, 2, 3, 4, 1, 2, 3, 5, 1, 2])
+    b.start(prompt)
+    seq = prompt.tolist()
+    b.successors.update(torch.tensor([2, 3]), torch.eye(50)[[3, 4]] * 5)
+    for budget in (0, 1, 3, 6, 20):
+        tree = b.build(seq, budget)
+        assert tree.num_nodes <= budget and tree.size == tree.num_nodes
+        check_trie(tree)
+    tree = b.build(seq, 20)
+    first = [tree.tokens[i].item() for i in range(tree.num_nodes) if tree.parents[i] == -1]
+    assert 3 in first  # suffix, pool and successors all propose 3 after (.., 1, 2)
+    node3 = first.index(3)
+    roots = [i for i in range(tree.num_nodes) if tree.parents[i] == -1]
+    assert {"suffix", "pool", "successors"} <= tree.sources[roots[node3]]
+    padded = b.build(seq, 20, pad=True)
+    assert padded.size == 20 and padded.num_nodes == tree.num_nodes
+    assert padded.tokens[padded.num_nodes:].eq(0).all()
+    assert padded.shape.end[padded.num_nodes:].tolist() == list(range(padded.num_nodes + 1, 21))
+
+
+def test_builder_takes_the_likelier_nodes_first():
+    b = builder(sources=("successors",))
+    # after token 1 the model gives 2 probability 0.52 and 3 0.31; after 2 it gives 4 0.13
+    logits = torch.zeros(2, 50)
+    logits[0, 2], logits[0, 3] = 5.0, 4.5
+    logits[1, 4] = 2.0
+    b.successors.update(torch.tensor([1, 2]), logits)
+    tree = b.build([7, 1], 2)
+    # priors follow the probabilities: 2 (about 0.48) then 3 (0.32) beat 2 -> 4 (0.48 * 0.16)
+    assert tree.tokens.tolist() == [2, 3] and tree.parents == [-1, -1]
+    tree = b.build([7, 1], 3)
+    assert tree.tokens.tolist() == [2, 4, 3] and tree.parents == [-1, 0, -1]
+
+
+def test_observe_counts_only_tested_nodes():
+    b = builder(sources=("successors",))
+    b.successors = SuccessorTable(50, k=1)  # one successor per token: the tree is a chain
+    logits = torch.zeros(3, 50)
+    logits[0, 2], logits[1, 4], logits[2, 6] = 5.0, 5.0, 5.0
+    b.successors.update(torch.tensor([1, 2, 4]), logits)
+    tree = b.build([7, 1], 3)  # chain 2 -> 4 -> 6
+    assert tree.parents == [-1, 0, 1]
+    b.observe(tree, [0], None, [7, 1, 2, 9], 2)  # 2 accepted, 4 rejected, 6 never tested
+    stats = b.stats
+    # each successor had probability 0.75: bucket 8 (0.7 to 0.8)
+    assert stats.tested == {("successors", 8, 1): 1, ("successors", 8, 2): 1}
+    assert stats.accepted == {("successors", 8, 1): 1, ("successors", 8, 2): 0}
+
+
+def test_acceptance_stats_move_from_the_prior_towards_the_observed_rate():
+    s = AcceptanceStats()
+    prior = s.rate(("pool", 1))
+    for _ in range(100):
+        s.record(("pool", 1), True)
+    assert prior < s.rate(("pool", 1)) < 1.0
