@@ -11,7 +11,7 @@
 
     python bench/bench_forward.py --threads 2                  # both parts, writes bench/results/forward-cpu.*
     python bench/bench_forward.py --threads 2 --no-decode      # the curve only
-    python bench/bench_forward.py --repo /path/to/old/checkout --no-decode --tag base --threads 2
+    python bench/bench_forward.py --repo /path/to/old/checkout --no-decode --tag base --label "base 1328d69"
     python bench/bench_forward.py --threads 2 --before bench/results/forward-base.json   # adds that curve
 
 ``--repo`` imports ``lookahead`` from another checkout (e.g. a ``git worktree`` of an older revision; a model
@@ -38,6 +38,15 @@ DEFAULT_SETS = [os.path.join(DATA, "mt_bench_dev.jsonl"), os.path.join(DATA, "hu
 DEFAULT_T = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128]
 
 
+def warm_up(model, tok, context, cache):
+    """One untimed single-token forward: packs the weights after a switch of linear path."""
+    import torch
+    from lookahead_kernels import StepLayout
+
+    with torch.inference_mode():
+        model(tok, torch.tensor([[context]]), cache, context, StepLayout.prefill(1))
+
+
 def curve(model, variants, Ts, context, reps):
     """{variant: {T: seconds}} (minimum over rounds) and the medians alongside."""
     import torch
@@ -55,6 +64,7 @@ def curve(model, variants, Ts, context, reps):
             for v in variants:
                 if v != "base":
                     model.set_cpu_linear(v)
+                    warm_up(model, ids[:, context:context + 1], context, cache)  # switching may repack
                 for T in Ts:
                     tok, pos = ids[:, context:context + T], torch.arange(context, context + T)[None]
                     t0 = time.perf_counter()
@@ -86,6 +96,7 @@ def decode(model, tokenizer, sets, prompts_per_set, max_new_tokens, variants):
             outs = {}
             for v in variants:
                 model.set_cpu_linear(v)
+                model.generate(ids[:, :8], max_new_tokens=1, lookahead=None)  # untimed: packs after a switch
                 t0 = time.perf_counter()
                 out = model.generate(ids, max_new_tokens=max_new_tokens, lookahead=None)
                 secs = time.perf_counter() - t0
@@ -197,6 +208,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repo", help="import lookahead from this checkout instead")
     ap.add_argument("--before", nargs="*", default=[], help="results JSON of other runs whose curves to add")
+    ap.add_argument("--label", help="name of this run's curve when another run adds it with --before")
     ap.add_argument("--tag", default="cpu")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     args = ap.parse_args(argv)
@@ -216,12 +228,13 @@ def main(argv=None) -> int:
     cmin, cmed = curve(model, variants, sorted(args.T), args.context, args.reps)
     result = {"command": _common.command_line(__file__, sys.argv[1:] if argv is None else argv),
               "machine": info, "threads": args.threads, "context": args.context, "reps": args.reps,
-              "T": sorted(args.T), "repo": args.repo, "curve_min": cmin, "curve_median": cmed}
+              "T": sorted(args.T), "repo": args.repo, "label": args.label, "curve_min": cmin, "curve_median": cmed}
     for path in args.before:
         with open(path) as f:
             other = json.load(f)
         for v, c in other["curve_min"].items():
-            result.setdefault("before", {})[f"{v} @ {other['machine']['git']}"] = c
+            name = other.get("label") or f"{v} @ {other['machine']['git']}"
+            result.setdefault("before", {})[name] = c
     if not args.no_decode and variants != ["base"]:
         result["decode_variants"] = variants
         result["prompts_per_set"] = args.prompts
