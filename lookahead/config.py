@@ -49,10 +49,14 @@ def shape_for_budget(max_step_tokens: int) -> StepShape:
 class LookaheadConfig:
     """Parameters of lookahead decoding.
 
-    The step size is set either by ``max_step_tokens`` (tokens a warm step feeds, window and tree together;
-    split by :func:`shape_for_budget`) or by the paper's ``window``, ``ngram``, ``guess`` (the tree then gets
-    ``guess * (ngram - 1)`` nodes, the tokens the original linear candidates would take; unset ones default to
-    ``window=15, ngram=5, guess=15``, 120 tokens per step).
+    ``LookaheadConfig()`` is the automatic mode: a step-size controller (``lookahead.controller``) measures the
+    forward's cost on this device once and sizes each step's tree to maximise expected tokens per second, taking
+    plain steps when nothing pays. Otherwise the step size is set by ``max_step_tokens`` (tokens a warm step
+    feeds, window and tree together; split by :func:`shape_for_budget`) or by the paper's ``window``, ``ngram``,
+    ``guess`` (the tree then gets ``guess * (ngram - 1)`` nodes, the tokens the original linear candidates would
+    take; unset ones default to ``window=15, ngram=5, guess=15``, 120 tokens per step), honoured as given.
+    :meth:`shape` describes the fixed step (in automatic mode, the 120-token default it would take without a
+    cost model).
 
     Attributes:
         window: ``W``, columns decoded in parallel by the lookahead branch (>= 1).
@@ -71,6 +75,8 @@ class LookaheadConfig:
         seed: seeds the tokens that fill the window's empty columns (drawn from the sequence so far).
         pad_tree: pad every step's tree to its budget (constant step shape; verification never accepts the
             padding). ``None`` (default): on for CUDA devices, off on the CPU, where padded rows cost compute.
+        step_costs: automatic mode only: the cost model as ``((tokens, seconds), ...)`` pairs instead of
+            measuring it (makes the controller's choices reproducible, e.g. in tests).
     """
 
     window: int | None = None
@@ -83,6 +89,7 @@ class LookaheadConfig:
     pool_backend: str = "auto"
     seed: int = 0
     pad_tree: bool | None = None
+    step_costs: tuple | None = None
 
     def __post_init__(self) -> None:
         for name, low in (("window", 1), ("ngram", 2), ("guess", 0), ("max_step_tokens", 1)):
@@ -105,8 +112,24 @@ class LookaheadConfig:
                 raise ValueError(f"LookaheadConfig.{name} must be a bool (True or False), got {value!r}")
         if self.pad_tree is not None and not isinstance(self.pad_tree, bool):
             raise ValueError(f"LookaheadConfig.pad_tree must be None (auto), True or False, got {self.pad_tree!r}")
+        if self.step_costs is not None:
+            from .controller import StepCosts
+
+            try:
+                pairs = tuple((int(t), float(c)) for t, c in self.step_costs)
+                StepCosts.from_pairs(pairs)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"LookaheadConfig.step_costs must be (tokens, seconds) pairs with distinct token "
+                                 f"counts >= 1 and positive seconds, got {self.step_costs!r}") from exc
+            object.__setattr__(self, "step_costs", pairs)
         if self.pool_backend not in POOL_BACKENDS:
             raise ValueError(f"LookaheadConfig.pool_backend must be one of {POOL_BACKENDS}, got {self.pool_backend!r}")
+
+    @property
+    def automatic(self) -> bool:
+        """No step size given (no ``window``, ``ngram``, ``guess`` or ``max_step_tokens``): the step-size
+        controller (``lookahead.controller``) sizes every step from the device's measured cost."""
+        return self.window is None and self.ngram is None and self.guess is None and self.max_step_tokens is None
 
     def shape(self) -> StepShape:
         """The warm step's :class:`StepShape`."""

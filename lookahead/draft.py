@@ -121,21 +121,29 @@ class DraftBuilder:
         config: the lookahead parameters (sources, pool options).
         vocab_size: the model's vocabulary size.
         device: where the pool lives (``pool_backend="auto"`` picks from it).
+        shape, sources: the resolved step shape and sources (default: the config's own).
+        planner: a :class:`lookahead.controller.StepPlanner` that cuts each tree to the size that pays (``None``:
+            every tree takes its whole budget).
     """
 
-    def __init__(self, config: LookaheadConfig, vocab_size: int, device):
+    def __init__(self, config: LookaheadConfig, vocab_size: int, device, *, shape=None, sources=None,
+                 planner=None):
         self.config = config
-        self.ngram = config.shape().ngram
+        shape = shape if shape is not None else config.shape()
+        sources = config.sources if sources is None else sources
+        self.ngram = shape.ngram
+        self.planner = planner
         self.pool = None
-        if "pool" in config.sources and config.pool_guess > 0:
+        if "pool" in sources and config.pool_guess > 0:
             from .pools import TableNGramPool, make_pool
 
-            self.pool = make_pool(config, vocab_size, device)
+            concrete = dataclasses.replace(config, window=shape.window, ngram=shape.ngram, max_step_tokens=None,
+                                           guess=config.pool_guess, step_costs=None)
+            self.pool = make_pool(concrete, vocab_size, device)
             # The model's own ids are in range: table pools skip the check (a host sync on CUDA).
             self._pool_unchecked = isinstance(self.pool, TableNGramPool)
-        self.suffix = SuffixIndex() if "suffix" in config.sources else None
-        self.successors = SuccessorTable(vocab_size, _SUCCESSORS_PER_NODE) if "successors" in config.sources \
-            else None
+        self.suffix = SuffixIndex() if "suffix" in sources else None
+        self.successors = SuccessorTable(vocab_size, _SUCCESSORS_PER_NODE) if "successors" in sources else None
         self.stats = AcceptanceStats()
 
     # ---- the pool's inputs ------------------------------------------------------------------------------------
@@ -172,6 +180,8 @@ class DraftBuilder:
                         node = node.child(t)
                         node.propose(("pool", d), rate(("pool", d)))
         chosen = self._best_first(root, budget)
+        if self.planner is not None:  # best-first order: any prefix is a tree
+            chosen = chosen[: self.planner.choose([n.score for n in chosen])]
         return self._encode(chosen, budget if pad else len(chosen))
 
     def _expand_successors(self, node: _Node) -> None:

@@ -16,9 +16,14 @@ import torch
 from lookahead_kernels import StepLayout
 
 from .config import LookaheadConfig
+from .controller import make_plan
 from .draft import DraftBuilder
 from .step import build_step
 from .window import LookaheadWindow
+
+PROMPT_SUCCESSOR_ROWS = 256
+# generate's default: the automatic step size (a frozen config, shared safely).
+AUTOMATIC = LookaheadConfig()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,13 +203,15 @@ class _Sampler:
 
 
 @torch.inference_mode()
-def generate(model, input_ids, max_new_tokens: int = 128, *, lookahead: LookaheadConfig | None = None,
+def generate(model, input_ids, max_new_tokens: int = 128, *, lookahead: LookaheadConfig | None = AUTOMATIC,
              do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
              generator: torch.Generator | None = None, eos_token_id=None,
              streamer: Callable[[list[int]], None] | None = None, trace: bool = False) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` tokens after ``input_ids`` (``[1, prompt_len]`` or ``[prompt_len]``).
 
-    ``lookahead=None`` decodes one token per forward pass; a :class:`LookaheadConfig` decodes with lookahead.
+    ``lookahead=None`` decodes one token per forward pass; a :class:`LookaheadConfig` decodes with lookahead; the
+    default ``LookaheadConfig()`` sizes each step from the device's measured cost (measured once, outside
+    ``stats.seconds``).
     Greedy output is identical either way; sampled output has the same distribution. Generation stops after
     ``max_new_tokens`` tokens or right after an EOS token (``eos_token_id`` defaults to the model's own).
     ``streamer`` is called with each step's newly emitted tokens. ``trace=True`` records each lookahead step's
@@ -231,18 +238,30 @@ def generate(model, input_ids, max_new_tokens: int = 128, *, lookahead: Lookahea
     emitter = _Emitter(prompt, max_new_tokens, _eos_set(model, eos_token_id), streamer)
     stats = GenerationStats(trace=[] if trace else None)
 
-    step_cap = lookahead.tokens_per_step if lookahead is not None else 1
+    # The plan may measure the device's step costs (once per model): not part of this call's time.
+    plan_started = time.perf_counter()
+    plan = make_plan(lookahead, model) if lookahead is not None else None
+    started += time.perf_counter() - plan_started
+    step_cap = plan.shape.max_tokens if plan is not None else 1
     cache = model.new_cache(1, prompt_len + max_new_tokens + step_cap)
     cache_len = prompt_len - 1
+    # The successor table starts from what the model predicts after the prompt's last tokens: the prefill
+    # computes their logits too (the last PROMPT_SUCCESSOR_ROWS rows, to bound the cost of long prompts).
+    seed_rows = 0
+    if plan is not None and "successors" in plan.sources and max_new_tokens > 1:
+        seed_rows = min(cache_len, PROMPT_SUCCESSOR_ROWS)
+    prompt_logits = None
     if cache_len > 0:  # prefill: the prompt's last token is the first step's x
-        model(ids[:, :-1].to(device), torch.arange(cache_len, device=device)[None], cache, 0,
-              StepLayout.prefill(cache_len), torch.tensor([cache_len - 1], device=device))
+        rows = torch.arange(cache_len - max(seed_rows, 1), cache_len, device=device)
+        prompt_logits = model(ids[:, :-1].to(device), torch.arange(cache_len, device=device)[None], cache, 0,
+                              StepLayout.prefill(cache_len), rows)[0]
     stats.prefill_seconds = time.perf_counter() - started
 
     if lookahead is None:
         _plain_loop(model, cache, cache_len, emitter, sampler, stats, device)
     else:
-        _lookahead_loop(model, cache, cache_len, emitter, sampler, stats, device, lookahead, ids)
+        prompt_rows = (ids[0, cache_len - seed_rows: cache_len], prompt_logits[-seed_rows:]) if seed_rows else None
+        _lookahead_loop(model, cache, cache_len, emitter, sampler, stats, device, lookahead, plan, ids, prompt_rows)
     stats.new_tokens = emitter.new
     stats.seconds = time.perf_counter() - started
     return GenerateOutput(torch.tensor([emitter.sequence], dtype=torch.long, device=ids.device), stats)
@@ -265,8 +284,9 @@ def _plain_loop(model, cache, cache_len, emitter, sampler, stats, device) -> Non
         x = y
 
 
-def _lookahead_loop(model, cache, cache_len, emitter, sampler, stats, device, la: LookaheadConfig, ids) -> None:
-    shape = la.shape()
+def _lookahead_loop(model, cache, cache_len, emitter, sampler, stats, device, la: LookaheadConfig, plan, ids,
+                    prompt_rows) -> None:
+    shape = plan.shape
     W = shape.window
     max_pos = model.config.max_position_embeddings
     window = LookaheadWindow(W, shape.ngram, torch.Generator().manual_seed(la.seed))
@@ -274,8 +294,11 @@ def _lookahead_loop(model, cache, cache_len, emitter, sampler, stats, device, la
     # The committed sequence as a tensor, filled as tokens are emitted: refill tokens are drawn from it.
     history = torch.empty(len(emitter.sequence) + emitter.max_new_tokens, dtype=torch.long)
     history[: len(emitter.sequence)] = torch.tensor(emitter.sequence)
-    drafts = DraftBuilder(la, model.config.vocab_size, device)
+    drafts = DraftBuilder(la, model.config.vocab_size, device, shape=shape, sources=plan.sources,
+                          planner=plan.planner)
     drafts.start(ids[0])
+    if prompt_rows is not None:
+        drafts.successors.update(*prompt_rows)
     pad = la.pad_tree if la.pad_tree is not None else device.type == "cuda"
     x = emitter.sequence[-1]
     while not emitter.done:

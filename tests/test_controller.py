@@ -1,0 +1,80 @@
+"""The step-size controller: cost model, planner, automatic mode, and its greedy identity."""
+
+import pytest
+import torch
+
+from lookahead import LlamaForCausalLM, LookaheadConfig
+from lookahead.controller import StepCosts, StepPlanner, make_plan, step_costs
+
+from .test_generate import hf_greedy, tiny_hf_model
+
+FLAT = ((1, 0.010), (64, 0.0105), (256, 0.0110))      # a GPU: a step costs about the same up to 256 tokens
+STEEP = ((1, 0.010), (4, 0.014), (16, 0.030), (64, 0.100))  # a CPU: cost grows with the tokens fed
+
+
+def test_step_costs_interpolate_and_extrapolate():
+    c = StepCosts.from_pairs(STEEP)
+    assert c(1) == 0.010 and c(16) == 0.030
+    assert c(10) == pytest.approx(0.014 + 6 * (0.016 / 12))
+    assert c(128) == pytest.approx(0.100 + 64 * (0.070 / 48))
+    assert c.max_tokens == 64
+    for bad in (((1, 0.0),), ((2, 0.1), (2, 0.2)), ((0, 0.1),), ()):
+        with pytest.raises(ValueError):
+            StepCosts.from_pairs(bad)
+    with pytest.raises(ValueError, match="step_costs"):
+        LookaheadConfig(step_costs=((1, -1.0),))
+
+
+def test_planner_takes_what_pays():
+    flat = StepPlanner(StepCosts.from_pairs(FLAT), 1)
+    steep = StepPlanner(StepCosts.from_pairs(STEEP), 1)
+    gains = [0.9, 0.8, 0.5, 0.1, 0.05, 0.01]
+    assert flat.choose(gains) == 6  # every node adds expected tokens at almost no cost
+    # steep: (1 + 0.9 + 0.8 + 0.5) / t(4) = 3.2 / 0.014 beats one more node at t(5)
+    assert steep.choose(gains) == 3
+    assert steep.choose([0.01, 0.01]) == 0  # nothing pays: a plain step
+    assert flat.choose([]) == 0
+
+
+def test_automatic_plan_uses_the_window_only_where_it_is_cheap(tmp_path):
+    model = LlamaForCausalLM.from_hf(tiny_hf_model())
+    gpu = make_plan(LookaheadConfig(step_costs=FLAT), model)
+    assert (gpu.shape.window, gpu.shape.levels) == (15, 4) and gpu.shape.max_tokens == 256
+    assert "pool" in gpu.sources and gpu.planner is not None
+    cpu = make_plan(LookaheadConfig(step_costs=STEEP), model)
+    assert (cpu.shape.window, cpu.shape.levels, cpu.shape.tree_budget) == (1, 1, 63)
+    assert "pool" not in cpu.sources
+    fixed = make_plan(LookaheadConfig(max_step_tokens=16), model)
+    assert fixed.planner is None and fixed.shape.max_tokens == 16
+
+
+@pytest.mark.parametrize("costs", [FLAT, STEEP, ((1, 0.01), (2, 1.0))])
+def test_automatic_mode_is_greedy_identical_and_deterministic(costs):
+    hf = tiny_hf_model()
+    ours = LlamaForCausalLM.from_hf(hf)
+    ids = torch.cat([torch.tensor([[5, 6, 7, 8] * 3]), torch.randint(0, 97, (1, 6),
+                                                                    generator=torch.Generator().manual_seed(3))], 1)
+    ref = hf_greedy(hf, ids, 30)
+    cfg = LookaheadConfig(step_costs=costs)
+    first = ours.generate(ids, max_new_tokens=30, lookahead=cfg)
+    again = ours.generate(ids, max_new_tokens=30, lookahead=cfg)
+    assert torch.equal(first.sequences, ref)
+    assert first.stats.accepted == again.stats.accepted and first.stats.fed_tokens == again.stats.fed_tokens
+    if costs[1][1] == 1.0:  # a second token costs 100x: every step is plain
+        assert first.stats.fed_tokens == first.stats.steps == 30
+
+
+def test_default_generate_is_automatic_and_costs_are_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOOKAHEAD_CACHE_DIR", str(tmp_path))
+    hf = tiny_hf_model()
+    ours = LlamaForCausalLM.from_hf(hf)
+    costs = step_costs(ours)
+    assert costs.tokens == (1, 4, 16, 64) and all(s > 0 for s in costs.seconds)
+    assert (tmp_path / "step-costs.json").is_file()
+    assert step_costs(ours) is costs  # memory
+    fresh = LlamaForCausalLM.from_hf(hf)
+    assert step_costs(fresh) == costs  # disk
+    ids = torch.tensor([[5, 6, 7, 8] * 3])
+    out = ours.generate(ids, max_new_tokens=20)
+    assert torch.equal(out.sequences, hf_greedy(hf, ids, 20))
+    assert ours.generate(ids, max_new_tokens=20, lookahead=None).stats.fed_tokens == 20
