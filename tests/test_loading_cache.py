@@ -1,0 +1,226 @@
+"""The GGUF cache (converted weights and tokenizer in the user's cache directory), on a tiny GGUF written here."""
+
+import importlib.util
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from lookahead import loading
+from lookahead.loading import cache_dir, file_sha256, from_pretrained, load_tokenizer
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf package")
+
+VOCAB = 64
+
+
+def write_tiny_gguf(path, seed=0, hidden=32, inter=64, layers=2, heads=4, kv=2):
+    """A float32 Llama GGUF with a byte-level BPE tokenizer of ``VOCAB`` tokens."""
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny-llama")
+    w.add_context_length(128)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(inter)
+    w.add_embedding_length(hidden)
+    w.add_rope_dimension_count(hidden // heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(VOCAB)
+    tokens = ["<unk>", "<s>", "</s>", "ab"] + [chr(ord("a") + i) for i in range(26)] + \
+             [chr(ord("A") + i) for i in range(26)]
+    tokens += [f"<t{i}>" for i in range(len(tokens), VOCAB)]
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_merges(["a b"])
+    w.add_token_types([3 if i < 3 else 1 for i in range(VOCAB)])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    hd = hidden // heads
+
+    def t(name, *shape):
+        w.add_tensor(name, (rng.standard_normal(shape) * 0.3).astype(np.float32))
+
+    t("token_embd.weight", VOCAB, hidden)
+    for i in range(layers):
+        t(f"blk.{i}.attn_norm.weight", hidden)
+        t(f"blk.{i}.ffn_norm.weight", hidden)
+        t(f"blk.{i}.attn_q.weight", heads * hd, hidden)
+        t(f"blk.{i}.attn_k.weight", kv * hd, hidden)
+        t(f"blk.{i}.attn_v.weight", kv * hd, hidden)
+        t(f"blk.{i}.attn_output.weight", hidden, heads * hd)
+        t(f"blk.{i}.ffn_gate.weight", inter, hidden)
+        t(f"blk.{i}.ffn_up.weight", inter, hidden)
+        t(f"blk.{i}.ffn_down.weight", hidden, inter)
+    t("output_norm.weight", hidden)
+    t("output.weight", VOCAB, hidden)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+@pytest.fixture(scope="module")
+def reference(gguf_file):
+    """The model converted without the cache."""
+    return from_pretrained(gguf_file, cache=False)
+
+
+class Cache(type(Path())):
+    conversions: list
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A fresh cache directory (a Path), with ``.conversions``: the GGUF conversions made."""
+    directory = Cache(tmp_path / "cache")
+    monkeypatch.setenv(loading.CACHE_DIR_ENV, str(directory))
+    calls = []
+    convert = loading._convert_gguf
+
+    def counting(path):
+        calls.append(path)
+        return convert(path)
+
+    monkeypatch.setattr(loading, "_convert_gguf", counting)
+    directory.conversions = calls
+    return directory
+
+
+def same_model(a, b) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa) and a.config == b.config
+
+
+def entries(directory, suffix):
+    return sorted(p for p in directory.iterdir() if p.name.endswith(suffix))
+
+
+def test_cache_directory_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv(loading.CACHE_DIR_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "lookahead"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == tmp_path / "home" / ".cache" / "lookahead"
+    monkeypatch.setenv(loading.CACHE_DIR_ENV, str(tmp_path / "mine"))
+    assert cache_dir() == tmp_path / "mine"
+
+
+def test_second_load_reads_the_cache_and_gives_the_same_model(gguf_file, reference, cache, capsys):
+    first = from_pretrained(gguf_file)
+    assert "converting tiny.gguf" in capsys.readouterr().err
+    assert len(cache.conversions) == 1 and same_model(first, reference)
+    [entry] = entries(cache, ".safetensors")
+    assert file_sha256(gguf_file)[:40] in entry.name
+    assert not [p for p in cache.iterdir() if p.name.startswith(".tmp-")]  # no temporary left behind
+    second = from_pretrained(gguf_file)
+    assert len(cache.conversions) == 1 and same_model(second, reference)
+    ids = torch.tensor([[1, 5, 9, 3]])
+    assert torch.equal(second.generate(ids, max_new_tokens=8).sequences,
+                       reference.generate(ids, max_new_tokens=8).sequences)
+    # a dtype is applied on load, from the same float32 entry
+    half = from_pretrained(gguf_file, dtype=torch.bfloat16)
+    assert len(cache.conversions) == 1 and half.dtype == torch.bfloat16
+    # cache=False neither reads nor writes it
+    assert same_model(half, from_pretrained(gguf_file, dtype=torch.bfloat16, cache=False))
+    assert len(cache.conversions) == 2 and len(entries(cache, ".safetensors")) == 1
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage", "empty"])
+def test_a_corrupt_entry_is_detected_and_rebuilt(gguf_file, reference, cache, damage):
+    from_pretrained(gguf_file)
+    [entry] = entries(cache, ".safetensors")
+    data = bytearray(entry.read_bytes())
+    if damage == "flip":
+        data[-100] ^= 0x01  # one bit of one weight: only the checksum can tell
+    elif damage == "truncate":
+        data = data[: len(data) // 2]
+    elif damage == "garbage":
+        data = bytearray(b"not a safetensors file" * 10)
+    else:
+        data = bytearray()
+    entry.write_bytes(bytes(data))
+    with pytest.warns(RuntimeWarning, match="corrupt"):
+        model = from_pretrained(gguf_file)
+    assert len(cache.conversions) == 2 and same_model(model, reference)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the rebuilt entry is sound
+        assert same_model(from_pretrained(gguf_file), reference)
+    assert len(cache.conversions) == 2
+
+
+def test_the_key_is_the_content_not_size_and_mtime(tmp_path, cache):
+    path = write_tiny_gguf(tmp_path / "m.gguf", seed=1)
+    first = from_pretrained(path)
+    stat = os.stat(path)
+    write_tiny_gguf(path, seed=2)  # same size, other weights; the old mtime put back
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert os.stat(path).st_size == stat.st_size
+    second = from_pretrained(path)
+    assert len(cache.conversions) == 2 and not same_model(first, second)
+    assert len(entries(cache, ".safetensors")) == 2
+
+
+def test_a_failed_write_leaves_nothing_and_still_returns_the_model(gguf_file, reference, cache, monkeypatch):
+    import safetensors.torch
+
+    def crash(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"half a file")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", crash)
+    with pytest.warns(RuntimeWarning, match="could not cache"):
+        model = from_pretrained(gguf_file)
+    assert same_model(model, reference)
+    assert list(cache.iterdir()) == []  # neither an entry nor the temporary
+
+
+def test_tokenizer_is_cached_and_a_corrupt_one_rebuilt(gguf_file, cache, monkeypatch):
+    from transformers import AutoTokenizer
+
+    direct = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    first = load_tokenizer(gguf_file)
+    [entry] = entries(cache, ".tokenizer")
+    assert (entry / "tokenizer.json").is_file() and (entry / "manifest.json").is_file()
+    calls = []
+    original = AutoTokenizer.from_pretrained.__func__
+
+    def counting(cls, *args, **kwargs):
+        calls.append(kwargs.get("gguf_file"))
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", classmethod(counting))
+    second = load_tokenizer(gguf_file)
+    assert calls == [None]  # read from the cache directory, not from the GGUF
+    text = "abc XYZ ab"
+    for tok in (first, second):
+        assert tok(text)["input_ids"] == direct(text)["input_ids"] and tok.eos_token == direct.eos_token
+    tokenizer_json = entry / "tokenizer.json"
+    tokenizer_json.write_text(tokenizer_json.read_text().replace('"ab"', '"ba"', 1))
+    with pytest.warns(RuntimeWarning, match="corrupt"):
+        third = load_tokenizer(gguf_file)
+    assert calls[-1] == gguf_file.name and third(text)["input_ids"] == direct(text)["input_ids"]
+
+
+def test_loading_errors_are_value_errors(tmp_path, cache):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_tokenizer(tmp_path / "missing.gguf")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF but not really")
+    with pytest.raises(ValueError, match="cannot read"):
+        from_pretrained(bad)
