@@ -145,10 +145,11 @@ def main(argv=None) -> int:
 
 def write_markdown(result: dict, path: str) -> None:
     m = result["machine"]
+    subset = "" if result["limit"] is None else f", {result['limit']} per set"
     lines = [f"# Draft tree: compression against tokens fed per step ({result['model']})", "",
-             f"Greedy, {result['max_new_tokens']} new tokens; prompts from {result['start']}"
-             f"{'' if result['limit'] is None else f', {result['limit']} per set'}. Device: {m['device']} "
-             f"({m['cpu']}), torch {m['torch']}, git {m['git']}.", "", f"Command: `{result['command']}`", "",
+             f"Greedy, {result['max_new_tokens']} new tokens; prompts from {result['start']}{subset}. "
+             f"Device: {m['device']} ({m['cpu']}), torch {m['torch']}, git {m['git']}.", "",
+             f"Command: `{result['command']}`", "",
              "| set | system | max_step_tokens | fed / step | compression | identical to plain | accepted by source |",
              "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
