@@ -91,7 +91,8 @@ def _device_name(device: torch.device) -> str:
     return "cpu"
 
 
-def _cost_key(model) -> str:
+def cost_key(model) -> str:
+    """The key of ``model``'s cost model in the caches: device name, dtype, threads, torch version, model shape."""
     config = json.dumps(dataclasses.asdict(model.config), sort_keys=True, default=str)
     parts = [_device_name(model.device), str(model.dtype), f"threads={torch.get_num_threads()}",
              f"torch={torch.__version__}", hashlib.sha256(config.encode()).hexdigest()[:16]]
@@ -131,7 +132,7 @@ def measure_step_costs(model, menu=None) -> StepCosts:
 def step_costs(model, cache_to_disk: bool = True) -> StepCosts:
     """The cost model of ``model`` on its device: from the model object's memory, else the disk cache (keyed by
     device, dtype, thread count, torch version and model shape), else measured now and stored in both."""
-    key = _cost_key(model)
+    key = cost_key(model)
     memo = getattr(model, "step_costs_cache", None)
     if memo is None:
         memo = model.step_costs_cache = {}
