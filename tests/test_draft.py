@@ -94,13 +94,13 @@ def test_builder_merges_sources_into_a_trie_under_the_budget():
 
 def test_builder_takes_the_likelier_nodes_first():
     b = builder(sources=("successors",))
-    # after token 1 the model gives 2 probability 0.52 and 3 0.31; after 2 it gives 4 0.13
+    # among the top 8: after token 1 the model gives 2 probability 0.61 and 3 0.37; after 2 it gives 4 0.51
     logits = torch.zeros(2, 50)
     logits[0, 2], logits[0, 3] = 5.0, 4.5
     logits[1, 4] = 2.0
     b.successors.update(torch.tensor([1, 2]), logits)
     tree = b.build([7, 1], 2)
-    # priors follow the probabilities: 2 (about 0.48) then 3 (0.32) beat 2 -> 4 (0.48 * 0.16)
+    # priors follow the probabilities: 2 (0.56) then 3 (0.32) beat 2 -> 4 (0.56 * 0.48 = 0.27)
     assert tree.tokens.tolist() == [2, 3] and tree.parents == [-1, -1]
     tree = b.build([7, 1], 3)
     assert tree.tokens.tolist() == [2, 4, 3] and tree.parents == [-1, 0, -1]
@@ -116,9 +116,9 @@ def test_observe_counts_only_tested_nodes():
     assert tree.parents == [-1, 0, 1]
     b.observe(tree, [0], None, [7, 1, 2, 9], 2)  # 2 accepted, 4 rejected, 6 never tested
     stats = b.stats
-    # each successor had probability 0.75: bucket 8 (0.7 to 0.8)
-    assert stats.tested == {("successors", 8, 1): 1, ("successors", 8, 2): 1}
-    assert stats.accepted == {("successors", 8, 1): 1, ("successors", 8, 2): 0}
+    # each successor is alone in its top 1, so its probability among them is 1: the last bucket (11)
+    assert stats.tested == {("successors", 11, 1): 1, ("successors", 11, 2): 1}
+    assert stats.accepted == {("successors", 11, 1): 1, ("successors", 11, 2): 0}
 
 
 def test_acceptance_stats_move_from_the_prior_towards_the_observed_rate():
