@@ -107,6 +107,7 @@ def main(argv=None) -> int:
     from lookahead.loading import default_gguf_path
 
     torch.set_num_threads(args.threads)
+    machine = machine_info("cpu")  # at the start: the revision that runs, whatever is committed meanwhile
     model, tokenizer = load_default()
     path = default_gguf_path()
     hf_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
@@ -150,7 +151,8 @@ def main(argv=None) -> int:
                 print(f"{name:10s} {system:20s} {rate:7.2f} tok/s  x{rows[-1]['vs_ours_plain'] or 0:.2f}  "
                       f"compression {rows[-1]['compression']:.2f}  identical {rows[-1]['identical']}/{len(res)}",
                       flush=True)
-    result = {"device": "cpu", "machine": machine_info("cpu"), "command": command_line(__file__, sys.argv[1:]),
+    machine["load_average_end"] = machine_info("cpu")["load_average"]
+    result = {"device": "cpu", "machine": machine, "command": command_line(__file__, sys.argv[1:]),
               "model": "SmolLM2-135M-Instruct (float32)", "max_new_tokens": args.max_new_tokens,
               "limit": args.limit, "threads": args.threads,
               "step_costs": list(zip(costs.tokens, costs.seconds)), "rows": rows, "per_prompt": per_prompt}

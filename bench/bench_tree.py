@@ -88,6 +88,7 @@ def main(argv=None) -> int:
     from tqdm.auto import tqdm
 
     torch.set_num_threads(args.threads)
+    machine = machine_info("cpu")  # at the start: the revision that runs, whatever is committed meanwhile
     model, tokenizer = load_default()
     hf_model = None
     if args.peers:
@@ -130,7 +131,8 @@ def main(argv=None) -> int:
             rows.append({"set": name, "system": "hf-prompt-lookup", "budget": None, **peer})
             print(f"{name:10s} hf-prompt-lookup compression {peer['compression']:.3f} "
                   f"identical {peer['identical']}/{len(prompts)}", flush=True)
-    result = {"device": "cpu", "machine": machine_info("cpu"), "command": command_line(__file__, sys.argv[1:]),
+    machine["load_average_end"] = machine_info("cpu")["load_average"]
+    result = {"device": "cpu", "machine": machine, "command": command_line(__file__, sys.argv[1:]),
               "model": "SmolLM2-135M-Instruct (float32)", "max_new_tokens": args.max_new_tokens,
               "start": args.start, "limit": args.limit, "rows": rows}
     os.makedirs(args.out_dir, exist_ok=True)
