@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 
 from lookahead_kernels import StepLayout
 
+from .arguments import resolve_generate_arguments
 from .config import LookaheadConfig
 from .controller import make_plan
 from .draft import DraftBuilder
@@ -203,20 +204,37 @@ class _Sampler:
 
 
 @torch.inference_mode()
-def generate(model, input_ids, max_new_tokens: int = 128, *, lookahead: LookaheadConfig | None = AUTOMATIC,
-             do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-             generator: torch.Generator | None = None, eos_token_id=None,
-             streamer: Callable[[list[int]], None] | None = None, trace: bool = False) -> GenerateOutput:
+def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
+             lookahead: LookaheadConfig | None = AUTOMATIC, do_sample: bool | None = None,
+             temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+             generator: torch.Generator | None = None, eos_token_id=None, pad_token_id: int | None = None,
+             attention_mask: torch.Tensor | None = None, generation_config=None, streamer=None,
+             trace: bool = False, **kwargs) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` tokens after ``input_ids`` (``[1, prompt_len]`` or ``[prompt_len]``).
 
     ``lookahead=None`` decodes one token per forward pass; a :class:`LookaheadConfig` decodes with lookahead; the
     default ``LookaheadConfig()`` sizes each step from the device's measured cost (measured once, outside
     ``stats.seconds``).
     Greedy output is identical either way; sampled output has the same distribution. Generation stops after
-    ``max_new_tokens`` tokens or right after an EOS token (``eos_token_id`` defaults to the model's own).
-    ``streamer`` is called with each step's newly emitted tokens. ``trace=True`` records each lookahead step's
-    candidates and window n-grams in ``stats.trace`` (see :class:`StepTrace`).
+    ``max_new_tokens`` tokens (default 128) or right after an EOS token (``eos_token_id``: an int or a list;
+    default the model's own).
+    transformers' conventions are accepted (:mod:`lookahead.arguments`): ``attention_mask`` (all ones, or left
+    padding, which ``sequences`` keeps in front), ``pad_token_id``, ``max_length``, a ``generation_config``
+    (keywords override it), ``None`` for an unset parameter; anything unsupported is a ``ValueError`` naming it.
+    ``streamer`` is a callable called with each step's newly emitted tokens, or an object with ``put``/``end``
+    such as transformers' ``TextStreamer``. ``trace=True`` records each lookahead step's candidates and window
+    n-grams in ``stats.trace`` (see :class:`StepTrace`).
     """
+    args = resolve_generate_arguments(
+        input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=do_sample,
+        temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+        generation_config=generation_config, streamer=streamer, one_token_per_step=lookahead is None, extra=kwargs)
+    input_ids, max_new_tokens, streamer, eos_token_id = args.input_ids, args.max_new_tokens, args.streamer, \
+        args.eos_token_id
+    do_sample, temperature, top_k, top_p = args.do_sample, args.temperature, args.top_k, args.top_p
+    if streamer is not None:
+        streamer.start(torch.cat([args.padding, input_ids], dim=1))
+    _load_pool_extension_untimed(lookahead, model.device)
     started = time.perf_counter()
     cfg = model.config
     ids = _check_input_ids(input_ids, cfg.vocab_size)
@@ -264,7 +282,31 @@ def generate(model, input_ids, max_new_tokens: int = 128, *, lookahead: Lookahea
         _lookahead_loop(model, cache, cache_len, emitter, sampler, stats, device, lookahead, plan, ids, prompt_rows)
     stats.new_tokens = emitter.new
     stats.seconds = time.perf_counter() - started
-    return GenerateOutput(torch.tensor([emitter.sequence], dtype=torch.long, device=ids.device), stats)
+    if streamer is not None:
+        streamer.end()
+    sequence = torch.tensor([emitter.sequence], dtype=torch.long, device=ids.device)
+    return GenerateOutput(torch.cat([args.padding.to(sequence), sequence], dim=1), stats)
+
+
+# (cuda,) variants whose untimed pre-build failed in this process: not tried again before each call.
+_POOL_PREBUILD_FAILED: set = set()
+
+
+def _load_pool_extension_untimed(lookahead, device: torch.device) -> None:
+    """Build (first use) or load the C++/CUDA n-gram pool before the clock starts, so ``stats.seconds`` never
+    includes it. A failure is left to the pool's own fallback or error inside the loop."""
+    if not isinstance(lookahead, LookaheadConfig) or "pool" not in lookahead.sources or \
+            lookahead.pool_backend == "python":
+        return
+    cuda = device.type == "cuda" and lookahead.pool_backend != "cpp"
+    if cuda in _POOL_PREBUILD_FAILED:
+        return
+    try:
+        from lookahead_kernels.pool_ext import load_pool_extension
+
+        load_pool_extension(cuda=cuda)
+    except Exception:  # noqa: BLE001 - make_pool reports (or falls back) with the real error
+        _POOL_PREBUILD_FAILED.add(cuda)
 
 
 def _plain_step(model, cache, cache_len, x, sampler, device) -> int:

@@ -606,7 +606,7 @@ class LlamaForCausalLM(nn.Module):
         pack = self._tied_head_pack if self._cpu_linear_mode == "packed" else None
         return cpu_linear.linear(self.norm(x), self.embed.weight, None, pack).float()
 
-    def generate(self, input_ids, max_new_tokens: int = 128, **kwargs):
+    def generate(self, input_ids=None, max_new_tokens: int | None = None, **kwargs):
         """Decode with lookahead decoding (automatic step size unless ``lookahead=`` says otherwise; ``None``:
         plain decoding); see :func:`lookahead.generate.generate`."""
         from .generate import generate

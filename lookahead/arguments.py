@@ -1,0 +1,247 @@
+"""``generate``'s arguments in transformers' conventions, normalised to what the decoding loops take.
+
+* ``input_ids`` ``[1, L]`` (or ``[L]``) with an optional ``attention_mask`` of the same shape: all ones, or left
+  padding (zeros, then ones), which is stripped before decoding and put back in front of the output, so
+  ``model.generate(**tokenizer(text, return_tensors="pt"))`` works and ``sequences`` has transformers' layout.
+* Sampling and length parameters (``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``max_new_tokens``,
+  ``max_length``, ``eos_token_id``, ``pad_token_id``) as keywords or in a transformers ``GenerationConfig``;
+  a keyword overrides the config, and ``None`` means unset (the config's value, else the default: greedy,
+  temperature 1, top-k off, top-p off, 128 new tokens, the model's EOS). Note that transformers' own unset
+  ``top_k`` is 50; here it is off unless given.
+* A streamer is a plain callable (called with each step's new token ids, a ``list[int]``) or an object with
+  ``put``/``end`` (transformers' ``TextStreamer``, ``TextIteratorStreamer``): ``put`` receives the prompt first
+  (``[1, L]``, as given), then each step's new tokens (plain decoding: a ``[1]`` tensor per token, as
+  transformers' sampling loop; lookahead: ``[1, n]`` per step, as its assisted decoding), and ``end()`` is called
+  once generation finishes.
+* Anything else, a ``GenerationConfig`` field or keyword set to a value we would have to ignore (``num_beams=4``,
+  ``repetition_penalty=1.2``, ``output_scores=True``...) or an unknown keyword, is a ``ValueError`` naming it.
+  Values equal to transformers' defaults (``num_beams=1``, ``repetition_penalty=1.0``...) are accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+import torch
+
+DEFAULT_MAX_NEW_TOKENS = 128
+# GenerationConfig fields generate() implements.
+SUPPORTED_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "max_new_tokens", "max_length", "eos_token_id",
+                    "pad_token_id")
+# Fields accepted with any value: they cannot change a decoder-only model's output given a prompt, or (for
+# return_dict_in_generate) generate always returns an object with ``.sequences`` anyway.
+INERT_FIELDS = ("bos_token_id", "transformers_version", "return_dict_in_generate")
+
+
+@dataclasses.dataclass
+class GenerateArguments:
+    """The normalised arguments.
+
+    Attributes:
+        input_ids: LongTensor ``[1, L]``, the prompt without its left padding.
+        padding: LongTensor ``[1, P]``, the stripped left padding (``P`` may be 0); goes back in front of the output.
+        max_new_tokens: resolved int (not yet range-checked against the model).
+        do_sample, temperature, top_k, top_p: the sampling parameters, unset ones at their defaults.
+        eos_token_id: int, list of ints, or ``None`` (the model's own).
+        pad_token_id: int or ``None``.
+        streamer: a :class:`StreamerAdapter` or ``None``.
+    """
+
+    input_ids: torch.Tensor
+    padding: torch.Tensor
+    max_new_tokens: object
+    do_sample: object
+    temperature: object
+    top_k: object
+    top_p: object
+    eos_token_id: object
+    pad_token_id: object
+    streamer: "StreamerAdapter | None"
+
+
+class StreamerAdapter:
+    """Calls a plain callable with ``list[int]``, or drives a transformers-style streamer's ``put``/``end``."""
+
+    def __init__(self, streamer, one_token_per_step: bool):
+        self.target = streamer
+        self.put_end = callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))
+        if not self.put_end and not callable(streamer):
+            raise ValueError(f"streamer must be a callable taking a list of token ids, or an object with put() and "
+                             f"end() methods (transformers' TextStreamer), got {type(streamer).__name__}")
+        self.one_token_per_step = one_token_per_step
+
+    def start(self, prompt: torch.Tensor) -> None:
+        """The prompt ``[1, L]`` (as passed, padding included), as transformers puts it first."""
+        if self.put_end:
+            self.target.put(prompt.detach().cpu())
+
+    def __call__(self, tokens: list[int]) -> None:
+        if not self.put_end:
+            self.target(tokens)
+        elif self.one_token_per_step and len(tokens) == 1:
+            self.target.put(torch.tensor(tokens, dtype=torch.long))
+        else:
+            self.target.put(torch.tensor([tokens], dtype=torch.long))
+
+    def end(self) -> None:
+        if self.put_end:
+            self.target.end()
+
+
+def _generation_config_fields(generation_config) -> dict:
+    """The fields a transformers ``GenerationConfig`` sets (not ``None``), private ones left out."""
+    try:
+        from transformers import GenerationConfig
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        GenerationConfig = None
+    if GenerationConfig is None or not isinstance(generation_config, GenerationConfig):
+        raise ValueError(f"generation_config must be a transformers GenerationConfig or None, got "
+                         f"{type(generation_config).__name__}")
+    return {k: v for k, v in generation_config.to_dict().items() if v is not None and not k.startswith("_")}
+
+
+def _transformers_defaults() -> dict:
+    try:
+        from transformers import GenerationConfig
+
+        return GenerationConfig._get_default_generation_params()
+    except (ImportError, AttributeError):  # pragma: no cover - older transformers
+        return {}
+
+
+def _generation_field_names() -> set[str]:
+    try:
+        from transformers import GenerationConfig
+
+        return set(GenerationConfig().to_dict())
+    except ImportError:  # pragma: no cover
+        return set()
+
+
+def _check_unsupported(fields: dict, origin: str) -> None:
+    """ValueError naming every field we would have to ignore (set, and not transformers' default value)."""
+    defaults = _transformers_defaults()
+    bad = []
+    for name, value in fields.items():
+        if name in SUPPORTED_FIELDS or name in INERT_FIELDS or value is None:
+            continue
+        if name in defaults and _same(value, defaults[name]):
+            continue
+        bad.append(f"{name}={value!r}")
+    if bad:
+        raise ValueError(f"generate does not support {', '.join(bad)} ({origin}); supported: "
+                         f"{', '.join(SUPPORTED_FIELDS)} (others only at transformers' default values)")
+
+
+def _same(a, b) -> bool:
+    if type(a) is bool or type(b) is bool:
+        return a is b
+    return a == b
+
+
+def _strip_left_padding(ids: torch.Tensor, attention_mask) -> tuple[torch.Tensor, torch.Tensor]:
+    if attention_mask is None:
+        return ids, ids[:, :0]
+    if not isinstance(attention_mask, torch.Tensor):
+        raise ValueError(f"attention_mask must be a tensor like input_ids, got {type(attention_mask).__name__}")
+    mask = attention_mask[None] if attention_mask.dim() == 1 else attention_mask
+    if tuple(mask.shape) != tuple(ids.shape):
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has "
+                         f"{tuple(ids.shape)}; they must match")
+    if mask.is_complex() or not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
+    row = mask[0].to(torch.long).cpu()
+    pad = int((row.cumsum(0) == 0).sum())  # leading zeros
+    if pad == row.numel():
+        raise ValueError("attention_mask is all zeros: the prompt has no tokens")
+    if not bool(row[pad:].eq(1).all()):
+        raise ValueError("attention_mask must be all ones, or left padding (zeros, then ones); right padding or "
+                         "gaps inside the prompt are not supported")
+    return ids[:, pad:], ids[:, :pad]
+
+
+def _as_2d_ids(input_ids) -> torch.Tensor:
+    if input_ids is None:
+        raise ValueError("generate needs input_ids (a LongTensor [1, prompt_len])")
+    if not isinstance(input_ids, torch.Tensor):
+        raise ValueError(f"input_ids must be a LongTensor [1, prompt_len], got {type(input_ids).__name__}")
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    ids = input_ids[None] if input_ids.dim() == 1 else input_ids
+    if ids.dim() != 2:
+        raise ValueError(f"input_ids must be [1, prompt_len], got shape {tuple(input_ids.shape)}")
+    if ids.shape[0] != 1:
+        raise ValueError(f"generate supports batch size 1 only, got a batch of {ids.shape[0]} (batches are not "
+                         f"supported yet)")
+    return ids
+
+
+def _check_token_id(name: str, value, allow_list: bool) -> None:
+    if value is None:
+        return
+    values = list(value) if allow_list and isinstance(value, (list, tuple, torch.Tensor)) else [value]
+    for v in values:
+        if isinstance(v, torch.Tensor) and v.dim() == 0:
+            v = v.item()
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+            kind = "an int or a list of ints" if allow_list else "an int"
+            raise ValueError(f"{name} must be {kind} >= 0, got {value!r}")
+
+
+def resolve_generate_arguments(input_ids, *, attention_mask=None, max_new_tokens=None, do_sample=None,
+                               temperature=None, top_k=None, top_p=None, eos_token_id=None, pad_token_id=None,
+                               generation_config=None, streamer=None, one_token_per_step: bool = False,
+                               extra: dict | None = None) -> GenerateArguments:
+    """Validate and normalise ``generate``'s arguments (see the module docstring); ``extra``: other keywords.
+
+    Raises ``ValueError`` naming the argument for anything unsupported."""
+    extra = dict(extra or {})
+    known = _generation_field_names()
+    unknown = sorted(k for k in extra if k not in known)
+    if unknown:
+        raise ValueError(f"generate got unexpected argument(s) {', '.join(unknown)}; it takes input_ids, "
+                         f"attention_mask, max_new_tokens, lookahead, do_sample, temperature, top_k, top_p, "
+                         f"generator, eos_token_id, pad_token_id, generation_config, streamer, trace")
+    _check_unsupported(extra, "keyword argument")
+    explicit = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "temperature": temperature,
+                "top_k": top_k, "top_p": top_p, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id,
+                "max_length": extra.get("max_length")}
+    values = {}
+    if generation_config is not None:
+        fields = _generation_config_fields(generation_config)
+        _check_unsupported(fields, "in generation_config")
+        values.update({k: v for k, v in fields.items() if k in SUPPORTED_FIELDS})
+    values.update({k: v for k, v in explicit.items() if v is not None})  # keywords override the config
+
+    ids = _as_2d_ids(input_ids)
+    prompt, padding = _strip_left_padding(ids, attention_mask)
+
+    max_new = values.get("max_new_tokens")
+    if max_new is None and values.get("max_length") is not None:
+        max_length = values["max_length"]
+        if isinstance(max_length, bool) or not isinstance(max_length, numbers.Integral):
+            raise ValueError(f"max_length must be an int, got {max_length!r}")
+        max_new = int(max_length) - ids.shape[1]  # transformers counts the padded prompt
+        if max_new < 1:
+            raise ValueError(f"max_length={max_length} leaves no room after the {ids.shape[1]}-token prompt; "
+                             f"use max_new_tokens")
+    if max_new is None:
+        max_new = DEFAULT_MAX_NEW_TOKENS
+
+    _check_token_id("eos_token_id", values.get("eos_token_id"), allow_list=True)
+    _check_token_id("pad_token_id", values.get("pad_token_id"), allow_list=False)
+    eos = values.get("eos_token_id")
+    if isinstance(eos, torch.Tensor):
+        eos = eos.tolist()
+    if isinstance(eos, tuple):
+        eos = list(eos)
+    adapter = None if streamer is None else StreamerAdapter(streamer, one_token_per_step)
+    return GenerateArguments(
+        input_ids=prompt, padding=padding, max_new_tokens=max_new,
+        do_sample=values.get("do_sample", False), temperature=values.get("temperature", 1.0), top_k=values.get("top_k", 0), top_p=values.get("top_p", 1.0),
+        eos_token_id=eos, pad_token_id=values.get("pad_token_id"), streamer=adapter)
+
+
+__all__ = ["GenerateArguments", "StreamerAdapter", "resolve_generate_arguments", "SUPPORTED_FIELDS",
+           "DEFAULT_MAX_NEW_TOKENS"]

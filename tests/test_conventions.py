@@ -1,0 +1,246 @@
+"""transformers' calling conventions in ``model.generate``: attention_mask, streamers, eos/pad ids, None for
+unset, GenerationConfig, and clear errors for what is not supported. On a tiny random Llama and a word-level
+tokenizer over its vocabulary."""
+
+import threading
+import time
+
+import pytest
+import torch
+import transformers
+from transformers import GenerationConfig, TextIteratorStreamer, TextStreamer
+
+from lookahead import LlamaForCausalLM, LookaheadConfig
+from lookahead.generate import generate
+
+VOCAB = 97
+LA = LookaheadConfig(window=3, ngram=3, guess=3)
+MODES = {"plain": None, "lookahead": LA}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   initializer_range=0.3, eos_token_id=None, bos_token_id=None, pad_token_id=None,
+                                   tie_word_embeddings=False)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    return hf, LlamaForCausalLM.from_hf(hf)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """Token ``i >= 2`` is the word ``w{i}``; 0 is ``<pad>``, 1 ``<unk>``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<unk>": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>")
+
+
+PROMPT = torch.tensor([[5, 6, 7, 8, 9, 10]])
+
+
+def new_tokens(out, prompt_len):
+    return out.sequences[0, prompt_len:].tolist()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tokenizer_output_as_keywords(tiny, tokenizer, mode):
+    _, model = tiny
+    inputs = tokenizer("w5 w6 w7 w8 w9 w10", return_tensors="pt")
+    assert set(inputs) == {"input_ids", "attention_mask"}
+    out = model.generate(**inputs, max_new_tokens=12, lookahead=MODES[mode])
+    assert torch.equal(out.sequences, model.generate(PROMPT, max_new_tokens=12, lookahead=None).sequences)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_left_padding_is_stripped_and_kept_in_front_as_transformers_does(tiny, mode):
+    hf, model = tiny
+    ids = torch.cat([torch.zeros(1, 3, dtype=torch.long), PROMPT], dim=1)
+    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones_like(PROMPT)], dim=1)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=12, lookahead=MODES[mode], pad_token_id=0)
+    reference = hf.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(out.sequences, reference)
+    assert out.sequences.shape[1] == ids.shape[1] + out.stats.new_tokens
+    # the same with a 1-D prompt and mask
+    assert torch.equal(model.generate(ids[0], attention_mask=mask[0], max_new_tokens=12).sequences, reference)
+
+
+@pytest.mark.parametrize("mask,message", [
+    ([1, 1, 1, 0], "left padding"),            # right padding
+    ([0, 1, 0, 1], "left padding"),            # a gap
+    ([0, 0, 0, 0], "all zeros"),
+    ([1, 2, 1, 1], "only 0"),
+    ([1, 1, 1], "shape"),
+])
+def test_unsupported_attention_masks_are_clear_errors(tiny, mask, message):
+    _, model = tiny
+    with pytest.raises(ValueError, match=message):
+        model.generate(torch.tensor([[3, 4, 5, 6]]), attention_mask=torch.tensor([mask]), max_new_tokens=2)
+
+
+def test_a_batch_is_still_refused(tiny):
+    _, model = tiny
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    with pytest.raises(ValueError, match="batch"):
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2)
+
+
+class Recorder:
+    """A transformers-style streamer that records every put() and end()."""
+
+    def __init__(self):
+        self.puts, self.ended = [], 0
+
+    def put(self, value):
+        assert self.ended == 0
+        self.puts.append(value.clone())
+
+    def end(self):
+        self.ended += 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_put_end_streamer_gets_the_prompt_then_the_new_tokens(tiny, mode):
+    _, model = tiny
+    rec = Recorder()
+    out = model.generate(PROMPT, max_new_tokens=15, lookahead=MODES[mode], streamer=rec)
+    assert rec.ended == 1 and torch.equal(rec.puts[0], PROMPT)
+    steps = rec.puts[1:]
+    if mode == "plain":  # one [1] tensor per token, as transformers' sampling loop
+        assert all(p.shape == (1,) for p in steps)
+        streamed = [int(p[0]) for p in steps]
+    else:  # [1, n] per step, as transformers' assisted decoding
+        assert all(p.dim() == 2 and p.shape[0] == 1 for p in steps)
+        streamed = [t for p in steps for t in p[0].tolist()]
+    assert len(steps) == out.stats.steps and streamed == new_tokens(out, PROMPT.shape[1])
+
+
+def test_callable_streamer_still_gets_lists(tiny):
+    _, model = tiny
+    got = []
+    out = model.generate(PROMPT, max_new_tokens=10, lookahead=LA, streamer=got.append)
+    assert all(isinstance(chunk, list) for chunk in got)
+    assert [t for chunk in got for t in chunk] == new_tokens(out, PROMPT.shape[1])
+    with pytest.raises(ValueError, match="streamer"):
+        model.generate(PROMPT, max_new_tokens=2, streamer=object())
+
+
+@pytest.mark.parametrize("skip_prompt", [True, False])
+def test_text_streamer_prints_what_generate_returns(tiny, tokenizer, capsys, skip_prompt):
+    _, model = tiny
+    out = model.generate(PROMPT, max_new_tokens=10, lookahead=LA, streamer=TextStreamer(tokenizer, skip_prompt))
+    printed = capsys.readouterr().out
+    expected = tokenizer.decode(new_tokens(out, PROMPT.shape[1]) if skip_prompt else out.sequences[0])
+    assert printed.split() == expected.split() and printed.endswith("\n")
+
+
+def test_text_iterator_streamer_from_a_thread(tiny, tokenizer):
+    _, model = tiny
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, timeout=60)
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(
+        out=model.generate(PROMPT, max_new_tokens=10, lookahead=LA, streamer=streamer)))
+    thread.start()
+    text = "".join(streamer)
+    thread.join()
+    assert text.split() == tokenizer.decode(new_tokens(result["out"], PROMPT.shape[1])).split()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_eos_token_id_as_int_or_list(tiny, mode):
+    _, model = tiny
+    full = new_tokens(model.generate(PROMPT, max_new_tokens=20, lookahead=None), PROMPT.shape[1])
+    eos = full[6]
+    stop = full.index(eos) + 1
+    for given in (eos, [96 if eos != 96 else 95, eos], torch.tensor([eos])):
+        out = model.generate(PROMPT, max_new_tokens=20, lookahead=MODES[mode], eos_token_id=given, pad_token_id=0)
+        assert new_tokens(out, PROMPT.shape[1]) == full[:stop]
+    with pytest.raises(ValueError, match="eos_token_id"):
+        model.generate(PROMPT, max_new_tokens=2, eos_token_id="2")
+    with pytest.raises(ValueError, match="pad_token_id"):
+        model.generate(PROMPT, max_new_tokens=2, pad_token_id=[0])
+
+
+def test_none_means_unset(tiny):
+    _, model = tiny
+    greedy = model.generate(PROMPT, max_new_tokens=8, lookahead=LA).sequences
+    same = model.generate(PROMPT, max_new_tokens=8, lookahead=LA, do_sample=None, temperature=None, top_k=None,
+                          top_p=None, eos_token_id=None, pad_token_id=None, generation_config=None)
+    assert torch.equal(same.sequences, greedy)
+    sampled = [model.generate(PROMPT, max_new_tokens=8, lookahead=LA, do_sample=True, top_k=k, top_p=p,
+                              temperature=0.8, generator=torch.Generator().manual_seed(3)).sequences
+               for k, p in ((None, None), (0, 1.0))]
+    assert torch.equal(*sampled)
+    # model.generate without max_new_tokens: the default, 128 (the tiny model has no EOS)
+    assert model.generate(PROMPT, lookahead=None).stats.new_tokens == 128
+
+
+def test_generation_config_and_keyword_overrides(tiny):
+    _, model = tiny
+    n = PROMPT.shape[1]
+    assert model.generate(PROMPT, generation_config=GenerationConfig(max_new_tokens=7)).stats.new_tokens == 7
+    assert model.generate(PROMPT, generation_config=GenerationConfig(max_new_tokens=7),
+                          max_new_tokens=3).stats.new_tokens == 3
+    assert model.generate(PROMPT, generation_config=GenerationConfig(max_length=n + 5)).sequences.shape[1] == n + 5
+    config = GenerationConfig(do_sample=True, temperature=0.7, top_k=5, top_p=0.9, max_new_tokens=9)
+
+    def run(**kwargs):
+        return model.generate(PROMPT, lookahead=LA, generator=torch.Generator().manual_seed(11), **kwargs).sequences
+
+    assert torch.equal(run(generation_config=config),
+                       run(do_sample=True, temperature=0.7, top_k=5, top_p=0.9, max_new_tokens=9))
+    assert torch.equal(run(generation_config=config, do_sample=False), run(max_new_tokens=9))
+    # EOS from the config, and the function form of generate
+    full = new_tokens(model.generate(PROMPT, max_new_tokens=12, lookahead=None), n)
+    out = generate(model, PROMPT, generation_config=GenerationConfig(eos_token_id=full[4], max_new_tokens=12))
+    assert new_tokens(out, n) == full[:full.index(full[4]) + 1]
+    # transformers' own defaults and harmless fields are accepted
+    model.generate(PROMPT, max_new_tokens=2, num_beams=1, repetition_penalty=1.0, use_cache=True,
+                   generation_config=GenerationConfig(bos_token_id=1, num_return_sequences=1))
+
+
+@pytest.mark.parametrize("kwargs,named", [
+    (dict(num_beams=4), "num_beams=4"),
+    (dict(repetition_penalty=1.2), "repetition_penalty=1.2"),
+    (dict(output_scores=True), "output_scores=True"),
+    (dict(min_new_tokens=5), "min_new_tokens=5"),
+    (dict(generation_config=GenerationConfig(no_repeat_ngram_size=3)), "no_repeat_ngram_size=3"),
+    (dict(generation_config=GenerationConfig(num_beams=2, length_penalty=0.5)), "length_penalty=0.5"),
+    (dict(assistant_model=object()), "assistant_model"),
+    (dict(foo=1), "foo"),
+    (dict(generation_config={"max_new_tokens": 3}), "GenerationConfig"),
+    (dict(max_length=3), "max_length=3"),
+])
+def test_unsupported_arguments_are_named(tiny, kwargs, named):
+    _, model = tiny
+    with pytest.raises(ValueError, match=named.replace("(", r"\(")):
+        model.generate(PROMPT, **kwargs)
+
+
+def test_pool_extension_load_is_not_timed(tiny, monkeypatch):
+    """A first-use build/load of the C++ pool happens before generate's clock starts."""
+    from lookahead_kernels import pool_ext
+
+    real = pool_ext.load_pool_extension
+    try:
+        real()
+    except pool_ext.PoolExtensionError:
+        pytest.skip("the C++ pool does not build here")
+    calls = []
+
+    def slow_first(cuda=False, verbose=False):
+        calls.append(cuda)
+        if len(calls) == 1:
+            time.sleep(0.5)  # the build
+        return real(cuda, verbose)
+
+    monkeypatch.setattr(pool_ext, "load_pool_extension", slow_first)
+    _, model = tiny
+    out = model.generate(PROMPT, max_new_tokens=4, lookahead=LookaheadConfig(window=3, ngram=3, guess=3,
+                                                                             pool_backend="cpp"))
+    assert calls and out.stats.seconds < 0.5
