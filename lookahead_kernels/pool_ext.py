@@ -8,11 +8,14 @@ and ``csrc/ngram_pool.cpp``):
 
 Nothing is built at import. The first :func:`load_pool_extension` call compiles with ninja into torch's
 extensions directory (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``); later processes reuse
-the build, and within a process an already registered library is not loaded again.
+the build, and within a process an already registered library is not loaded again. A build (as opposed to
+loading an existing one) prints one line on stderr first; ``scripts/setup.sh`` builds the CPU library at
+install time.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -34,6 +37,21 @@ def _has_kernel(dispatch_key: str) -> bool:
         return False
 
 
+def _announce_build(name: str, sources: list[Path], cpp_extension) -> None:
+    """One line on stderr when the library is missing or older than its sources (a compile follows, which takes
+    tens of seconds); nothing when an existing build is only loaded."""
+    try:
+        library = Path(cpp_extension._get_build_directory(name, False)) / f"{name}.so"
+        built = library.stat().st_mtime if library.is_file() else None
+        inputs = list(sources) + sorted(_CSRC.glob("*.h"))
+        stale = built is None or any(s.stat().st_mtime > built for s in inputs)
+    except (OSError, RuntimeError):
+        stale = True
+    if stale:
+        print(f"lookahead: building the n-gram pool extension {name} (first use only; takes a minute)...",
+              file=sys.stderr, flush=True)
+
+
 def _build(name: str, sources: list[Path], cuda: bool, verbose: bool) -> None:
     from torch.utils import cpp_extension
 
@@ -47,6 +65,7 @@ def _build(name: str, sources: list[Path], cuda: bool, verbose: bool) -> None:
     )
     if cuda:
         kwargs["extra_cuda_cflags"] = ["-O3"]
+    _announce_build(name, sources, cpp_extension)
     try:
         cpp_extension.load(**kwargs)
     except Exception as exc:  # compiler, linker or loader failure: hand the caller one clear error

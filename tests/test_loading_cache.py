@@ -1,6 +1,6 @@
-"""The GGUF cache (converted weights and tokenizer in the user's cache directory), on a tiny GGUF written here."""
+"""Start-up: the GGUF cache (converted weights and tokenizer in the user's cache directory, on a tiny GGUF written
+here) and the pool extension's build message."""
 
-import importlib.util
 import os
 import warnings
 from pathlib import Path
@@ -10,8 +10,6 @@ import torch
 
 from lookahead import loading
 from lookahead.loading import cache_dir, file_sha256, from_pretrained, load_tokenizer
-
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf package")
 
 VOCAB = 64
 
@@ -70,6 +68,7 @@ def write_tiny_gguf(path, seed=0, hidden=32, inter=64, layers=2, heads=4, kv=2):
 
 @pytest.fixture(scope="module")
 def gguf_file(tmp_path_factory):
+    pytest.importorskip("gguf")
     return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
 
 
@@ -86,6 +85,7 @@ class Cache(type(Path())):
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     """A fresh cache directory (a Path), with ``.conversions``: the GGUF conversions made."""
+    pytest.importorskip("gguf")
     directory = Cache(tmp_path / "cache")
     monkeypatch.setenv(loading.CACHE_DIR_ENV, str(directory))
     calls = []
@@ -224,3 +224,26 @@ def test_loading_errors_are_value_errors(tmp_path, cache):
     bad.write_bytes(b"GGUF but not really")
     with pytest.raises(ValueError, match="cannot read"):
         from_pretrained(bad)
+
+
+def test_pool_extension_announces_a_build_but_not_a_load(tmp_path, monkeypatch, capsys):
+    from torch.utils import cpp_extension
+
+    from lookahead_kernels import pool_ext
+
+    built = []
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: built.append(kwargs["name"]))
+    sources = [pool_ext._CSRC / "ngram_pool.cpp"]
+    pool_ext._build("lookahead_pool_cpu", sources, cuda=False, verbose=False)
+    assert "building the n-gram pool extension" in capsys.readouterr().err  # no library yet
+    library = tmp_path / "lookahead_pool_cpu.so"
+    library.write_bytes(b"")
+    newest = max(p.stat().st_mtime for p in pool_ext._CSRC.iterdir())
+    os.utime(library, (newest + 10, newest + 10))
+    pool_ext._build("lookahead_pool_cpu", sources, cuda=False, verbose=False)
+    assert capsys.readouterr().err == ""  # an up-to-date library is only loaded
+    os.utime(library, (newest - 10, newest - 10))
+    pool_ext._build("lookahead_pool_cpu", sources, cuda=False, verbose=False)
+    assert "building" in capsys.readouterr().err  # sources newer than the library: a rebuild
+    assert built == ["lookahead_pool_cpu"] * 3
