@@ -15,32 +15,71 @@ import torch
 from .config import LookaheadConfig
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CliError(Exception):
+    """A failure reported as one line on stderr (exit status 2 for bad options, 1 otherwise)."""
+
+    def __init__(self, message: str, status: int = 1):
+        super().__init__(message)
+        self.status = status
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage block): ``lookahead: error: ...``."""
+
+    def error(self, message):
+        raise CliError(message, status=2)
+
+
 def _add_lookahead_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--window", type=int, default=15, help="W, columns of the lookahead window (default 15)")
-    p.add_argument("--ngram", type=int, default=5, help="N, n-gram size (default 5)")
-    p.add_argument("--guess", type=int, default=15, help="G, candidates verified per step (default 15)")
+    p.add_argument("--window", type=int, default=None,
+                   help="W, columns of the lookahead window (default: chosen from the step budget)")
+    p.add_argument("--ngram", type=int, default=None, help="N, n-gram size (default: chosen from the step budget)")
+    p.add_argument("--guess", type=int, default=None, help="G, continuations per pool key (default: chosen)")
+    p.add_argument("--max-step-tokens", type=int, default=None,
+                   help="cap on the tokens one step feeds (default: sized from the device's measured cost)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     p.add_argument("--model", default=None,
                    help="Hugging Face directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="parameter dtype (default float32)")
 
 
-def _load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    if path.endswith(".gguf"):
-        return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
-    return AutoTokenizer.from_pretrained(path)
+def _device(args) -> str:
+    name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise CliError(f"--device {name!r} is not a torch device (e.g. cpu, cuda, cuda:1)", status=2) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CliError(f"--device {name}: CUDA is not available on this machine (torch {torch.__version__})",
+                       status=2)
+    if device.type not in ("cpu", "cuda"):
+        raise CliError(f"--device {name}: only cpu and cuda devices are supported", status=2)
+    return name
 
 
 def _load(args):
-    from .loading import load_default
-    from .model import LlamaForCausalLM
+    from .loading import from_pretrained, load_default, load_tokenizer
 
+    dtype = DTYPES[args.dtype]
     if args.model is None:
-        return load_default(device=args.device)
-    model = LlamaForCausalLM.from_pretrained(args.model, device=args.device)
-    return model, _load_tokenizer(args.model)
+        try:
+            return load_default(dtype=dtype, device=args.device)
+        except ValueError as err:
+            raise CliError(f"cannot load the default model: {err}") from None
+    if not os.path.exists(args.model):
+        raise CliError(f"--model {args.model}: no such file or directory")
+    if not os.access(args.model, os.R_OK):
+        raise CliError(f"--model {args.model}: not readable (permission denied)")
+    try:
+        model = from_pretrained(args.model, dtype=dtype, device=args.device)
+        tokenizer = load_tokenizer(args.model)
+    except (ValueError, OSError) as err:
+        raise CliError(f"cannot load --model {args.model}: {err}") from None
+    return model, tokenizer
 
 
 def _encode(tokenizer, text: str, chat: bool) -> torch.Tensor:
@@ -53,7 +92,43 @@ def _encode(tokenizer, text: str, chat: bool) -> torch.Tensor:
 
 
 def _config(args) -> LookaheadConfig:
-    return LookaheadConfig(window=args.window, ngram=args.ngram, guess=args.guess)
+    try:
+        return LookaheadConfig(window=args.window, ngram=args.ngram, guess=args.guess,
+                               max_step_tokens=args.max_step_tokens)
+    except ValueError as err:
+        raise CliError(str(err), status=2) from None
+
+
+def _describe(la: LookaheadConfig | None) -> str:
+    if la is None:
+        return "plain"
+    parts = [f"{k}={v}" for k, v in (("W", la.window), ("N", la.ngram), ("G", la.guess),
+                                      ("max-step-tokens", la.max_step_tokens)) if v is not None]
+    return "lookahead " + (" ".join(parts) if parts else "auto")
+
+
+def _sampling(args) -> dict:
+    """generate's sampling keywords; errors before the model is loaded."""
+    given = [flag for flag, value in (("--temperature", args.temperature), ("--top-k", args.top_k),
+                                      ("--top-p", args.top_p)) if value is not None]
+    if not args.do_sample:
+        if given:
+            raise CliError(f"{', '.join(given)} need --do-sample (greedy decoding ignores them)", status=2)
+        return {}
+    from .sampling import SamplingParams
+
+    params = dict(temperature=1.0 if args.temperature is None else args.temperature,
+                  top_k=0 if args.top_k is None else args.top_k, top_p=1.0 if args.top_p is None else args.top_p)
+    try:
+        SamplingParams(**params)
+    except ValueError as err:
+        raise CliError(str(err).replace("SamplingParams.", "--").replace("top_", "top-"), status=2) from None
+    return dict(do_sample=True, **params)
+
+
+def _check_max_new_tokens(args) -> None:
+    if args.max_new_tokens < 1:
+        raise CliError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}", status=2)
 
 
 class _TextStream:
@@ -77,27 +152,35 @@ class _TextStream:
 
 
 def cmd_generate(args) -> int:
-    try:
-        la = None if args.no_lookahead else _config(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    la = None if args.no_lookahead else _config(args)
+    sampling = _sampling(args)
+    _check_max_new_tokens(args)
+    args.device = _device(args)
     model, tokenizer = _load(args)
     ids = _encode(tokenizer, args.prompt, chat=not args.raw)
+    seed = None
+    if sampling:
+        generator = torch.Generator(device=model.device)
+        seed = generator.manual_seed(args.seed).initial_seed() if args.seed is not None else generator.seed()
+        sampling["generator"] = generator
     stream = None if args.json else _TextStream(tokenizer)
-    out = model.generate(ids, max_new_tokens=args.max_new_tokens, lookahead=la, streamer=stream)
+    out = model.generate(ids, max_new_tokens=args.max_new_tokens, lookahead=la, streamer=stream, **sampling)
     s = out.stats
     new = out.sequences[0, ids.shape[1]:].tolist()
     if args.json:
         print(json.dumps({"text": tokenizer.decode(new, skip_special_tokens=True), "tokens": new,
                           "new_tokens": s.new_tokens, "steps": s.steps, "compression": s.compression_ratio,
                           "seconds": s.seconds, "tokens_per_second": s.tokens_per_second,
+                          "device": str(model.device), "dtype": args.dtype,
+                          "sampling": None if not sampling else {
+                              "temperature": sampling["temperature"], "top_k": sampling["top_k"],
+                              "top_p": sampling["top_p"], "seed": seed},
                           "lookahead": None if la is None else {
-                              "window": la.window, "ngram": la.ngram, "guess": la.guess}}))
+                              "window": la.window, "ngram": la.ngram, "guess": la.guess,
+                              "max_step_tokens": la.max_step_tokens}}))
     else:
         print()
-        mode = "plain" if la is None else f"lookahead W={la.window} N={la.ngram} G={la.guess}"
-        print(f"[{mode}] {s.new_tokens} tokens in {s.steps} steps: compression {s.compression_ratio:.2f}, "
+        print(f"[{_describe(la)}] {s.new_tokens} tokens in {s.steps} steps: compression {s.compression_ratio:.2f}, "
               f"{s.tokens_per_second:.1f} tokens/s", file=sys.stderr)
     return 0
 
@@ -161,14 +244,20 @@ def run_prompt_set(model, prompts, config: LookaheadConfig, max_new_tokens: int,
 
 
 def cmd_bench(args) -> int:
-    try:
-        config = _config(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    config = _config(args)
+    if args.batch_size < 1:
+        raise CliError(f"--batch-size must be >= 1, got {args.batch_size}", status=2)
+    if args.batch_size > 1:
+        raise CliError(f"--batch-size {args.batch_size}: batches are not supported yet", status=2)
+    _check_max_new_tokens(args)
+    missing = [path for path in args.prompts if not os.path.isfile(path)]
+    if missing:
+        raise CliError(f"--prompts: no such file {missing[0]}", status=2)
+    args.device = _device(args)
     model, tokenizer = _load(args)
-    result = {"machine": machine_info(args.device), "command": " ".join(sys.argv),
-              "config": {"window": config.window, "ngram": config.ngram, "guess": config.guess},
+    result = {"machine": machine_info(args.device), "command": " ".join(sys.argv), "dtype": args.dtype,
+              "config": {"window": config.window, "ngram": config.ngram, "guess": config.guess,
+                         "max_step_tokens": config.max_step_tokens},
               "max_new_tokens": args.max_new_tokens, "sets": {}}
     for path in args.prompts:
         prompts = read_prompts(path, tokenizer)[: args.limit]
@@ -186,27 +275,55 @@ def cmd_bench(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lookahead", description="Lookahead decoding for Llama-family models.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="lookahead", description="Lookahead decoding for Llama-family models.",
+                     epilog="Failures print one line on stderr; set LOOKAHEAD_DEBUG=1 for a traceback.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     g = sub.add_parser("generate", help="generate text, streaming it, and print a summary line")
     g.add_argument("prompt")
     g.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     g.add_argument("--no-lookahead", action="store_true", help="plain autoregressive decoding")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    g.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    g.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 1.0)")
+    g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (default 0: off)")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default 1.0: off)")
+    g.add_argument("--seed", type=int, default=None, help="seed of the sampling generator (default: random)")
     _add_lookahead_args(g)
     g.set_defaults(func=cmd_generate)
     b = sub.add_parser("bench", help="run prompt sets with and without lookahead")
     b.add_argument("--prompts", nargs="+", required=True, help="JSONL files (rows with 'turns' or 'prompt')")
     b.add_argument("--limit", type=int, default=None, help="first N prompts of each set")
     b.add_argument("--out", default=None, help="write the results as JSON here")
+    b.add_argument("--batch-size", type=int, default=1, help="prompts per batch (only 1 for now)")
     _add_lookahead_args(b)
     b.set_defaults(func=cmd_bench)
     return parser
 
 
+def _one_line(text: str) -> str:
+    lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]
+    return lines[0] if lines else ""
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    """Run the command; every failure is one line on stderr and a non-zero status (no traceback)."""
+    debug = os.environ.get("LOOKAHEAD_DEBUG", "") not in ("", "0")
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except CliError as err:
+        if debug:
+            raise
+        print(f"lookahead: error: {_one_line(err)}", file=sys.stderr)
+        return err.status
+    except KeyboardInterrupt:
+        print("lookahead: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:  # noqa: BLE001 - the promise is one line, never a traceback
+        if debug:
+            raise
+        print(f"lookahead: error: {type(err).__name__}: {_one_line(err)}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

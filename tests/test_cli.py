@@ -1,4 +1,5 @@
-"""The `lookahead` command: generate (streamed and --json) and bench, on the embedded default model."""
+"""The `lookahead` command: generate (streamed and --json) and bench on the embedded default model; options,
+sampling and dtype on a tiny GGUF; every failure one line on stderr."""
 
 import importlib.util
 import json
@@ -22,9 +23,136 @@ def test_bad_lookahead_options_exit_with_a_clear_message_before_loading(capsys):
 
 def test_parser_knows_every_documented_flag():
     args = build_parser().parse_args(["generate", "p", "--raw", "--window", "3", "--ngram", "2", "--guess", "4",
-                                      "--max-new-tokens", "9", "--no-lookahead", "--model", "m", "--json"])
+                                      "--max-new-tokens", "9", "--no-lookahead", "--model", "m", "--json",
+                                      "--do-sample", "--temperature", "0.5", "--top-k", "7", "--top-p", "0.8",
+                                      "--seed", "4", "--dtype", "bfloat16", "--device", "cpu",
+                                      "--max-step-tokens", "40"])
     assert (args.raw, args.window, args.ngram, args.guess, args.max_new_tokens, args.no_lookahead, args.model,
             args.json) == (True, 3, 2, 4, 9, True, "m", True)
+    assert (args.do_sample, args.temperature, args.top_k, args.top_p, args.seed, args.dtype, args.device,
+            args.max_step_tokens) == (True, 0.5, 7, 0.8, 4, "bfloat16", "cpu", 40)
+    bench = build_parser().parse_args(["bench", "--prompts", "a.jsonl", "--batch-size", "1"])
+    assert bench.batch_size == 1
+
+
+def test_unset_lookahead_flags_give_the_default_config():
+    from lookahead import LookaheadConfig
+    from lookahead.cli import _config
+
+    assert _config(build_parser().parse_args(["generate", "p"])) == LookaheadConfig()
+    assert _config(build_parser().parse_args(["generate", "p", "--max-step-tokens", "32"])) == \
+        LookaheadConfig(max_step_tokens=32)
+
+
+def test_device_defaults_to_cuda_when_present(monkeypatch):
+    import torch
+
+    from lookahead.cli import _device
+
+    args = build_parser().parse_args(["generate", "p"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert _device(args) == "cuda"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _device(args) == "cpu"
+
+
+def _fails_in_one_line(capsys, argv, status=None, contains=""):
+    code = main(argv)
+    captured = capsys.readouterr()
+    # progress lines (a first GGUF conversion) may come before; the failure itself is the one last line
+    lines = [line for line in captured.err.strip().splitlines() if "lookahead: error" in line]
+    assert code != 0 and (status is None or code == status), (argv, code, captured.err)
+    assert len(lines) == 1 and captured.err.strip().splitlines()[-1].startswith("lookahead: error: "), captured.err
+    assert "Traceback" not in captured.err and contains in lines[0], (argv, lines)
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv,contains", [
+    (["generate", "hi", "--dtype", "int8"], "--dtype"),
+    (["generate", "hi", "--device", "gpu"], "--device"),
+    (["generate", "hi", "--max-new-tokens", "x"], "--max-new-tokens"),
+    (["generate", "hi", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["generate", "hi", "--temperature", "0.5"], "--do-sample"),
+    (["generate", "hi", "--do-sample", "--top-p", "1.5"], "--top-p"),
+    (["generate", "hi", "--do-sample", "--top-k", "-1"], "--top-k"),
+    (["generate", "hi", "--do-sample", "--temperature", "-1"], "--temperature"),
+    (["generate", "hi", "--max-step-tokens", "0"], "max_step_tokens"),
+    (["generate"], "prompt"),
+    (["bench", "--prompts", "a.jsonl", "--batch-size", "4"], "batches are not supported yet"),
+    (["bench", "--prompts", "a.jsonl", "--batch-size", "0"], "--batch-size"),
+    (["bench", "--prompts", "/nonexistent/a.jsonl"], "no such file"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_bad_options_are_one_line_before_loading(capsys, argv, contains):
+    _fails_in_one_line(capsys, argv, status=2, contains=contains)
+
+
+def test_cuda_requested_without_cuda_is_one_line(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _fails_in_one_line(capsys, ["generate", "hi", "--device", "cuda"], status=2, contains="CUDA is not available")
+
+
+def test_model_path_failures_are_one_line(capsys, tmp_path):
+    import transformers
+
+    _fails_in_one_line(capsys, ["generate", "hi", "--model", str(tmp_path / "missing")], contains="no such file")
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    _fails_in_one_line(capsys, ["generate", "hi", "--model", str(tmp_path / "weights.bin")], contains="not a .gguf")
+    _fails_in_one_line(capsys, ["generate", "hi", "--model", str(tmp_path)], contains="config.json")
+    gpt2 = tmp_path / "gpt2"
+    transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=10).save_pretrained(gpt2)
+    _fails_in_one_line(capsys, ["generate", "hi", "--model", str(gpt2)], contains="unsupported model_type 'gpt2'")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF nonsense")
+    _fails_in_one_line(capsys, ["generate", "hi", "--model", str(bad)], contains="bad.gguf")
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root reads any file")
+def test_unreadable_model_is_one_line(capsys, tmp_path):
+    locked = tmp_path / "m.gguf"
+    locked.write_bytes(b"GGUF")
+    locked.chmod(0)
+    _fails_in_one_line(capsys, ["generate", "hi", "--model", str(locked)], contains="not readable")
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path, monkeypatch):
+    pytest.importorskip("gguf")
+    from .test_loading_cache import write_tiny_gguf
+
+    monkeypatch.setenv("LOOKAHEAD_CACHE_DIR", str(tmp_path / "cache"))
+    return str(write_tiny_gguf(tmp_path / "tiny.gguf"))
+
+
+def test_sampling_dtype_and_seed_on_a_tiny_gguf(capsys, tiny_gguf):
+    argv = ["generate", "abc", "--raw", "--json", "--model", tiny_gguf, "--max-new-tokens", "6", "--do-sample",
+            "--temperature", "0.9", "--top-k", "20", "--seed", "5", "--dtype", "bfloat16", "--window", "3",
+            "--ngram", "3", "--guess", "3"]
+    results = []
+    for _ in range(2):
+        assert main(argv) == 0
+        results.append(json.loads(capsys.readouterr().out))
+    assert results[0]["tokens"] == results[1]["tokens"]  # same seed, same sample
+    assert results[0]["dtype"] == "bfloat16" and results[0]["device"] == "cpu"
+    assert results[0]["sampling"] == {"temperature": 0.9, "top_k": 20, "top_p": 1.0, "seed": 5}
+    assert main(["generate", "abc", "--raw", "--model", tiny_gguf, "--max-new-tokens", "3", "--no-lookahead"]) == 0
+    assert "[plain] " in capsys.readouterr().err
+
+
+def test_a_failure_during_generation_is_one_line(capsys, tiny_gguf, monkeypatch):
+    from lookahead.model import LlamaForCausalLM
+
+    def boom(self, *args, **kwargs):
+        raise RuntimeError("out of memory\nsecond line of detail")
+
+    monkeypatch.setattr(LlamaForCausalLM, "generate", boom)
+    line = _fails_in_one_line(capsys, ["generate", "abc", "--raw", "--model", tiny_gguf], status=1)
+    assert line == "lookahead: error: RuntimeError: out of memory"
+    monkeypatch.setenv("LOOKAHEAD_DEBUG", "1")
+    with pytest.raises(RuntimeError, match="out of memory"):
+        main(["generate", "abc", "--raw", "--model", tiny_gguf])
 
 
 @needs_model
