@@ -7,8 +7,8 @@
 
 from .config import LookaheadConfig
 from .generate import GenerateOutput, GenerationStats, StepTrace
-from .loading import load_default
+from .loading import load_default, load_tokenizer
 from .model import KVCache, LlamaForCausalLM, ModelConfig
 
-__all__ = ["LookaheadConfig", "LlamaForCausalLM", "ModelConfig", "KVCache", "load_default", "GenerateOutput",
-           "GenerationStats", "StepTrace"]
+__all__ = ["LookaheadConfig", "LlamaForCausalLM", "ModelConfig", "KVCache", "load_default", "load_tokenizer",
+           "GenerateOutput", "GenerationStats", "StepTrace"]
