@@ -48,7 +48,7 @@ def _announce_build(name: str, sources: list[Path], cpp_extension) -> None:
     except (OSError, RuntimeError):
         stale = True
     if stale:
-        print(f"lookahead: building the n-gram pool extension {name} (first use only; takes a minute)...",
+        print(f"lookahead: building the n-gram pool extension {name} (first use only; takes 10-60 s)...",
               file=sys.stderr, flush=True)
 
 
