@@ -236,11 +236,11 @@ def test_pool_extension_load_is_not_timed(tiny, monkeypatch):
     def slow_first(cuda=False, verbose=False):
         calls.append(cuda)
         if len(calls) == 1:
-            time.sleep(0.5)  # the build
+            time.sleep(1.5)  # the build
         return real(cuda, verbose)
 
     monkeypatch.setattr(pool_ext, "load_pool_extension", slow_first)
     _, model = tiny
     out = model.generate(PROMPT, max_new_tokens=4, lookahead=LookaheadConfig(window=3, ngram=3, guess=3,
                                                                              pool_backend="cpp"))
-    assert calls and out.stats.seconds < 0.5
+    assert calls and out.stats.seconds < 1.5
