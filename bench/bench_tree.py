@@ -77,10 +77,18 @@ def main(argv=None) -> int:
     ap.add_argument("--tag", default="cpu")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     ap.add_argument("--render", metavar="JSON", help="only re-write the markdown and plot of a results file")
+    ap.add_argument("--linear", metavar="JSON", help="with --render: add the rows of a bench_compression.py run of "
+                    "the original linear lookahead (W,N,G configurations; their budget is W*(N-1) + G*(N-1))")
     args = ap.parse_args(argv)
     if args.render:
         with open(args.render) as f:
             result = json.load(f)
+        if args.linear:
+            result["rows"] = [r for r in result["rows"] if not r["system"].startswith("linear")]
+            result["rows"] += linear_rows(args.linear)
+            result["linear_source"] = os.path.relpath(args.linear, os.path.dirname(HERE))
+            with open(args.render, "w") as f:
+                json.dump(result, f, indent=1)
         base = os.path.splitext(args.render)[0]
         write_markdown(result, base + ".md")
         plot(result, base + ".png")
@@ -145,17 +153,37 @@ def main(argv=None) -> int:
     return 0
 
 
+def linear_rows(path: str) -> list[dict]:
+    """Rows of the original linear lookahead from a ``bench_compression.py`` results file."""
+    with open(path) as f:
+        old = json.load(f)
+    label = f"linear ({old['machine'].get('git', '?')})"
+    rows = []
+    for set_key, per_set in old["sets"].items():
+        for key, c in per_set["configs"].items():
+            w, n, g = (int(v) for v in key.split(","))
+            budget = (w + g) * (n - 1)
+            # The original step fed W*(N-1) tokens plus (N-1) per candidate found, at most the budget.
+            rows.append({"set": set_name(set_key), "system": label, "budget": budget, "config": key,
+                         "fed_per_step": None, "compression": c["mean_compression"], "identical": c["identical"],
+                         "prompts": c["prompts"]})
+    return rows
+
+
 def write_markdown(result: dict, path: str) -> None:
     m = result["machine"]
     subset = "" if result["limit"] is None else f", {result['limit']} per set"
+    linear = f" Linear rows: the original lookahead before the tree, `{result['linear_source']}`." \
+        if result.get("linear_source") else ""
     lines = [f"# Draft tree: compression against tokens fed per step ({result['model']})", "",
              f"Greedy, {result['max_new_tokens']} new tokens; prompts from {result['start']}{subset}. "
              f"Device: {m['device']} ({m['cpu']}), torch {m['torch']}, git {m['git']}.", "",
-             f"Command: `{result['command']}`", "",
+             f"Command: `{result['command']}`.{linear}", "",
              "| set | system | max_step_tokens | fed / step | compression | identical to plain | accepted by source |",
              "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        fed = "" if r.get("fed_per_step") is None else f"{r['fed_per_step']:.1f}"
+        fed = f"≤ {r['budget']} ({r['config']})" if r.get("fed_per_step") is None and r.get("config") else \
+            "" if r.get("fed_per_step") is None else f"{r['fed_per_step']:.1f}"
         src = ", ".join(f"{k} {v}" for k, v in sorted(r.get("accepted_by_source", {}).items()))
         lines.append(f"| {r['set']} | {r['system']} | {r['budget'] if r['budget'] is not None else ''} | {fed} | "
                      f"{r['compression']:.3f} | {r['identical']}/{r['prompts']} | {src} |")
@@ -176,7 +204,8 @@ def plot(result: dict, path: str) -> None:
     for ax, s in zip(axes[0], sets):
         rows = [r for r in result["rows"] if r["set"] == s]
         for system in dict.fromkeys(r["system"] for r in rows if r["budget"] is not None):
-            pts = sorted((r["fed_per_step"], r["compression"]) for r in rows if r["system"] == system)
+            # Rows without a measured step size (the original linear runs) are placed at their budget.
+            pts = sorted((r["fed_per_step"] or r["budget"], r["compression"]) for r in rows if r["system"] == system)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=system)
         for r in rows:
             if r["budget"] is None:
