@@ -16,6 +16,14 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+# The dev prompt sets (``../shared/data`` beside the checkout).
+DATA = os.path.join(ROOT, "..", "shared", "data")
+DEFAULT_SETS = [os.path.join(DATA, "mt_bench_dev.jsonl"), os.path.join(DATA, "humaneval_dev.jsonl")]
+
+
+def set_name(path: str) -> str:
+    """``mt_bench`` for ``.../mt_bench_dev.jsonl``: how results name a prompt set."""
+    return os.path.basename(path).split(".")[0].replace("_dev", "")
 
 
 def git_revision() -> str:

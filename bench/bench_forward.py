@@ -33,8 +33,7 @@ sys.path.insert(0, HERE)
 
 import _common  # noqa: E402
 
-DATA = os.path.join(_common.ROOT, "..", "shared", "data")
-DEFAULT_SETS = [os.path.join(DATA, "mt_bench_dev.jsonl"), os.path.join(DATA, "humaneval_dev.jsonl")]
+DEFAULT_SETS = _common.DEFAULT_SETS
 DEFAULT_T = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128]
 
 

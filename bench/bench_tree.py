@@ -29,20 +29,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from _common import command_line, machine_info  # noqa: E402
+from _common import DEFAULT_SETS, command_line, machine_info, set_name  # noqa: E402
 
 from lookahead import LookaheadConfig, load_default  # noqa: E402
 from lookahead.cli import read_prompts  # noqa: E402
 
-DATA = os.path.join(os.path.dirname(HERE), "..", "shared", "data")
-DEFAULT_SETS = [os.path.join(DATA, "mt_bench_dev.jsonl"), os.path.join(DATA, "humaneval_dev.jsonl")]
 SYSTEMS = {"pool": ("pool",), "suffix": ("suffix",), "successors": ("successors",),
            "all": ("pool", "suffix", "successors")}
 DEFAULT_BUDGETS = [8, 16, 32, 64, 120, 200]
-
-
-def set_name(path: str) -> str:
-    return os.path.basename(path).split(".")[0].replace("_dev", "")
 
 
 def hf_prompt_lookup(hf_model, prompts, max_new_tokens: int, plain_outputs) -> dict:
