@@ -80,7 +80,6 @@ class DraftTree:
         num_nodes: real nodes; ``num_nodes .. V-1`` are padding leaves.
         parents: per real node, its parent (``-1`` for children of ``x``).
         keys: per real node, the acceptance keys of the sources that proposed it.
-        sources: per real node, the set of source names that proposed it (for statistics).
     """
 
     tokens: torch.Tensor
@@ -88,7 +87,11 @@ class DraftTree:
     num_nodes: int
     parents: list[int]
     keys: list[list[tuple]]
-    sources: list[set]
+
+    @property
+    def sources(self) -> list[set]:
+        """Per real node, the names of the sources that proposed it (the keys' first fields)."""
+        return [{k[0] for k in keys} for keys in self.keys]
 
     @property
     def size(self) -> int:
@@ -232,7 +235,7 @@ class DraftBuilder:
         tokens = [n.token for n in order] + [0] * (size - real)
         shape = TreeShape.from_parents(parents + [-1] * (size - real))
         return DraftTree(torch.tensor(tokens, dtype=torch.long), shape, real, parents,
-                         [n.keys for n in order], [{k[0] for k in n.keys} for n in order])
+                         [n.keys for n in order])
 
     # ---- after the step ---------------------------------------------------------------------------------------
     def observe(self, tree: DraftTree, path: list[int], ngrams: torch.Tensor | None, sequence: list[int],

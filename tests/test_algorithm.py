@@ -143,7 +143,7 @@ def test_pool_from_sequence_and_disabled_pool():
 
 # ---- step builder --------------------------------------------------------------------------------------------
 def test_build_step_packs_tokens_positions_and_rows():
-    tree = DraftTree(torch.tensor([30, 31, 40, 41]), TreeShape.linear(2, 2), 4, [-1, 0, -1, 2], [[]] * 4, [set()] * 4)
+    tree = DraftTree(torch.tensor([30, 31, 40, 41]), TreeShape.linear(2, 2), 4, [-1, 0, -1, 2], [[]] * 4)
     step = build_step(5, 100, torch.tensor([5, 7, 9, 11, 12, 9]), levels=2, window=3, tree=tree, device="cpu")
     assert step.tokens.tolist() == [5, 7, 9, 11, 12, 9, 30, 31, 40, 41]
     assert step.positions.tolist() == [100, 101, 102, 101, 102, 103, 101, 102, 101, 102]
