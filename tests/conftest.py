@@ -12,6 +12,10 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Triton 3.6's interpreter breaks under NumPy >= 2.4 on loops with run-time bounds; compiled code is unaffected.
+    from lookahead_kernels.interpreter_compat import patch_interpreter_index
+
+    patch_interpreter_index()
 
 
 @pytest.fixture(scope="session")
