@@ -1,0 +1,216 @@
+"""SmolLM2-135M-Instruct end to end on a GPU: tokens/s and greedy identity of our decoding and transformers'.
+
+Systems (``bench_speed.py``'s, on ``--device``): ``ours-plain`` (``lookahead=None``), ``ours-lookahead``
+(automatic mode, cost model measured first on this device), ``ours-fixed-15-5-15``, ``hf-greedy`` (transformers'
+``generate``) and ``hf-prompt-lookup`` (``prompt_lookup_num_tokens=10``). Every prompt is run by every system in
+turn after one warm-up per system. Times are wall clock with the device synchronised before and after each call
+(prefill included) for every system alike. ``identical`` counts prompts whose output equals ``ours-plain``'s
+token for token; ``first_diff`` (per prompt) is the first new-token index where it differs.
+
+In float32 the output is ``e2e-gpu-<device>.json`` (top-level ``device`` and ``rows`` of ``{"set", "system",
+"tokens_per_s", "identical", ...}``, the file other code reads) plus ``.md``; in another dtype
+``e2e-gpu-<device>-<dtype>.{json,md}``: the bf16 identity counts.
+
+    python bench/gpu_e2e.py --limit 8 --out-dir $OUT/work                  # fp32: speed and identity
+    python bench/gpu_e2e.py --dtype bfloat16 --limit 10 --max-new-tokens 64 --systems ours-plain ours-lookahead hf-greedy
+    python bench/gpu_e2e.py --dry-run --out-dir /tmp/x                     # CPU, 2 prompts, 8 tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from gpu_util import ResultFile, header, parse_dtype, pick_device, synchronize  # noqa: E402
+
+from _common import DEFAULT_SETS, set_name  # noqa: E402
+
+SYSTEMS = ["ours-plain", "ours-lookahead", "ours-fixed-15-5-15", "hf-greedy", "hf-prompt-lookup"]
+
+
+def make_runners(model, hf_model, max_new_tokens: int, device):
+    """system -> (prompt ids on ``device`` -> (sequences on the CPU, seconds, compression))."""
+    from lookahead import LookaheadConfig
+
+    def timed(fn):
+        synchronize(device)
+        start = time.perf_counter()
+        out = fn()
+        synchronize(device)
+        return out, time.perf_counter() - start
+
+    def ours(config):
+        def run(ids):
+            out, seconds = timed(lambda: model.generate(ids, max_new_tokens=max_new_tokens, lookahead=config))
+            return out.sequences.cpu(), seconds, out.stats.compression_ratio
+        return run
+
+    def hf(**kwargs):
+        calls = [0]
+
+        def count(*_):
+            calls[0] += 1
+
+        def run(ids):
+            calls[0] = 0
+            handle = hf_model.register_forward_pre_hook(count)
+            try:
+                out, seconds = timed(lambda: hf_model.generate(
+                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                    pad_token_id=0, **kwargs))
+            finally:
+                handle.remove()
+            new = out.shape[1] - ids.shape[1]
+            return out.cpu(), seconds, new / max(calls[0] - 1, 1)
+        return run
+
+    return {
+        "ours-plain": ours(None),
+        "ours-lookahead": ours(LookaheadConfig()),
+        "ours-fixed-15-5-15": ours(LookaheadConfig(window=15, ngram=5, guess=15)),
+        "hf-greedy": hf(),
+        "hf-prompt-lookup": hf(prompt_lookup_num_tokens=10),
+    }
+
+
+def first_diff(seq: torch.Tensor, ref: torch.Tensor, prompt_len: int) -> int | None:
+    """First new-token index where ``seq`` and ``ref`` differ (a length difference counts); None if equal."""
+    a, b = seq[0, prompt_len:].tolist(), ref[0, prompt_len:].tolist()
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def aggregate(per_prompt: list[dict], systems: list[str]) -> list[dict]:
+    """Rows per (set, system) over the prompts every system has finished."""
+    rows = []
+    for name in dict.fromkeys(p["set"] for p in per_prompt):
+        plain_rate = None
+        for system in systems:
+            res = [p for p in per_prompt if p["set"] == name and p["system"] == system]
+            if not res:
+                continue
+            total_new, total_s = sum(r["new_tokens"] for r in res), sum(r["seconds"] for r in res)
+            rate = total_new / total_s if total_s > 0 else 0.0
+            if system == "ours-plain":
+                plain_rate = rate
+            rows.append({"set": name, "system": system, "tokens_per_s": rate,
+                         "median_tokens_per_s": statistics.median(r["new_tokens"] / r["seconds"] for r in res),
+                         "vs_ours_plain": rate / plain_rate if plain_rate else None,
+                         "compression": statistics.mean(r["compression"] for r in res),
+                         "identical": sum(bool(r["identical"]) for r in res), "prompts": len(res)})
+    return rows
+
+
+def render(result: dict) -> str:
+    m = result["machine"]
+    lines = [f"# SmolLM2-135M-Instruct end to end, {result['dtype']}", "",
+             f"Device: {result['device']}; torch {m['torch']}, triton {m['triton']}, CUDA {m['cuda']}; git {m['git']}.",
+             f"Greedy, {result['max_new_tokens']} new tokens, first {result['limit']} prompts of each set; wall clock "
+             "with the device synchronised around each call (prefill included).",
+             f"Command: `{result['command']}`", "",
+             "| set | system | tokens/s | median tokens/s | vs ours-plain | compression | identical to ours-plain |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        vs = f"{r['vs_ours_plain']:.2f}x" if r.get("vs_ours_plain") else "—"
+        lines.append(f"| {r['set']} | {r['system']} | {r['tokens_per_s']:.1f} | {r['median_tokens_per_s']:.1f} | {vs} "
+                     f"| {r['compression']:.2f} | {r['identical']}/{r['prompts']} |")
+    diffs = [p for p in result["per_prompt"] if p["first_diff"] is not None]
+    if diffs:
+        lines += ["", "Outputs that differ from ours-plain (first differing new-token index):", ""]
+        lines += [f"- {p['set']} prompt {p['prompt']} {p['system']}: at {p['first_diff']}" for p in diffs]
+    lines += ["", *(f"- {n}" for n in result["notes"])]
+    if not result.get("complete"):
+        lines.append("- INCOMPLETE: the run stopped before the last prompt (time box?).")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sets", nargs="+", default=DEFAULT_SETS)
+    ap.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--limit", type=int, default=8, help="first N prompts of each set (0: all)")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, 2 prompts per set, 8 new tokens")
+    ap.add_argument("--device", help="default: cuda, or cpu with --dry-run")
+    ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    args = ap.parse_args(argv)
+    device = pick_device(args.dry_run, args.device)
+    dtype = parse_dtype(args.dtype)
+    limit, max_new = (args.limit or None), args.max_new_tokens
+    if args.dry_run:
+        limit, max_new = 2, 8
+    systems = ["ours-plain"] + [s for s in args.systems if s != "ours-plain"]  # the reference runs first
+
+    from transformers import AutoModelForCausalLM
+
+    from lookahead import LookaheadConfig  # noqa: F401  (import errors show here, before the long loads)
+    from lookahead.cli import read_prompts
+    from lookahead.controller import cost_key, measure_step_costs
+    from lookahead.loading import default_gguf_path, from_pretrained, load_tokenizer
+
+    head = header(device, sys.argv[1:] if argv is None else argv, __file__)
+    dname = str(dtype).replace("torch.", "")
+    head.update(model="SmolLM2-135M-Instruct", dtype=dname, max_new_tokens=max_new, limit=limit,
+                dry_run=args.dry_run, systems=systems, per_prompt=[])
+    stem = f"e2e-gpu-{head['device_slug']}" + ("" if dtype == torch.float32 else f"-{dname}") \
+        + ("-dry-run" if args.dry_run else "")
+    out = ResultFile(args.out_dir, stem, head, render)
+    if args.dry_run:
+        out.note("dry run on the CPU: 2 prompts, 8 new tokens; checks the plumbing only")
+
+    t0 = time.perf_counter()
+    path = default_gguf_path()
+    model = from_pretrained(path, dtype=dtype, device=device)
+    tokenizer = load_tokenizer(path)
+    hf_model = None
+    if any(s.startswith("hf-") for s in systems):
+        hf_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+        hf_model = hf_model.to(device).eval()
+    out.result["load_seconds"] = time.perf_counter() - t0
+    if "ours-lookahead" in systems:
+        costs = measure_step_costs(model)  # measured here and now, not read from a disk cache
+        model.step_costs_cache = {cost_key(model): costs}
+        out.result["step_costs"] = list(zip(costs.tokens, costs.seconds))
+    runners = {name: run for name, run in make_runners(model, hf_model, max_new, device).items() if name in systems}
+
+    with torch.inference_mode():
+        for set_path in args.sets:
+            name = set_name(set_path)
+            prompts = [ids.to(device) for ids in read_prompts(set_path, tokenizer)[:limit]]
+            for run in runners.values():  # warm-up: Triton compiles, pool extension, allocator
+                run(prompts[0])
+            for i, ids in enumerate(prompts):
+                ref = None
+                for system, run in runners.items():
+                    seq, seconds, comp = run(ids)
+                    if system == "ours-plain":
+                        ref = seq
+                    diff = first_diff(seq, ref, ids.shape[1])
+                    out.result["per_prompt"].append(
+                        {"set": name, "prompt": i, "system": system, "new_tokens": seq.shape[1] - ids.shape[1],
+                         "seconds": seconds, "compression": comp, "identical": diff is None, "first_diff": diff})
+                out.result["rows"] = aggregate(out.result["per_prompt"], systems)
+                out.flush()
+                print(f"{name} prompt {i}: " + ", ".join(
+                    f"{p['system']} {p['new_tokens'] / p['seconds']:.0f} tok/s{'' if p['identical'] else ' DIFF'}"
+                    for p in out.result["per_prompt"] if p["set"] == name and p["prompt"] == i), flush=True)
+    for r in out.result["rows"]:
+        print(f"{r['set']:10s} {r['system']:20s} {r['tokens_per_s']:8.1f} tok/s  compression {r['compression']:.2f}"
+              f"  identical {r['identical']}/{r['prompts']}", flush=True)
+    out.finish()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
