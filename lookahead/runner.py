@@ -1,0 +1,186 @@
+"""The "run" part of a decoding step (``shared/design/decode-loop.md``, part 3): static input buffers, and on
+CUDA one captured graph per step shape.
+
+A :class:`StepRunner` owns, for each step shape of a small menu, preallocated buffers for everything a forward
+reads: the step's tokens and positions, the committed length of each row (``cache_len``), the verification
+tree (``depth``, ``end``) and the rows whose logits are wanted. :meth:`StepRunner.run` writes a step's inputs
+into those buffers in place and runs the model on them, eagerly or, with ``graphs=True`` on CUDA, by replaying
+the CUDA graph captured for that shape the first time it ran. Nothing else needs to know the buffers or graphs
+exist: the caller hands in ordinary tensors and gets the logits back.
+
+Why static buffers: a CUDA graph replays fixed device addresses, so every input must live at the same address on
+every step; writing in place (``copy_``) is what makes replay possible, and on the CPU the same path runs eagerly
+so both devices take one route through the loop.
+
+The graph path needs a forward without host synchronisation: ``cache_len`` is kept as a device tensor (the
+model and the attention kernel never read it back), the tree lives on the device, and the attention kernel
+sizes its split-KV from the cache's capacity rather than the current length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lookahead_kernels import StepLayout
+from lookahead_kernels.tree import TreeShape
+
+from .config import StepShape
+
+
+class _ShapeBuffers:
+    """The static inputs (and, once captured, the graph and its output) of one ``(shape, logits rows)``."""
+
+    def __init__(self, shape: StepShape, batch_size: int, rows: int | None, device: torch.device):
+        T, V = shape.max_tokens, shape.tree_budget
+        self.shape = shape
+        self.tokens = torch.zeros(batch_size, T, dtype=torch.long, device=device)
+        self.positions = torch.arange(T, device=device).expand(batch_size, T).contiguous()
+        # A valid tree to start from (every node a child of x); each step overwrites it in place.
+        self.depth = torch.ones(batch_size, V, dtype=torch.long, device=device)
+        self.end = torch.arange(1, V + 1, device=device).expand(batch_size, V).contiguous()
+        tree = TreeShape(self.depth, self.end) if V else None
+        self.layout = StepLayout(shape.window, shape.levels, tree)
+        self.rows = None if rows is None else torch.arange(rows, device=device)
+        self.graph = None
+        self.logits = None
+
+
+class StepRunner:
+    """Runs a model's steps on static input buffers, one set per step shape of ``menu``.
+
+    Args:
+        model: a :class:`lookahead.model.LlamaForCausalLM`.
+        cache: the :class:`lookahead.model.KVCache` every step writes (the graphs hold its address: keep it).
+        menu: the step shapes this runner serves (:class:`lookahead.config.StepShape`; ``StepShape(1, 1, 0)``
+            is a plain step). A step runs at its shape's full size, ``window * levels + tree_budget`` tokens;
+            a smaller tree is padded by the caller (verification ignores padding nodes).
+        graphs: capture and replay a CUDA graph per shape (CUDA only); ``False`` runs eagerly on the same
+            buffers (the debugging path, and the only one on the CPU).
+    Raises:
+        ValueError: on an empty menu, a cache that does not fit the model, or ``graphs=True`` off CUDA.
+    """
+
+    def __init__(self, model, cache, menu, *, graphs: bool = False):
+        menu = list(dict.fromkeys(menu))
+        if not menu or not all(isinstance(s, StepShape) for s in menu):
+            raise ValueError(f"menu must be a non-empty list of StepShape, got {menu!r}")
+        if cache.device != model.device or cache.dtype != model.dtype:
+            raise ValueError(f"cache is {cache.dtype} on {cache.device} but the model is {model.dtype} on "
+                             f"{model.device}")
+        if graphs and model.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA model; this one is on {model.device} (use graphs=False)")
+        self.model = model
+        self.cache = cache
+        self.menu = tuple(menu)
+        self.graphs = bool(graphs)
+        self.batch_size = cache.batch_size
+        self.device = model.device
+        # Shared by every shape: committed rows per sequence, on the device so that nothing reads it back.
+        self.cache_len = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
+        self._buffers: dict[tuple[StepShape, int | None], _ShapeBuffers] = {}
+        self._pool = None  # one memory pool for all graphs: only one step's activations live at a time
+
+    # ---- public ---------------------------------------------------------------------------------------------
+    def run(self, shape: StepShape, tokens: torch.Tensor, positions: torch.Tensor, cache_len,
+            tree: TreeShape | None = None, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Write one step's inputs into ``shape``'s buffers and run the model; returns its logits.
+
+        Args:
+            shape: one of the runner's menu.
+            tokens, positions: integer ``[B, T]`` with ``T == shape.max_tokens`` (any device: copied in).
+            cache_len: int or integer ``[B]``: committed rows per sequence.
+            tree: the step's verification tree of ``shape.tree_budget`` nodes (``[V]`` or ``[B, V]``); ``None``
+                for a shape without a tree.
+            logits_rows: optional integer ``[R]`` of step rows whose logits are wanted (all rows when ``None``).
+                Each distinct ``R`` of a shape gets its own buffers (and graph).
+        Returns:
+            float32 ``[B, R or T, vocab]``. With graphs this is the graph's static output, overwritten by the
+            next replay of the same shape: read it (or copy it) before then.
+        Raises:
+            ValueError: on a shape outside the menu or inputs of the wrong shape, dtype or tree size.
+        """
+        buf = self._buffers_for(shape, logits_rows)
+        self._write_inputs(buf, tokens, positions, cache_len, tree, logits_rows)
+        if not self.graphs:
+            with torch.inference_mode():
+                return self._forward(buf)
+        if buf.graph is None:
+            self._capture(buf)
+        buf.graph.replay()
+        return buf.logits
+
+    def captured(self) -> list[StepShape]:
+        """Shapes whose graph has been captured (in first-run order)."""
+        return [b.shape for b in self._buffers.values() if b.graph is not None]
+
+    # ---- internals ----------------------------------------------------------------------------------------
+    def _buffers_for(self, shape: StepShape, logits_rows) -> _ShapeBuffers:
+        if shape not in self.menu:
+            raise ValueError(f"step shape {shape} is not on this runner's menu {list(self.menu)}")
+        rows = None
+        if logits_rows is not None:
+            if not isinstance(logits_rows, torch.Tensor) or logits_rows.dim() != 1 \
+                    or logits_rows.is_floating_point() or logits_rows.dtype == torch.bool:
+                raise ValueError(f"logits_rows must be None or an integer tensor [R], got {logits_rows!r}")
+            rows = logits_rows.shape[0]
+        key = (shape, rows)
+        if key not in self._buffers:
+            self._buffers[key] = _ShapeBuffers(shape, self.batch_size, rows, self.device)
+        return self._buffers[key]
+
+    def _write_inputs(self, buf: _ShapeBuffers, tokens, positions, cache_len, tree, logits_rows) -> None:
+        B, T, V = self.batch_size, buf.shape.max_tokens, buf.shape.tree_budget
+        for name, t in (("tokens", tokens), ("positions", positions)):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (B, T) or t.is_floating_point() \
+                    or t.dtype == torch.bool:
+                desc = (t.dtype, tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name} must be an integer tensor [B={B}, T={T}] for shape {buf.shape}, got {desc}")
+        if V:
+            if not isinstance(tree, TreeShape) or tree.size != V:
+                got = tree.size if isinstance(tree, TreeShape) else type(tree).__name__
+                raise ValueError(f"shape {buf.shape} needs a TreeShape of {V} nodes, got {got}")
+            if tree.batched and tree.end.shape[0] != B:
+                raise ValueError(f"the per-sequence tree has {tree.end.shape[0]} rows but the batch has B={B}")
+        elif tree is not None and tree.size:
+            raise ValueError(f"shape {buf.shape} has no tree, but a tree of {tree.size} nodes was given")
+        if isinstance(cache_len, bool) or not isinstance(cache_len, (int, torch.Tensor)):
+            raise ValueError(f"cache_len must be an int or an integer tensor [B], got {cache_len!r}")
+        if isinstance(cache_len, torch.Tensor) and (cache_len.is_floating_point() or cache_len.dtype == torch.bool
+                                                    or cache_len.numel() not in (1, B)):
+            raise ValueError(f"cache_len must be an int or an integer tensor [B={B}], got {cache_len!r}")
+        # Host-side bounds only where checking costs no synchronisation.
+        if not isinstance(cache_len, torch.Tensor) or cache_len.device.type == "cpu":
+            lens = torch.as_tensor(cache_len).reshape(-1)
+            if int(lens.min()) < 0 or int(lens.max()) + T > self.cache.max_len:
+                raise ValueError(f"cache_len {lens.tolist()} + T {T} must lie within the cache's "
+                                 f"{self.cache.max_len} rows")
+        buf.tokens.copy_(tokens, non_blocking=True)
+        buf.positions.copy_(positions, non_blocking=True)
+        if isinstance(cache_len, int):
+            self.cache_len.fill_(cache_len)
+        else:
+            self.cache_len.copy_(cache_len.reshape(-1).expand(B), non_blocking=True)
+        if V:
+            buf.depth.copy_(tree.depth.expand(B, V), non_blocking=True)
+            buf.end.copy_(tree.end.expand(B, V), non_blocking=True)
+        if logits_rows is not None:
+            buf.rows.copy_(logits_rows, non_blocking=True)
+
+    def _forward(self, buf: _ShapeBuffers) -> torch.Tensor:
+        return self.model(buf.tokens, buf.positions, self.cache, self.cache_len, buf.layout, buf.rows)
+
+    def _capture(self, buf: _ShapeBuffers) -> None:
+        # Warm-up on a side stream compiles the kernels; it rewrites the step's own KV rows from the same
+        # inputs, so running it before the capture leaves the cache as one run would.
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward(buf)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
+            buf.logits = self._forward(buf)
+        buf.graph = graph

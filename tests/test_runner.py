@@ -1,0 +1,120 @@
+"""StepRunner: steps run on static buffers give the logits (and KV cache) of the plain forward; CUDA graphs
+replay the eager result on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lookahead.config import StepShape
+from lookahead.model import LlamaForCausalLM, ModelConfig
+from lookahead.runner import StepRunner
+from lookahead_kernels import StepLayout
+from lookahead_kernels.tree import TreeShape
+
+PLAIN = StepShape(1, 1, 0)
+TREE = StepShape(3, 2, 5)
+TREES = [TreeShape.from_parents(p) for p in ([-1, 0, 1, -1, 3], [-1, -1, -1, 2, 3], [-1, 0, 0, 0, 0])]
+
+
+def tiny_model(device="cpu", dtype=torch.float32):
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=64 if device == "cuda" else 16, max_position_embeddings=512)
+    return LlamaForCausalLM(cfg, dtype=dtype, device=device).eval()
+
+
+def steps(device, batch, count=6, seed=1):
+    """(shape, tokens, positions, cache_len, tree, rows) for alternating plain and tree steps."""
+    gen = torch.Generator().manual_seed(seed)
+    length = torch.randint(5, 9, (batch,), generator=gen)
+    out = []
+    for i in range(count):
+        shape = TREE if i % 2 else PLAIN
+        tree = TREES[i % len(TREES)] if shape.tree_budget else None
+        layout = StepLayout(shape.window, shape.levels, tree)
+        tokens = torch.randint(0, 97, (batch, layout.T), generator=gen)
+        positions = length[:, None] + layout.position_offsets()[None]
+        rows = torch.tensor([0, layout.T - 1]) if i == 3 else None
+        out.append((shape, tokens.to(device), positions.to(device), length.clone().to(device),
+                    tree.to(device) if tree is not None else None, None if rows is None else rows.to(device)))
+        length += 1 + i % 2  # as if one or two tokens were committed
+    return out
+
+
+def prefilled(model, batch, device, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, 97, (batch, 5), generator=gen).to(device)
+    cache = model.new_cache(batch, 64)
+    positions = torch.arange(5, device=device).expand(batch, 5)
+    with torch.inference_mode():
+        model(prompt, positions, cache, 0, StepLayout.prefill(5))
+    return cache
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_eager_static_buffers_give_the_plain_forward_logits_on_cpu(batch):
+    model = tiny_model()
+    cache_ref, cache_run = prefilled(model, batch, "cpu"), prefilled(model, batch, "cpu")
+    runner = StepRunner(model, cache_run, [PLAIN, TREE])
+    for shape, tokens, positions, lens, tree, rows in steps("cpu", batch):
+        layout = StepLayout(shape.window, shape.levels, tree)
+        with torch.inference_mode():
+            ref = model(tokens, positions, cache_ref, lens, layout, rows)
+        got = runner.run(shape, tokens, positions, lens, tree, rows)
+        assert torch.equal(got, ref), shape
+    assert torch.equal(cache_run.k, cache_ref.k) and torch.equal(cache_run.v, cache_ref.v)
+    assert runner.captured() == []
+
+
+def test_int_cache_len_and_shared_tree_are_accepted():
+    model = tiny_model()
+    cache = prefilled(model, 2, "cpu")
+    runner = StepRunner(model, cache, [TREE])
+    layout = StepLayout(3, 2, TREES[0])
+    tokens = torch.randint(0, 97, (2, layout.T))
+    positions = (7 + layout.position_offsets()).expand(2, layout.T)
+    got = runner.run(TREE, tokens, positions, 7, TREES[0])
+    ref_cache = prefilled(model, 2, "cpu")
+    with torch.inference_mode():
+        ref = model(tokens, positions, ref_cache, 7, layout)
+    assert torch.equal(got, ref)
+
+
+def test_bad_inputs_are_value_errors():
+    model = tiny_model()
+    cache = prefilled(model, 1, "cpu")
+    runner = StepRunner(model, cache, [PLAIN, TREE])
+    one = torch.zeros(1, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="not on this runner's menu"):
+        runner.run(StepShape(2, 2, 0), one, one, 5)
+    with pytest.raises(ValueError, match="tokens must be an integer tensor"):
+        runner.run(PLAIN, torch.zeros(1, 2, dtype=torch.long), one, 5)
+    with pytest.raises(ValueError, match="needs a TreeShape of 5 nodes"):
+        runner.run(TREE, torch.zeros(1, 11, dtype=torch.long), torch.zeros(1, 11, dtype=torch.long), 5)
+    with pytest.raises(ValueError, match="has no tree"):
+        runner.run(PLAIN, one, one, 5, TREES[0])
+    with pytest.raises(ValueError, match="within the cache"):
+        runner.run(PLAIN, one, one, 64)
+    with pytest.raises(ValueError, match="cache_len must be"):
+        runner.run(PLAIN, one, one, 2.0)
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA model"):
+        StepRunner(model, cache, [PLAIN], graphs=True)
+    with pytest.raises(ValueError, match="menu must be"):
+        StepRunner(model, cache, [])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 2])
+def test_cuda_graph_replay_equals_eager_on_cuda(batch):
+    model = tiny_model("cuda")
+    cache_eager, cache_graph = prefilled(model, batch, "cuda"), prefilled(model, batch, "cuda")
+    eager = StepRunner(model, cache_eager, [PLAIN, TREE])
+    graphed = StepRunner(model, cache_graph, [PLAIN, TREE], graphs=True)
+    for shape, tokens, positions, lens, tree, rows in steps("cuda", batch, count=8):
+        ref = eager.run(shape, tokens, positions, lens, tree, rows).clone()
+        got = graphed.run(shape, tokens, positions, lens, tree, rows)
+        torch.cuda.synchronize()
+        assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5), shape
+    assert set(graphed.captured()) == {PLAIN, TREE}
+    assert torch.allclose(cache_graph.k, cache_eager.k, rtol=1e-5, atol=1e-5)
