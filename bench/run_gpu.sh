@@ -118,7 +118,7 @@ KTESTS=(tests/test_gpu_kernels.py tests/test_attention.py tests/test_verify.py)
 [ $DRY = 1 ] && KTESTS=(tests/test_gpu_kernels.py)  # the interpreter takes minutes over the other two
 wants ktests && part ktests 150 $PY -m pytest -q -p no:cacheprovider -rfE "${TIMEOUT_FLAG[@]}" "${KTESTS[@]}"
 wants stepcost && part stepcost 130 $PY bench/gpu_step_cost.py "${DRYFLAG[@]}" --out-dir "$WORK"
-wants kernels && part kernels 80 $PY bench/gpu_kernels.py "${DRYFLAG[@]}" --out-dir "$WORK"
+wants kernels && part kernels 120 $PY bench/gpu_kernels.py "${DRYFLAG[@]}" --out-dir "$WORK"
 if [ $DRY = 1 ]; then
   wants verify && part verify 60 $PY bench/bench_verify.py --cpu --out-dir "$WORK"
 else
@@ -137,7 +137,7 @@ if [ $DRY = 1 ]; then
 else
   wants e2e && part e2e 170 $PY bench/gpu_e2e.py --limit "${E2E_LIMIT:-6}" --sets "${SETS[@]}" --out-dir "$WORK"
 fi
-wants gputests && part gputests 200 $PY -m pytest -q -p no:cacheprovider -rfE -m gpu "${TIMEOUT_FLAG[@]}" tests \
+wants gputests && part gputests 330 $PY -m pytest -q -p no:cacheprovider -rfE -m gpu "${TIMEOUT_FLAG[@]}" tests \
   --ignore=tests/test_gpu_kernels.py
 wait_build
 pack

@@ -6,6 +6,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=.device-model
 ../shared/tools/device-model-parts > /dev/null
+# The tool's `split -b 48M ... part-` names its pieces part-aa and part-ab, while its instructions (and the
+# calls below) say part-a and part-b: rename them (the tool then also sees part-a and does not download again).
+[ -f "$dir/part-aa" ] && mv "$dir/part-aa" "$dir/part-a"
+[ -f "$dir/part-ab" ] && mv "$dir/part-ab" "$dir/part-b"
+[ -f "$dir/part-ac" ] && { echo "the wheel split into more than two parts: adjust the calls" >&2; exit 1; }
 mkdir -p "$dir/data"
 cp ../shared/data/*.jsonl "$dir/data/"
 { git rev-parse HEAD; git status --porcelain --untracked-files=no | sed 's/^/dirty: /'; date -u +%FT%TZ; } > "$dir/REVISION"
