@@ -114,7 +114,7 @@ TIMEOUT_FLAG=()
 $PY -c "import pytest_timeout" 2>/dev/null && TIMEOUT_FLAG=(--timeout=150)
 
 wants env && part env 40 $PY bench/gpu_env.py "${DRYFLAG[@]}" --out-dir "$WORK" --revision-file "$ROOT/.device-model/REVISION"
-KTESTS=(tests/test_gpu_kernels.py tests/test_attention.py tests/test_verify.py)
+KTESTS=(tests/test_gpu_kernels.py tests/test_runner.py tests/test_attention.py tests/test_verify.py)
 [ $DRY = 1 ] && KTESTS=(tests/test_gpu_kernels.py)  # the interpreter takes minutes over the other two
 wants ktests && part ktests 150 $PY -m pytest -q -p no:cacheprovider -rfE "${TIMEOUT_FLAG[@]}" "${KTESTS[@]}"
 wants stepcost && part stepcost 130 $PY bench/gpu_step_cost.py "${DRYFLAG[@]}" --out-dir "$WORK"
