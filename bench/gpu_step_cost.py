@@ -126,10 +126,10 @@ def render(result: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=MODELS)
-    ap.add_argument("--T", type=int, nargs="+", default=STEP_SIZES)
-    ap.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS)
+    ap.add_argument("--T", type=int, nargs="+", help=f"step sizes (default {STEP_SIZES}; dry run 1 16 64 120)")
+    ap.add_argument("--contexts", type=int, nargs="+", help=f"committed rows (default {CONTEXTS}; dry run 64 200)")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--reps", type=int, help="timed calls per row (default 10; dry run 2)")
     ap.add_argument("--no-graphs", action="store_true", help="eager timings only")
     ap.add_argument("--dry-run", action="store_true", help="tiny models, short contexts, on the CPU")
     ap.add_argument("--device", help="default: cuda, or cpu with --dry-run")
@@ -137,11 +137,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     device = pick_device(args.dry_run, args.device)
     dtype = parse_dtype(args.dtype)
-    models, contexts, steps, reps = args.models, args.contexts, args.T, args.reps
-    if args.dry_run:
-        models = [DRY_MODELS.get(m, m) for m in models]
-        contexts, steps, reps = [64, 200], [1, 16, 64, 120], 2
-        dtype = torch.float32 if device.type == "cpu" else dtype
+    models = [DRY_MODELS.get(m, m) for m in args.models] if args.dry_run else args.models
+    contexts = args.contexts or ([64, 200] if args.dry_run else CONTEXTS)
+    steps = args.T or ([1, 16, 64, 120] if args.dry_run else STEP_SIZES)
+    reps = args.reps or (2 if args.dry_run else 10)
+    if args.dry_run and device.type == "cpu":
+        dtype = torch.float32  # bf16 matmuls on a CPU are slow and beside the point of a dry run
     graphs = device.type == "cuda" and not args.no_graphs
     head = header(device, sys.argv[1:] if argv is None else argv, __file__)
     head.update(dtype=str(dtype).replace("torch.", ""), dry_run=args.dry_run)

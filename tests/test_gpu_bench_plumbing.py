@@ -1,0 +1,63 @@
+"""The GPU benchmark scripts' plumbing, on the CPU: a tiny dry run of the step-cost script and the end-to-end
+script's aggregation and rendering, so that a GPU lease is not spent on a broken script."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import torch
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(BENCH, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_step_cost_dry_run_writes_rows_and_the_bandwidth_table(tmp_path):
+    bench = load("gpu_step_cost")
+    assert bench.main(["--dry-run", "--models", "llama3-8b", "--T", "1", "16", "--contexts", "64",
+                       "--reps", "1", "--out-dir", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "step-cost-cpu-dry-run.json").read_text())
+    assert result["complete"] and result["device"] == "cpu"
+    steps = [r for r in result["rows"] if "T" in r]
+    assert [(r["model"], r["context"], r["T"]) for r in steps] == [("tiny-gqa", 64, 1), ("tiny-gqa", 64, 16)]
+    assert all(r["eager_ms"] > 0 for r in steps)
+    (plain,) = [r for r in result["rows"] if r.get("kind") == "plain-vs-bandwidth"]
+    assert plain["bytes_per_token"] > 0 and plain["limit_tokens_per_s"] > 0
+    assert "| tiny-gqa | 64 | 16 |" in (tmp_path / "step-cost-cpu-dry-run.md").read_text()
+
+
+def test_step_layouts_have_the_asked_sizes():
+    bench = load("gpu_step_cost")
+    for T in bench.STEP_SIZES:
+        assert bench.step_layout(T, "cpu").T == T
+
+
+def test_e2e_rows_have_the_fields_other_code_reads():
+    bench = load("gpu_e2e")
+    ref = torch.tensor([[1, 2, 3, 4, 5]])
+    assert bench.first_diff(ref, ref, 2) is None
+    assert bench.first_diff(torch.tensor([[1, 2, 3, 9, 5]]), ref, 2) == 1
+    assert bench.first_diff(torch.tensor([[1, 2, 3, 4]]), ref, 2) == 2
+    per_prompt = [{"set": s, "prompt": i, "system": system, "new_tokens": 10, "seconds": t, "compression": c,
+                   "identical": same, "first_diff": None if same else 3}
+                  for s in ("mt_bench", "humaneval") for i in range(2)
+                  for system, t, c, same in (("ours-plain", 1.0, 1.0, True), ("ours-lookahead", 0.5, 2.0, i == 0),
+                                             ("hf-greedy", 2.0, 1.0, True), ("hf-prompt-lookup", 1.0, 1.5, True))]
+    rows = bench.aggregate(per_prompt, ["ours-plain", "ours-lookahead", "hf-greedy", "hf-prompt-lookup"])
+    assert len(rows) == 8
+    for r in rows:
+        assert {"set", "system", "tokens_per_s", "identical"} <= set(r)
+    la = next(r for r in rows if r["set"] == "humaneval" and r["system"] == "ours-lookahead")
+    assert la["tokens_per_s"] == 20.0 and la["vs_ours_plain"] == 2.0 and la["identical"] == 1
+    result = {"machine": {"torch": "x", "triton": "y", "cuda": None, "git": "z"}, "device": "cpu",
+              "dtype": "float32", "max_new_tokens": 10, "limit": 2, "command": "c", "rows": rows,
+              "per_prompt": per_prompt, "notes": [], "complete": True}
+    md = bench.render(result)
+    assert "| humaneval | ours-lookahead | 20.0 |" in md and "humaneval prompt 1 ours-lookahead: at 3" in md
