@@ -131,7 +131,7 @@ else
   wants pool && part pool 40 $PY bench/bench_pool.py --steps 300 --warmup 50 --out-dir "$WORK"
 fi
 
-wants model && part model 90 env PYTHON="$PY" scripts/gpu_model_setup.sh
+wants model && part model 90 env PYTHON="$PY" bash scripts/gpu_model_setup.sh
 if [ $DRY = 1 ]; then
   wants e2e && part e2e 600 $PY bench/gpu_e2e.py --dry-run --sets "${SETS[@]}" --out-dir "$WORK"
 else
