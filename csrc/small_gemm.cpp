@@ -15,6 +15,7 @@
 //   pack(Tensor weight) -> Tensor                                      weight [N, K] -> [ceil(N/32), K, 32]
 //   linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor     x [M, K] -> y [M, n]
 //   isa() -> str                                                       "avx512", "avx2" or "scalar"
+//   force_isa(str isa) -> ()            tests: run as "avx2" or "scalar" even where the CPU has more; "" undoes
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -131,8 +132,21 @@ const char* isa_name() {
   return "scalar";
 }
 
+// Tests force a narrower instruction set than the CPU's ("" restores the CPU's own).
+std::string& isa_override() {
+  static std::string isa;
+  return isa;
+}
+
+std::string current_isa() {
+  static const std::string cpu = isa_name();
+  const std::string& forced = isa_override();
+  if (forced == "scalar" || (forced == "avx2" && cpu != "scalar")) return forced;
+  return cpu;
+}
+
 GroupsFn pick(int64_t* max_rows) {
-  static const std::string isa = isa_name();
+  const std::string isa = current_isa();
   if (isa == "avx512") { *max_rows = 12; return k512_groups; }
   if (isa == "avx2") { *max_rows = 3; return k256_groups; }
   *max_rows = 1;
@@ -197,7 +211,13 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, cons
   return y;
 }
 
-std::string isa() { return isa_name(); }
+std::string isa() { return current_isa(); }
+
+void force_isa(const std::string& isa) {
+  TORCH_CHECK_VALUE(isa.empty() || isa == "avx2" || isa == "scalar",
+                    "lookahead_gemm.force_isa: expected '', 'avx2' or 'scalar', got '", isa, "'");
+  isa_override() = isa;
+}
 
 }  // namespace
 }  // namespace small_gemm
@@ -206,6 +226,7 @@ TORCH_LIBRARY(lookahead_gemm, m) {
   m.def("pack(Tensor weight) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("isa() -> str", &small_gemm::isa);
+  m.def("force_isa(str isa) -> ()", &small_gemm::force_isa);
 }
 
 TORCH_LIBRARY_IMPL(lookahead_gemm, CPU, m) {
