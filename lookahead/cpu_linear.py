@@ -56,7 +56,11 @@ def gemm_available(build: bool = True) -> bool:
 
     A failed build is remembered for the process (the reason in :func:`gemm_error`) and not retried.
     """
-    if _gemm_state.get("ok") or _gemm_registered():
+    ok = _gemm_state.get("ok")
+    if ok is not None:  # tried before in this process (a forward asks on every linear call)
+        return ok
+    if _gemm_registered():
+        _gemm_state["ok"] = True
         return True
     if os.environ.get(GEMM_ENV, "1") == "0" or not build:
         return False
