@@ -1,8 +1,8 @@
 """Cost of one CPU forward against the number of tokens fed, and plain decoding against transformers.
 
 1. The curve: one forward of T tokens (a causal block, logits for every row) after a context of ``--context``
-   committed tokens, for T in ``--T``, with the linear layers on plain ``F.linear`` ("torch", the old path) and
-   on oneDNN-packed weights ("packed", the default). Each time is the minimum over ``--reps`` rounds, the
+   committed tokens, for T in ``--T``, with the linear layers on plain ``F.linear`` ("torch"), on oneDNN-packed
+   weights ("onednn") and on our small-M GEMM ("packed", the default; ``--variants`` picks among them). Each time is the minimum over ``--reps`` rounds, the
    variants and T interleaved within a round, so load from other processes shifts them alike.
 2. Plain decoding (one token per forward, ``model.generate(ids, lookahead=None)``) with either linear path,
    and transformers' greedy ``generate`` on the same weights, on the first ``--prompts`` prompts of each dev
@@ -72,7 +72,7 @@ def curve(model, variants, Ts, context, reps):
                         samples[v][T].append(time.perf_counter() - t0)
             print(f"round {r}/{reps}: " + "  ".join(
                 f"{v} t(1)={min(samples[v][Ts[0]] or [float('nan')]) * 1e3:.1f}ms" for v in variants), file=sys.stderr)
-    if "packed" in variants:
+    if variants != ["base"]:
         model.set_cpu_linear("packed")
     return ({v: {T: min(s) for T, s in d.items()} for v, d in samples.items()},
             {v: {T: statistics.median(s) for T, s in d.items()} for v, d in samples.items()})
@@ -130,7 +130,8 @@ def markdown(result: dict) -> str:
              f"{result['context']} tokens, logits for all T rows; minimum of {result['reps']} interleaved rounds "
              f"(medians in the JSON).", ""]
     curves = dict(result["curve_min"])
-    labels = {"torch": "F.linear (before)", "packed": "oneDNN packed (after)", "base": "base"}
+    labels = {"torch": "F.linear", "onednn": "oneDNN packed (before)", "packed": "small GEMM (after)",
+              "base": "base"}
     for name, before in result.get("before", {}).items():
         curves[name] = before
         labels[name] = name
@@ -205,6 +206,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sets", nargs="+", default=DEFAULT_SETS)
     ap.add_argument("--prompts", type=int, default=3, help="prompts per set for the decoding comparison")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--variants", nargs="+", default=["torch", "onednn", "packed"],
+                    help="linear paths to time (those the model knows; an older checkout may lack some)")
     ap.add_argument("--repo", help="import lookahead from this checkout instead")
     ap.add_argument("--before", nargs="*", default=[], help="results JSON of other runs whose curves to add")
     ap.add_argument("--label", help="name of this run's curve when another run adds it with --before")
@@ -223,7 +226,15 @@ def main(argv=None) -> int:
     info = _common.machine_info("cpu")
     model, tokenizer = lookahead.load_default()
     model.eval()
-    variants = ["torch", "packed"] if hasattr(model, "set_cpu_linear") else ["base"]
+    if hasattr(model, "set_cpu_linear"):
+        from lookahead import cpu_linear
+        known = getattr(cpu_linear, "CPU_LINEAR_MODES", ("packed", "torch"))
+        variants = [v for v in args.variants if v in known]
+        if "packed" in variants and hasattr(cpu_linear, "gemm_available") and not cpu_linear.gemm_available():
+            print(f"note: the CPU GEMM is unavailable ({cpu_linear.gemm_error()}); 'packed' runs on oneDNN",
+                  file=sys.stderr)
+    else:
+        variants = ["base"]
     cmin, cmed = curve(model, variants, sorted(args.T), args.context, args.reps)
     result = {"command": _common.command_line(__file__, sys.argv[1:] if argv is None else argv),
               "machine": info, "threads": args.threads, "context": args.context, "reps": args.reps,

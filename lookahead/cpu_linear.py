@@ -1,31 +1,95 @@
-"""Linear layers for the CPU forward: float32 weights prepacked once for oneDNN (mkldnn).
+"""Linear layers for the CPU forward: float32 weights prepacked once, read once per step for all rows.
 
-A decoding step on a CPU reads every weight once whatever the number of rows, so what matters is how fast
-each weight streams through the cores. torch's default ``F.linear`` (MKL sgemm) reads at ~15 GB/s on one core
-of the reference machine and does not use AVX-512; oneDNN with a weight reordered once into its blocked
-layout reads at ~35 GB/s and computes with AVX-512 where the CPU has it, about 2x faster at every M from 1 to
-128 (measured in ``bench/results/forward-cpu.md``). The packed copy doubles the memory the weights take; the
-parameters themselves are left as they are, so ``state_dict()`` and loading are unchanged.
+A decoding step on a CPU reads every weight once whatever the number of rows (a few dozen at most), so what
+matters is how fast each weight streams through the cores and whether the step's few FLOPs per weight hide
+behind that stream. Two packed paths, both on a copy made at first use (the parameters are left as they are, so
+``state_dict()`` and loading are unchanged; the copy doubles the memory the weights take):
+
+* ``"packed"`` (default): our small-M GEMM (``csrc/small_gemm.cpp``, AVX-512 or AVX2, built just in time with
+  ninja on first use into torch's extensions directory). Weights in groups of 32 columns, K cut into 8 KB blocks
+  that all rows go over before the next is read, the next block prefetched meanwhile: a step of 16 rows costs
+  little more than one (measured in ``bench/results/forward-cpu.md``). Where it cannot be built (no compiler,
+  ``LOOKAHEAD_CPU_GEMM=0``) this falls back to ``"onednn"``.
+* ``"onednn"``: torch's oneDNN (mkldnn) linear on a weight reordered once into its blocked layout.
 
 Everything else (another dtype or device, autograd through the weight, a torch built without oneDNN) takes
-plain ``F.linear``.
+plain ``F.linear``; so does mode ``"torch"``, the reference.
 """
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
+import warnings
 import weakref
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-CPU_LINEAR_MODES = ("packed", "torch")
+CPU_LINEAR_MODES = ("packed", "onednn", "torch")
+GEMM_ENV = "LOOKAHEAD_CPU_GEMM"  # "0" disables our GEMM (mode "packed" then runs on oneDNN)
+
+_CSRC = Path(__file__).resolve().parent.parent / "csrc"
+_GEMM_NAME = "lookahead_cpu_gemm"
+_gemm_state: dict = {}  # "ok": bool once tried, "error": why not
+_gemm_lock = threading.Lock()
 
 
 def onednn_linear_available() -> bool:
-    """Whether this torch build has oneDNN and the two ops the packed path uses."""
+    """Whether this torch build has oneDNN and the two ops the oneDNN path uses."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") \
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _gemm_registered() -> bool:
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_gemm::linear", "CPU")
+    except RuntimeError:  # the op's schema is not registered yet
+        return False
+
+
+def gemm_available(build: bool = True) -> bool:
+    """Whether our small-M GEMM is loaded; with ``build``, build (first time, 10-60 s) and load it if needed.
+
+    A failed build is remembered for the process (the reason in :func:`gemm_error`) and not retried.
+    """
+    ok = _gemm_state.get("ok")
+    if ok is not None:  # tried before in this process (a forward asks on every linear call)
+        return ok
+    if _gemm_registered():
+        _gemm_state["ok"] = True
+        return True
+    if os.environ.get(GEMM_ENV, "1") == "0" or not build:
+        return False
+    with _gemm_lock:
+        if "ok" in _gemm_state:
+            return _gemm_state["ok"]
+        try:
+            from torch.utils import cpp_extension
+
+            source = _CSRC / "small_gemm.cpp"
+            library = Path(cpp_extension._get_build_directory(_GEMM_NAME, False)) / f"{_GEMM_NAME}.so"
+            if not library.is_file() or library.stat().st_mtime < source.stat().st_mtime:
+                print(f"lookahead: building the CPU GEMM extension {_GEMM_NAME} (first use only; takes 10-60 s)...",
+                      file=sys.stderr, flush=True)
+            cpp_extension.load(name=_GEMM_NAME, sources=[str(source)], extra_cflags=["-O3"],
+                               is_python_module=False, verbose=False)
+            _gemm_state["ok"] = _gemm_registered()
+            if not _gemm_state["ok"]:
+                _gemm_state["error"] = "the library loaded but registered no lookahead_gemm::linear"
+        except Exception as exc:  # no compiler / ninja, build or load failure: oneDNN instead
+            _gemm_state["ok"], _gemm_state["error"] = False, f"{type(exc).__name__}: {exc}"
+            warnings.warn(f"lookahead: the CPU GEMM extension could not be built ({_gemm_state['error'][:300]}); "
+                          f"the packed linear layers use oneDNN instead", RuntimeWarning, stacklevel=2)
+        return _gemm_state["ok"]
+
+
+def gemm_error() -> str | None:
+    """Why :func:`gemm_available` said no (None if it was not tried or worked)."""
+    return _gemm_state.get("error")
 
 
 def _weight_key(weight: torch.Tensor) -> tuple:
@@ -37,69 +101,96 @@ def _weight_key(weight: torch.Tensor) -> tuple:
     return weight.data_ptr(), version, tuple(weight.shape), weight.dtype, weight.device
 
 
-class PackedWeight:
-    """The oneDNN-packed copy of one weight, made on first use and remade when the weight changes.
+def _backend(mode: str) -> str | None:
+    """The packed layout mode ``mode`` runs on here: "gemm", "onednn" or None (plain F.linear)."""
+    if mode == "packed" and gemm_available():
+        return "gemm"
+    if mode in ("packed", "onednn") and onednn_linear_available():
+        return "onednn"
+    return None
 
-    Not a buffer: it never reaches ``state_dict()``; copies and pickles of the owner start without it.
+
+class PackedWeight:
+    """The packed copy of one weight, made on first use and remade when the weight or the mode changes.
+
+    ``mode`` is ``"packed"`` (our GEMM, else oneDNN) or ``"onednn"``. Not a buffer: it never reaches
+    ``state_dict()``; copies and pickles of the owner start without it.
     """
 
-    __slots__ = ("_ref", "_key", "_packed")
+    __slots__ = ("_ref", "_key", "_packed", "_backend", "mode")
 
-    def __init__(self) -> None:
-        self._ref = self._key = self._packed = None
+    def __init__(self, mode: str = "packed") -> None:
+        self._ref = self._key = self._packed = self._backend = None
+        self.mode = mode
 
-    def get(self, weight: torch.Tensor) -> torch.Tensor:
+    def get(self, weight: torch.Tensor) -> tuple[str | None, torch.Tensor | None]:
+        """``(backend, packed)``: backend "gemm" or "onednn", or ``(None, None)`` where neither applies."""
+        backend = _backend(self.mode)
+        if backend is None:
+            return None, None
         key = _weight_key(weight)
         # The weak reference tells a new tensor that reuses a freed one's memory from the one packed.
-        if self._ref is None or self._ref() is not weight or key != self._key:
+        if self._ref is None or self._ref() is not weight or key != self._key or backend != self._backend:
             self._packed = None  # free the old copy before making the new one
             with torch.no_grad():
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-            self._ref, self._key = weakref.ref(weight), key
-        return self._packed
+                w = weight.detach()
+                self._packed = torch.ops.lookahead_gemm.pack(w) if backend == "gemm" else \
+                    torch.ops.mkldnn._reorder_linear_weight(w, None)
+            self._ref, self._key, self._backend = weakref.ref(weight), key, backend
+        return backend, self._packed
 
     def clear(self) -> None:
-        self._ref = self._key = self._packed = None
+        self._ref = self._key = self._packed = self._backend = None
 
     def __reduce__(self):  # copies and pickles start empty (an oneDNN tensor can be neither)
-        return PackedWeight, ()
+        return PackedWeight, (self.mode,)
 
 
 def packed_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``x @ weight.T`` can take the packed path: float32 on the CPU, no gradient needed."""
+    """Whether ``x @ weight.T`` can take a packed path: float32 on the CPU, no gradient needed."""
     return x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32 \
         and weight.device.type == "cpu" and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pack: PackedWeight | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, through ``pack`` (oneDNN) when given and :func:`packed_applies`."""
+    """``F.linear(x, weight, bias)``, through ``pack`` (our GEMM or oneDNN) when given and :func:`packed_applies`."""
     if pack is None or not packed_applies(x, weight) or (bias is not None and bias.dtype != torch.float32):
         return F.linear(x, weight, bias)
     K = x.shape[-1]
-    if K != weight.shape[1]:  # the op would read out of bounds rather than fail cleanly
+    if K != weight.shape[1]:  # the ops would read out of bounds rather than fail cleanly
         raise ValueError(f"linear: input has {K} features but the weight {tuple(weight.shape)} expects {weight.shape[1]}")
-    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, K), pack.get(weight), bias, "none", [], "")
-    return y.view(*x.shape[:-1], weight.shape[0])
+    backend, packed = pack.get(weight)
+    if backend is None:
+        return F.linear(x, weight, bias)
+    N = weight.shape[0]
+    x2 = x.reshape(-1, K)
+    if backend == "gemm":
+        y = torch.ops.lookahead_gemm.linear(x2, packed, N, None if bias is None else bias.detach())
+    else:
+        y = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
+    return y.view(*x.shape[:-1], N)
 
 
 class CpuLinear(nn.Linear):
     """``nn.Linear`` (same parameters and state dict) that runs on prepacked weights on the CPU.
 
-    ``mode`` is ``"packed"`` (default; falls back to ``F.linear`` where the packed path does not apply or oneDNN
-    is missing) or ``"torch"`` (always ``F.linear``, the reference and the benchmark's "before").
+    ``mode`` is one of :data:`CPU_LINEAR_MODES`: ``"packed"`` (default: our GEMM, else oneDNN, else
+    ``F.linear`` where no packed path applies), ``"onednn"``, or ``"torch"`` (always ``F.linear``, the reference).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.pack = PackedWeight() if onednn_linear_available() else None
+        self.pack = PackedWeight()
         self.mode = "packed"
 
     def set_mode(self, mode: str) -> None:
         if mode not in CPU_LINEAR_MODES:
             raise ValueError(f"CPU linear mode must be one of {CPU_LINEAR_MODES}, got {mode!r}")
         self.mode = mode
-        if mode == "torch" and self.pack is not None:
+        if mode == "torch":
             self.pack.clear()
+        else:
+            self.pack.mode = mode  # the next call repacks if the layout changes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.pack if self.mode == "packed" else None)
+        return linear(x, self.weight, self.bias, self.pack if self.mode != "torch" else None)

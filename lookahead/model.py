@@ -449,8 +449,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None if config.tie_word_embeddings else \
                 CpuLinear(config.hidden_size, config.vocab_size, bias=False)
         # A tied head is the embedding matrix used as a linear layer; its packed copy lives here.
-        self._tied_head_pack = PackedWeight() if config.tie_word_embeddings and \
-            cpu_linear.onednn_linear_available() else None
+        self._tied_head_pack = PackedWeight() if config.tie_word_embeddings else None
         self._cpu_linear_mode = "packed"
         self.to(dtype)
         # The inverse frequencies must stay float32 whatever dtype the model is cast to, so they are stored
@@ -487,15 +486,19 @@ class LlamaForCausalLM(nn.Module):
         return from_pretrained(path, dtype=dtype, device=device, gguf_file=gguf_file)
 
     def set_cpu_linear(self, mode: str) -> None:
-        """How linear layers run on the CPU in float32: ``"packed"`` (default: oneDNN on weights packed at first
-        use, see :mod:`lookahead.cpu_linear`) or ``"torch"`` (plain ``F.linear``; frees the packed copies)."""
+        """How linear layers run on the CPU in float32: ``"packed"`` (default: our small-M GEMM on weights packed at
+        first use, oneDNN where it cannot be built; see :mod:`lookahead.cpu_linear`), ``"onednn"`` (oneDNN on
+        packed weights) or ``"torch"`` (plain ``F.linear``; frees the packed copies)."""
         if mode not in cpu_linear.CPU_LINEAR_MODES:
             raise ValueError(f"CPU linear mode must be one of {cpu_linear.CPU_LINEAR_MODES}, got {mode!r}")
         for module in self.modules():
             if isinstance(module, CpuLinear):
                 module.set_mode(mode)
-        if self._tied_head_pack is not None and mode == "torch":
-            self._tied_head_pack.clear()
+        if self._tied_head_pack is not None:
+            if mode == "torch":
+                self._tied_head_pack.clear()
+            else:
+                self._tied_head_pack.mode = mode
         self._cpu_linear_mode = mode
 
     @property
@@ -603,7 +606,7 @@ class LlamaForCausalLM(nn.Module):
             x = x[:, logits_rows]
         if self.lm_head is not None:
             return self.lm_head(self.norm(x)).float()
-        pack = self._tied_head_pack if self._cpu_linear_mode == "packed" else None
+        pack = self._tied_head_pack if self._cpu_linear_mode != "torch" else None
         return cpu_linear.linear(self.norm(x), self.embed.weight, None, pack).float()
 
     def generate(self, input_ids=None, max_new_tokens: int | None = None, **kwargs):

@@ -1,5 +1,5 @@
-"""The fast CPU forward: prepacked (oneDNN) linear layers against a float64 reference, and the whole model's
-logits on the packed path against plain ``F.linear``."""
+"""The fast CPU forward: prepacked linear layers (our small-M GEMM on every instruction set it has, and oneDNN)
+against a float64 reference, and the whole model's logits on the packed paths against plain ``F.linear``."""
 
 from __future__ import annotations
 
@@ -18,15 +18,37 @@ from lookahead_kernels.attention_ref import StepAttention
 needs_onednn = pytest.mark.skipif(not cpu_linear.onednn_linear_available(), reason="torch built without oneDNN")
 
 
+@pytest.fixture(params=["onednn", "avx512", "avx2", "scalar"])
+def packed_mode(request):
+    """A PackedWeight mode, our GEMM forced to each instruction set (skipped where the CPU lacks it)."""
+    if request.param == "onednn":
+        if not cpu_linear.onednn_linear_available():
+            pytest.skip("torch built without oneDNN")
+        yield "onednn"
+        return
+    if not cpu_linear.gemm_available():
+        pytest.skip(f"no CPU GEMM: {cpu_linear.gemm_error()}")
+    gemm = torch.ops.lookahead_gemm
+    gemm.force_isa("")
+    cpu_isa = gemm.isa()
+    if request.param == "avx512" and cpu_isa != "avx512" or request.param == "avx2" and cpu_isa == "scalar":
+        pytest.skip(f"this CPU runs {cpu_isa}")
+    gemm.force_isa("" if request.param == "avx512" else request.param)
+    assert gemm.isa() == request.param
+    try:
+        yield "packed"
+    finally:
+        gemm.force_isa("")
+
+
 def ref_linear(x, w, b):
     y = x.double() @ w.double().t()
     return y if b is None else y + b.double()
 
 
-@needs_onednn
-@pytest.mark.parametrize("M", [1, 2, 3, 7, 16, 33, 128])
-@pytest.mark.parametrize("N,K,bias", [(37, 19, True), (130, 67, False), (64, 576, True)])
-def test_packed_linear_matches_float64(M, N, K, bias):
+@pytest.mark.parametrize("M", [1, 2, 3, 7, 13, 16, 33, 128])
+@pytest.mark.parametrize("N,K,bias", [(37, 19, True), (130, 67, False), (64, 576, True), (96, 300, False)])
+def test_packed_linear_matches_float64(M, N, K, bias, packed_mode):
     g = torch.Generator().manual_seed(M * 1000 + N)
     w = torch.randn(N, K, generator=g)
     b = torch.randn(N, generator=g) if bias else None
@@ -35,7 +57,9 @@ def test_packed_linear_matches_float64(M, N, K, bias):
     buf[:, 2:K + 2] = torch.randn(M, K, generator=g)
     x = buf[:, 2:K + 2]
     with torch.inference_mode():
-        y = cpu_linear.linear(x, w, b, PackedWeight())
+        pack = PackedWeight(packed_mode)
+        y = cpu_linear.linear(x, w, b, pack)
+    assert pack._backend == ("onednn" if packed_mode == "onednn" else "gemm")
     assert y.shape == (M, N) and y.dtype == torch.float32
     assert torch.isfinite(y).all()
     ref = ref_linear(x, w, b)
@@ -109,16 +133,20 @@ def _run(model, ids, n_prompt):
     return out
 
 
+@pytest.mark.parametrize("mode", ["packed", "onednn"])
 @pytest.mark.parametrize("tied,bias", [(True, False), (False, True)])
-def test_model_packed_matches_plain_linear(tied, bias):
+def test_model_packed_matches_plain_linear(tied, bias, mode):
     model = _random_model(tied, bias)
     keys = sorted(model.state_dict())
     ids = torch.randint(0, TINY["vocab_size"], (1, 20))
     with torch.inference_mode():
+        model.set_cpu_linear(mode)
         fast = _run(model, ids, 14)
         model.set_cpu_linear("torch")
         plain = _run(model, ids, 14)
-        model.set_cpu_linear("packed")
+        model.set_cpu_linear("onednn" if mode == "packed" else "packed")  # the other layout, then back
+        _run(model, ids, 14)
+        model.set_cpu_linear(mode)
         again = _run(model, ids, 14)
     for f, p, a in zip(fast, plain, again):
         assert torch.isfinite(f).all()
@@ -127,6 +155,34 @@ def test_model_packed_matches_plain_linear(tied, bias):
     assert sorted(model.state_dict()) == keys  # the packed copies are not state
     with pytest.raises(ValueError, match="mode"):
         model.set_cpu_linear("bf16")
+
+
+def test_gemm_rejects_bad_arguments():
+    if not cpu_linear.gemm_available():
+        pytest.skip(f"no CPU GEMM: {cpu_linear.gemm_error()}")
+    gemm = torch.ops.lookahead_gemm
+    packed = gemm.pack(torch.randn(40, 24))
+    assert packed.shape == (2, 24, 32)  # 40 columns in groups of 32, zero-padded
+    with pytest.raises(ValueError, match="K="):
+        gemm.linear(torch.randn(3, 23), packed, 40, None)
+    with pytest.raises(ValueError, match="n="):
+        gemm.linear(torch.randn(3, 24), packed, 70, None)
+    with pytest.raises(ValueError, match="bias"):
+        gemm.linear(torch.randn(3, 24), packed, 40, torch.randn(39))
+    with pytest.raises(ValueError, match="force_isa"):
+        gemm.force_isa("sse")
+    assert gemm.linear(torch.randn(0, 24), packed, 40, None).shape == (0, 40)
+
+
+def test_gemm_unavailable_falls_back_to_onednn(monkeypatch):
+    # Where the extension cannot be built (no compiler, LOOKAHEAD_CPU_GEMM=0), "packed" runs on oneDNN.
+    monkeypatch.setattr(cpu_linear, "gemm_available", lambda build=True: False)
+    lin = CpuLinear(24, 10)
+    x = torch.randn(3, 24)
+    with torch.inference_mode():
+        y = lin(x)
+    assert lin.pack._backend == ("onednn" if cpu_linear.onednn_linear_available() else None)
+    assert torch.allclose(y, torch.nn.functional.linear(x, lin.weight, lin.bias), atol=1e-5)
 
 
 def test_step_attention_matches_attention_torch_per_sequence_lengths():
