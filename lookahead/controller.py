@@ -40,6 +40,9 @@ GPU_BATCH_MENU = (1024,)
 _CONTEXT = 256
 # The window runs when it makes a full step at most this much slower than the tree alone.
 WINDOW_COST_LIMIT = 1.05
+# A batch builds trees only as large as could pay if each node were accepted with this chance once its parent is
+# (a chain): beyond, no tree pays for its rows' host work (building, learning), and at 0 the batch steps plainly.
+OPTIMISTIC_ACCEPTANCE = 0.9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,6 +212,16 @@ class StepPlanner:
     def __init__(self, costs: StepCosts, window_tokens: int):
         self.costs = costs
         self.window_tokens = window_tokens
+        self._reach: dict[tuple, int] = {}
+
+    def reach(self, batch_size: int, budget: int) -> int:
+        """The largest tree per row (at most ``budget``) that a batch of ``batch_size`` rows would take if every
+        node were a chain link accepted with chance ``OPTIMISTIC_ACCEPTANCE``; 0: lookahead cannot pay."""
+        key = (batch_size, budget)
+        if key not in self._reach:
+            chain = [OPTIMISTIC_ACCEPTANCE ** (d + 1) for d in range(budget)]
+            self._reach[key] = self.choose_batch([chain] * batch_size)
+        return self._reach[key]
 
     def choose(self, gains: list[float]) -> int:
         """How many of the nodes to verify. ``gains`` are the nodes' reach probabilities in the order the

@@ -413,7 +413,7 @@ def _decode(model, cache, rows: list[_Row], sampler: _Sampler, plan, pad: bool, 
     active = list(rows)
     max_pos = model.config.max_position_embeddings
     while active:
-        if plan is None or _near_the_end(active, plan.shape, max_pos):
+        if plan is None or _near_the_end(active, plan.shape, max_pos) or _batch_too_big(active, plan):
             accepted.append(_plain_step(model, cache, active, sampler, device))
         else:
             accepted.append(_lookahead_step(model, cache, active, sampler, plan, pad, device))
@@ -436,6 +436,23 @@ def _near_the_end(active: list[_Row], shape, max_pos: int) -> bool:
     return any(r.cache_len + reach >= max_pos for r in active)
 
 
+def _tree_budget(active: list[_Row], plan) -> int:
+    """The most tree nodes a row may take this step: what the window leaves of the step (while it warms up the
+    window feeds fewer tokens), and for a batch in automatic mode at most the planner's reach."""
+    shape = plan.shape
+    budget = shape.max_tokens - shape.window * active[0].window.levels
+    if plan.planner is not None and len(active) > 1:  # batch 1 keeps its tuned behaviour: the planner alone
+        budget = min(budget, plan.planner.reach(len(active), budget))
+    return budget
+
+
+def _batch_too_big(active: list[_Row], plan) -> bool:
+    """Whether, in automatic mode, no tree could pay for this many rows (and there is no window): a plain step
+    then saves every row's host work on trees."""
+    return len(active) > 1 and plan.planner is not None and plan.shape.window == 1 and \
+        _tree_budget(active, plan) == 0
+
+
 def _plain_step(model, cache, active: list[_Row], sampler: _Sampler, device) -> int:
     lens = [r.cache_len for r in active]
     logits = model(torch.tensor([[r.x] for r in active], device=device), torch.tensor([[n] for n in lens],
@@ -450,11 +467,9 @@ def _plain_step(model, cache, active: list[_Row], sampler: _Sampler, device) -> 
 
 def _lookahead_step(model, cache, active: list[_Row], sampler: _Sampler, plan, pad: bool, device) -> int:
     """One step for every active row: plan and build the trees, run, verify, compact, commit and observe."""
-    shape = plan.shape
-    W = shape.window
+    W = plan.shape.window
     levels = active[0].window.levels  # the rows started together: their windows warm up in step
-    # While warming up the window feeds fewer tokens: the tree may take what it leaves of the step.
-    budget = shape.max_tokens - W * levels
+    budget = _tree_budget(active, plan)
     proposals = [r.drafts.propose(r.emitter.sequence, budget) for r in active]
     if plan.planner is not None:  # one size for all rows: they are padded to one shape anyway
         keep = plan.planner.choose_batch([[n.score for n in p] for p in proposals])

@@ -150,6 +150,9 @@ def test_the_planner_shrinks_the_tree_as_the_batch_grows():
     sizes = [planner.choose_batch([gains] * B) for B in (1, 4, 16, 64)]
     assert sizes[0] == planner.choose(gains) > 0
     assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[1] and sizes[-1] == 0
+    # the optimistic reach bounds what a batch builds; past it a batch steps plainly
+    reach = [planner.reach(B, 63) for B in (1, 4, 16, 64)]
+    assert reach == sorted(reach, reverse=True) and reach[0] >= sizes[0] and reach[-1] == 0
     # a row with fewer candidates still pays for the padding: one rich row cannot buy a big tree for many
     assert planner.choose_batch([gains] + [[]] * 15) < planner.choose_batch([gains] * 16) or \
         planner.choose_batch([gains] * 16) == 0
