@@ -260,6 +260,9 @@ class _Row:
         self.stats.fed_tokens += fed
         taken = self.emitter.emit(tokens)
         self.stats.accepted.append(taken)
+        if self.history is not None:  # plain steps too: a batch may resume lookahead after them
+            n = len(self.emitter.sequence)
+            self.history[n - taken: n] = torch.tensor(self.emitter.sequence[n - taken:], dtype=torch.long)
         return taken
 
 
@@ -514,7 +517,6 @@ def _lookahead_step(model, cache, active: list[_Row], sampler: _Sampler, plan, p
         row.cache_len += 1 + a
         taken = row.commit(emitted, step.layout.T)
         emitted_total += taken
-        row.history[committed: len(sequence)] = torch.tensor(sequence[committed:], dtype=torch.long)
         tree = trees[b]
         if row.stats.trace is not None:
             row.stats.trace.append(StepTrace(committed - 1, tuple(tree.tokens[: tree.num_nodes].tolist()),

@@ -214,3 +214,16 @@ def test_smollm2_batch_rows_equal_batch_one(set_name):
         out = model.generate(prompts, max_new_tokens=20, lookahead=la)
         check_rows(out, refs, prompts, pad_id=model.config.pad_token_id if model.config.pad_token_id is not None
                    else model.config.eos_token_id[0])
+
+
+def test_lookahead_resumes_when_rows_leave(tiny):
+    """16 rows step plainly (CPU_LIKE); once the rows that stop early have left, the last one uses trees again."""
+    short, long = mixed_prompts()[2], mixed_prompts()[0]
+    eos = int(alone(tiny, [short], None, max_new_tokens=4)[0][-1])
+    ref_long = alone(tiny, [long], None, max_new_tokens=30, eos_token_id=eos)[0]
+    assert len(ref_long) == len(long) + 30, "the long row should not meet the EOS"
+    out = tiny.generate([short] * 15 + [long], max_new_tokens=30, lookahead=CONFIGS["auto-cpu"], eos_token_id=eos)
+    check_rows(out, alone(tiny, [short], None, max_new_tokens=30, eos_token_id=eos) * 15 + [ref_long],
+               [short] * 15 + [long], pad_id=eos)
+    last = out.stats.rows[-1]
+    assert last.accepted[:4] == [1] * 4 and last.fed_tokens > last.steps  # plain while crowded, trees after
