@@ -1,8 +1,10 @@
 """``generate``'s arguments in transformers' conventions, normalised to what the decoding loops take.
 
-* ``input_ids`` ``[1, L]`` (or ``[L]``) with an optional ``attention_mask`` of the same shape: all ones, or left
-  padding (zeros, then ones), which is stripped before decoding and put back in front of the output, so
-  ``model.generate(**tokenizer(text, return_tensors="pt"))`` works and ``sequences`` has transformers' layout.
+* ``input_ids`` ``[B, L]`` (or ``[L]``) with an optional ``attention_mask`` of the same shape: per row all ones,
+  or left padding (zeros, then ones), which is stripped before decoding and put back in front of the output, so
+  ``model.generate(**tokenizer(texts, return_tensors="pt", padding=True))`` works (with the tokenizer's
+  ``padding_side="left"``) and ``sequences`` has transformers' layout. Or a list of prompts of any lengths, each a
+  list of ints or a 1-D tensor (no mask: each prompt is all tokens).
 * Sampling and length parameters (``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``max_new_tokens``,
   ``max_length``, ``eos_token_id``, ``pad_token_id``) as keywords or in a transformers ``GenerationConfig``;
   a keyword overrides the config, and ``None`` means unset (the config's value, else the default: greedy,
@@ -39,8 +41,9 @@ class GenerateArguments:
     """The normalised arguments.
 
     Attributes:
-        input_ids: LongTensor ``[1, L]``, the prompt without its left padding.
-        padding: LongTensor ``[1, P]``, the stripped left padding (``P`` may be 0); goes back in front of the output.
+        prompts: per row, LongTensor ``[L_b]`` (CPU), the prompt without its left padding (not range-checked).
+        padding: per row, LongTensor ``[P_b]``, the stripped left padding as given (``P_b`` may be 0; empty for a
+            list of prompts); goes back in front of the output.
         max_new_tokens: resolved int (not yet range-checked against the model).
         do_sample, temperature, top_k, top_p: the sampling parameters, unset ones at their defaults.
         eos_token_id: int, list of ints, or ``None`` (the model's own).
@@ -48,8 +51,8 @@ class GenerateArguments:
         streamer: a :class:`StreamerAdapter` or ``None``.
     """
 
-    input_ids: torch.Tensor
-    padding: torch.Tensor
+    prompts: list
+    padding: list
     max_new_tokens: object
     do_sample: object
     temperature: object
@@ -140,9 +143,10 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def _strip_left_padding(ids: torch.Tensor, attention_mask) -> tuple[torch.Tensor, torch.Tensor]:
+def _strip_left_padding(ids: torch.Tensor, attention_mask) -> tuple[list, list]:
+    """Per row: (prompt, padding), 1-D each, from ``ids [B, L]`` and an optional left-padding mask."""
     if attention_mask is None:
-        return ids, ids[:, :0]
+        return list(ids), [row[:0] for row in ids]
     if not isinstance(attention_mask, torch.Tensor):
         raise ValueError(f"attention_mask must be a tensor like input_ids, got {type(attention_mask).__name__}")
     mask = attention_mask[None] if attention_mask.dim() == 1 else attention_mask
@@ -151,30 +155,64 @@ def _strip_left_padding(ids: torch.Tensor, attention_mask) -> tuple[torch.Tensor
                          f"{tuple(ids.shape)}; they must match")
     if mask.is_complex() or not bool(((mask == 0) | (mask == 1)).all()):
         raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
-    row = mask[0].to(torch.long).cpu()
-    pad = int((row.cumsum(0) == 0).sum())  # leading zeros
-    if pad == row.numel():
-        raise ValueError("attention_mask is all zeros: the prompt has no tokens")
-    if not bool(row[pad:].eq(1).all()):
-        raise ValueError("attention_mask must be all ones, or left padding (zeros, then ones); right padding or "
-                         "gaps inside the prompt are not supported")
-    return ids[:, pad:], ids[:, :pad]
+    prompts, padding = [], []
+    for b, row in enumerate(mask.to(torch.long).cpu()):
+        pad = int((row.cumsum(0) == 0).sum())  # leading zeros
+        where = f" (row {b})" if mask.shape[0] > 1 else ""
+        if pad == row.numel():
+            raise ValueError(f"attention_mask is all zeros{where}: the prompt has no tokens")
+        if not bool(row[pad:].eq(1).all()):
+            raise ValueError(f"attention_mask must be all ones, or left padding (zeros, then ones){where}; right "
+                             f"padding or gaps inside the prompt are not supported")
+        prompts.append(ids[b, pad:])
+        padding.append(ids[b, :pad])
+    return prompts, padding
+
+
+def _check_ids_dtype(t: torch.Tensor, name: str) -> None:
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integer token ids, got dtype {t.dtype}")
 
 
 def _as_2d_ids(input_ids) -> torch.Tensor:
     if input_ids is None:
-        raise ValueError("generate needs input_ids (a LongTensor [1, prompt_len])")
+        raise ValueError("generate needs input_ids (a LongTensor [B, prompt_len], or a list of prompts)")
     if not isinstance(input_ids, torch.Tensor):
-        raise ValueError(f"input_ids must be a LongTensor [1, prompt_len], got {type(input_ids).__name__}")
-    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
-        raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+        raise ValueError(f"input_ids must be a LongTensor [B, prompt_len] or a list of prompts, got "
+                         f"{type(input_ids).__name__}")
+    _check_ids_dtype(input_ids, "input_ids")
     ids = input_ids[None] if input_ids.dim() == 1 else input_ids
     if ids.dim() != 2:
-        raise ValueError(f"input_ids must be [1, prompt_len], got shape {tuple(input_ids.shape)}")
-    if ids.shape[0] != 1:
-        raise ValueError(f"generate supports batch size 1 only, got a batch of {ids.shape[0]} (batches are not "
-                         f"supported yet)")
+        raise ValueError(f"input_ids must be [B, prompt_len] or [prompt_len], got shape {tuple(input_ids.shape)}")
+    if ids.shape[0] == 0:
+        raise ValueError("input_ids has a batch of 0 prompts; at least one is needed")
+    if ids.shape[1] == 0:
+        raise ValueError("the prompt is empty: input_ids needs at least one token")
     return ids
+
+
+def _prompt_list(prompts) -> list:
+    """A list of prompts (lists of ints or 1-D integer tensors) as 1-D LongTensors."""
+    if len(prompts) == 0:
+        raise ValueError("the list of prompts is empty; at least one prompt is needed")
+    out = []
+    for b, p in enumerate(prompts):
+        if isinstance(p, torch.Tensor):
+            _check_ids_dtype(p, f"prompt {b}")
+            if p.dim() != 1:
+                raise ValueError(f"prompt {b} must be a 1-D tensor or a list of ints, got shape {tuple(p.shape)}")
+            t = p.long()
+        elif isinstance(p, (list, tuple)):
+            if any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in p):
+                raise ValueError(f"prompt {b} must hold ints (token ids), got {list(p)[:8]!r}")
+            t = torch.tensor([int(v) for v in p], dtype=torch.long)
+        else:
+            raise ValueError(f"a list of prompts must hold lists of ints or 1-D tensors, got {type(p).__name__} "
+                             f"at {b} (for one prompt pass a tensor or a list holding one list)")
+        if t.numel() == 0:
+            raise ValueError(f"prompt {b} is empty: every prompt needs at least one token")
+        out.append(t)
+    return out
 
 
 def _check_token_id(name: str, value, allow_list: bool) -> None:
@@ -214,17 +252,26 @@ def resolve_generate_arguments(input_ids, *, attention_mask=None, max_new_tokens
         values.update({k: v for k, v in fields.items() if k in SUPPORTED_FIELDS})
     values.update({k: v for k, v in explicit.items() if v is not None})  # keywords override the config
 
-    ids = _as_2d_ids(input_ids)
-    prompt, padding = _strip_left_padding(ids, attention_mask)
+    if isinstance(input_ids, (list, tuple)):
+        if attention_mask is not None:
+            raise ValueError("attention_mask goes with input_ids [B, L]; a list of prompts needs none (each "
+                             "prompt is all tokens)")
+        prompts = _prompt_list(input_ids)
+        padding = [p[:0] for p in prompts]
+        given_len = max(p.numel() for p in prompts)
+    else:
+        ids = _as_2d_ids(input_ids)
+        prompts, padding = _strip_left_padding(ids, attention_mask)
+        given_len = ids.shape[1]
 
     max_new = values.get("max_new_tokens")
     if max_new is None and values.get("max_length") is not None:
         max_length = values["max_length"]
         if isinstance(max_length, bool) or not isinstance(max_length, numbers.Integral):
             raise ValueError(f"max_length must be an int, got {max_length!r}")
-        max_new = int(max_length) - ids.shape[1]  # transformers counts the padded prompt
+        max_new = int(max_length) - given_len  # transformers counts the padded prompt
         if max_new < 1:
-            raise ValueError(f"max_length={max_length} leaves no room after the {ids.shape[1]}-token prompt; "
+            raise ValueError(f"max_length={max_length} leaves no room after the {given_len}-token prompt; "
                              f"use max_new_tokens")
     if max_new is None:
         max_new = DEFAULT_MAX_NEW_TOKENS
@@ -238,7 +285,7 @@ def resolve_generate_arguments(input_ids, *, attention_mask=None, max_new_tokens
         eos = list(eos)
     adapter = None if streamer is None else StreamerAdapter(streamer, one_token_per_step)
     return GenerateArguments(
-        input_ids=prompt, padding=padding, max_new_tokens=max_new,
+        prompts=prompts, padding=padding, max_new_tokens=max_new,
         do_sample=values.get("do_sample", False), temperature=values.get("temperature", 1.0), top_k=values.get("top_k", 0), top_p=values.get("top_p", 1.0),
         eos_token_id=eos, pad_token_id=values.get("pad_token_id"), streamer=adapter)
 

@@ -9,6 +9,11 @@ and thread count, in well under a second, and cached in memory (on the model obj
 On a GPU a step is bound by reading the weights up to a few hundred tokens, so ``t`` is nearly flat and the
 controller takes big trees (and the lookahead window); on a CPU it grows with ``T`` and the controller takes
 small trees, or plain steps when the guesses are poor.
+
+A batch of ``B`` rows feeds ``B * T`` tokens per step and reads the weights once for all of them, so a step costs
+``t(B * T)``: the more rows, the sooner the step is compute-bound, and the tree per row shrinks (to nothing, a
+plain step, when it no longer pays). The planner picks one tree size for all rows (they are padded to one shape)
+maximising the batch's expected tokens per second.
 """
 
 from __future__ import annotations
@@ -27,10 +32,17 @@ from lookahead_kernels import StepLayout
 # Step sizes whose cost is measured; between them the cost is interpolated linearly.
 CPU_MENU = (1, 4, 16, 64)
 GPU_MENU = (1, 16, 64, 128, 256)
+# Measured on first use by a batch whose steps feed more tokens than the menu's last (beyond it, ``t`` is
+# extrapolated linearly: there a step is compute-bound). One point keeps that first use short.
+CPU_BATCH_MENU = (256,)
+GPU_BATCH_MENU = (1024,)
 # Context the cost is measured at (attention over it is part of a step's cost).
 _CONTEXT = 256
 # The window runs when it makes a full step at most this much slower than the tree alone.
 WINDOW_COST_LIMIT = 1.05
+# A batch builds trees only as large as could pay if each node were accepted with this chance once its parent is
+# (a chain): beyond, no tree pays for its rows' host work (building, learning), and at 0 the batch steps plainly.
+OPTIMISTIC_ACCEPTANCE = 0.9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,9 +112,9 @@ def cost_key(model) -> str:
 
 
 @torch.inference_mode()
-def measure_step_costs(model, menu=None) -> StepCosts:
+def measure_step_costs(model, menu=None, runs: int = 2) -> StepCosts:
     """Time one forward pass of ``model`` at each step size of ``menu`` (default: by device) at a context of
-    256 tokens; the fastest of two runs after a warm-up, about half a second in all on a CPU."""
+    256 tokens; the fastest of ``runs`` runs after a warm-up, about half a second in all on a CPU."""
     device = model.device
     menu = menu or (GPU_MENU if device.type == "cuda" else CPU_MENU)
     max_pos = model.config.max_position_embeddings
@@ -116,7 +128,7 @@ def measure_step_costs(model, menu=None) -> StepCosts:
         layout = StepLayout.prefill(T)
         rows = torch.arange(T, device=device)
         best = float("inf")
-        for run in range(3):
+        for run in range(runs + 1):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             start = time.perf_counter()
@@ -129,33 +141,35 @@ def measure_step_costs(model, menu=None) -> StepCosts:
     return StepCosts.from_pairs(pairs)
 
 
-def step_costs(model, cache_to_disk: bool = True) -> StepCosts:
-    """The cost model of ``model`` on its device: from the model object's memory, else the disk cache (keyed by
-    device, dtype, thread count, torch version and model shape), else measured now and stored in both."""
-    key = cost_key(model)
+def _load_table(path: str) -> dict:
+    try:
+        with open(path) as f:
+            table = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
+def _cached_costs(model, key: str, measure, cache_to_disk: bool) -> StepCosts:
+    """The costs stored under ``key``: in the model object's memory, else on disk, else ``measure()`` stored
+    in both."""
     memo = getattr(model, "step_costs_cache", None)
     if memo is None:
         memo = model.step_costs_cache = {}
     if key in memo:
         return memo[key]
     path = os.path.join(_cache_dir(), "step-costs.json")
-    table = {}
-    if cache_to_disk:
+    table = _load_table(path) if cache_to_disk else {}
+    if key in table:
         try:
-            with open(path) as f:
-                table = json.load(f)
-        except (OSError, ValueError):
-            table = {}
-        if isinstance(table, dict) and key in table:
-            try:
-                memo[key] = StepCosts.from_pairs(table[key])
-                return memo[key]
-            except (TypeError, ValueError):
-                pass  # a damaged entry is measured again
-    costs = measure_step_costs(model)
+            memo[key] = StepCosts.from_pairs(table[key])
+            return memo[key]
+        except (TypeError, ValueError):
+            pass  # a damaged entry is measured again
+    costs = measure()
     memo[key] = costs
     if cache_to_disk:
-        table = table if isinstance(table, dict) else {}
+        table = _load_table(path)  # re-read: another entry may have been written meanwhile
         table[key] = list(zip(costs.tokens, costs.seconds))
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -168,34 +182,79 @@ def step_costs(model, cache_to_disk: bool = True) -> StepCosts:
     return costs
 
 
+def step_costs(model, cache_to_disk: bool = True) -> StepCosts:
+    """The cost model of ``model`` on its device: from the model object's memory, else the disk cache (keyed by
+    device, dtype, thread count, torch version and model shape), else measured now and stored in both."""
+    return _cached_costs(model, cost_key(model), lambda: measure_step_costs(model), cache_to_disk)
+
+
+def batch_step_costs(model, base: StepCosts, tokens: int, cache_to_disk: bool = True) -> StepCosts:
+    """``base`` extended with the batch menu's sizes up to ``tokens`` fed per step (measured on first use, with
+    one timed run each, and cached like :func:`step_costs` under the key plus ``|batch``)."""
+    menu = CPU_BATCH_MENU if model.device.type != "cuda" else GPU_BATCH_MENU
+    if tokens <= base.max_tokens or menu[0] <= base.max_tokens:
+        return base
+    extra = _cached_costs(model, cost_key(model) + "|batch", lambda: measure_step_costs(model, menu, runs=1),
+                          cache_to_disk)
+    pairs = dict(zip(base.tokens, base.seconds))
+    pairs.update((t, s) for t, s in zip(extra.tokens, extra.seconds) if t > base.max_tokens)
+    return StepCosts.from_pairs(pairs.items())
+
+
 class StepPlanner:
     """Picks each step's tree size from the expected gains of its nodes and the cost model.
 
     Args:
         costs: the :class:`StepCosts` of this device, model and dtype.
-        window_tokens: tokens the lookahead branch feeds (``1``: ``x`` alone, no window).
+        window_tokens: tokens the lookahead branch feeds per row (``1``: ``x`` alone, no window).
     """
 
     def __init__(self, costs: StepCosts, window_tokens: int):
         self.costs = costs
         self.window_tokens = window_tokens
+        self._reach: dict[tuple, int] = {}
+
+    def reach(self, batch_size: int, budget: int) -> int:
+        """The largest tree per row (at most ``budget``) that a batch of ``batch_size`` rows would take if every
+        node were a chain link accepted with chance ``OPTIMISTIC_ACCEPTANCE``; 0: lookahead cannot pay."""
+        key = (batch_size, budget)
+        if key not in self._reach:
+            chain = [OPTIMISTIC_ACCEPTANCE ** (d + 1) for d in range(budget)]
+            self._reach[key] = self.choose_batch([chain] * batch_size)
+        return self._reach[key]
 
     def choose(self, gains: list[float]) -> int:
         """How many of the nodes to verify. ``gains`` are the nodes' reach probabilities in the order the
         builder took them (each node after its parent), so any prefix is a tree."""
-        best, best_rate, total = 0, 1.0 / self.costs(self.window_tokens), 0.0
-        for b, g in enumerate(gains, start=1):
-            total += g
-            rate = (1.0 + total) / self.costs(self.window_tokens + b)
+        return self.choose_batch([gains])
+
+    def choose_batch(self, gains: list[list[float]]) -> int:
+        """One tree size ``V`` for a batch of rows (``gains[b]``: row ``b``'s nodes as in :meth:`choose`): every
+        row feeds ``window_tokens + V`` tokens (shorter trees padded), the step costs ``t(B * (window_tokens +
+        V))`` and emits ``B + sum_b E_b(V)`` expected tokens; the best rate wins, 0 (a plain step) when none
+        beats it. Ties go to the smaller tree."""
+        B = len(gains)
+        if B == 0:
+            return 0
+        best, best_rate = 0, B / self.costs(B * self.window_tokens)
+        longest = max(len(g) for g in gains)
+        expected = float(B)
+        for v in range(longest):
+            for b, row in enumerate(gains):
+                if v < len(row):
+                    expected += row[v]
+            rate = expected / self.costs(B * (self.window_tokens + v + 1))
             if rate > best_rate:
-                best, best_rate = b, rate
+                best, best_rate = v + 1, rate
         return best
 
 
-def window_pays(costs: StepCosts, window_tokens: int, tree_tokens: int) -> bool:
-    """Whether running the window (``window_tokens`` instead of ``x`` alone) keeps a step within
-    ``WINDOW_COST_LIMIT`` of its cost without: true where steps are bound by reading weights (GPUs)."""
-    return costs(window_tokens + tree_tokens) <= WINDOW_COST_LIMIT * costs(1 + tree_tokens)
+def window_pays(costs: StepCosts, window_tokens: int, tree_tokens: int, batch_size: int = 1) -> bool:
+    """Whether running the window (``window_tokens`` instead of ``x`` alone, per row) keeps a step of
+    ``batch_size`` rows within ``WINDOW_COST_LIMIT`` of its cost without: true where steps are bound by reading
+    weights (GPUs, small batches)."""
+    B = batch_size
+    return costs(B * (window_tokens + tree_tokens)) <= WINDOW_COST_LIMIT * costs(B * (1 + tree_tokens))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,23 +266,24 @@ class Plan:
     planner: StepPlanner | None
 
 
-def make_plan(config, model) -> Plan:
-    """Resolve a :class:`~lookahead.config.LookaheadConfig` for ``model``.
+def make_plan(config, model, batch_size: int = 1) -> Plan:
+    """Resolve a :class:`~lookahead.config.LookaheadConfig` for ``model`` and a batch of ``batch_size`` rows.
 
     Explicit ``window``/``ngram``/``guess``/``max_step_tokens`` are honoured as given. ``LookaheadConfig()`` with
     none of them is the automatic mode: the cost model (``config.step_costs`` when given, else measured and
-    cached) bounds the step at its largest measured size; the window (15 x 4, the paper's) runs only where it
-    costs at most ``WINDOW_COST_LIMIT`` more (and with it the pool its n-grams feed); the planner sizes each
-    step's tree.
+    cached, and extended to the batch's step sizes on first use) bounds a row's step at the menu's largest size;
+    the window (15 x 4, the paper's) runs only where it costs at most ``WINDOW_COST_LIMIT`` more at this batch
+    size (and with it the pool its n-grams feed); the planner sizes each step's trees.
     """
     from .config import StepShape
 
     if not config.automatic:
         return Plan(config.shape(), config.sources, None)
-    costs = StepCosts.from_pairs(config.step_costs) if config.step_costs is not None else step_costs(model)
-    total = costs.max_tokens
+    base = StepCosts.from_pairs(config.step_costs) if config.step_costs is not None else step_costs(model)
+    total = base.max_tokens
+    costs = base if config.step_costs is not None else batch_step_costs(model, base, batch_size * total)
     window = StepShape(15, 4, 0)
-    if total > window.max_tokens and window_pays(costs, window.max_tokens, total - window.max_tokens):
+    if total > window.max_tokens and window_pays(costs, window.max_tokens, total - window.max_tokens, batch_size):
         shape = StepShape(window.window, window.levels, total - window.max_tokens)
         sources = config.sources
     else:

@@ -17,6 +17,7 @@ Nothing here changes what is accepted, only what is offered, so greedy output st
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import heapq
 
@@ -40,7 +41,8 @@ _PROB_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.01)
 
 
 def _prob_bucket(p: float) -> int:
-    return next(i for i, hi in enumerate(_PROB_BUCKETS) if p < hi)
+    """The first bucket whose upper bound exceeds ``p`` (a bisection: it runs for every successor offered)."""
+    return bisect.bisect_right(_PROB_BUCKETS, p)
 
 
 def _prior(key: tuple) -> float:
@@ -167,6 +169,16 @@ class DraftBuilder:
     def build(self, sequence: list[int], budget: int, pad: bool = False) -> DraftTree:
         """The tree for the step whose ``x`` is ``sequence[-1]``: at most ``budget`` nodes (exactly ``budget``
         with ``pad``, the extra ones padding)."""
+        chosen = self.propose(sequence, budget)
+        if self.planner is not None:  # best-first order: any prefix is a tree
+            chosen = chosen[: self.planner.choose([n.score for n in chosen])]
+        return self.encode(chosen, budget if pad else len(chosen))
+
+    def propose(self, sequence: list[int], budget: int) -> list:
+        """Up to ``budget`` candidate nodes for the step whose ``x`` is ``sequence[-1]``, best first (each after
+        its parent, so any prefix is a tree); ``node.score`` is the chance the verifier reaches it. A batch cuts
+        every row's list to one size (:meth:`lookahead.controller.StepPlanner.choose_batch`) before
+        :meth:`encode`."""
         root = _Node(sequence[-1], None, 0)
         rate = self.stats.rate
         if budget > 0:
@@ -182,10 +194,7 @@ class DraftBuilder:
                     for d, t in enumerate(cont, start=1):
                         node = node.child(t)
                         node.propose(("pool", d), rate(("pool", d)))
-        chosen = self._best_first(root, budget)
-        if self.planner is not None:  # best-first order: any prefix is a tree
-            chosen = chosen[: self.planner.choose([n.score for n in chosen])]
-        return self._encode(chosen, budget if pad else len(chosen))
+        return self._best_first(root, budget)
 
     def _expand_successors(self, node: _Node) -> None:
         if self.successors is None:
@@ -216,8 +225,9 @@ class DraftBuilder:
         return chosen
 
     @staticmethod
-    def _encode(chosen: list[_Node], size: int) -> DraftTree:
-        """Pre-order numbering of the chosen nodes (children best first), padded with leaves to ``size``."""
+    def encode(chosen: list, size: int) -> DraftTree:
+        """The tree of ``chosen`` (a prefix of :meth:`propose`'s list): pre-order numbering (children best first),
+        padded with leaves to ``size`` nodes."""
         taken = set(map(id, chosen))
         kids: dict[int, list[_Node]] = {}
         roots = []

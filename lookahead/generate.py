@@ -1,8 +1,14 @@
-"""The decoding loops: plain autoregressive and lookahead, greedy or sampled, with one read-back per step.
+"""The decoding loop: plain autoregressive or lookahead, greedy or sampled, for a batch of prompts (one prompt
+is the special case), with one read-back per step.
 
-Convention shared by both loops: the prefill writes the prompt minus its last token into the cache, and every
-step then feeds ``x`` (the last committed token) at position ``cache_len``. So each step is one forward pass,
-and plain decoding makes exactly one step per new token (compression 1.0).
+Convention: the prefill writes each prompt minus its last token into its cache row, and every step then feeds
+each row's ``x`` (its last committed token) at position ``cache_len``. So each step is one forward pass for the
+whole batch, and plain decoding makes exactly one step per new token (compression 1.0).
+
+Per row (:class:`_Row`): its window, draft builder, ``cache_len``, statistics and stopping. Per step: every row
+has the same shape (window and levels; trees padded to one size, with per-row tree metadata and ``cache_len``),
+verification runs for the batch at once, KV compaction moves each row's own accepted nodes, and a finished row
+leaves the batch (its cache row is dropped).
 """
 
 from __future__ import annotations
@@ -56,15 +62,23 @@ class StepTrace:
 class GenerationStats:
     """What one ``generate`` call did.
 
+    For one prompt the fields describe it. For a batch they are the batch's totals (``steps`` counts forward
+    passes, each serving every row still running) and ``rows`` holds each row's own statistics, in the batch's
+    order: its ``steps`` are the passes it took part in, its ``fed_tokens`` its share of them (tree padding
+    included), its ``seconds`` the time until it finished, its ``prefill_seconds`` its own prefill.
+
     Attributes:
-        new_tokens: tokens emitted after the prompt.
+        new_tokens: tokens emitted after the prompt(s).
         steps: forward passes after the prefill.
-        fed_tokens: tokens fed by all steps after the prefill (``fed_tokens / steps`` is the mean step size).
+        fed_tokens: tokens fed by all steps after the prefill, over all rows (``fed_tokens / steps`` is the mean
+            step size).
         seconds: wall time of the whole call, prefill included.
         prefill_seconds: wall time of the prefill alone.
-        accepted: per step, the tokens it emitted (accepted candidate tokens plus the bonus token).
+        accepted: per step, the tokens it emitted over all rows (accepted candidate tokens plus bonus tokens).
         trace: per lookahead step, a :class:`StepTrace` when ``generate`` was called with ``trace=True``, else
             ``None``. For analysing guess quality (``bench/bench_guesses.py``); it costs host memory per step.
+            For a batch, each row's trace is in ``rows[b].trace``.
+        rows: per row, its :class:`GenerationStats` (``None`` on a row's own statistics).
     """
 
     new_tokens: int = 0
@@ -74,42 +88,35 @@ class GenerationStats:
     prefill_seconds: float = 0.0
     accepted: list = dataclasses.field(default_factory=list)
     trace: list | None = None
+    rows: list | None = None
 
     @property
     def compression_ratio(self) -> float:
-        """New tokens per forward pass after the prefill (1.0 for plain decoding)."""
+        """New tokens per forward pass after the prefill (1.0 for plain decoding of one prompt)."""
         return self.new_tokens / self.steps if self.steps else 0.0
 
     @property
     def tokens_per_second(self) -> float:
+        """New tokens per second (for a batch, over all rows: its throughput)."""
         return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 @dataclasses.dataclass
 class GenerateOutput:
-    """``sequences``: LongTensor ``[1, prompt_len + new_tokens]``; ``stats``: :class:`GenerationStats`."""
+    """``sequences``: LongTensor ``[B, L + new]``, each row its prompt as given (left padding included; a list's
+    shorter prompts left-padded to ``L``) followed by its new tokens, then ``pad_token_id`` after its end (``new``:
+    the longest row's new tokens); ``stats``: :class:`GenerationStats`."""
 
     sequences: torch.Tensor
     stats: GenerationStats
 
 
-def _check_input_ids(input_ids, vocab_size: int) -> torch.Tensor:
-    if not isinstance(input_ids, torch.Tensor):
-        raise ValueError(f"input_ids must be a LongTensor [1, prompt_len], got {type(input_ids).__name__}")
-    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
-        raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
-    if input_ids.dim() == 1:
-        input_ids = input_ids[None]
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be [1, prompt_len], got shape {tuple(input_ids.shape)}")
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"generate supports batch size 1 only, got a batch of {input_ids.shape[0]}")
-    if input_ids.shape[1] == 0:
-        raise ValueError("the prompt is empty: input_ids needs at least one token")
-    lo, hi = int(input_ids.min()), int(input_ids.max())
+def _check_prompt(prompt: torch.Tensor, vocab_size: int, b: int, batch: int) -> torch.Tensor:
+    lo, hi = int(prompt.min()), int(prompt.max())
     if lo < 0 or hi >= vocab_size:
-        raise ValueError(f"token ids must be in [0, {vocab_size}), got values in [{lo}, {hi}]")
-    return input_ids.long()
+        where = f" (prompt {b})" if batch > 1 else ""
+        raise ValueError(f"token ids must be in [0, {vocab_size}), got values in [{lo}, {hi}]{where}")
+    return prompt.long()
 
 
 def _eos_set(model, eos_token_id) -> set[int]:
@@ -120,6 +127,18 @@ def _eos_set(model, eos_token_id) -> set[int]:
     if isinstance(eos_token_id, int):
         return {eos_token_id}
     return {int(t) for t in eos_token_id}
+
+
+def _pad_id(model, pad_token_id, eos_token_id) -> int:
+    """The id after a row's end: ``pad_token_id``, else the model's pad, else the (first) EOS, else 0."""
+    if pad_token_id is not None:
+        return int(pad_token_id)
+    if model.config.pad_token_id is not None:
+        return model.config.pad_token_id
+    eos = eos_token_id if eos_token_id is not None else model.config.eos_token_id
+    if isinstance(eos, int):
+        return eos
+    return int(eos[0]) if eos else 0
 
 
 class _Emitter:
@@ -149,7 +168,10 @@ class _Emitter:
 
 
 class _Sampler:
-    """Greedy or sampled choice of tokens from logits rows; holds the sampling parameters and generator."""
+    """Greedy or sampled choice of tokens from logits rows; holds the sampling parameters and generator.
+
+    In a batch every row draws from the one generator, in row order: a row's samples differ from what the same
+    seed gives it alone, but each row keeps exactly the model's distribution."""
 
     def __init__(self, do_sample: bool, temperature, top_k, top_p, generator):
         self.params = None
@@ -165,22 +187,24 @@ class _Sampler:
         return self.params is None
 
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
-        """LongTensor ``[R]``: one token per row of ``logits [R, V]``."""
+        """LongTensor ``[...]``: one token per row of ``logits [..., V]``."""
+        lead = logits.shape[:-1]
+        logits = logits.reshape(-1, logits.shape[-1])
         if self.greedy:
             if logits.device.type == "cuda":
                 from lookahead_kernels import row_argmax
 
-                return row_argmax(logits)
-            return logits.argmax(-1)
+                return row_argmax(logits).reshape(lead)
+            return logits.argmax(-1).reshape(lead)
         from .sampling import sample_rows, warp_logits
 
-        return sample_rows(warp_logits(logits, self.params), self.generator)
+        return sample_rows(warp_logits(logits, self.params), self.generator).reshape(lead)
 
     def verify_tree(self, x_logits, node_logits, tokens, end, num_nodes, max_accept: int):
-        """Verification of one sequence's tree: ``(accept_len [1], path [1, max_accept], emitted [1, max_accept+1])``.
+        """Verification of a batch's trees: ``(accept_len [B], path [B, max_accept], emitted [B, max_accept+1])``.
 
-        ``x_logits [vocab]``, ``node_logits [V, vocab]``, ``tokens``/``end`` ``[V]`` on the logits' device;
-        ``num_nodes``: int64 ``[1]`` real nodes (the rest padding) or ``None`` for all."""
+        ``x_logits [B, vocab]``, ``node_logits [B, V, vocab]``, ``tokens [B, V]``, ``end`` ``[V]`` or ``[B, V]``
+        on the logits' device; ``num_nodes``: int64 ``[B]`` real nodes per row (the rest padding)."""
         device = x_logits.device
         cuda = device.type == "cuda"
         if self.greedy:
@@ -188,19 +212,58 @@ class _Sampler:
                 from lookahead_kernels import verify_tree_greedy as verify
             else:
                 from lookahead_kernels import verify_tree_greedy_reference as verify
-            return verify(x_logits[None], node_logits[None], tokens[None], end[None], num_nodes, max_accept)
+            return verify(x_logits, node_logits, tokens, end, num_nodes, max_accept)
         from lookahead_kernels import draw_tree_uniforms
 
         from .sampling import warp_logits
 
-        x_probs = warp_logits(x_logits[None], self.params)
-        node_probs = warp_logits(node_logits, self.params)[None]
-        uniforms = draw_tree_uniforms(1, tokens.shape[0], device, self.generator)
+        x_probs = warp_logits(x_logits, self.params)
+        node_probs = warp_logits(node_logits, self.params)
+        uniforms = draw_tree_uniforms(tokens.shape[0], tokens.shape[1], device, self.generator)
         if cuda:
             from lookahead_kernels import verify_tree_sample as verify
         else:
             from lookahead_kernels import verify_tree_sample_reference as verify
-        return verify(x_probs, node_probs, tokens[None], end[None], num_nodes, max_accept, uniforms=uniforms)
+        return verify(x_probs, node_probs, tokens, end, num_nodes, max_accept, uniforms=uniforms)
+
+
+class _Row:
+    """One sequence of the batch: its emitter and statistics, its cache length and next input ``x``, and with
+    lookahead its window, draft builder and committed history (a tensor the window's refills are drawn from)."""
+
+    def __init__(self, emitter: _Emitter, stats: GenerationStats):
+        self.emitter = emitter
+        self.stats = stats
+        self.cache_len = len(emitter.sequence) - 1
+        self.x = emitter.sequence[-1]
+        self.window = None
+        self.drafts = None
+        self.history = None
+
+    def start_lookahead(self, la: LookaheadConfig, plan, vocab_size: int, device, prompt: torch.Tensor,
+                        prompt_rows) -> None:
+        shape = plan.shape
+        self.window = LookaheadWindow(shape.window, shape.ngram, torch.Generator().manual_seed(la.seed))
+        self.window.reset(prompt)
+        sequence = self.emitter.sequence
+        self.history = torch.empty(len(sequence) + self.emitter.max_new_tokens, dtype=torch.long)
+        self.history[: len(sequence)] = torch.tensor(sequence)
+        # The planner cuts the trees of the whole batch at once (_lookahead_step), not each builder alone.
+        self.drafts = DraftBuilder(la, vocab_size, device, shape=shape, sources=plan.sources)
+        self.drafts.start(prompt)
+        if prompt_rows is not None:
+            self.drafts.successors.update(*prompt_rows)
+
+    def commit(self, tokens: list[int], fed: int) -> int:
+        """Count a step that fed ``fed`` tokens for this row and emit ``tokens``; returns how many were taken."""
+        self.stats.steps += 1
+        self.stats.fed_tokens += fed
+        taken = self.emitter.emit(tokens)
+        self.stats.accepted.append(taken)
+        if self.history is not None:  # plain steps too: a batch may resume lookahead after them
+            n = len(self.emitter.sequence)
+            self.history[n - taken: n] = torch.tensor(self.emitter.sequence[n - taken:], dtype=torch.long)
+        return taken
 
 
 @torch.inference_mode()
@@ -210,39 +273,46 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
              generator: torch.Generator | None = None, eos_token_id=None, pad_token_id: int | None = None,
              attention_mask: torch.Tensor | None = None, generation_config=None, streamer=None,
              trace: bool = False, **kwargs) -> GenerateOutput:
-    """Generate up to ``max_new_tokens`` tokens after ``input_ids`` (``[1, prompt_len]`` or ``[prompt_len]``).
+    """Generate up to ``max_new_tokens`` tokens after each prompt.
 
+    ``input_ids``: ``[B, prompt_len]`` (``[prompt_len]`` for one prompt), left-padded rows with an
+    ``attention_mask`` as transformers takes them, or a list of prompts of any lengths (lists of ints or 1-D
+    tensors). Each row decodes as it would alone (greedy: the same tokens; sampled: the same distribution) and
+    stops on its own; one forward pass per step serves the whole batch.
     ``lookahead=None`` decodes one token per forward pass; a :class:`LookaheadConfig` decodes with lookahead; the
-    default ``LookaheadConfig()`` sizes each step from the device's measured cost (measured once, outside
-    ``stats.seconds``).
-    Greedy output is identical either way; sampled output has the same distribution. Generation stops after
-    ``max_new_tokens`` tokens (default 128) or right after an EOS token (``eos_token_id``: an int or a list;
-    default the model's own).
-    transformers' conventions are accepted (:mod:`lookahead.arguments`): ``attention_mask`` (all ones, or left
-    padding, which ``sequences`` keeps in front), ``pad_token_id``, ``max_length``, a ``generation_config``
+    default ``LookaheadConfig()`` sizes each step from the device's measured cost and the batch size (measured
+    once, outside ``stats.seconds``).
+    Generation stops after ``max_new_tokens`` tokens (default 128) or right after an EOS token (``eos_token_id``:
+    an int or a list; default the model's own); a row's later positions in ``sequences`` hold ``pad_token_id``
+    (default: the model's pad, else the EOS).
+    transformers' conventions are accepted (:mod:`lookahead.arguments`): ``attention_mask`` (per row all ones, or
+    left padding, which ``sequences`` keeps in front), ``pad_token_id``, ``max_length``, a ``generation_config``
     (keywords override it), ``None`` for an unset parameter; anything unsupported is a ``ValueError`` naming it.
-    ``streamer`` is a callable called with each step's newly emitted tokens, or an object with ``put``/``end``
-    such as transformers' ``TextStreamer``. ``trace=True`` records each lookahead step's candidates and window
-    n-grams in ``stats.trace`` (see :class:`StepTrace`).
+    ``streamer`` (one prompt only) is a callable called with each step's newly emitted tokens, or an object with
+    ``put``/``end`` such as transformers' ``TextStreamer``. ``trace=True`` records each lookahead step's
+    candidates and window n-grams in ``stats.trace`` (per row: ``stats.rows[b].trace``; see :class:`StepTrace`).
     """
     args = resolve_generate_arguments(
         input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=do_sample,
         temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
         generation_config=generation_config, streamer=streamer, one_token_per_step=lookahead is None, extra=kwargs)
-    input_ids, max_new_tokens, streamer, eos_token_id = args.input_ids, args.max_new_tokens, args.streamer, \
-        args.eos_token_id
+    max_new_tokens, streamer, eos_token_id = args.max_new_tokens, args.streamer, args.eos_token_id
     do_sample, temperature, top_k, top_p = args.do_sample, args.temperature, args.top_k, args.top_p
+    B = len(args.prompts)
+    if streamer is not None and B > 1:
+        raise ValueError(f"a streamer follows one sequence but generate got a batch of {B} prompts; stream one "
+                         f"prompt at a time, or pass no streamer for a batch (transformers refuses this too)")
     if streamer is not None:
-        streamer.start(torch.cat([args.padding, input_ids], dim=1))
+        streamer.start(torch.cat([args.padding[0], args.prompts[0]])[None])
     _load_pool_extension_untimed(lookahead, model.device)
     started = time.perf_counter()
     cfg = model.config
-    ids = _check_input_ids(input_ids, cfg.vocab_size)
+    prompts = [_check_prompt(p, cfg.vocab_size, b, B) for b, p in enumerate(args.prompts)]
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    prompt_len = ids.shape[1]
-    if prompt_len + max_new_tokens > cfg.max_position_embeddings:
-        raise ValueError(f"prompt ({prompt_len} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the model's "
+    longest = max(p.numel() for p in prompts)
+    if longest + max_new_tokens > cfg.max_position_embeddings:
+        raise ValueError(f"prompt ({longest} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the model's "
                          f"{cfg.max_position_embeddings} positions")
     if lookahead is not None and not isinstance(lookahead, LookaheadConfig):
         raise ValueError(f"lookahead must be a LookaheadConfig or None, got {type(lookahead).__name__}")
@@ -252,40 +322,63 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
         raise ValueError(f"do_sample must be a bool, got {do_sample!r}")
     sampler = _Sampler(do_sample, temperature, top_k, top_p, generator)
     device = model.device
-    prompt = ids[0].tolist()
-    emitter = _Emitter(prompt, max_new_tokens, _eos_set(model, eos_token_id), streamer)
-    stats = GenerationStats(trace=[] if trace else None)
+    eos = _eos_set(model, eos_token_id)
+    rows = [_Row(_Emitter(p.tolist(), max_new_tokens, eos, streamer), GenerationStats(trace=[] if trace else None))
+            for p in prompts]
 
-    # The plan may measure the device's step costs (once per model): not part of this call's time.
+    # The plan may measure the device's step costs (once per model and batch menu): not part of this call's time.
     plan_started = time.perf_counter()
-    plan = make_plan(lookahead, model) if lookahead is not None else None
+    plan = make_plan(lookahead, model, B) if lookahead is not None else None
     started += time.perf_counter() - plan_started
     step_cap = plan.shape.max_tokens if plan is not None else 1
-    cache = model.new_cache(1, prompt_len + max_new_tokens + step_cap)
-    cache_len = prompt_len - 1
-    # The successor table starts from what the model predicts after the prompt's last tokens: the prefill
-    # computes their logits too (the last PROMPT_SUCCESSOR_ROWS rows, to bound the cost of long prompts).
-    seed_rows = 0
-    if plan is not None and "successors" in plan.sources and max_new_tokens > 1:
-        seed_rows = min(cache_len, PROMPT_SUCCESSOR_ROWS)
-    prompt_logits = None
-    if cache_len > 0:  # prefill: the prompt's last token is the first step's x
-        rows = torch.arange(cache_len - max(seed_rows, 1), cache_len, device=device)
-        prompt_logits = model(ids[:, :-1].to(device), torch.arange(cache_len, device=device)[None], cache, 0,
-                              StepLayout.prefill(cache_len), rows)[0]
-    stats.prefill_seconds = time.perf_counter() - started
+    cache = model.new_cache(B, longest + max_new_tokens + step_cap)
+    successors = plan is not None and "successors" in plan.sources and max_new_tokens > 1
+    # Prefill row by row, each into its own cache row: the prompts' lengths differ and a step has no padding
+    # mask, and doing what batch 1 does keeps every row's numbers (and so its greedy output) its own. It runs once.
+    for b, (row, prompt) in enumerate(zip(rows, prompts)):
+        prefill_started = time.perf_counter()
+        n = row.cache_len
+        # The successor table starts from what the model predicts after the prompt's last tokens: the prefill
+        # computes their logits too (the last PROMPT_SUCCESSOR_ROWS rows, to bound the cost of long prompts).
+        seed_rows = min(n, PROMPT_SUCCESSOR_ROWS) if successors else 0
+        logits = None
+        if n > 0:  # prefill: the prompt's last token is the first step's x
+            out_rows = torch.arange(n - max(seed_rows, 1), n, device=device)
+            logits = model(prompt[None, :-1].to(device), torch.arange(n, device=device)[None], cache.sequence(b), 0,
+                           StepLayout.prefill(n), out_rows)[0]
+        row.stats.prefill_seconds = time.perf_counter() - prefill_started
+        if plan is not None:
+            prompt_rows = (prompt[n - seed_rows: n], logits[-seed_rows:]) if seed_rows else None
+            row.start_lookahead(lookahead, plan, cfg.vocab_size, device, prompt, prompt_rows)
 
-    if lookahead is None:
-        _plain_loop(model, cache, cache_len, emitter, sampler, stats, device)
-    else:
-        prompt_rows = (ids[0, cache_len - seed_rows: cache_len], prompt_logits[-seed_rows:]) if seed_rows else None
-        _lookahead_loop(model, cache, cache_len, emitter, sampler, stats, device, lookahead, plan, ids, prompt_rows)
-    stats.new_tokens = emitter.new
-    stats.seconds = time.perf_counter() - started
+    pad = lookahead is not None and (lookahead.pad_tree if lookahead.pad_tree is not None else device.type == "cuda")
+    accepted = _decode(model, cache, rows, sampler, plan, pad, device, started)
+    seconds = time.perf_counter() - started
     if streamer is not None:
         streamer.end()
-    sequence = torch.tensor([emitter.sequence], dtype=torch.long, device=ids.device)
-    return GenerateOutput(torch.cat([args.padding.to(sequence), sequence], dim=1), stats)
+    for row in rows:
+        row.stats.new_tokens = row.emitter.new
+    stats = GenerationStats(
+        new_tokens=sum(r.stats.new_tokens for r in rows), steps=len(accepted),
+        fed_tokens=sum(r.stats.fed_tokens for r in rows), seconds=seconds,
+        prefill_seconds=sum(r.stats.prefill_seconds for r in rows), accepted=accepted,
+        trace=rows[0].stats.trace if B == 1 else None, rows=[r.stats for r in rows])
+    if B == 1:
+        rows[0].stats.seconds = seconds
+    return GenerateOutput(_sequences(rows, args.padding, _pad_id(model, args.pad_token_id, eos_token_id),
+                                     args.prompts[0].device), stats)
+
+
+def _sequences(rows, padding, pad_id: int, device) -> torch.Tensor:
+    """``[B, L + new]``: per row, pad ids up to ``L``, its given padding and prompt, its new tokens, pad ids."""
+    given = [pad.numel() + len(r.emitter.sequence) - r.emitter.new for pad, r in zip(padding, rows)]
+    L, new = max(given), max(r.emitter.new for r in rows)
+    out = torch.full((len(rows), L + new), pad_id, dtype=torch.long)
+    for b, (pad, row) in enumerate(zip(padding, rows)):
+        start = L - given[b]
+        out[b, start: start + pad.numel()] = pad.cpu()
+        out[b, start + pad.numel(): L + row.emitter.new] = torch.tensor(row.emitter.sequence, dtype=torch.long)
+    return out.to(device)
 
 
 # (cuda,) variants whose untimed pre-build failed in this process: not tried again before each call.
@@ -309,98 +402,139 @@ def _load_pool_extension_untimed(lookahead, device: torch.device) -> None:
         _POOL_PREBUILD_FAILED.add(cuda)
 
 
-def _plain_step(model, cache, cache_len, x, sampler, device) -> int:
-    logits = model(torch.tensor([[x]], device=device), torch.tensor([[cache_len]], device=device), cache,
-                   cache_len, StepLayout(1, 1))
-    return int(sampler.choose(logits[0])[0])
+
+def _cache_len_arg(lens: list[int], device):
+    """An int when every row has the same length (one attention call per step on the CPU), else a LongTensor."""
+    if all(n == lens[0] for n in lens):
+        return lens[0]
+    return torch.tensor(lens, dtype=torch.long, device=device)
 
 
-def _plain_loop(model, cache, cache_len, emitter, sampler, stats, device) -> None:
-    x = emitter.sequence[-1]
-    while not emitter.done:
-        y = _plain_step(model, cache, cache_len, x, sampler, device)
-        cache_len += 1
-        stats.steps += 1
-        stats.fed_tokens += 1
-        stats.accepted.append(emitter.emit([y]))
-        x = y
-
-
-def _lookahead_loop(model, cache, cache_len, emitter, sampler, stats, device, la: LookaheadConfig, plan, ids,
-                    prompt_rows) -> None:
-    shape = plan.shape
-    W = shape.window
+def _decode(model, cache, rows: list[_Row], sampler: _Sampler, plan, pad: bool, device, started: float) -> list:
+    """Step until every row has stopped; a finished row leaves the batch. Returns, per step, the tokens emitted."""
+    accepted = []
+    active = list(rows)
     max_pos = model.config.max_position_embeddings
-    window = LookaheadWindow(W, shape.ngram, torch.Generator().manual_seed(la.seed))
-    window.reset(ids[0])
-    # The committed sequence as a tensor, filled as tokens are emitted: refill tokens are drawn from it.
-    history = torch.empty(len(emitter.sequence) + emitter.max_new_tokens, dtype=torch.long)
-    history[: len(emitter.sequence)] = torch.tensor(emitter.sequence)
-    drafts = DraftBuilder(la, model.config.vocab_size, device, shape=shape, sources=plan.sources,
-                          planner=plan.planner)
-    drafts.start(ids[0])
-    if prompt_rows is not None:
-        drafts.successors.update(*prompt_rows)
-    pad = la.pad_tree if la.pad_tree is not None else device.type == "cuda"
-    x = emitter.sequence[-1]
-    while not emitter.done:
-        # While warming up the window feeds fewer tokens: the tree may take what it leaves of the step.
-        budget = shape.max_tokens - W * window.levels
-        # Near the end of the model's positions the window or tree would run past them: finish plainly.
-        if cache_len + max(W - 1 + window.levels - 1, budget) >= max_pos:
-            y = _plain_step(model, cache, cache_len, x, sampler, device)
-            cache_len += 1
-            stats.steps += 1
-            stats.fed_tokens += 1
-            stats.accepted.append(emitter.emit([y]))
-            x = y
-            continue
-        tree = drafts.build(emitter.sequence, budget, pad)
-        step = build_step(x, cache_len, window.step_tokens(x), window.levels, W, tree, device)
-        logits = model(step.tokens[None], step.positions[None], cache, cache_len, step.layout, step.logits_rows)[0]
-        depth = int(tree.shape.depth[: tree.num_nodes].max()) if tree.num_nodes else 0
-        if tree.size:
-            num_nodes = torch.tensor([tree.num_nodes], device=device) if pad else None
-            accept_len, path, tokens = sampler.verify_tree(
-                logits[0], logits[step.node_rows], step.tokens[step.layout.lookahead_len:], step.layout.tree.end,
-                num_nodes, depth)
+    while active:
+        if plan is None or _near_the_end(active, plan.shape, max_pos) or _batch_too_big(active, plan):
+            accepted.append(_plain_step(model, cache, active, sampler, device))
         else:
-            accept_len = torch.zeros(1, dtype=torch.long, device=device)
-            path = torch.empty(1, 0, dtype=torch.long, device=device)
-            tokens = sampler.choose(logits[:1])[None]
-        outputs = sampler.choose(logits[step.window_rows])
-        # One read-back per step: accepted length, accepted nodes, emitted tokens, the window's new guesses.
-        back = torch.cat([accept_len, path[0], tokens[0], outputs]).tolist()
-        a = back[0]
-        nodes = back[1: 1 + a]
-        emitted = back[1 + depth: 1 + depth + a + 1]
-        new_guesses = back[1 + 2 * depth + 1:]
-        if a > 0:
-            src = cache_len + step.layout.lookahead_len + torch.tensor([nodes], device=device)
-            cache.move_rows(src, cache_len + 1)
-        committed = len(emitter.sequence)
-        ngrams = window.advance(x, torch.tensor(new_guesses), a, history[:committed])
-        cache_len += 1 + a
-        stats.steps += 1
-        stats.fed_tokens += step.layout.T
-        taken = emitter.emit(emitted)
-        stats.accepted.append(taken)
-        history[committed: len(emitter.sequence)] = torch.tensor(emitter.sequence[committed:], dtype=torch.long)
-        if stats.trace is not None:
-            stats.trace.append(StepTrace(committed - 1, tuple(tree.tokens[: tree.num_nodes].tolist()),
-                                         tuple(tree.parents), tuple(map(frozenset, tree.sources)),
-                                         () if ngrams is None else tuple(map(tuple, ngrams.tolist())), tuple(nodes)))
-        rows = None
-        if drafts.successors is not None:
-            rows = _successor_rows(step, logits, tree.num_nodes, nodes)
-        drafts.observe(tree, nodes, ngrams, emitter.sequence, taken, rows)
-        x = emitted[-1]
+            accepted.append(_lookahead_step(model, cache, active, sampler, plan, pad, device))
+        finished = [i for i, r in enumerate(active) if r.emitter.done]
+        if finished:
+            now = time.perf_counter() - started
+            for i in finished:
+                active[i].stats.seconds = now
+            if len(finished) == len(active):
+                break
+            active = [active[i] for i in cache.remove_rows(finished)]
+    return accepted
 
 
-def _successor_rows(step, logits, num_nodes, nodes):
-    """``(tokens, logits)`` of every row the step computed but padding, with ``x`` and the accepted nodes last
-    (their rows saw the true context, so their successors should win)."""
-    row_tokens = step.tokens[step.logits_rows]
+def _near_the_end(active: list[_Row], shape, max_pos: int) -> bool:
+    """Whether a row's window or tree would run past the model's positions: then the batch finishes plainly."""
+    levels = active[0].window.levels
+    budget = shape.max_tokens - shape.window * levels
+    reach = max(shape.window - 1 + levels - 1, budget)
+    return any(r.cache_len + reach >= max_pos for r in active)
+
+
+def _tree_budget(active: list[_Row], plan) -> int:
+    """The most tree nodes a row may take this step: what the window leaves of the step (while it warms up the
+    window feeds fewer tokens), and for a batch in automatic mode at most the planner's reach."""
+    shape = plan.shape
+    budget = shape.max_tokens - shape.window * active[0].window.levels
+    if plan.planner is not None and len(active) > 1:  # batch 1 keeps its tuned behaviour: the planner alone
+        budget = min(budget, plan.planner.reach(len(active), budget))
+    return budget
+
+
+def _batch_too_big(active: list[_Row], plan) -> bool:
+    """Whether, in automatic mode, no tree could pay for this many rows (and there is no window): a plain step
+    then saves every row's host work on trees."""
+    return len(active) > 1 and plan.planner is not None and plan.shape.window == 1 and \
+        _tree_budget(active, plan) == 0
+
+
+def _plain_step(model, cache, active: list[_Row], sampler: _Sampler, device) -> int:
+    lens = [r.cache_len for r in active]
+    logits = model(torch.tensor([[r.x] for r in active], device=device), torch.tensor([[n] for n in lens],
+                   device=device), cache, _cache_len_arg(lens, device), StepLayout(1, 1))
+    emitted = 0
+    for row, y in zip(active, sampler.choose(logits[:, 0]).tolist()):
+        row.cache_len += 1
+        emitted += row.commit([y], 1)
+        row.x = y
+    return emitted
+
+
+def _lookahead_step(model, cache, active: list[_Row], sampler: _Sampler, plan, pad: bool, device) -> int:
+    """One step for every active row: plan and build the trees, run, verify, compact, commit and observe."""
+    W = plan.shape.window
+    levels = active[0].window.levels  # the rows started together: their windows warm up in step
+    budget = _tree_budget(active, plan)
+    proposals = [r.drafts.propose(r.emitter.sequence, budget) for r in active]
+    if plan.planner is not None:  # one size for all rows: they are padded to one shape anyway
+        keep = plan.planner.choose_batch([[n.score for n in p] for p in proposals])
+        proposals = [p[:keep] for p in proposals]
+    size = budget if pad else max(len(p) for p in proposals)
+    trees = [DraftBuilder.encode(p, size) for p in proposals]
+    lens = [r.cache_len for r in active]
+    step = build_step(lens, torch.stack([r.window.step_tokens(r.x) for r in active]), levels, W, trees, device)
+    logits = model(step.tokens, step.positions, cache, _cache_len_arg(lens, device), step.layout, step.logits_rows)
+    depth = max((int(t.shape.depth[: t.num_nodes].max()) for t in trees if t.num_nodes), default=0)
+    B = len(active)
+    la = step.layout.lookahead_len
+    if size:
+        num_nodes = torch.tensor([t.num_nodes for t in trees], device=device)
+        accept_len, path, tokens = sampler.verify_tree(logits[:, 0], logits[:, step.node_rows], step.tokens[:, la:],
+                                                       step.layout.tree.end, num_nodes, depth)
+    else:
+        accept_len = torch.zeros(B, dtype=torch.long, device=device)
+        path = torch.empty(B, 0, dtype=torch.long, device=device)
+        tokens = sampler.choose(logits[:, 0])[:, None]
+    outputs = sampler.choose(logits[:, step.window_rows])
+    # One read-back per step: per row, accepted length, accepted nodes, emitted tokens, the window's new guesses.
+    back = torch.cat([accept_len[:, None], path, tokens, outputs], dim=1).tolist()
+    most = max(r[0] for r in back)
+    if most > 0:  # KV compaction: each row's accepted nodes to the slots after its x
+        src = []
+        for row, r in zip(active, back):
+            a = r[0]
+            # A row that accepted fewer copies slots past its new length onto themselves: a no-op.
+            src.append([row.cache_len + la + j for j in r[1: 1 + a]] +
+                       list(range(row.cache_len + 1 + a, row.cache_len + 1 + most)))
+        cache.move_rows(torch.tensor(src, device=device), _cache_len_arg([n + 1 for n in lens], device))
+    emitted_total = 0
+    for b, (row, r) in enumerate(zip(active, back)):
+        a = r[0]
+        nodes = r[1: 1 + a]
+        emitted = r[1 + depth: 1 + depth + a + 1]
+        new_guesses = r[1 + 2 * depth + 1:]
+        sequence = row.emitter.sequence
+        committed = len(sequence)
+        ngrams = row.window.advance(row.x, torch.tensor(new_guesses), a, row.history[:committed])
+        row.cache_len += 1 + a
+        taken = row.commit(emitted, step.layout.T)
+        emitted_total += taken
+        tree = trees[b]
+        if row.stats.trace is not None:
+            row.stats.trace.append(StepTrace(committed - 1, tuple(tree.tokens[: tree.num_nodes].tolist()),
+                                             tuple(tree.parents), tuple(map(frozenset, tree.sources)),
+                                             () if ngrams is None else tuple(map(tuple, ngrams.tolist())),
+                                             tuple(nodes)))
+        successor_rows = None
+        if row.drafts.successors is not None:
+            successor_rows = _successor_rows(step, b, logits[b], tree.num_nodes, nodes)
+        row.drafts.observe(tree, nodes, ngrams, sequence, taken, successor_rows)
+        row.x = emitted[-1]
+    return emitted_total
+
+
+def _successor_rows(step, b: int, logits, num_nodes, nodes):
+    """``(tokens, logits)`` of every row the step computed for batch row ``b`` but padding, with ``x`` and the
+    accepted nodes last (their rows saw the true context, so their successors should win)."""
+    row_tokens = step.tokens[b, step.logits_rows]
     first_node = step.node_rows.start
     last = [0] + [first_node + n for n in nodes]
     order = [i for i in range(first_node + num_nodes) if i not in last] + last

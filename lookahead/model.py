@@ -68,6 +68,7 @@ class ModelConfig:
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
+    pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -125,6 +126,7 @@ class ModelConfig:
             mlp_bias = bool(getattr(hf_config, "mlp_bias", False))
         eos = getattr(hf_config, "eos_token_id", None)
         eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+        pad = getattr(hf_config, "pad_token_id", None)
         return cls(
             vocab_size=int(hf_config.vocab_size),
             hidden_size=int(hf_config.hidden_size),
@@ -143,6 +145,7 @@ class ModelConfig:
             mlp_bias=mlp_bias,
             bos_token_id=getattr(hf_config, "bos_token_id", None),
             eos_token_id=eos,
+            pad_token_id=pad if isinstance(pad, int) and not isinstance(pad, bool) else None,
         )
 
 
@@ -324,6 +327,33 @@ class KVCache:
         for cache in (self.k, self.v):
             gathered = cache[:, batch, src_rows]  # [L, B, n, Hkv, D], a copy: safe under overlap
             cache[:, batch, dst_rows] = gathered
+
+    def sequence(self, b: int) -> "KVCache":
+        """A cache of batch 1 sharing sequence ``b``'s storage (writes land in this cache), e.g. for a prefill."""
+        if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < self.batch_size:
+            raise ValueError(f"sequence index must be an int in [0, {self.batch_size}), got {b!r}")
+        view = object.__new__(KVCache)
+        view.k, view.v = self.k[:, b:b + 1], self.v[:, b:b + 1]
+        return view
+
+    def remove_rows(self, rows: list[int]) -> list[int]:
+        """Drop batch rows ``rows`` (e.g. finished sequences leaving the batch); returns, per remaining row, its
+        old index. The last remaining rows move into the freed slots (one row's copy each) and the batch
+        dimension is narrowed as a view, so a leaving sequence never costs a copy of the whole cache."""
+        B = self.batch_size
+        if any(isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < B for r in rows) \
+                or len(set(rows)) != len(rows) or len(rows) >= B:
+            raise ValueError(f"rows must be distinct ints in [0, {B}) leaving at least one row, got {rows!r}")
+        gone = set(rows)
+        n = B - len(gone)
+        order = list(range(n))
+        movers = [i for i in range(n, B) if i not in gone]
+        for hole, mover in zip(sorted(i for i in gone if i < n), movers):
+            self.k[:, hole] = self.k[:, mover]
+            self.v[:, hole] = self.v[:, mover]
+            order[hole] = mover
+        self.k, self.v = self.k[:, :n], self.v[:, :n]
+        return order
 
 
 # ---------------------------------------------------------------------------------------------------------------

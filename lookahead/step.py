@@ -1,4 +1,4 @@
-"""Building one packed lookahead step: its tokens, positions, layout and the logit rows read back."""
+"""Building one packed lookahead step for a batch of rows: tokens, positions, layout and the logit rows read back."""
 
 from __future__ import annotations
 
@@ -7,18 +7,19 @@ import dataclasses
 import torch
 
 from lookahead_kernels import StepLayout
+from lookahead_kernels.tree import TreeShape
 
 from .draft import DraftTree
 
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """One step's inputs.
+    """One step's inputs, for ``B`` rows of one shape.
 
     Attributes:
-        tokens: LongTensor ``[T]`` in layout order (``x``, lookahead levels, tree nodes).
-        positions: LongTensor ``[T]``, absolute positions (``p + layout.position_offsets()``).
-        layout: the :class:`StepLayout`.
+        tokens: LongTensor ``[B, T]`` in layout order (``x``, lookahead levels, tree nodes).
+        positions: LongTensor ``[B, T]``, absolute positions (``p + layout.position_offsets()`` per row).
+        layout: the :class:`StepLayout` (its tree shared ``[V]`` for one row, ``[B, V]`` for several).
         logits_rows: LongTensor ``[R]``: step rows whose logits are computed, in this order: ``x``, the last
             lookahead level (``W`` rows, minus ``x`` when there is a single level), then every tree node.
     """
@@ -42,26 +43,34 @@ class Step:
         return slice(start, start + self.layout.tree_size)
 
 
-def build_step(x: int, position: int, lookahead_tokens: torch.Tensor, levels: int, window: int,
-               tree: DraftTree | None, device) -> Step:
-    """Pack ``x``, the window's ``levels x window`` tokens (``x`` first) and the tree's nodes into one step.
+def build_step(positions: list[int], lookahead_tokens: torch.Tensor, levels: int, window: int,
+               trees: list[DraftTree] | None, device) -> Step:
+    """Pack each row's window (``levels x window`` tokens, ``x`` first) and tree nodes into one step.
 
     Args:
-        x: the last committed token, fed at ``position``.
-        lookahead_tokens: LongTensor ``[levels * window]`` with ``x`` at index 0.
-        tree: the step's :class:`DraftTree` (``None`` or empty: no verification branch).
+        positions: per row, the position ``p`` of its ``x``.
+        lookahead_tokens: LongTensor ``[B, levels * window]``, ``x`` at column 0.
+        trees: per row its :class:`DraftTree`, all of one size ``V`` (padded); ``None`` or ``V == 0``: no
+            verification branch.
     """
-    shape = tree.shape.to(device) if tree is not None and tree.size else None
+    B = len(positions)
+    shape = None
+    if trees is not None and trees[0].size:
+        if B == 1:
+            shape = trees[0].shape.to(device)
+        else:
+            shape = TreeShape(torch.stack([t.shape.depth for t in trees]),
+                              torch.stack([t.shape.end for t in trees])).to(device)
     layout = StepLayout(window, levels, shape)
-    parts = [lookahead_tokens.reshape(-1)]
+    tokens = lookahead_tokens.reshape(B, -1)
     if shape is not None:
-        parts.append(tree.tokens)
-    tokens = torch.cat(parts).to(device)
+        tokens = torch.cat([tokens, torch.stack([t.tokens for t in trees])], dim=1)
     last = list(layout.last_level_rows())
     rows = ([] if levels == 1 else [0]) + last + list(range(layout.lookahead_len, layout.T))
+    p = torch.tensor(positions, dtype=torch.long)[:, None]
     return Step(
-        tokens=tokens,
-        positions=(position + layout.position_offsets(device)).to(device),
+        tokens=tokens.to(device),
+        positions=(p + layout.position_offsets()).to(device).expand(B, layout.T),
         layout=layout,
         logits_rows=torch.tensor(rows, dtype=torch.long, device=device),
     )

@@ -91,6 +91,13 @@ class StepAttention:
         T = layout.T
         idx = torch.arange(T, device=device)
         block = layout.visible(idx[:, None], idx[None, :])  # [T, T]
+        if layout.tree is not None and layout.tree.batched and layout.tree_size:
+            # A tree per sequence: the tree-to-tree block differs by row ([B, T, T]); the rest is shared.
+            from .tree import ancestor_matrix
+
+            la = layout.lookahead_len
+            block = block.expand(batch_size, T, T).clone()
+            block[:, la:, la:] = ancestor_matrix(layout.tree.end.to(device)).transpose(-1, -2)
         if isinstance(cache_len, int):
             lens = [cache_len] * batch_size
         else:
@@ -108,9 +115,16 @@ class StepAttention:
         for rows, n in groups:
             if everything:
                 mask = None
+            elif block.dim() == 3:  # [b, 1, T, n+T]: one mask per sequence, shared by the heads
+                part = block[rows]
+                mask = torch.cat((torch.ones(part.shape[0], T, n, dtype=torch.bool, device=device), part),
+                                 dim=2)[:, None]
             else:
                 mask = torch.cat((torch.ones(T, n, dtype=torch.bool, device=device), block), dim=1)
-            self.groups.append((rows, n, mask, blind if n == 0 else None))
+            row_blind = None
+            if blind is not None and n == 0:
+                row_blind = blind[rows] if blind.dim() == 2 else blind[None]
+            self.groups.append((rows, n, mask, row_blind))
 
     def __call__(self, q, k_cache, v_cache, *, cache_len=None, layout=None, sm_scale=None):
         """Attention of ``q [B, T, Hq, D]`` over ``k_cache, v_cache [B, S, Hkv, D]``; ``[B, T, Hq, D]`` in q's dtype.
@@ -141,7 +155,7 @@ class StepAttention:
         o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=Hq != Hkv)
         o = o.transpose(1, 2)  # [b, T, Hq, D]
         if blind is not None:
-            o = o.masked_fill(blind[None, :, None, None], 0.0)
+            o = o.masked_fill(blind[:, :, None, None], 0.0)
         return o.to(q.dtype)
 
 

@@ -144,16 +144,25 @@ def test_pool_from_sequence_and_disabled_pool():
 # ---- step builder --------------------------------------------------------------------------------------------
 def test_build_step_packs_tokens_positions_and_rows():
     tree = DraftTree(torch.tensor([30, 31, 40, 41]), TreeShape.linear(2, 2), 4, [-1, 0, -1, 2], [[]] * 4)
-    step = build_step(5, 100, torch.tensor([5, 7, 9, 11, 12, 9]), levels=2, window=3, tree=tree, device="cpu")
-    assert step.tokens.tolist() == [5, 7, 9, 11, 12, 9, 30, 31, 40, 41]
-    assert step.positions.tolist() == [100, 101, 102, 101, 102, 103, 101, 102, 101, 102]
+    step = build_step([100], torch.tensor([[5, 7, 9, 11, 12, 9]]), levels=2, window=3, trees=[tree], device="cpu")
+    assert step.tokens.tolist() == [[5, 7, 9, 11, 12, 9, 30, 31, 40, 41]]
+    assert step.positions.tolist() == [[100, 101, 102, 101, 102, 103, 101, 102, 101, 102]]
     assert (step.layout.window, step.layout.levels, step.layout.tree_size) == (3, 2, 4)
     assert step.layout.tree.end.tolist() == [2, 2, 4, 4]
     assert step.logits_rows.tolist() == [0, 3, 4, 5, 6, 7, 8, 9]
     assert (step.window_rows, step.node_rows) == (slice(1, 4), slice(4, 8))
-    one = build_step(5, 0, torch.tensor([5, 7, 9]), levels=1, window=3, tree=None, device="cpu")
+    one = build_step([0], torch.tensor([[5, 7, 9]]), levels=1, window=3, trees=None, device="cpu")
     assert one.logits_rows.tolist() == [0, 1, 2] and one.window_rows == slice(0, 3)
     assert one.node_rows == slice(3, 3)
+
+
+def test_build_step_batch_has_a_tree_per_row():
+    chain = DraftTree(torch.tensor([30, 31, 32]), TreeShape.from_parents([-1, 0, 1]), 3, [-1, 0, 1], [[]] * 3)
+    star = DraftTree(torch.tensor([40, 41, 0]), TreeShape.from_parents([-1, -1, -1]), 2, [-1, -1], [[]] * 2)
+    step = build_step([10, 20], torch.tensor([[5], [6]]), levels=1, window=1, trees=[chain, star], device="cpu")
+    assert step.tokens.tolist() == [[5, 30, 31, 32], [6, 40, 41, 0]]
+    assert step.positions.tolist() == [[10, 11, 12, 13], [20, 21, 21, 21]]
+    assert step.layout.tree.end.tolist() == [[3, 3, 3], [1, 2, 3]]
 
 
 # ---- greedy verification -------------------------------------------------------------------------------------

@@ -262,6 +262,15 @@ def test_attention_torch_matches_oracle(layout, cache_len, group, dtype):
     check(out, attention_dense_reference(q, k, v, cache_len=lens, layout=layout), dtype)
 
 
+@pytest.mark.parametrize("cache_len", [[4, 9, 0], [5, 5, 5]])
+def test_attention_torch_per_sequence_tree(cache_len):
+    """A [B, V] tree: each sequence's tree rows follow its own tree (ragged and equal prefixes)."""
+    layout, _ = tree_layout(3, 2, ("deep", "star", "padded"), 6, batch=3, seed=2)
+    q, k, v, lens = make_inputs(layout, cache_len, 1, 2, 16, torch.float32, "cpu")
+    out = attention_torch(q, k, v, cache_len=lens, layout=layout)
+    check(out, attention_dense_reference(q, k, v, cache_len=lens, layout=layout), torch.float32)
+
+
 @pytest.mark.parametrize("tree", ["linear", "per-sequence"])
 def test_flex_attention_peer(attn, tree):
     """flex_attention with layout.mask_mod (eager on CPU) agrees with the oracle; its mask with dense_mask."""

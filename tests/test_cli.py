@@ -78,7 +78,6 @@ def _fails_in_one_line(capsys, argv, status=None, contains=""):
     (["generate", "hi", "--do-sample", "--temperature", "-1"], "--temperature"),
     (["generate", "hi", "--max-step-tokens", "0"], "max_step_tokens"),
     (["generate"], "prompt"),
-    (["bench", "--prompts", "a.jsonl", "--batch-size", "4"], "batches are not supported yet"),
     (["bench", "--prompts", "a.jsonl", "--batch-size", "0"], "--batch-size"),
     (["bench", "--prompts", "/nonexistent/a.jsonl"], "no such file"),
     (["frobnicate"], "invalid choice"),
@@ -177,3 +176,5 @@ def test_generate_json_and_bench_write_results(capsys, tmp_path):
     saved = json.loads(out_file.read_text())
     assert saved["sets"]["humaneval_dev"]["summary"]["identical"] == 2
     assert saved["machine"]["torch"]
+    assert main(["bench", "--prompts", prompts, "--limit", "3", "--max-new-tokens", "5", "--batch-size", "2"]) == 0
+    assert "humaneval_dev: 3 prompts" in capsys.readouterr().out

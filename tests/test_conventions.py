@@ -83,11 +83,11 @@ def test_unsupported_attention_masks_are_clear_errors(tiny, mask, message):
         model.generate(torch.tensor([[3, 4, 5, 6]]), attention_mask=torch.tensor([mask]), max_new_tokens=2)
 
 
-def test_a_batch_is_still_refused(tiny):
+def test_a_streamer_with_a_batch_is_refused(tiny):
     _, model = tiny
     ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
-    with pytest.raises(ValueError, match="batch"):
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2)
+    with pytest.raises(ValueError, match="streamer follows one sequence"):
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, streamer=lambda t: None)
 
 
 class Recorder:

@@ -207,9 +207,11 @@ def test_generation_near_the_last_position(tiny):
 @pytest.mark.parametrize("bad, word", [
     (torch.empty(1, 0, dtype=torch.long), "empty"),
     (torch.tensor([[1.0, 2.0]]), "integer"),
-    (torch.tensor([[1, 2], [3, 4]]), "batch"),
+    (torch.empty(0, 3, dtype=torch.long), "batch of 0"),
     (torch.tensor([[1, 200]]), r"\[0, 97\)"),
-    ([[1, 2]], "LongTensor"),
+    ("12", "LongTensor"),
+    ([1, 2], "lists of ints or 1-D tensors"),
+    ([[1, 2], []], "prompt 1 is empty"),
 ])
 def test_bad_inputs_are_rejected(tiny, bad, word):
     _, ours = tiny

