@@ -104,11 +104,23 @@ def _device_name(device: torch.device) -> str:
 
 
 def cost_key(model) -> str:
-    """The key of ``model``'s cost model in the caches: device name, dtype, threads, torch version, model shape."""
+    """The key of ``model``'s cost model in the caches: device name, dtype, threads, torch version, model shape
+    and, on a CPU, the linear layers' path (a table measured on another matmul says nothing of this one)."""
     config = json.dumps(dataclasses.asdict(model.config), sort_keys=True, default=str)
     parts = [_device_name(model.device), str(model.dtype), f"threads={torch.get_num_threads()}",
              f"torch={torch.__version__}", hashlib.sha256(config.encode()).hexdigest()[:16]]
+    if model.device.type == "cpu":
+        parts.append(f"linear={_cpu_linear_path(model)}")
     return "|".join(parts)
+
+
+def _cpu_linear_path(model) -> str:
+    mode = model.cpu_linear_mode
+    if mode == "packed":
+        from .cpu_linear import gemm_available
+
+        return "gemm" if gemm_available() else "onednn"  # the fallback "packed" takes without our GEMM
+    return mode
 
 
 @torch.inference_mode()
