@@ -39,13 +39,19 @@ from lookahead_kernels import StepLayout  # noqa: E402
 SYSTEMS = ["ours-plain", "ours-lookahead", "ours-fixed-15-5-15", "hf-greedy", "hf-prompt-lookup"]
 
 
-def make_runners(model, hf_model, max_new_tokens: int):
-    """system -> (prompt ids -> (sequences, seconds, compression))."""
+def make_runners(model, hf_model, max_new_tokens: int, device=None):
+    """system -> (prompt ids -> (sequences on the CPU, seconds, compression)). Ours are timed by ``stats.seconds``
+    (each step reads its result back, so it ends synchronised); transformers' by the wall time of its call, the
+    accelerator of ``device`` (if any) synchronised before and after."""
+
+    def synchronize():
+        if device is not None and torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
 
     def ours(config):
         def run(ids):
             out = model.generate(ids, max_new_tokens=max_new_tokens, lookahead=config)
-            return out.sequences, out.stats.seconds, out.stats.compression_ratio
+            return out.sequences.cpu(), out.stats.seconds, out.stats.compression_ratio
         return run
 
     def hf(**kwargs):
@@ -58,14 +64,16 @@ def make_runners(model, hf_model, max_new_tokens: int):
             calls[0] = 0
             handle = hf_model.register_forward_pre_hook(count)
             try:
+                synchronize()
                 start = time.perf_counter()
                 out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                         do_sample=False, pad_token_id=0, **kwargs)
+                synchronize()
                 seconds = time.perf_counter() - start
             finally:
                 handle.remove()
             new = out.shape[1] - ids.shape[1]
-            return out, seconds, new / max(calls[0] - 1, 1)
+            return out.cpu(), seconds, new / max(calls[0] - 1, 1)
         return run
 
     return {

@@ -3,8 +3,8 @@
 Systems (``bench_speed.py``'s, on ``--device``): ``ours-plain`` (``lookahead=None``), ``ours-lookahead``
 (automatic mode, cost model measured first on this device), ``ours-fixed-15-5-15``, ``hf-greedy`` (transformers'
 ``generate``) and ``hf-prompt-lookup`` (``prompt_lookup_num_tokens=10``). Every prompt is run by every system in
-turn after one warm-up per system. Times are wall clock with the device synchronised before and after each call
-(prefill included) for every system alike. ``identical`` counts prompts whose output equals ``ours-plain``'s
+turn after one warm-up per system. Times as in ``bench_speed.py`` (whose runners this uses): ours
+``stats.seconds``, transformers' the wall time of its call with the device synchronised before and after. ``identical`` counts prompts whose output equals ``ours-plain``'s
 token for token; ``first_diff`` (per prompt) is the first new-token index where it differs.
 
 In float32 the output is ``e2e-gpu-<device>.json`` (top-level ``device`` and ``rows`` of ``{"set", "system",
@@ -29,57 +29,10 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from gpu_util import ResultFile, header, parse_dtype, pick_device, synchronize  # noqa: E402
+from gpu_util import ResultFile, header, parse_dtype, pick_device  # noqa: E402
 
 from _common import DEFAULT_SETS, set_name  # noqa: E402
-
-SYSTEMS = ["ours-plain", "ours-lookahead", "ours-fixed-15-5-15", "hf-greedy", "hf-prompt-lookup"]
-
-
-def make_runners(model, hf_model, max_new_tokens: int, device):
-    """system -> (prompt ids on ``device`` -> (sequences on the CPU, seconds, compression))."""
-    from lookahead import LookaheadConfig
-
-    def timed(fn):
-        synchronize(device)
-        start = time.perf_counter()
-        out = fn()
-        synchronize(device)
-        return out, time.perf_counter() - start
-
-    def ours(config):
-        def run(ids):
-            out, seconds = timed(lambda: model.generate(ids, max_new_tokens=max_new_tokens, lookahead=config))
-            return out.sequences.cpu(), seconds, out.stats.compression_ratio
-        return run
-
-    def hf(**kwargs):
-        calls = [0]
-
-        def count(*_):
-            calls[0] += 1
-
-        def run(ids):
-            calls[0] = 0
-            handle = hf_model.register_forward_pre_hook(count)
-            try:
-                out, seconds = timed(lambda: hf_model.generate(
-                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                    pad_token_id=0, **kwargs))
-            finally:
-                handle.remove()
-            new = out.shape[1] - ids.shape[1]
-            return out.cpu(), seconds, new / max(calls[0] - 1, 1)
-        return run
-
-    return {
-        "ours-plain": ours(None),
-        "ours-lookahead": ours(LookaheadConfig()),
-        "ours-fixed-15-5-15": ours(LookaheadConfig(window=15, ngram=5, guess=15)),
-        "hf-greedy": hf(),
-        "hf-prompt-lookup": hf(prompt_lookup_num_tokens=10),
-    }
-
+from bench_speed import SYSTEMS, make_runners  # noqa: E402
 
 def first_diff(seq: torch.Tensor, ref: torch.Tensor, prompt_len: int) -> int | None:
     """First new-token index where ``seq`` and ``ref`` differ (a length difference counts); None if equal."""
