@@ -97,3 +97,15 @@ def write_results(out_dir: str, stem: str, result: dict, markdown: str) -> str:
         f.write(markdown)
     print(f"wrote {base}.json and {base}.md")
     return base
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend, or None where matplotlib is missing (plots are skipped)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt

@@ -24,9 +24,12 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
 
 from lookahead import LookaheadConfig, load_default  # noqa: E402
 from lookahead.cli import machine_info, read_prompts  # noqa: E402
+
+from _common import pyplot  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(HERE), "..", "shared", "data")
 DEFAULT_SETS = [os.path.join(DATA, "mt_bench_dev.jsonl"), os.path.join(DATA, "humaneval_dev.jsonl")]
@@ -152,12 +155,8 @@ def render_markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     sets = list(result["sets"])
     keys = [k for k in next(iter(result["sets"].values()))["configs"]

@@ -166,12 +166,8 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = _common.pyplot()
+    if plt is None:
         return
     curves = dict(result["curve_min"])
     curves.update(result.get("before", {}))
