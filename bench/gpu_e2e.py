@@ -81,9 +81,6 @@ def render(result: dict) -> str:
     if diffs:
         lines += ["", "Outputs that differ from ours-plain (first differing new-token index):", ""]
         lines += [f"- {p['set']} prompt {p['prompt']} {p['system']}: at {p['first_diff']}" for p in diffs]
-    lines += ["", *(f"- {n}" for n in result["notes"])]
-    if not result.get("complete"):
-        lines.append("- INCOMPLETE: the run stopped before the last prompt (time box?).")
     return "\n".join(lines) + "\n"
 
 

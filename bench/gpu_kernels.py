@@ -72,9 +72,6 @@ def render(result: dict) -> str:
             if "not timed at this context" in msg:
                 continue
             lines.append(f"- {r['model']} {r['W_N_G']} context {r['cache_len']}: {what} failed: {msg}")
-    lines += ["", *(f"- {n}" for n in result["notes"])]
-    if not result.get("complete"):
-        lines.append("- INCOMPLETE: the run stopped before the last row (time box?).")
     return "\n".join(lines) + "\n"
 
 

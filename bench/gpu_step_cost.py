@@ -117,9 +117,6 @@ def render(result: dict) -> str:
     for r in result["rows"]:
         if r.get("graph_error"):
             lines.append(f"- {r['model']} context {r['context']} T={r['T']}: graph capture failed: {r['graph_error']}")
-    lines += ["", *(f"- {n}" for n in result["notes"])]
-    if not result.get("complete"):
-        lines.append("- INCOMPLETE: the run stopped before the last row (time box?).")
     return "\n".join(lines) + "\n"
 
 

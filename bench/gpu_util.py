@@ -164,7 +164,14 @@ class ResultFile:
             json.dump(self.result, f, indent=1, default=str)
         os.replace(tmp, self.base + ".json")
         with open(self.base + ".md", "w") as f:
-            f.write(self.render(self.result))
+            f.write(self.render(self.result) + self._footer())
+
+    def _footer(self) -> str:
+        """The notes, and a warning while the run has not finished (a time box may have stopped it)."""
+        lines = [f"- {n}" for n in self.result["notes"]]
+        if not self.result["complete"]:
+            lines.append("- INCOMPLETE: the run stopped before its last row (time box?).")
+        return "\n" + "\n".join(lines) + "\n" if lines else ""
 
 
 def header(device, argv, script: str) -> dict:
