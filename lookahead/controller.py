@@ -105,12 +105,13 @@ def _device_name(device: torch.device) -> str:
 
 def cost_key(model) -> str:
     """The key of ``model``'s cost model in the caches: device name, dtype, threads, torch version, model shape
-    and, on a CPU, the linear layers' path (a table measured on another matmul says nothing of this one)."""
+    and, on a CPU, the linear layers' and attention's paths (a table measured on other ops says nothing of these)."""
     config = json.dumps(dataclasses.asdict(model.config), sort_keys=True, default=str)
     parts = [_device_name(model.device), str(model.dtype), f"threads={torch.get_num_threads()}",
              f"torch={torch.__version__}", hashlib.sha256(config.encode()).hexdigest()[:16]]
     if model.device.type == "cpu":
         parts.append(f"linear={_cpu_linear_path(model)}")
+        parts.append(f"attention={_cpu_attention_path(model)}")
     return "|".join(parts)
 
 
@@ -119,8 +120,16 @@ def _cpu_linear_path(model) -> str:
     if mode == "packed":
         from .cpu_linear import gemm_available
 
-        return "gemm" if gemm_available() else "onednn"  # the fallback "packed" takes without our GEMM
+        # "gemm-omp": the GEMM on all threads (before, built without OpenMP, it ran on one: other costs).
+        return "gemm-omp" if gemm_available() else "onednn"  # the fallback "packed" takes without our GEMM
     return mode
+
+
+def _cpu_attention_path(model) -> str:
+    from lookahead_kernels.cpu_attention import cpu_attention_applies
+
+    probe = torch.empty(0, 0, 0, model.config.head_dim, dtype=model.dtype)
+    return "cpu-op" if cpu_attention_applies(probe) else "sdpa"
 
 
 @torch.inference_mode()

@@ -19,11 +19,8 @@ plain ``F.linear``; so does mode ``"torch"``, the reference.
 from __future__ import annotations
 
 import os
-import sys
-import threading
 import warnings
 import weakref
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -32,10 +29,7 @@ from torch import nn
 CPU_LINEAR_MODES = ("packed", "onednn", "torch")
 GEMM_ENV = "LOOKAHEAD_CPU_GEMM"  # "0" disables our GEMM (mode "packed" then runs on oneDNN)
 
-_CSRC = Path(__file__).resolve().parent.parent / "csrc"
-_GEMM_NAME = "lookahead_cpu_gemm"
-_gemm_state: dict = {}  # "ok": bool once tried, "error": why not
-_gemm_lock = threading.Lock()
+_warned: dict = {}  # "build": a failed build was reported once in this process
 
 
 def onednn_linear_available() -> bool:
@@ -44,52 +38,31 @@ def onednn_linear_available() -> bool:
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def _gemm_registered() -> bool:
-    try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_gemm::linear", "CPU")
-    except RuntimeError:  # the op's schema is not registered yet
-        return False
-
-
 def gemm_available(build: bool = True) -> bool:
-    """Whether our small-M GEMM is loaded; with ``build``, build (first time, 10-60 s) and load it if needed.
+    """Whether our small-M GEMM is loaded; with ``build``, build (first time, 10-60 s) and load the CPU ops
+    (:mod:`lookahead_kernels.cpu_ops`) if needed. ``LOOKAHEAD_CPU_GEMM=0`` says no.
 
-    A failed build is remembered for the process (the reason in :func:`gemm_error`) and not retried.
+    A failed build is remembered for the process (the reason in :func:`gemm_error`), warned about once, and not
+    retried.
     """
-    ok = _gemm_state.get("ok")
-    if ok is not None:  # tried before in this process (a forward asks on every linear call)
-        return ok
-    if _gemm_registered():
-        _gemm_state["ok"] = True
-        return True
-    if os.environ.get(GEMM_ENV, "1") == "0" or not build:
+    if os.environ.get(GEMM_ENV, "1") == "0":
         return False
-    with _gemm_lock:
-        if "ok" in _gemm_state:
-            return _gemm_state["ok"]
-        try:
-            from torch.utils import cpp_extension
+    from lookahead_kernels.cpu_ops import cpu_ops_available
 
-            source = _CSRC / "small_gemm.cpp"
-            library = Path(cpp_extension._get_build_directory(_GEMM_NAME, False)) / f"{_GEMM_NAME}.so"
-            if not library.is_file() or library.stat().st_mtime < source.stat().st_mtime:
-                print(f"lookahead: building the CPU GEMM extension {_GEMM_NAME} (first use only; takes 10-60 s)...",
-                      file=sys.stderr, flush=True)
-            cpp_extension.load(name=_GEMM_NAME, sources=[str(source)], extra_cflags=["-O3"],
-                               is_python_module=False, verbose=False)
-            _gemm_state["ok"] = _gemm_registered()
-            if not _gemm_state["ok"]:
-                _gemm_state["error"] = "the library loaded but registered no lookahead_gemm::linear"
-        except Exception as exc:  # no compiler / ninja, build or load failure: oneDNN instead
-            _gemm_state["ok"], _gemm_state["error"] = False, f"{type(exc).__name__}: {exc}"
-            warnings.warn(f"lookahead: the CPU GEMM extension could not be built ({_gemm_state['error'][:300]}); "
-                          f"the packed linear layers use oneDNN instead", RuntimeWarning, stacklevel=2)
-        return _gemm_state["ok"]
+    known = _warned.get("build")
+    ok = cpu_ops_available(build)
+    if not ok and build and known is None:
+        _warned["build"] = True
+        warnings.warn(f"lookahead: the CPU GEMM extension could not be built ({(gemm_error() or '')[:300]}); "
+                      f"the packed linear layers use oneDNN instead", RuntimeWarning, stacklevel=2)
+    return ok
 
 
 def gemm_error() -> str | None:
     """Why :func:`gemm_available` said no (None if it was not tried or worked)."""
-    return _gemm_state.get("error")
+    from lookahead_kernels.cpu_ops import cpu_ops_error
+
+    return cpu_ops_error()
 
 
 def _weight_key(weight: torch.Tensor) -> tuple:

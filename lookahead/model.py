@@ -453,6 +453,19 @@ def _kernel_attention() -> AttentionFn:
     return lookahead_attention
 
 
+def _cpu_attention(model, layout: StepLayout, cache_len, batch_size: int) -> AttentionFn:
+    """The step's attention on the CPU: our C++ op where it applies (float32, a supported head size), else
+    :class:`~lookahead_kernels.attention_ref.StepAttention` (torch's SDPA, the reference)."""
+    from lookahead_kernels.cpu_attention import CpuStepAttention, cpu_attention_applies
+
+    probe = torch.empty(0, 0, 0, model.config.head_dim, dtype=model.dtype)
+    if cpu_attention_applies(probe):
+        return CpuStepAttention(layout, cache_len, batch_size)
+    from lookahead_kernels.attention_ref import StepAttention
+
+    return StepAttention(layout, cache_len, batch_size, model.device)
+
+
 class LlamaForCausalLM(nn.Module):
     """Llama-family causal LM that runs one lookahead step per :meth:`forward`.
 
@@ -615,7 +628,8 @@ class LlamaForCausalLM(nn.Module):
             logits_rows: optional LongTensor ``[R]`` of step indices; only those rows get the final norm and
                 vocabulary projection.
             attention: optional attention function with :func:`lookahead_kernels.attention_torch`'s signature;
-                default: the Triton kernel ``lookahead_attention`` on CUDA, ``attention_torch`` elsewhere.
+                default: the Triton kernel ``lookahead_attention`` on CUDA; on the CPU our C++ step attention in
+                float32 (:mod:`lookahead_kernels.cpu_attention`), ``attention_torch`` otherwise.
         Returns:
             FloatTensor ``[B, R or T, vocab_size]`` (float32).
         """
@@ -625,9 +639,8 @@ class LlamaForCausalLM(nn.Module):
         if attention is None:
             if input_ids.device.type == "cuda":
                 attention = _kernel_attention()
-            else:  # attention_torch, with the step's masks built once for all layers
-                from lookahead_kernels.attention_ref import StepAttention
-                attention = StepAttention(layout, cache_len, input_ids.shape[0], input_ids.device)
+            else:  # the C++ step attention in float32, else attention_torch; either built once for all layers
+                attention = _cpu_attention(self, layout, cache_len, input_ids.shape[0])
         x = self.embed(input_ids)
         cos, sin = self.rotary(positions)
         for i, layer in enumerate(self.layers):

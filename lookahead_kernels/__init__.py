@@ -17,6 +17,8 @@ _LAZY = {
     "verify_tree_sample": ".verify",
     "row_argmax": ".verify",
     "load_pool_extension": ".pool_ext",
+    "attention_cpu": ".cpu_attention",
+    "load_cpu_ops": ".cpu_ops",
 }
 
 __all__ = ["StepLayout", "attention_torch", "attention_dense_reference", "dense_mask",

@@ -70,6 +70,22 @@ def check_attention_args(q, k_cache, v_cache, cache_len, layout: StepLayout) -> 
     return lens.to(device=q.device, dtype=torch.int64)
 
 
+def step_block(layout: StepLayout, batch_size: int, device) -> torch.Tensor:
+    """BoolTensor ``[T, T]`` (``[B, T, T]`` with a tree per sequence): whether step token ``q`` sees step token
+    ``k`` under the layout's rule (the committed prefix, visible to all, is not part of it)."""
+    T = layout.T
+    idx = torch.arange(T, device=device)
+    block = layout.visible(idx[:, None], idx[None, :])  # [T, T]
+    if layout.tree is not None and layout.tree.batched and layout.tree_size:
+        # A tree per sequence: the tree-to-tree block differs by row ([B, T, T]); the rest is shared.
+        from .tree import ancestor_matrix
+
+        la = layout.lookahead_len
+        block = block.expand(batch_size, T, T).clone()
+        block[:, la:, la:] = ancestor_matrix(layout.tree.end.to(device)).transpose(-1, -2)
+    return block
+
+
 class StepAttention:
     """:func:`attention_torch` for one step, with the work every layer shares done once.
 
@@ -89,15 +105,7 @@ class StepAttention:
             raise ValueError(f"layout must be a StepLayout, got {type(layout).__name__}")
         self.layout = layout
         T = layout.T
-        idx = torch.arange(T, device=device)
-        block = layout.visible(idx[:, None], idx[None, :])  # [T, T]
-        if layout.tree is not None and layout.tree.batched and layout.tree_size:
-            # A tree per sequence: the tree-to-tree block differs by row ([B, T, T]); the rest is shared.
-            from .tree import ancestor_matrix
-
-            la = layout.lookahead_len
-            block = block.expand(batch_size, T, T).clone()
-            block[:, la:, la:] = ancestor_matrix(layout.tree.end.to(device)).transpose(-1, -2)
+        block = step_block(layout, batch_size, device)
         if isinstance(cache_len, int):
             lens = [cache_len] * batch_size
         else:

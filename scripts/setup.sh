@@ -33,9 +33,9 @@ pip_q --no-deps --no-build-isolation -e .
 # Build the n-gram pool extension now (C++, and CUDA on a GPU) rather than silently on the first lookahead call.
 $PY -c "import torch; from lookahead_kernels.pool_ext import load_pool_extension as b; b(torch.cuda.is_available())" \
   || echo "warning: the n-gram pool extension did not build (see above); lookahead falls back to a slower pool" >&2
-# And the CPU GEMM of the packed linear layers (otherwise built on the first CPU forward; oneDNN if it fails).
-$PY -c "from lookahead.cpu_linear import gemm_available as g, gemm_error as e; import sys; sys.exit(0 if g() else e())" \
-  || echo "warning: the CPU GEMM extension did not build (see above); CPU linear layers fall back to oneDNN" >&2
+# And the CPU forward's ops, GEMM and step attention (otherwise built on the first CPU forward; torch's if it fails).
+$PY -c "from lookahead_kernels.cpu_ops import load_cpu_ops as b; b()" \
+  || echo "warning: the CPU ops extension did not build (see above); the CPU forward falls back to oneDNN and SDPA" >&2
 
 case "$job" in
   demo)

@@ -1,0 +1,124 @@
+"""The C++ step attention (``lookahead_kernels.cpu_attention``) against the float64 dense-mask oracle.
+
+Caches are NaN past each sequence's ``cache_len + T`` (a row read that must not be fails the finiteness check).
+Layouts: plain decode steps, prefill blocks, window + linear candidates, random trees shared by the batch or one
+per sequence, empty prefixes (rows that see nothing but themselves, or nothing at all), ragged batches, every
+supported head size, MHA and GQA.
+"""
+
+import pytest
+import torch
+
+from lookahead_kernels.attention_ref import attention_dense_reference, attention_torch
+from lookahead_kernels.layout import StepLayout
+from tests.test_attention import check, make_inputs, tree_layout
+
+cpu_attention = pytest.importorskip("lookahead_kernels.cpu_attention")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ops():
+    from lookahead_kernels.cpu_ops import cpu_ops_available, cpu_ops_error
+
+    if not cpu_ops_available():
+        pytest.skip(f"the CPU ops did not build: {cpu_ops_error()}")
+
+
+CASES = [
+    # (layout, cache_len, Hkv, G, D)
+    (StepLayout(1, 1), 300, 3, 3, 64),                       # a plain decode step, SmolLM2's heads
+    (StepLayout(1, 1), [7, 0, 130], 2, 2, 16),               # plain step of a ragged batch, one empty prefix
+    (StepLayout.prefill(37), 0, 1, 4, 32),                   # a prefill: rows see themselves and earlier ones
+    (StepLayout.prefill(16), 5, 2, 1, 128),                  # MHA, D=128
+    (StepLayout.linear(4, 2, 2, 2), 37, 1, 2, 64),           # window, levels, linear candidates
+    (StepLayout.linear(5, 3, 3, 3), [100, 2], 1, 5, 256),    # G=5 (rows spill over vector tasks), D=256
+    (StepLayout.linear(1, 3, 2, 3), 0, 2, 1, 64),            # window 1, empty prefix
+]
+
+
+@pytest.mark.parametrize("layout,cache_len,hkv,group,d", CASES)
+def test_matches_oracle(layout, cache_len, hkv, group, d):
+    q, k, v, lens = make_inputs(layout, cache_len, hkv, group, d, torch.float32, "cpu")
+    out = cpu_attention.attention_cpu(q, k, v, cache_len=lens, layout=layout)
+    check(out, attention_dense_reference(q, k, v, cache_len=lens, layout=layout), torch.float32)
+
+
+@pytest.mark.parametrize("kinds,V,per_seq,cache_len", [
+    ("chain", 9, False, 50), ("star", 6, False, [3, 90]), (("deep", "bushy", "padded"), 20, True, [0, 17, 64]),
+    (("bushy", "linear"), 33, True, [120, 1]),
+])
+@pytest.mark.parametrize("window,levels", [(1, 1), (4, 2)])
+def test_trees_match_oracle(window, levels, kinds, V, per_seq, cache_len):
+    batch = len(cache_len) if isinstance(cache_len, list) else 1
+    layout, _ = tree_layout(window, levels, kinds, V, batch=batch if per_seq else None, seed=V)
+    q, k, v, lens = make_inputs(layout, cache_len, 3, 3, 64, torch.float32, "cpu", seed=V)
+    out = cpu_attention.attention_cpu(q, k, v, cache_len=lens, layout=layout)
+    check(out, attention_dense_reference(q, k, v, cache_len=lens, layout=layout), torch.float32)
+
+
+def test_strided_queries_and_caches():
+    layout = StepLayout.linear(3, 2, 2, 2)
+    q, k, v, lens = make_inputs(layout, [4, 60], 2, 2, 32, torch.float32, "cpu", strided=True)
+    out = cpu_attention.attention_cpu(q, k, v, cache_len=lens, layout=layout)
+    check(out, attention_dense_reference(q, k, v, cache_len=lens, layout=layout), torch.float32)
+
+
+def test_blind_rows_get_zeros_like_the_reference():
+    # No prefix and a layout where some rows see nothing: impossible for real layouts (x is always visible),
+    # so build the op's visibility block by hand.
+    q = torch.randn(1, 3, 2, 16)
+    k = torch.randn(1, 3, 1, 16)
+    visible = torch.tensor([[[True, False, False], [False, False, False], [True, True, True]]])
+    out = torch.ops.lookahead_cpu.step_attention(q, k, k, torch.zeros(1, dtype=torch.long), visible, 0.25)
+    assert torch.isfinite(out).all()
+    assert (out[0, 1] == 0).all()
+    assert torch.allclose(out[0, 0], k[0, 0, 0].expand(2, 16))
+
+
+def test_a_row_does_not_depend_on_the_step_or_batch_around_it():
+    """Bit-identical per-row results whatever else the step feeds: the plain step's x and a lookahead step's x
+    see the same keys, so their outputs (and so greedy decisions) are equal, not merely close."""
+    torch.manual_seed(0)
+    k, v = torch.randn(2, 80, 3, 64), torch.randn(2, 80, 3, 64)
+    q = torch.randn(2, 12, 9, 64)
+    lens = torch.tensor([40, 61])
+    big = cpu_attention.attention_cpu(q, k, v, cache_len=lens, layout=StepLayout.prefill(12))
+    alone = cpu_attention.attention_cpu(q[1:, :1], k[1:], v[1:], cache_len=lens[1:], layout=StepLayout(1, 1))
+    assert torch.equal(big[1, :1], alone[0])
+
+
+def test_agrees_with_attention_torch_on_the_model_path():
+    layout, _ = tree_layout(4, 3, "bushy", 15)
+    q, k, v, lens = make_inputs(layout, 200, 3, 3, 64, torch.float32, "cpu")
+    out = cpu_attention.CpuStepAttention(layout, lens, 1)(q, k, v)
+    check(out, attention_torch(q, k, v, cache_len=lens, layout=layout).double(), torch.float32)
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(dtype=torch.float64), "float32"),
+    (dict(d=48), "head_dim"),
+])
+def test_bad_inputs_are_value_errors(bad, message):
+    layout = StepLayout(1, 1)
+    q, k, v, lens = make_inputs(layout, 4, 1, 1, bad.get("d", 16), bad.get("dtype", torch.float32), "cpu")
+    with pytest.raises(ValueError, match=message):
+        cpu_attention.attention_cpu(q, k, v, cache_len=lens, layout=layout)
+
+
+def test_op_checks_its_arguments():
+    q, k = torch.randn(1, 2, 2, 16), torch.randn(1, 4, 1, 16)
+    visible = torch.ones(1, 2, 2, dtype=torch.bool)
+    with pytest.raises(ValueError, match="within the cache"):
+        torch.ops.lookahead_cpu.step_attention(q, k, k, torch.tensor([3]), visible, 0.25)
+    with pytest.raises(ValueError, match="visible must be bool"):
+        torch.ops.lookahead_cpu.step_attention(q, k, k, torch.tensor([0]), visible.float(), 0.25)
+    with pytest.raises(ValueError, match="cache_len must be int64"):
+        torch.ops.lookahead_cpu.step_attention(q, k, k, torch.tensor([0], dtype=torch.int32), visible, 0.25)
+
+
+def test_opcheck():
+    q, k, v, lens = make_inputs(StepLayout.prefill(4), 6, 1, 2, 16, torch.float32, "cpu")
+    visible = torch.tril(torch.ones(1, 4, 4, dtype=torch.bool))
+    torch.library.opcheck(torch.ops.lookahead_cpu.step_attention, (q, k.nan_to_num(), v.nan_to_num(),
+                                                                    torch.tensor([lens]), visible, 0.5),
+                          test_utils=("test_schema", "test_autograd_registration"))
