@@ -105,7 +105,11 @@ class StepRunner:
             with torch.inference_mode():
                 return self._forward(buf)
         if buf.graph is None:
-            self._capture(buf)
+            try:
+                self._capture(buf)
+            except Exception as exc:
+                raise RuntimeError(f"capturing the CUDA graph of step shape {shape} failed ({type(exc).__name__}: "
+                                   f"{exc}); generate(..., cuda_graphs=False) runs the eager loop") from exc
         buf.graph.replay()
         return buf.logits
 
