@@ -323,12 +323,9 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     if streamer is not None and B > 1:
         raise ValueError(f"a streamer follows one sequence but generate got a batch of {B} prompts; stream one "
                          f"prompt at a time, or pass no streamer for a batch (transformers refuses this too)")
+    graphs, static = _step_path(cuda_graphs, _static_steps, model.device)
     if streamer is not None:
         streamer.start(torch.cat([args.padding[0], args.prompts[0]])[None])
-    graphs, static = _step_path(cuda_graphs, _static_steps, model.device)
-    if static and lookahead is not None and lookahead.pad_tree is False:
-        raise ValueError("LookaheadConfig(pad_tree=False) lets the step shape vary, which CUDA graphs cannot replay; "
-                         "leave pad_tree unset or pass cuda_graphs=False")
     _load_pool_extension_untimed(lookahead, model.device)
     started = time.perf_counter()
     cfg = model.config
@@ -341,6 +338,9 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
                          f"{cfg.max_position_embeddings} positions")
     if lookahead is not None and not isinstance(lookahead, LookaheadConfig):
         raise ValueError(f"lookahead must be a LookaheadConfig or None, got {type(lookahead).__name__}")
+    if static and lookahead is not None and lookahead.pad_tree is False:
+        raise ValueError("LookaheadConfig(pad_tree=False) lets the step shape vary, which CUDA graphs cannot replay; "
+                         "leave pad_tree unset or pass cuda_graphs=False")
     if not isinstance(trace, bool):
         raise ValueError(f"trace must be a bool, got {trace!r}")
     if not isinstance(do_sample, bool):

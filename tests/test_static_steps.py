@@ -147,6 +147,7 @@ def test_the_cpu_default_loop_uses_no_runner(tiny):
     (dict(cuda_graphs="yes"), "cuda_graphs must be None"),
     (dict(_static_steps=1), "_static_steps must be None"),
     (dict(lookahead=LookaheadConfig(window=4, ngram=3, guess=4, pad_tree=False), **STATIC), "pad_tree=False"),
+    (dict(lookahead={"window": 3}, **STATIC), "lookahead must be a LookaheadConfig"),
 ])
 def test_bad_options_are_value_errors(tiny, kwargs, message):
     with pytest.raises(ValueError, match=message):
