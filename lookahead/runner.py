@@ -192,8 +192,9 @@ class StepRunner:
 
 class RunnerCache:
     """Step runners kept between ``generate`` calls on one model, so that each step shape's CUDA graph is captured
-    once rather than once per call (a capture costs about three eager forwards: at SmolLM2's size, five shapes of a
-    lookahead call would cost about as much as decoding 128 tokens).
+    once rather than once per call (a capture runs the step's forward three times, two warm-up runs and the
+    capture: captured per call, the five shapes of a warming-up lookahead call would add about fifteen eager
+    forwards to every call).
 
     A runner is keyed by its model's device and dtype, its batch size, step menu and ``graphs``; it serves any call
     whose KV cache fits its own. :meth:`take` hands a runner out (a stored one, else a new one) and removes it

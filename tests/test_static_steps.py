@@ -173,8 +173,8 @@ def test_smollm2_static_path_equals_plain_greedy():
 def cuda_tiny():
     """A tiny random model the Triton attention kernel takes (head_dim 64)."""
     hf = tiny_hf_model(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=1024, initializer_range=0.05)
-    return LlamaForCausalLM.from_hf(hf).to("cuda")
+                       head_dim=64, max_position_embeddings=1024, initializer_range=0.05)
+    return LlamaForCausalLM.from_hf(hf.to("cuda"))
 
 
 def captured(model) -> set:
