@@ -40,7 +40,8 @@ SYSTEMS = ["ours-plain", "ours-lookahead", "ours-fixed-15-5-15", "hf-greedy", "h
 
 
 def make_runners(model, hf_model, max_new_tokens: int, device=None):
-    """system -> (prompt ids -> (sequences on the CPU, seconds, compression)). Ours are timed by ``stats.seconds``
+    """system -> (prompt ids -> (sequences on the CPU, seconds, compression)); ``SYSTEMS`` and
+    ``ours-plain-eager`` (``cuda_graphs=False``; the same as ``ours-plain`` off CUDA). Ours are timed by ``stats.seconds``
     (each step reads its result back, so it ends synchronised); transformers' by the wall time of its call, the
     accelerator of ``device`` (if any) synchronised before and after."""
 
@@ -48,9 +49,9 @@ def make_runners(model, hf_model, max_new_tokens: int, device=None):
         if device is not None and torch.device(device).type == "cuda":
             torch.cuda.synchronize(device)
 
-    def ours(config):
+    def ours(config, **kwargs):
         def run(ids):
-            out = model.generate(ids, max_new_tokens=max_new_tokens, lookahead=config)
+            out = model.generate(ids, max_new_tokens=max_new_tokens, lookahead=config, **kwargs)
             return out.sequences.cpu(), out.stats.seconds, out.stats.compression_ratio
         return run
 
@@ -78,6 +79,8 @@ def make_runners(model, hf_model, max_new_tokens: int, device=None):
 
     return {
         "ours-plain": ours(None),
+        # The eager loop (on the CPU the default; on CUDA without graphs): what the graphs gain on a GPU.
+        "ours-plain-eager": ours(None, cuda_graphs=False),
         "ours-lookahead": ours(LookaheadConfig()),
         "ours-fixed-15-5-15": ours(LookaheadConfig(window=15, ngram=5, guess=15)),
         "hf-greedy": hf(),

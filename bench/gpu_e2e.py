@@ -1,10 +1,13 @@
 """SmolLM2-135M-Instruct end to end on a GPU: tokens/s and greedy identity of our decoding and transformers'.
 
-Systems (``bench_speed.py``'s, on ``--device``): ``ours-plain`` (``lookahead=None``), ``ours-lookahead``
-(automatic mode, cost model measured first on this device), ``ours-fixed-15-5-15``, ``hf-greedy`` (transformers'
-``generate``) and ``hf-prompt-lookup`` (``prompt_lookup_num_tokens=10``). Every prompt is run by every system in
-turn after one warm-up per system. Times as in ``bench_speed.py`` (whose runners this uses): ours
-``stats.seconds``, transformers' the wall time of its call with the device synchronised before and after. ``identical`` counts prompts whose output equals ``ours-plain``'s
+Systems (``bench_speed.py``'s, on ``--device``): ``ours-plain`` (``lookahead=None``), ``ours-plain-eager`` (the
+same without CUDA graphs: ``cuda_graphs=False``), ``ours-lookahead`` (automatic mode, cost model measured first on
+this device), ``ours-fixed-15-5-15``, ``hf-greedy`` (transformers' ``generate``) and ``hf-prompt-lookup``
+(``prompt_lookup_num_tokens=10``). Ours run with CUDA graphs (``generate``'s default on CUDA) unless named eager;
+the graphs are captured in each system's warm-up call and kept on the model (``model.step_runners``), so the
+timed calls replay them. Every prompt is run by every system in turn after one warm-up per system. Times as in
+``bench_speed.py`` (whose runners this uses): ours ``stats.seconds``, transformers' the wall time of its call
+with the device synchronised before and after. ``identical`` counts prompts whose output equals ``ours-plain``'s
 token for token; ``first_diff`` (per prompt) is the first new-token index where it differs.
 
 In float32 the output is ``e2e-gpu-<device>.json`` (top-level ``device`` and ``rows`` of ``{"set", "system",
@@ -33,6 +36,9 @@ from gpu_util import ResultFile, header, parse_dtype, pick_device  # noqa: E402
 
 from _common import DEFAULT_SETS, set_name  # noqa: E402
 from bench_speed import SYSTEMS, make_runners  # noqa: E402
+
+# bench_speed's systems plus our eager loop, to show what the CUDA graphs gain.
+GPU_SYSTEMS = SYSTEMS[:1] + ["ours-plain-eager"] + SYSTEMS[1:]
 
 def first_diff(seq: torch.Tensor, ref: torch.Tensor, prompt_len: int) -> int | None:
     """First new-token index where ``seq`` and ``ref`` differ (a length difference counts); None if equal."""
@@ -87,7 +93,7 @@ def render(result: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sets", nargs="+", default=DEFAULT_SETS)
-    ap.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
+    ap.add_argument("--systems", nargs="+", default=GPU_SYSTEMS, choices=GPU_SYSTEMS)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--limit", type=int, default=8, help="first N prompts of each set (0: all)")

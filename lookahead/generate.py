@@ -9,6 +9,14 @@ Per row (:class:`_Row`): its window, draft builder, ``cache_len``, statistics an
 has the same shape (window and levels; trees padded to one size, with per-row tree metadata and ``cache_len``),
 verification runs for the batch at once, KV compaction moves each row's own accepted nodes, and a finished row
 leaves the batch (its cache row is dropped).
+
+Two ways to run a step's forward ("run", part 3 of ``shared/design/decode-loop.md``), one loop around them:
+
+* directly (the CPU's default, and ``cuda_graphs=False``): each step calls the model at whatever shape it has;
+* through a :class:`lookahead.runner.StepRunner` (CUDA's default, with graphs): static buffers per step shape,
+  one CUDA graph per shape, so a step costs no host work for the forward. A graph replays fixed shapes, so the
+  steps come from a small menu (:func:`_static_menu`): the plain step, and the plan's shape at each window
+  warm-up level with its tree padded to the budget; and finished rows stay in the batch, parked (``_decode``).
 """
 
 from __future__ import annotations
@@ -22,13 +30,15 @@ import torch
 from lookahead_kernels import StepLayout
 
 from .arguments import resolve_generate_arguments
-from .config import LookaheadConfig
+from .config import LookaheadConfig, StepShape
 from .controller import make_plan
 from .draft import DraftBuilder
+from .runner import StepRunner, runner_cache
 from .step import build_step
 from .window import LookaheadWindow
 
 PROMPT_SUCCESSOR_ROWS = 256
+PLAIN = StepShape(1, 1, 0)
 # generate's default: the automatic step size (a frozen config, shared safely).
 AUTOMATIC = LookaheadConfig()
 
@@ -272,7 +282,8 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
              temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
              generator: torch.Generator | None = None, eos_token_id=None, pad_token_id: int | None = None,
              attention_mask: torch.Tensor | None = None, generation_config=None, streamer=None,
-             trace: bool = False, **kwargs) -> GenerateOutput:
+             trace: bool = False, cuda_graphs: bool | None = None, _static_steps: bool | None = None,
+             **kwargs) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` tokens after each prompt.
 
     ``input_ids``: ``[B, prompt_len]`` (``[prompt_len]`` for one prompt), left-padded rows with an
@@ -291,6 +302,16 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     ``streamer`` (one prompt only) is a callable called with each step's newly emitted tokens, or an object with
     ``put``/``end`` such as transformers' ``TextStreamer``. ``trace=True`` records each lookahead step's
     candidates and window n-grams in ``stats.trace`` (per row: ``stats.rows[b].trace``; see :class:`StepTrace`).
+    ``cuda_graphs`` (``None``: on where the model is on CUDA) runs every decode step by replaying a CUDA graph
+    captured once per step shape (:class:`lookahead.runner.StepRunner`); the steps then come from a small fixed
+    menu (the plain step; the lookahead shape at each warm-up level of the window, trees padded to the budget;
+    in automatic mode a step with no window and no candidate is a plain step), and a row that finishes stays in
+    the batch until the batch ends, its outputs ignored. The runners (their KV cache and graphs) are kept on the
+    model for the next call with the same batch size and menu (``model.step_runners``, a
+    :class:`lookahead.runner.RunnerCache`; ``model.step_runners.clear()`` frees them), so a shape is captured
+    once per model, not per call. ``cuda_graphs=False`` is the eager loop (for debugging and comparison);
+    ``True`` off CUDA is a ``ValueError``. ``_static_steps`` (private, for tests) forces the graph path's loop,
+    run eagerly when graphs are off, e.g. on the CPU (``cuda_graphs=False, _static_steps=True``).
     """
     args = resolve_generate_arguments(
         input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=do_sample,
@@ -302,6 +323,7 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     if streamer is not None and B > 1:
         raise ValueError(f"a streamer follows one sequence but generate got a batch of {B} prompts; stream one "
                          f"prompt at a time, or pass no streamer for a batch (transformers refuses this too)")
+    graphs, static = _step_path(cuda_graphs, _static_steps, model.device)
     if streamer is not None:
         streamer.start(torch.cat([args.padding[0], args.prompts[0]])[None])
     _load_pool_extension_untimed(lookahead, model.device)
@@ -316,6 +338,9 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
                          f"{cfg.max_position_embeddings} positions")
     if lookahead is not None and not isinstance(lookahead, LookaheadConfig):
         raise ValueError(f"lookahead must be a LookaheadConfig or None, got {type(lookahead).__name__}")
+    if static and lookahead is not None and lookahead.pad_tree is False:
+        raise ValueError("LookaheadConfig(pad_tree=False) lets the step shape vary, which CUDA graphs cannot replay; "
+                         "leave pad_tree unset or pass cuda_graphs=False")
     if not isinstance(trace, bool):
         raise ValueError(f"trace must be a bool, got {trace!r}")
     if not isinstance(do_sample, bool):
@@ -331,7 +356,13 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     plan = make_plan(lookahead, model, B) if lookahead is not None else None
     started += time.perf_counter() - plan_started
     step_cap = plan.shape.max_tokens if plan is not None else 1
-    cache = model.new_cache(B, longest + max_new_tokens + step_cap)
+    runner = None
+    if static:
+        runner = runner_cache(model).take(model, B, _static_menu(plan, B), longest + max_new_tokens + step_cap,
+                                          graphs=graphs)
+        cache = runner.cache
+    else:
+        cache = model.new_cache(B, longest + max_new_tokens + step_cap)
     # Seeding the successor table costs a vocabulary projection per prompt row: skip it for a batch too big for
     # any tree at the start (64 HumanEval rows, all-plain steps: 0.79x plain decoding with the seeding, 0.94x without).
     successors = plan is not None and "successors" in plan.sources and max_new_tokens > 1 and \
@@ -355,8 +386,11 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
             prompt_rows = (prompt[n - seed_rows: n], logits[-seed_rows:]) if seed_rows else None
             row.start_lookahead(lookahead, plan, cfg.vocab_size, device, prompt, prompt_rows)
 
-    pad = lookahead is not None and (lookahead.pad_tree if lookahead.pad_tree is not None else device.type == "cuda")
-    accepted = _decode(model, cache, rows, sampler, plan, pad, device, started)
+    pad = lookahead is not None and (lookahead.pad_tree if lookahead.pad_tree is not None else
+                                     static or device.type == "cuda")
+    accepted = _decode(model, cache, runner, rows, sampler, plan, pad, device, started)
+    if runner is not None:  # only after a clean run: a runner left mid-step or mid-capture is dropped
+        runner_cache(model).give_back(runner)
     seconds = time.perf_counter() - started
     if streamer is not None:
         streamer.end()
@@ -407,6 +441,22 @@ def _load_pool_extension_untimed(lookahead, device: torch.device) -> None:
 
 
 
+def _step_path(cuda_graphs, static_steps, device: torch.device) -> tuple[bool, bool]:
+    """``(graphs, static)``: whether steps replay CUDA graphs, and whether they run through a StepRunner."""
+    if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
+        raise ValueError(f"cuda_graphs must be None (on where the model is on CUDA), True or False, got "
+                         f"{cuda_graphs!r}")
+    if static_steps is not None and not isinstance(static_steps, bool):
+        raise ValueError(f"_static_steps must be None, True or False, got {static_steps!r}")
+    if cuda_graphs and device.type != "cuda":
+        raise ValueError(f"cuda_graphs=True needs a model on CUDA; this one is on {device} (leave cuda_graphs unset)")
+    graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
+    static = graphs if static_steps is None else static_steps
+    if graphs and not static:
+        raise ValueError("CUDA graphs replay static step buffers: _static_steps=False needs cuda_graphs=False")
+    return graphs, static
+
+
 def _cache_len_arg(lens: list[int], device):
     """An int when every row has the same length (one attention call per step on the CPU), else a LongTensor."""
     if all(n == lens[0] for n in lens):
@@ -414,16 +464,53 @@ def _cache_len_arg(lens: list[int], device):
     return torch.tensor(lens, dtype=torch.long, device=device)
 
 
-def _decode(model, cache, rows: list[_Row], sampler: _Sampler, plan, pad: bool, device, started: float) -> list:
-    """Step until every row has stopped; a finished row leaves the batch. Returns, per step, the tokens emitted."""
+def _forward(model, cache, runner: StepRunner | None, shape: StepShape, tokens, positions, lens: list[int],
+             layout: StepLayout, logits_rows):
+    """A step's logits: through the runner's static buffers (and graphs) when there is one, else the model itself.
+    With graphs the result is overwritten by the next step of the same shape: the step reads it before then."""
+    if runner is None:
+        return model(tokens, positions, cache, _cache_len_arg(lens, device=tokens.device), layout, logits_rows)
+    return runner.run(shape, tokens, positions, torch.tensor(lens, dtype=torch.long), layout.tree, logits_rows)
+
+
+def _step_shape(plan, levels: int, batch_size: int) -> StepShape:
+    """A lookahead step's shape at this window level: the tree gets what the window leaves of the step (while it
+    warms up the window feeds fewer tokens), and for a batch in automatic mode at most the planner's reach."""
+    shape = plan.shape
+    budget = shape.max_tokens - shape.window * levels
+    if plan.planner is not None and batch_size > 1:  # batch 1 keeps its tuned behaviour: the planner alone
+        budget = min(budget, plan.planner.reach(batch_size, budget))
+    return StepShape(shape.window, levels, budget)
+
+
+def _static_menu(plan, batch_size: int) -> list[StepShape]:
+    """Every step shape a call on the static path can take: the plain step (also the end of a batch near the
+    model's last positions), and the plan's shape at each level the window passes through while warming up (each
+    taken once per call, but captured once per model with the runner kept on it). A batch keeps its size to the
+    end (finished rows are parked), so the planner's reach, and with it each level's tree budget, is fixed."""
+    if plan is None:
+        return [PLAIN]
+    return [PLAIN] + [_step_shape(plan, levels, batch_size) for levels in range(1, plan.shape.levels + 1)]
+
+
+def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: _Sampler, plan, pad: bool, device,
+            started: float) -> list:
+    """Step until every row has stopped. Returns, per step, the tokens emitted.
+
+    Without a runner a finished row leaves the batch (its cache row is dropped), so later steps are smaller. With
+    one it stays in the batch, parked, until every row has finished: its inputs are fed at position 0 and its
+    outputs ignored. That keeps the batch dimension, and so every captured graph, valid; rebuilding the runner
+    as the batch shrinks would capture every shape again for each batch size, while a parked row only adds its
+    share of the step's tokens, which costs little where a step is bound by reading the weights."""
     accepted = []
+    batch = list(rows)  # the rows each forward runs: every row with a runner, the active ones without
     active = list(rows)
     max_pos = model.config.max_position_embeddings
     while active:
-        if plan is None or _near_the_end(active, plan.shape, max_pos) or _batch_too_big(active, plan):
-            accepted.append(_plain_step(model, cache, active, sampler, device))
+        if plan is None or _near_the_end(active, plan.shape, max_pos) or _batch_too_big(active, batch, plan):
+            accepted.append(_plain_step(model, cache, runner, batch, sampler, device))
         else:
-            accepted.append(_lookahead_step(model, cache, active, sampler, plan, pad, device))
+            accepted.append(_lookahead_step(model, cache, runner, batch, sampler, plan, pad, device))
         finished = [i for i, r in enumerate(active) if r.emitter.done]
         if finished:
             now = time.perf_counter() - started
@@ -431,8 +518,17 @@ def _decode(model, cache, rows: list[_Row], sampler: _Sampler, plan, pad: bool, 
                 active[i].stats.seconds = now
             if len(finished) == len(active):
                 break
-            active = [active[i] for i in cache.remove_rows(finished)]
+            if runner is None:
+                active = batch = [active[i] for i in cache.remove_rows(finished)]
+            else:
+                active = [r for r in active if not r.emitter.done]
     return accepted
+
+
+def _start(row: _Row) -> int:
+    """Where a row's step starts in its cache row: its committed length, or 0 once it has finished (a parked row
+    rewrites the start of its own cache row, which nothing reads again, and stays within the model's positions)."""
+    return 0 if row.emitter.done else row.cache_len
 
 
 def _near_the_end(active: list[_Row], shape, max_pos: int) -> bool:
@@ -443,51 +539,51 @@ def _near_the_end(active: list[_Row], shape, max_pos: int) -> bool:
     return any(r.cache_len + reach >= max_pos for r in active)
 
 
-def _tree_budget(active: list[_Row], plan) -> int:
-    """The most tree nodes a row may take this step: what the window leaves of the step (while it warms up the
-    window feeds fewer tokens), and for a batch in automatic mode at most the planner's reach."""
-    shape = plan.shape
-    budget = shape.max_tokens - shape.window * active[0].window.levels
-    if plan.planner is not None and len(active) > 1:  # batch 1 keeps its tuned behaviour: the planner alone
-        budget = min(budget, plan.planner.reach(len(active), budget))
-    return budget
-
-
-def _batch_too_big(active: list[_Row], plan) -> bool:
+def _batch_too_big(active: list[_Row], batch: list[_Row], plan) -> bool:
     """Whether, in automatic mode, no tree could pay for this many rows (and there is no window): a plain step
     then saves every row's host work on trees."""
-    return len(active) > 1 and plan.planner is not None and plan.shape.window == 1 and \
-        _tree_budget(active, plan) == 0
+    return len(batch) > 1 and plan.planner is not None and plan.shape.window == 1 and \
+        _step_shape(plan, active[0].window.levels, len(batch)).tree_budget == 0
 
 
-def _plain_step(model, cache, active: list[_Row], sampler: _Sampler, device) -> int:
-    lens = [r.cache_len for r in active]
-    logits = model(torch.tensor([[r.x] for r in active], device=device), torch.tensor([[n] for n in lens],
-                   device=device), cache, _cache_len_arg(lens, device), StepLayout(1, 1))
+def _plain_step(model, cache, runner, batch: list[_Row], sampler: _Sampler, device) -> int:
+    lens = [_start(r) for r in batch]
+    logits = _forward(model, cache, runner, PLAIN, torch.tensor([[r.x] for r in batch], device=device),
+                      torch.tensor([[n] for n in lens], device=device), lens, StepLayout(1, 1), None)
     emitted = 0
-    for row, y in zip(active, sampler.choose(logits[:, 0]).tolist()):
+    for row, y in zip(batch, sampler.choose(logits[:, 0]).tolist()):
+        if row.emitter.done:  # parked
+            continue
         row.cache_len += 1
         emitted += row.commit([y], 1)
         row.x = y
     return emitted
 
 
-def _lookahead_step(model, cache, active: list[_Row], sampler: _Sampler, plan, pad: bool, device) -> int:
-    """One step for every active row: plan and build the trees, run, verify, compact, commit and observe."""
+def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: _Sampler, plan, pad: bool, device) -> int:
+    """One step for every row of the batch: plan and build the trees, run, verify, compact, commit and observe.
+    Parked rows (finished, with a runner) feed their last token and an empty tree; their outputs are ignored."""
+    active = [r for r in batch if not r.emitter.done]
     W = plan.shape.window
     levels = active[0].window.levels  # the rows started together: their windows warm up in step
-    budget = _tree_budget(active, plan)
-    proposals = [r.drafts.propose(r.emitter.sequence, budget) for r in active]
+    shape = _step_shape(plan, levels, len(batch))
+    budget = shape.tree_budget
+    proposals = {id(r): r.drafts.propose(r.emitter.sequence, budget) for r in active}
     if plan.planner is not None:  # one size for all rows: they are padded to one shape anyway
-        keep = plan.planner.choose_batch([[n.score for n in p] for p in proposals])
-        proposals = [p[:keep] for p in proposals]
-    size = budget if pad else max(len(p) for p in proposals)
-    trees = [DraftBuilder.encode(p, size) for p in proposals]
-    lens = [r.cache_len for r in active]
-    step = build_step(lens, torch.stack([r.window.step_tokens(r.x) for r in active]), levels, W, trees, device)
-    logits = model(step.tokens, step.positions, cache, _cache_len_arg(lens, device), step.layout, step.logits_rows)
+        keep = plan.planner.choose_batch([[n.score for n in p] for p in proposals.values()])
+        if keep == 0 and W == 1 and pad:  # the step would feed x and padding only: a plain step does the same
+            return _plain_step(model, cache, runner, batch, sampler, device)
+        proposals = {k: p[:keep] for k, p in proposals.items()}
+    size = budget if pad else max(len(p) for p in proposals.values())
+    trees = [DraftBuilder.encode(proposals.get(id(r), []), size) for r in batch]
+    lens = [_start(r) for r in batch]
+    window_tokens = [torch.full((levels * W,), r.x, dtype=torch.long) if r.emitter.done else r.window.step_tokens(r.x)
+                     for r in batch]
+    step = build_step(lens, torch.stack(window_tokens), levels, W, trees, device)
+    logits = _forward(model, cache, runner, StepShape(W, levels, size), step.tokens, step.positions, lens,
+                      step.layout, step.logits_rows)
     depth = max((int(t.shape.depth[: t.num_nodes].max()) for t in trees if t.num_nodes), default=0)
-    B = len(active)
+    B = len(batch)
     la = step.layout.lookahead_len
     if size:
         num_nodes = torch.tensor([t.num_nodes for t in trees], device=device)
@@ -503,14 +599,15 @@ def _lookahead_step(model, cache, active: list[_Row], sampler: _Sampler, plan, p
     most = max(r[0] for r in back)
     if most > 0:  # KV compaction: each row's accepted nodes to the slots after its x
         src = []
-        for row, r in zip(active, back):
+        for n, r in zip(lens, back):
             a = r[0]
-            # A row that accepted fewer copies slots past its new length onto themselves: a no-op.
-            src.append([row.cache_len + la + j for j in r[1: 1 + a]] +
-                       list(range(row.cache_len + 1 + a, row.cache_len + 1 + most)))
+            # A row that accepted fewer (a parked row: none) copies slots past its new length onto themselves.
+            src.append([n + la + j for j in r[1: 1 + a]] + list(range(n + 1 + a, n + 1 + most)))
         cache.move_rows(torch.tensor(src, device=device), _cache_len_arg([n + 1 for n in lens], device))
     emitted_total = 0
-    for b, (row, r) in enumerate(zip(active, back)):
+    for b, (row, r) in enumerate(zip(batch, back)):
+        if row.emitter.done:  # parked
+            continue
         a = r[0]
         nodes = r[1: 1 + a]
         emitted = r[1 + depth: 1 + depth + a + 1]

@@ -105,7 +105,11 @@ class StepRunner:
             with torch.inference_mode():
                 return self._forward(buf)
         if buf.graph is None:
-            self._capture(buf)
+            try:
+                self._capture(buf)
+            except Exception as exc:
+                raise RuntimeError(f"capturing the CUDA graph of step shape {shape} failed ({type(exc).__name__}: "
+                                   f"{exc}); generate(..., cuda_graphs=False) runs the eager loop") from exc
         buf.graph.replay()
         return buf.logits
 
@@ -184,3 +188,67 @@ class StepRunner:
         with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
             buf.logits = self._forward(buf)
         buf.graph = graph
+
+
+class RunnerCache:
+    """Step runners kept between ``generate`` calls on one model, so that each step shape's CUDA graph is captured
+    once rather than once per call (a capture runs the step's forward three times, two warm-up runs and the
+    capture: captured per call, the five shapes of a warming-up lookahead call would add about fifteen eager
+    forwards to every call).
+
+    A runner is keyed by its model's device and dtype, its batch size, step menu and ``graphs``; it serves any call
+    whose KV cache fits its own. :meth:`take` hands a runner out (a stored one, else a new one) and removes it
+    from the cache, so two calls never share one; :meth:`give_back` stores it again, dropping the least recently
+    used beyond ``keep``. Stored runners hold their KV cache and graphs (device memory): :meth:`clear` frees them.
+
+    Args:
+        keep: how many idle runners to keep (>= 0).
+    """
+
+    def __init__(self, keep: int = 4):
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+            raise ValueError(f"keep must be an int >= 0, got {keep!r}")
+        self.keep = keep
+        self._idle: dict[tuple, StepRunner] = {}
+
+    @staticmethod
+    def _key(model, batch_size: int, menu, graphs: bool) -> tuple:
+        return (model.device, model.dtype, batch_size, tuple(dict.fromkeys(menu)), bool(graphs))
+
+    def take(self, model, batch_size: int, menu, min_len: int, *, graphs: bool) -> StepRunner:
+        """A runner for ``batch_size`` rows and ``menu`` whose cache holds at least ``min_len`` rows per sequence.
+
+        A new runner's cache is rounded up to a power of two (at least 1024 rows, at most the model's positions
+        plus the menu's largest step), so that later calls with somewhat longer prompts reuse it."""
+        key = self._key(model, batch_size, menu, graphs)
+        runner = self._idle.pop(key, None)
+        if runner is not None and runner.cache.max_len >= min_len:
+            return runner
+        limit = model.config.max_position_embeddings + max(s.max_tokens for s in key[3])
+        rows = min(max(1024, 1 << (int(min_len) - 1).bit_length()), max(limit, int(min_len)))
+        return StepRunner(model, model.new_cache(batch_size, rows), key[3], graphs=graphs)
+
+    def give_back(self, runner: StepRunner) -> None:
+        """Store ``runner`` for a later :meth:`take` (the most recently given back is kept longest)."""
+        key = self._key(runner.model, runner.batch_size, runner.menu, runner.graphs)
+        self._idle.pop(key, None)
+        self._idle[key] = runner
+        while len(self._idle) > self.keep:
+            self._idle.pop(next(iter(self._idle)))
+
+    def runners(self) -> list[StepRunner]:
+        """The idle runners, least recently given back first."""
+        return list(self._idle.values())
+
+    def clear(self) -> None:
+        """Drop every idle runner (their caches and graphs are freed once nothing else holds them)."""
+        self._idle.clear()
+
+
+def runner_cache(model) -> RunnerCache:
+    """``model.step_runners``, the :class:`RunnerCache` that ``generate`` keeps on the model (created on first use,
+    as the controller keeps its cost model in ``model.step_costs_cache``)."""
+    cache = getattr(model, "step_runners", None)
+    if cache is None:
+        cache = model.step_runners = RunnerCache()
+    return cache
