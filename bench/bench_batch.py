@@ -1,11 +1,13 @@
 """Throughput against batch size: our plain decoding and our automatic lookahead, batches of dev prompts.
 
 Each set's prompts are split into consecutive batches of ``B`` (the last one smaller) and every batch is decoded
-once plainly and once with lookahead (``LookaheadConfig()``, whose controller sizes the steps for the batch and
-turns lookahead off where it does not pay). Reported per set, batch size and mode: tokens/s over the batches
-(total new tokens / total ``stats.seconds``; the controller's one-time cost measurement is outside it), the ratio
-of lookahead to plain, mean tokens fed per row per step, and how many rows equal the prompt's batch-1 plain greedy
-output token for token.
+plainly and with lookahead (``LookaheadConfig()``, whose controller sizes the steps for the batch and turns
+lookahead off where it does not pay) back to back, the order alternating from batch to batch, ``--repeats``
+times over. Reported per set, batch size and mode: tokens/s over the batches (total new tokens / total
+``stats.seconds``, the median over the passes; the controller's one-time cost measurement is outside it), the
+ratio of lookahead to plain (the median of each pass's ratio: side by side, so a drift of the machine cancels),
+mean tokens fed per row per step, and how many rows equal the prompt's batch-1 plain greedy output token for
+token.
 
     python bench/bench_batch.py --threads 2                        # both dev sets, B = 1 4 16 64, 128 tokens
     python bench/bench_batch.py --batch-sizes 1 4 --prompts 4 --max-new-tokens 16 --tag cpu-smoke
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -35,21 +38,40 @@ from lookahead.controller import make_plan  # noqa: E402
 MODES = {"plain": None, "lookahead": LookaheadConfig()}
 
 
-def run_batches(model, prompts: list, batch_size: int, config, max_new_tokens: int) -> tuple[list, dict]:
-    """Decode ``prompts`` (1-D tensors) in batches; returns each prompt's new tokens and the totals."""
-    outputs, new, seconds, steps, fed = [], 0, 0.0, 0, 0
-    for i in range(0, len(prompts), batch_size):
-        batch = prompts[i: i + batch_size]
-        out = model.generate(batch, max_new_tokens=max_new_tokens, lookahead=config)
-        L = max(p.numel() for p in batch)
-        for b, row in enumerate(out.stats.rows):
-            outputs.append(out.sequences[b, L: L + row.new_tokens].tolist())
-        new += out.stats.new_tokens
-        seconds += out.stats.seconds
-        steps += sum(r.steps for r in out.stats.rows)
-        fed += out.stats.fed_tokens
-    return outputs, {"new_tokens": new, "seconds": seconds, "tokens_per_s": new / seconds,
-                     "fed_per_row_step": fed / steps}
+def run_paired(model, prompts: list, batch_size: int, max_new_tokens: int, repeats: int) -> dict:
+    """Decode ``prompts`` (1-D tensors) in batches of ``batch_size`` in every mode, the modes of one batch back to
+    back (their order alternating from batch to batch), ``repeats`` times over. Returns per mode its outputs (each
+    prompt's new tokens, from the first pass) and totals, tokens/s being the median over the passes; and per pass
+    the ratio of each mode's tokens/s to plain's (side by side, so a drift of the machine's speed cancels)."""
+    per_mode = {mode: {"outputs": [], "passes": []} for mode in MODES}
+    batches = [prompts[i: i + batch_size] for i in range(0, len(prompts), batch_size)]
+    for rep in range(repeats):
+        totals = {mode: dict(new=0, seconds=0.0, steps=0, fed=0) for mode in MODES}
+        for i, batch in enumerate(batches):
+            order = list(MODES) if (i + rep) % 2 == 0 else list(reversed(MODES))
+            for mode in order:
+                out = model.generate(batch, max_new_tokens=max_new_tokens, lookahead=MODES[mode])
+                if rep == 0:
+                    L = max(p.numel() for p in batch)
+                    per_mode[mode]["outputs"] += [out.sequences[b, L: L + row.new_tokens].tolist()
+                                                  for b, row in enumerate(out.stats.rows)]
+                t = totals[mode]
+                t["new"] += out.stats.new_tokens
+                t["seconds"] += out.stats.seconds
+                t["steps"] += sum(r.steps for r in out.stats.rows)
+                t["fed"] += out.stats.fed_tokens
+        for mode, t in totals.items():
+            per_mode[mode]["passes"].append(t)
+    result = {}
+    for mode, m in per_mode.items():
+        passes = m["passes"]
+        tps = [p["new"] / p["seconds"] for p in passes]
+        ratios = [(p["new"] / p["seconds"]) / (q["new"] / q["seconds"]) for p, q in zip(passes, per_mode["plain"]["passes"])]
+        result[mode] = (m["outputs"], {"new_tokens": passes[0]["new"], "seconds": statistics.median(p["seconds"] for p in passes),
+                                       "tokens_per_s": statistics.median(tps), "tokens_per_s_passes": tps,
+                                       "vs_plain_passes": ratios, "paired_vs_plain": statistics.median(ratios),
+                                       "fed_per_row_step": passes[0]["fed"] / passes[0]["steps"]})
+    return result
 
 
 def main(argv=None) -> int:
@@ -59,6 +81,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=None, help="first N prompts of each set (default: all)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=1, help="passes over the prompts per batch size (medians)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--tag", default=None, help="result file tag (default: the device)")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
@@ -90,8 +113,8 @@ def main(argv=None) -> int:
                 model.generate(prompts[:2], max_new_tokens=4, lookahead=config)
             reference = None
             for B in tqdm(args.batch_sizes, desc=name):
-                for mode, config in MODES.items():
-                    outputs, totals = run_batches(model, prompts, B, config, args.max_new_tokens)
+                for mode, (outputs, totals) in run_paired(model, prompts, B, args.max_new_tokens,
+                                                          args.repeats).items():
                     if reference is None:  # batch 1, plain: the first run
                         reference = outputs
                     identical = sum(o == r for o, r in zip(outputs, reference))
@@ -100,14 +123,12 @@ def main(argv=None) -> int:
                     print(f"{name:10s} B={B:3d} {mode:9s} {totals['tokens_per_s']:8.2f} tok/s  fed/row/step "
                           f"{totals['fed_per_row_step']:.2f}  identical {identical}/{len(prompts)}", flush=True)
     for r in rows:
-        plain = next(p for p in rows if p["set"] == r["set"] and p["batch_size"] == r["batch_size"]
-                     and p["mode"] == "plain")
-        r["vs_plain"] = r["tokens_per_s"] / plain["tokens_per_s"]
+        r["vs_plain"] = r["paired_vs_plain"]
     machine["load_average_end"] = machine_info(args.device)["load_average"]
     tag = args.tag or ("cpu" if args.device == "cpu" else device_label(machine).lower().replace(" ", "-"))
     result = {"machine": machine, "command": command_line(__file__, sys.argv[1:] if argv is None else argv),
               "model": "SmolLM2-135M-Instruct (float32)", "max_new_tokens": args.max_new_tokens,
-              "prompts_per_set": args.prompts, "threads": args.threads, "rows": rows}
+              "prompts_per_set": args.prompts, "threads": args.threads, "repeats": args.repeats, "rows": rows}
     base = write_results(args.out_dir, f"batch-{tag}", result, markdown(result))
     plot(result, base + ".png")
     return 0
@@ -121,8 +142,9 @@ def markdown(result: dict) -> str:
              f"Device: {m['device']} ({m.get('gpu') or m['cpu']}), torch {m['torch']}, git {m['git']}, load average "
              f"at the start {m.get('load_average')}, at the end {m.get('load_average_end')}.", "",
              f"Command: `{result['command']}`", "",
-             "Tokens/s over the batches (new tokens / seconds); identical: rows equal to the prompt's batch-1 plain "
-             "greedy output.", "",
+             f"Tokens/s over the batches (new tokens / seconds; the median of {result.get('repeats', 1)} pass(es)); "
+             "vs plain: the median over the passes of lookahead's tokens/s over plain's, each batch decoded both ways "
+             "back to back; identical: rows equal to the prompt's batch-1 plain greedy output.", "",
              "| set | batch | mode | tokens/s | vs plain | tokens fed per row and step | identical |",
              "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:

@@ -40,6 +40,12 @@ GPU_BATCH_MENU = (1024,)
 _CONTEXT = 256
 # The window runs when it makes a full step at most this much slower than the tree alone.
 WINDOW_COST_LIMIT = 1.05
+# A batch takes trees only where they are expected to beat a plain step by this much: what the cost models
+# miss (the noise of their estimates, work they do not count) is paid B times over, and a batch that loses to
+# plain decoding is the peers' common failure under load.
+BATCH_MARGIN = 1.05
+# Each new measurement of the host work discounts the older ones by this factor.
+HOST_DECAY = 0.95
 # A batch builds trees only as large as could pay if each node were accepted with this chance once its parent is
 # (a chain): beyond, no tree pays for its rows' host work (building, learning), and at 0 the batch steps plainly.
 OPTIMISTIC_ACCEPTANCE = 0.9
@@ -222,6 +228,41 @@ def batch_step_costs(model, base: StepCosts, tokens: int, cache_to_disk: bool = 
     return StepCosts.from_pairs(pairs.items())
 
 
+class HostCost:
+    """Seconds of host work a step with trees takes beside the forward: ``a * rows + b * nodes`` (a row's tree
+    building, KV compaction and bookkeeping; each real node's learning, e.g. the successor table's top-k over its
+    logits), fitted by least squares to the steps measured, older ones discounted by ``HOST_DECAY`` per new one.
+    Measured on a CPU with SmolLM2: about 0.5 ms a row and 0.2 ms a node."""
+
+    def __init__(self):
+        self._sums = [0.0] * 5  # sum rr, sum rn, sum nn, sum r*y, sum n*y
+
+    def observe(self, rows: int, nodes: int, seconds: float) -> None:
+        if not seconds >= 0 or rows < 1 or nodes < 0:
+            return
+        self._sums = [HOST_DECAY * s for s in self._sums]
+        for i, v in enumerate((rows * rows, rows * nodes, nodes * nodes, rows * seconds, nodes * seconds)):
+            self._sums[i] += v
+
+    @property
+    def coefficients(self) -> tuple[float, float]:
+        """``(seconds per row, seconds per node)``; ``(0, 0)`` before any measurement."""
+        rr, rn, nn, ry, ny = self._sums
+        if rr == 0:
+            return 0.0, 0.0
+        det = rr * nn - rn * rn
+        if det > 1e-9 * rr * nn:
+            a, b = (ry * nn - ny * rn) / det, (ny * rr - ry * rn) / det
+            if a >= 0 and b >= 0:
+                return a, b
+        # Rows and nodes in one proportion (or a fit with a negative part): one term carries it all.
+        return (ry / rr, 0.0) if nn == 0 or ry / rr * rr <= ny / nn * nn else (0.0, ny / nn)
+
+    def predict(self, rows: int, nodes: int) -> float:
+        a, b = self.coefficients
+        return a * rows + b * nodes
+
+
 class StepPlanner:
     """Picks each step's tree size from the expected gains of its nodes and the cost model.
 
@@ -230,15 +271,23 @@ class StepPlanner:
         window_tokens: tokens the lookahead branch feeds per row (``1``: ``x`` alone, no window).
     """
 
-    def __init__(self, costs: StepCosts, window_tokens: int):
+    def __init__(self, costs: StepCosts, window_tokens: int, host: "HostCost | None" = None):
         self.costs = costs
         self.window_tokens = window_tokens
+        # Host work a step with trees adds beside the forward (building, verifying, learning), by batch size:
+        # learned from the steps taken with a measured cost table; none (0) with a given one, so that such a
+        # plan stays deterministic.
+        self.host = host
         self._reach: dict[tuple, int] = {}
+
+    def host_seconds(self, rows: int, nodes: int) -> float:
+        return self.host.predict(rows, nodes) if self.host is not None else 0.0
 
     def reach(self, batch_size: int, budget: int) -> int:
         """The largest tree per row (at most ``budget``) that a batch of ``batch_size`` rows would take if every
         node were a chain link accepted with chance ``OPTIMISTIC_ACCEPTANCE``; 0: lookahead cannot pay."""
-        key = (batch_size, budget)
+        # The host cost's coefficients, in steps of 10 us, belong to the key: they change as steps are measured.
+        key = (batch_size, budget) + tuple(round(c, 5) for c in (self.host.coefficients if self.host else ()))
         if key not in self._reach:
             chain = [OPTIMISTIC_ACCEPTANCE ** (d + 1) for d in range(budget)]
             self._reach[key] = self.choose_batch([chain] * batch_size)
@@ -252,20 +301,22 @@ class StepPlanner:
     def choose_batch(self, gains: list[list[float]]) -> int:
         """One tree size ``V`` for a batch of rows (``gains[b]``: row ``b``'s nodes as in :meth:`choose`): every
         row feeds ``window_tokens + V`` tokens (shorter trees padded), the step costs ``t(B * (window_tokens +
-        V))`` and emits ``B + sum_b E_b(V)`` expected tokens; the best rate wins, 0 (a plain step) when none
-        beats it. Ties go to the smaller tree."""
+        V))`` plus, for ``V >= 1``, the trees' host work (:class:`HostCost`) and emits ``B + sum_b E_b(V)`` expected
+        tokens; the best rate wins, 0 (a plain step) when none beats it. Ties go to the smaller tree."""
         B = len(gains)
         if B == 0:
             return 0
         best, best_rate = 0, B / self.costs(B * self.window_tokens)
+        nodes = 0
         longest = max(len(g) for g in gains)
         expected = float(B)
         for v in range(longest):
             for b, row in enumerate(gains):
                 if v < len(row):
                     expected += row[v]
-            rate = expected / self.costs(B * (self.window_tokens + v + 1))
-            if rate > best_rate:
+                    nodes += 1
+            rate = expected / (self.costs(B * (self.window_tokens + v + 1)) + self.host_seconds(B, nodes))
+            if rate > best_rate * (BATCH_MARGIN if B > 1 and best == 0 else 1.0):
                 best, best_rate = v + 1, rate
         return best
 
@@ -310,4 +361,10 @@ def make_plan(config, model, batch_size: int = 1) -> Plan:
     else:
         shape = StepShape(1, 1, max(total - 1, 0))
         sources = tuple(s for s in config.sources if s != "pool")
-    return Plan(shape, sources, StepPlanner(costs, shape.window * shape.levels))
+    host = None
+    if config.step_costs is None:  # learned across calls: kept on the model (memory only), per cost key
+        memo = getattr(model, "host_costs_cache", None)
+        if memo is None:
+            memo = model.host_costs_cache = {}
+        host = memo.setdefault(cost_key(model), HostCost())
+    return Plan(shape, sources, StepPlanner(costs, shape.window * shape.levels, host))

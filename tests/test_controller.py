@@ -78,3 +78,52 @@ def test_default_generate_is_automatic_and_costs_are_cached(tmp_path, monkeypatc
     out = ours.generate(ids, max_new_tokens=20)
     assert torch.equal(out.sequences, hf_greedy(hf, ids, 20))
     assert ours.generate(ids, max_new_tokens=20, lookahead=None).stats.fed_tokens == 20
+
+
+def test_host_cost_fits_rows_and_nodes():
+    from lookahead.controller import HostCost
+
+    host = HostCost()
+    assert host.predict(16, 40) == 0.0  # nothing measured yet
+    for rows, nodes in [(1, 8), (1, 3), (16, 10), (16, 0), (4, 12), (9, 9)]:
+        host.observe(rows, nodes, 5e-4 * rows + 2e-4 * nodes)
+    a, b = host.coefficients
+    assert a == pytest.approx(5e-4, rel=1e-6) and b == pytest.approx(2e-4, rel=1e-6)
+    assert host.predict(2, 5) == pytest.approx(2e-3, rel=1e-6)
+    one = HostCost()  # rows and nodes in one proportion: one term carries the cost, never a negative one
+    for _ in range(3):
+        one.observe(1, 2, 3e-3)
+    assert one.predict(1, 2) == pytest.approx(3e-3) and min(one.coefficients) == 0.0
+
+
+def test_planner_charges_host_work_and_a_batch_margin():
+    from lookahead.controller import BATCH_MARGIN, HostCost
+
+    costs = StepCosts((1, 16, 64), (0.010, 0.011, 0.030))
+    gains = [[0.5]] * 4  # each row's one node: 2 more tokens for the batch at about the same step cost
+    assert StepPlanner(costs, 1).choose_batch(gains) == 1
+    host = HostCost()
+    host.observe(4, 4, 0.008)  # two milliseconds a row: the trees no longer pay
+    assert StepPlanner(costs, 1, host).choose_batch(gains) == 0
+    # A tree that beats a plain step by less than the margin is not taken by a batch (batch 1 takes it).
+    edge = [[(BATCH_MARGIN - 1) / 2]] * 2
+    flat = StepCosts((1, 64), (0.010, 0.010))
+    assert StepPlanner(flat, 1).choose_batch(edge) == 0
+    assert StepPlanner(flat, 1).choose_batch(edge[:1]) == 1
+
+
+def test_backoff_doubles_and_resets():
+    from lookahead.generate import MAX_BACKOFF, _Backoff
+
+    b = _Backoff()
+    waits = []
+    for _ in range(7):
+        b.miss()
+        n = 0
+        while b.waiting():
+            n += 1
+        waits.append(n)
+    assert waits == [1, 2, 4, 8, 16, 16, 16][:7] and max(waits) == MAX_BACKOFF
+    b.hit()
+    b.miss()
+    assert b.wait == 1
