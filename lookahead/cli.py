@@ -45,6 +45,8 @@ def _add_lookahead_args(p: argparse.ArgumentParser) -> None:
                    help="Hugging Face directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="parameter dtype (default float32)")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="on CUDA, run each step eagerly instead of replaying captured CUDA graphs (for debugging)")
 
 
 def _device(args) -> str:
@@ -164,7 +166,8 @@ def cmd_generate(args) -> int:
         seed = generator.manual_seed(args.seed).initial_seed() if args.seed is not None else generator.seed()
         sampling["generator"] = generator
     stream = None if args.json else _TextStream(tokenizer)
-    out = model.generate(ids, max_new_tokens=args.max_new_tokens, lookahead=la, streamer=stream, **sampling)
+    out = model.generate(ids, max_new_tokens=args.max_new_tokens, lookahead=la, streamer=stream,
+                         cuda_graphs=_cuda_graphs(args), **sampling)
     s = out.stats
     new = out.sequences[0, ids.shape[1]:].tolist()
     if args.json:
@@ -219,8 +222,13 @@ def machine_info(device: str) -> dict:
     return info
 
 
+def _cuda_graphs(args) -> bool | None:
+    """``generate``'s ``cuda_graphs``: False with ``--no-cuda-graphs`` on CUDA, else its default."""
+    return False if args.no_cuda_graphs and torch.device(args.device).type == "cuda" else None
+
+
 def run_prompt_set(model, prompts, config: LookaheadConfig, max_new_tokens: int, desc: str = "",
-                   batch_size: int = 1) -> dict:
+                   batch_size: int = 1, cuda_graphs: bool | None = None) -> dict:
     """Run the prompts in batches of ``batch_size`` plainly and with lookahead; returns per-prompt rows and the
     set's summary (tokens/s over the batches; ``identical``: rows equal to the plain batch's)."""
     from tqdm.auto import tqdm
@@ -230,8 +238,8 @@ def run_prompt_set(model, prompts, config: LookaheadConfig, max_new_tokens: int,
     for batch in tqdm(batches, desc=desc, unit="batch" if batch_size > 1 else "prompt", file=sys.stderr):
         batch = [ids.to(model.device) for ids in batch]
         ids = batch[0] if batch_size == 1 else [ids[0] for ids in batch]
-        plain = model.generate(ids, max_new_tokens=max_new_tokens, lookahead=None)
-        ours = model.generate(ids, max_new_tokens=max_new_tokens, lookahead=config)
+        plain = model.generate(ids, max_new_tokens=max_new_tokens, lookahead=None, cuda_graphs=cuda_graphs)
+        ours = model.generate(ids, max_new_tokens=max_new_tokens, lookahead=config, cuda_graphs=cuda_graphs)
         seconds += ours.stats.seconds
         plain_seconds += plain.stats.seconds
         for b, ids_b in enumerate(batch):
@@ -269,7 +277,8 @@ def cmd_bench(args) -> int:
     for path in args.prompts:
         prompts = read_prompts(path, tokenizer)[: args.limit]
         name = os.path.splitext(os.path.basename(path))[0]
-        res = run_prompt_set(model, prompts, config, args.max_new_tokens, desc=name, batch_size=args.batch_size)
+        res = run_prompt_set(model, prompts, config, args.max_new_tokens, desc=name, batch_size=args.batch_size,
+                             cuda_graphs=_cuda_graphs(args))
         result["sets"][name] = res
         s = res["summary"]
         print(f"{name}: {s['prompts']} prompts, compression {s['mean_compression']:.2f}, "

@@ -118,6 +118,8 @@ def cost_key(model) -> str:
     if model.device.type == "cpu":
         parts.append(f"linear={_cpu_linear_path(model)}")
         parts.append(f"attention={_cpu_attention_path(model)}")
+    else:
+        parts.append("steps=graphs")  # measured as generate runs them (replayed graphs), not eagerly
     return "|".join(parts)
 
 
@@ -139,32 +141,60 @@ def _cpu_attention_path(model) -> str:
 
 
 @torch.inference_mode()
-def measure_step_costs(model, menu=None, runs: int = 2) -> StepCosts:
+def measure_step_costs(model, menu=None, runs: int = 2, static: bool | None = None) -> StepCosts:
     """Time one forward pass of ``model`` at each step size of ``menu`` (default: by device) at a context of
-    256 tokens; the fastest of ``runs`` runs after a warm-up, about half a second in all on a CPU."""
+    256 tokens; the fastest of ``runs`` runs after a warm-up, about half a second in all on a CPU.
+
+    ``static`` (default: on CUDA) times each size as ``generate`` runs it there: a step of a
+    :class:`lookahead.runner.StepRunner`, replaying its CUDA graph on CUDA (a chain tree of ``T - 1`` nodes, the
+    same cost as any tree of that size); eager forwards cost more host time per step than replays, which would
+    make the planner take too few tokens. Where a capture fails the model's own forward is timed instead."""
     device = model.device
     menu = menu or (GPU_MENU if device.type == "cuda" else CPU_MENU)
+    static = device.type == "cuda" if static is None else static
     max_pos = model.config.max_position_embeddings
     context = max(0, min(_CONTEXT, max_pos - max(menu) - 1))
     cache = model.new_cache(1, context + max(menu))
-    pairs = []
-    for T in menu:
-        ids = torch.zeros(1, T, dtype=torch.long, device=device)
-        pos = torch.arange(context, context + T, device=device)[None]
-        # A single-column tree of T-1 nodes: the same cost as any tree of that size.
-        layout = StepLayout.prefill(T)
-        rows = torch.arange(T, device=device)
+    runner = None
+    if static:
+        from .config import StepShape
+        from .runner import StepRunner
+
+        runner = StepRunner(model, cache, [StepShape(1, 1, T - 1) for T in menu], graphs=device.type == "cuda")
+
+    def timed(step) -> float:
         best = float("inf")
         for run in range(runs + 1):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             start = time.perf_counter()
-            model(ids, pos, cache, context, layout, rows)
+            step()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            if run:  # the first run warms up
+            if run:  # the first run warms up (and captures)
                 best = min(best, time.perf_counter() - start)
-        pairs.append((T, best))
+        return best
+
+    pairs = []
+    for T in menu:
+        ids = torch.zeros(1, T, dtype=torch.long, device=device)
+        pos = torch.arange(context, context + T, device=device)[None]
+        seconds = None
+        if runner is not None:
+            from lookahead_kernels.tree import TreeShape
+
+            shape = runner.menu[menu.index(T)]
+            tree = TreeShape.from_parents(list(range(-1, T - 2)), device=device) if T > 1 else None
+            try:
+                seconds = timed(lambda: runner.run(shape, ids, pos, context, tree))
+            except RuntimeError:  # a capture that fails here fails in generate too, which says so
+                seconds = None
+        if seconds is None:
+            # A causal block of T tokens: the same cost as a tree of T - 1 nodes after x.
+            layout = StepLayout.prefill(T)
+            rows = torch.arange(T, device=device)
+            seconds = timed(lambda: model(ids, pos, cache, context, layout, rows))
+        pairs.append((T, seconds))
     return StepCosts.from_pairs(pairs)
 
 

@@ -365,11 +365,12 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
         cache = runner.cache
     else:
         cache = model.new_cache(B, longest + max_new_tokens + step_cap)
-    # Seeding the successor table costs a vocabulary projection per prompt row: skip it for a batch too big for
-    # any tree at the start (64 HumanEval rows, all-plain steps: 0.79x plain decoding with the seeding, 0.94x without).
-    successors = plan is not None and "successors" in plan.sources and max_new_tokens > 1 and \
-        not (B > 1 and plan.planner is not None and plan.shape.window == 1
-             and plan.planner.reach(B, plan.shape.max_tokens - 1) == 0)
+    # A batch too big for any tree at the start decodes plainly, its rows' lookahead state (window, drafts) made
+    # only if the batch shrinks enough for trees to pay (_decode): building it and seeding the successor table (a
+    # vocabulary projection per prompt row) cost 64 HumanEval rows 0.79x plain decoding when they steered nothing.
+    deferred = plan is not None and B > 1 and plan.planner is not None and plan.shape.window == 1 and \
+        plan.planner.reach(B, plan.shape.max_tokens - 1) == 0
+    successors = plan is not None and "successors" in plan.sources and max_new_tokens > 1 and not deferred
     # Prefill row by row, each into its own cache row: the prompts' lengths differ and a step has no padding
     # mask, and doing what batch 1 does keeps every row's numbers (and so its greedy output) its own. It runs once.
     for b, (row, prompt) in enumerate(zip(rows, prompts)):
@@ -386,13 +387,16 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
             logits = model(prompt[None, :-1].to(device), torch.arange(n, device=device)[None], cache.sequence(b), 0,
                            StepLayout.prefill(n), out_rows)[0]
         row.stats.prefill_seconds = time.perf_counter() - prefill_started
-        if plan is not None:
+        if plan is not None and not deferred:
             prompt_rows = (prompt[n - seed_rows: n], logits[-seed_rows:]) if seed_rows else None
             row.start_lookahead(lookahead, plan, cfg.vocab_size, device, prompt, prompt_rows)
 
+    def start_late(row: _Row) -> None:  # a deferred row, when its batch first takes a lookahead step
+        row.start_lookahead(lookahead, plan, cfg.vocab_size, device, torch.tensor(row.emitter.sequence), None)
+
     pad = lookahead is not None and (lookahead.pad_tree if lookahead.pad_tree is not None else
                                      static or device.type == "cuda")
-    accepted = _decode(model, cache, runner, rows, sampler, plan, pad, device, started)
+    accepted = _decode(model, cache, runner, rows, sampler, plan, pad, device, started, start_late)
     if runner is not None:  # only after a clean run: a runner left mid-step or mid-capture is dropped
         runner_cache(model).give_back(runner)
     seconds = time.perf_counter() - started
@@ -498,7 +502,7 @@ def _static_menu(plan, batch_size: int) -> list[StepShape]:
 
 
 def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: _Sampler, plan, pad: bool, device,
-            started: float) -> list:
+            started: float, start_late=None) -> list:
     """Step until every row has stopped. Returns, per step, the tokens emitted.
 
     Without a runner a finished row leaves the batch (its cache row is dropped), so later steps are smaller. With
@@ -516,6 +520,9 @@ def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: 
                 or backoff.waiting():
             accepted.append(_plain_step(model, cache, runner, batch, sampler, device))
         else:
+            for row in active:
+                if row.drafts is None:
+                    start_late(row)
             accepted.append(_lookahead_step(model, cache, runner, batch, sampler, plan, pad, device, backoff))
         finished = [i for i, r in enumerate(active) if r.emitter.done]
         if finished:
@@ -539,7 +546,7 @@ def _start(row: _Row) -> int:
 
 def _near_the_end(active: list[_Row], shape, max_pos: int) -> bool:
     """Whether a row's window or tree would run past the model's positions: then the batch finishes plainly."""
-    levels = active[0].window.levels
+    levels = _levels(active)
     budget = shape.max_tokens - shape.window * levels
     reach = max(shape.window - 1 + levels - 1, budget)
     return any(r.cache_len + reach >= max_pos for r in active)
@@ -572,7 +579,13 @@ def _batch_too_big(active: list[_Row], batch: list[_Row], plan) -> bool:
     """Whether, in automatic mode, no tree could pay for this many rows (and there is no window): a plain step
     then saves every row's host work on trees."""
     return len(batch) > 1 and plan.planner is not None and plan.shape.window == 1 and \
-        _step_shape(plan, active[0].window.levels, len(batch)).tree_budget == 0
+        _step_shape(plan, _levels(active), len(batch)).tree_budget == 0
+
+
+def _levels(active: list[_Row]) -> int:
+    """The levels the rows' windows feed (they warm up in step); 1 before a deferred batch has windows (its plan
+    has none beyond x)."""
+    return active[0].window.levels if active[0].window is not None else 1
 
 
 def _plain_step(model, cache, runner, batch: list[_Row], sampler: _Sampler, device) -> int:

@@ -31,8 +31,8 @@ def test_parser_knows_every_documented_flag():
             args.json) == (True, 3, 2, 4, 9, True, "m", True)
     assert (args.do_sample, args.temperature, args.top_k, args.top_p, args.seed, args.dtype, args.device,
             args.max_step_tokens) == (True, 0.5, 7, 0.8, 4, "bfloat16", "cpu", 40)
-    bench = build_parser().parse_args(["bench", "--prompts", "a.jsonl", "--batch-size", "1"])
-    assert bench.batch_size == 1
+    bench = build_parser().parse_args(["bench", "--prompts", "a.jsonl", "--batch-size", "1", "--no-cuda-graphs"])
+    assert bench.batch_size == 1 and bench.no_cuda_graphs and not args.no_cuda_graphs
 
 
 def test_unset_lookahead_flags_give_the_default_config():
@@ -138,6 +138,9 @@ def test_sampling_dtype_and_seed_on_a_tiny_gguf(capsys, tiny_gguf):
     assert results[0]["sampling"] == {"temperature": 0.9, "top_k": 20, "top_p": 1.0, "seed": 5}
     assert main(["generate", "abc", "--raw", "--model", tiny_gguf, "--max-new-tokens", "3", "--no-lookahead"]) == 0
     assert "[plain] " in capsys.readouterr().err
+    # --no-cuda-graphs matters on CUDA only; on the CPU it is accepted and changes nothing.
+    assert main(argv + ["--no-cuda-graphs"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == results[0]["tokens"]
 
 
 def test_a_failure_during_generation_is_one_line(capsys, tiny_gguf, monkeypatch):

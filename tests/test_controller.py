@@ -127,3 +127,13 @@ def test_backoff_doubles_and_resets():
     b.hit()
     b.miss()
     assert b.wait == 1
+
+
+def test_step_costs_through_the_static_runner(tmp_path):
+    """The CUDA path (each size through a StepRunner, graphs there) runs eagerly on the CPU: same sizes, positive
+    times, and the cache the runner wrote stays within bounds."""
+    from lookahead.controller import measure_step_costs
+
+    model = LlamaForCausalLM.from_hf(tiny_hf_model())
+    costs = measure_step_costs(model, menu=(1, 4, 9), runs=1, static=True)
+    assert costs.tokens == (1, 4, 9) and all(s > 0 for s in costs.seconds)
