@@ -74,8 +74,11 @@ def curve(model, variants, Ts, context, reps):
                 f"{v} t(1)={min(samples[v][Ts[0]] or [float('nan')]) * 1e3:.1f}ms" for v in variants), file=sys.stderr)
     if variants != ["base"]:
         model.set_cpu_linear("packed")
+    # t(T)/t(1) within each round (its T = 1 run seconds apart), then the median over rounds: the minima above
+    # come from different moments, and t(1), bound by memory, moves with the host's bandwidth more than t(16).
+    ratios = {v: {T: statistics.median(a / b for a, b in zip(d[T], d[Ts[0]])) for T in Ts} for v, d in samples.items()}
     return ({v: {T: min(s) for T, s in d.items()} for v, d in samples.items()},
-            {v: {T: statistics.median(s) for T, s in d.items()} for v, d in samples.items()})
+            {v: {T: statistics.median(s) for T, s in d.items()} for v, d in samples.items()}, ratios)
 
 
 def decode(model, tokenizer, sets, prompts_per_set, max_new_tokens, variants):
@@ -144,6 +147,15 @@ def markdown(result: dict) -> str:
             t, t1 = c.get(str(T), c.get(T)), c.get(str(Ts[0]), c.get(Ts[0]))
             cells.append("-" if t is None else f"{t * 1e3:.1f} | {t / t1:.2f}")
         lines.append(f"| {T} | " + " | ".join(cells) + " |")
+    if result.get("ratio_median"):
+        paired = result["ratio_median"]
+        lines += ["", "## t(T)/t(1) within a round", "",
+                  "Each round's t(T) over the same round's t(1), the median over rounds (the table above divides "
+                  "minima taken at different moments).", "",
+                  "| T | " + " | ".join(labels.get(v, v) for v in paired) + " |", "|---|" + "---|" * len(paired)]
+        for T in Ts:
+            lines.append(f"| {T} | " + " | ".join(f"{paired[v].get(str(T), paired[v].get(T)):.2f}" for v in paired)
+                         + " |")
     rows = result.get("decode", [])
     if rows:
         variants = result["decode_variants"]
@@ -231,10 +243,11 @@ def main(argv=None) -> int:
                   file=sys.stderr)
     else:
         variants = ["base"]
-    cmin, cmed = curve(model, variants, sorted(args.T), args.context, args.reps)
+    cmin, cmed, cratio = curve(model, variants, sorted(args.T), args.context, args.reps)
     result = {"command": _common.command_line(__file__, sys.argv[1:] if argv is None else argv),
               "machine": info, "threads": args.threads, "context": args.context, "reps": args.reps,
-              "T": sorted(args.T), "repo": args.repo, "label": args.label, "curve_min": cmin, "curve_median": cmed}
+              "T": sorted(args.T), "repo": args.repo, "label": args.label, "curve_min": cmin, "curve_median": cmed,
+              "ratio_median": cratio}
     for path in args.before:
         with open(path) as f:
             other = json.load(f)

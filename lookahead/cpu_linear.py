@@ -5,11 +5,11 @@ matters is how fast each weight streams through the cores and whether the step's
 behind that stream. Two packed paths, both on a copy made at first use (the parameters are left as they are, so
 ``state_dict()`` and loading are unchanged; the copy doubles the memory the weights take):
 
-* ``"packed"`` (default): our small-M GEMM (``csrc/small_gemm.cpp``, AVX-512 or AVX2, built just in time with
-  ninja on first use into torch's extensions directory). Weights in groups of 32 columns, K cut into 8 KB blocks
-  that all rows go over before the next is read, the next block prefetched meanwhile: a step of 16 rows costs
-  little more than one (measured in ``bench/results/forward-cpu.md``). Where it cannot be built (no compiler,
-  ``LOOKAHEAD_CPU_GEMM=0``) this falls back to ``"onednn"``.
+* ``"packed"`` (default): our small-M GEMM (``csrc/small_gemm.cpp``, AVX-512 or AVX2, on all of torch's threads;
+  built just in time with ninja by :mod:`lookahead_kernels.cpu_ops`). Weights in groups of 32 columns, K cut
+  into 8 KB blocks that all rows go over before the next is read, the next block prefetched meanwhile: a step of
+  16 rows costs little more than one (measured in ``bench/results/forward-cpu.md``). Where it cannot be built
+  (no compiler, ``LOOKAHEAD_CPU_GEMM=0``) this falls back to ``"onednn"``.
 * ``"onednn"``: torch's oneDNN (mkldnn) linear on a weight reordered once into its blocked layout.
 
 Everything else (another dtype or device, autograd through the weight, a torch built without oneDNN) takes
