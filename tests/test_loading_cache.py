@@ -239,7 +239,7 @@ def test_pool_extension_announces_a_build_but_not_a_load(tmp_path, monkeypatch, 
     assert "building the n-gram pool extension" in capsys.readouterr().err  # no library yet
     library = tmp_path / "lookahead_pool_cpu.so"
     library.write_bytes(b"")
-    newest = max(p.stat().st_mtime for p in pool_ext._CSRC.iterdir())
+    newest = max(p.stat().st_mtime for p in sources + sorted(pool_ext._CSRC.glob("*.h")))  # the pool's inputs
     os.utime(library, (newest + 10, newest + 10))
     pool_ext._build("lookahead_pool_cpu", sources, cuda=False, verbose=False)
     assert capsys.readouterr().err == ""  # an up-to-date library is only loaded
