@@ -5,7 +5,7 @@
 #
 # PARTS, in the order they run (default: all of them):
 #   env        device, driver, versions, revision, copy bandwidth, bf16 matmul rate   (bench/gpu_env.py)
-#   build      the n-gram pool extension (C++ and CUDA), started in the background at once
+#   build      the n-gram pool extension (C++ and CUDA) and the CPU ops, started in the background at once
 #   ktests     kernel tests on CUDA: tests/test_gpu_kernels.py, test_attention.py, test_verify.py
 #   stepcost   t(T) at 7B/8B shape, bf16, eager and CUDA-graph, plain decoding vs bandwidth (bench/gpu_step_cost.py)
 #   kernels    attention vs SDPA (dense mask) vs FlexAttention, T=120, contexts 1k-32k (bench/gpu_kernels.py)
@@ -104,7 +104,9 @@ if wants build; then  # CPU work: overlaps the GPU parts that do not need the po
   echo "== build (background, time box 300s)"
   ( t0=$(date +%s)
     timeout -k 10 300 $PY -c "import torch; from lookahead_kernels.pool_ext import load_pool_extension as b; \
-b(torch.cuda.is_available(), verbose=False); print('pool extension ready')" > "$WORK/build.log" 2>&1
+b(torch.cuda.is_available(), verbose=False); print('pool extension ready'); \
+from lookahead_kernels.cpu_ops import load_cpu_ops; load_cpu_ops(); print('CPU ops ready (GEMM, step attention)')" \
+      > "$WORK/build.log" 2>&1
     echo -e "build\t$?\t$(( $(date +%s) - t0 ))" >> "$WORK/parts.tsv" ) &
   BUILD_PID=$!
 fi
