@@ -87,6 +87,12 @@ def command_line(script: str, argv: list[str]) -> str:
     return "python " + " ".join([os.path.relpath(os.path.abspath(script), ROOT), *argv])
 
 
+def read_results(path: str) -> tuple[dict, str]:
+    """A results JSON (for ``--render``) and its path without the extension, where its markdown and plot go."""
+    with open(path) as f:
+        return json.load(f), os.path.splitext(path)[0]
+
+
 def write_results(out_dir: str, stem: str, result: dict, markdown: str) -> str:
     """Writes ``out_dir/stem.json`` and ``out_dir/stem.md``; returns ``out_dir/stem``."""
     os.makedirs(out_dir, exist_ok=True)

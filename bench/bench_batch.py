@@ -18,7 +18,6 @@ Writes bench/results/batch-<tag>.{json,md,png}.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -29,7 +28,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from _common import DEFAULT_SETS, command_line, device_label, machine_info, set_name, write_results, pyplot  # noqa: E402
+from _common import (DEFAULT_SETS, command_line, device_label, machine_info, pyplot, read_results, set_name,  # noqa: E402
+                     write_results)  # noqa: E402
 
 from lookahead import LookaheadConfig, load_default  # noqa: E402
 from lookahead.cli import read_prompts  # noqa: E402
@@ -88,9 +88,7 @@ def main(argv=None) -> int:
     ap.add_argument("--render", metavar="JSON", help="only re-write the markdown and plot of a results file")
     args = ap.parse_args(argv)
     if args.render:
-        with open(args.render) as f:
-            result = json.load(f)
-        base = os.path.splitext(args.render)[0]
+        result, base = read_results(args.render)
         with open(base + ".md", "w") as f:
             f.write(markdown(result))
         plot(result, base + ".png")

@@ -29,7 +29,7 @@ sys.path.insert(0, HERE)
 from lookahead import LookaheadConfig, load_default  # noqa: E402
 from lookahead.cli import machine_info, read_prompts  # noqa: E402
 
-from _common import pyplot  # noqa: E402
+from _common import pyplot, read_results  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(HERE), "..", "shared", "data")
 DEFAULT_SETS = [os.path.join(DATA, "mt_bench_dev.jsonl"), os.path.join(DATA, "humaneval_dev.jsonl")]
@@ -60,9 +60,7 @@ def main(argv=None) -> int:
     ap.add_argument("--render", metavar="JSON", help="only re-write the markdown table and plot of a results file")
     args = ap.parse_args(argv)
     if args.render:
-        with open(args.render) as f:
-            result = json.load(f)
-        base = os.path.splitext(args.render)[0]
+        result, base = read_results(args.render)
         write(result, base)
         plot(result, base + ".png")
         return 0

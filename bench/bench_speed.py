@@ -29,7 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from _common import DEFAULT_SETS, command_line, machine_info, set_name, pyplot  # noqa: E402
+from _common import DEFAULT_SETS, command_line, machine_info, pyplot, read_results, set_name  # noqa: E402
 
 from lookahead import LookaheadConfig, load_default  # noqa: E402
 from lookahead.cli import read_prompts  # noqa: E402
@@ -100,9 +100,7 @@ def main(argv=None) -> int:
     ap.add_argument("--render", metavar="JSON", help="only re-write the markdown and plot of a results file")
     args = ap.parse_args(argv)
     if args.render:
-        with open(args.render) as f:
-            result = json.load(f)
-        base = os.path.splitext(args.render)[0]
+        result, base = read_results(args.render)
         write_markdown(result, base + ".md")
         plot(result, base + ".png")
         return 0

@@ -29,7 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from _common import DEFAULT_SETS, command_line, machine_info, set_name, pyplot  # noqa: E402
+from _common import DEFAULT_SETS, command_line, machine_info, pyplot, read_results, set_name  # noqa: E402
 
 from lookahead import LookaheadConfig, load_default  # noqa: E402
 from lookahead.cli import read_prompts  # noqa: E402
@@ -75,15 +75,13 @@ def main(argv=None) -> int:
                     "the original linear lookahead (W,N,G configurations; their budget is W*(N-1) + G*(N-1))")
     args = ap.parse_args(argv)
     if args.render:
-        with open(args.render) as f:
-            result = json.load(f)
+        result, base = read_results(args.render)
         if args.linear:
             result["rows"] = [r for r in result["rows"] if not r["system"].startswith("linear")]
             result["rows"] += linear_rows(args.linear)
             result["linear_source"] = os.path.relpath(args.linear, os.path.dirname(HERE))
             with open(args.render, "w") as f:
                 json.dump(result, f, indent=1)
-        base = os.path.splitext(args.render)[0]
         write_markdown(result, base + ".md")
         plot(result, base + ".png")
         return 0

@@ -136,8 +136,7 @@ def _cpu_linear_path(model) -> str:
 def _cpu_attention_path(model) -> str:
     from lookahead_kernels.cpu_attention import cpu_attention_applies
 
-    probe = torch.empty(0, 0, 0, model.config.head_dim, dtype=model.dtype)
-    return "cpu-op" if cpu_attention_applies(probe) else "sdpa"
+    return "cpu-op" if cpu_attention_applies(model.device, model.dtype, model.config.head_dim) else "sdpa"
 
 
 @torch.inference_mode()
@@ -159,6 +158,7 @@ def measure_step_costs(model, menu=None, runs: int = 2, static: bool | None = No
     if static:
         from .config import StepShape
         from .runner import StepRunner
+        from lookahead_kernels.tree import TreeShape
 
         runner = StepRunner(model, cache, [StepShape(1, 1, T - 1) for T in menu], graphs=device.type == "cuda")
 
@@ -181,8 +181,6 @@ def measure_step_costs(model, menu=None, runs: int = 2, static: bool | None = No
         pos = torch.arange(context, context + T, device=device)[None]
         seconds = None
         if runner is not None:
-            from lookahead_kernels.tree import TreeShape
-
             shape = runner.menu[menu.index(T)]
             tree = TreeShape.from_parents(list(range(-1, T - 2)), device=device) if T > 1 else None
             try:
@@ -310,9 +308,6 @@ class StepPlanner:
         self.host = host
         self._reach: dict[tuple, int] = {}
 
-    def host_seconds(self, rows: int, nodes: int) -> float:
-        return self.host.predict(rows, nodes) if self.host is not None else 0.0
-
     def reach(self, batch_size: int, budget: int) -> int:
         """The largest tree per row (at most ``budget``) that a batch of ``batch_size`` rows would take if every
         node were a chain link accepted with chance ``OPTIMISTIC_ACCEPTANCE``; 0: lookahead cannot pay."""
@@ -337,6 +332,7 @@ class StepPlanner:
         if B == 0:
             return 0
         best, best_rate = 0, B / self.costs(B * self.window_tokens)
+        per_row, per_node = self.host.coefficients if self.host is not None else (0.0, 0.0)  # one fit per call
         nodes = 0
         longest = max(len(g) for g in gains)
         expected = float(B)
@@ -345,7 +341,7 @@ class StepPlanner:
                 if v < len(row):
                     expected += row[v]
                     nodes += 1
-            rate = expected / (self.costs(B * (self.window_tokens + v + 1)) + self.host_seconds(B, nodes))
+            rate = expected / (self.costs(B * (self.window_tokens + v + 1)) + per_row * B + per_node * nodes)
             if rate > best_rate * (BATCH_MARGIN if B > 1 and best == 0 else 1.0):
                 best, best_rate = v + 1, rate
         return best

@@ -29,7 +29,7 @@ from torch import nn
 CPU_LINEAR_MODES = ("packed", "onednn", "torch")
 GEMM_ENV = "LOOKAHEAD_CPU_GEMM"  # "0" disables our GEMM (mode "packed" then runs on oneDNN)
 
-_warned: dict = {}  # "build": a failed build was reported once in this process
+_answer: dict = {}  # "ok": whether our GEMM serves this process, once known
 
 
 def onednn_linear_available() -> bool:
@@ -42,19 +42,23 @@ def gemm_available(build: bool = True) -> bool:
     """Whether our small-M GEMM is loaded; with ``build``, build (first time, 10-60 s) and load the CPU ops
     (:mod:`lookahead_kernels.cpu_ops`) if needed. ``LOOKAHEAD_CPU_GEMM=0`` says no.
 
-    A failed build is remembered for the process (the reason in :func:`gemm_error`), warned about once, and not
-    retried.
+    Every linear call asks, so the answer, once known, is one dict lookup (an environment read and an import
+    per call cost ~1 ms a forward, measured). A failed build is remembered for the process (the reason in
+    :func:`gemm_error`), warned about once, and not retried.
     """
+    ok = _answer.get("ok")
+    if ok is not None:
+        return ok
     if os.environ.get(GEMM_ENV, "1") == "0":
         return False
     from lookahead_kernels.cpu_ops import cpu_ops_available
 
-    known = _warned.get("build")
     ok = cpu_ops_available(build)
-    if not ok and build and known is None:
-        _warned["build"] = True
-        warnings.warn(f"lookahead: the CPU GEMM extension could not be built ({(gemm_error() or '')[:300]}); "
-                      f"the packed linear layers use oneDNN instead", RuntimeWarning, stacklevel=2)
+    if ok or build:  # a build was tried (or needed none): the answer holds for the process
+        _answer["ok"] = ok
+        if not ok:
+            warnings.warn(f"lookahead: the CPU GEMM extension could not be built ({(gemm_error() or '')[:300]}); "
+                          f"the packed linear layers use oneDNN instead", RuntimeWarning, stacklevel=2)
     return ok
 
 

@@ -458,8 +458,7 @@ def _cpu_attention(model, layout: StepLayout, cache_len, batch_size: int) -> Att
     :class:`~lookahead_kernels.attention_ref.StepAttention` (torch's SDPA, the reference)."""
     from lookahead_kernels.cpu_attention import CpuStepAttention, cpu_attention_applies
 
-    probe = torch.empty(0, 0, 0, model.config.head_dim, dtype=model.dtype)
-    if cpu_attention_applies(probe):
+    if cpu_attention_applies(model.device, model.dtype, model.config.head_dim):
         return CpuStepAttention(layout, cache_len, batch_size)
     from lookahead_kernels.attention_ref import StepAttention
 

@@ -20,10 +20,11 @@ from .layout import StepLayout
 HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
-def cpu_attention_applies(q: torch.Tensor) -> bool:
-    """Whether :class:`CpuStepAttention` serves queries like ``q [B, T, Hq, D]``: float32 on the CPU with a
-    head size in :data:`HEAD_DIMS` (the kernel's vector layout), and the ops built (first use builds them)."""
-    if q.device.type != "cpu" or q.dtype != torch.float32 or q.shape[-1] not in HEAD_DIMS:
+def cpu_attention_applies(device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether :class:`CpuStepAttention` serves queries of ``dtype`` and ``head_dim`` on ``device``: float32 on the
+    CPU with a head size in :data:`HEAD_DIMS` (the kernel's vector layout), and the ops built (first use builds
+    them)."""
+    if torch.device(device).type != "cpu" or dtype != torch.float32 or head_dim not in HEAD_DIMS:
         return False
     from .cpu_ops import cpu_ops_available
 
