@@ -141,26 +141,28 @@ def main(argv=None) -> int:
     runners = {name: run for name, run in make_runners(model, hf_model, max_new, device).items() if name in systems}
 
     with torch.inference_mode():
-        for set_path in args.sets:
-            name = set_name(set_path)
-            prompts = [ids.to(device) for ids in read_prompts(set_path, tokenizer)[:limit]]
-            for run in runners.values():  # warm-up: Triton compiles, pool extension, allocator
+        sets = {set_name(p): [ids.to(device) for ids in read_prompts(p, tokenizer)[:limit]] for p in args.sets}
+        for prompts in sets.values():
+            for run in runners.values():  # warm-up: Triton compiles, pool extension, allocator, graphs
                 run(prompts[0])
-            for i, ids in enumerate(prompts):
-                ref = None
-                for system, run in runners.items():
-                    seq, seconds, comp = run(ids)
-                    if system == "ours-plain":
-                        ref = seq
-                    diff = first_diff(seq, ref, ids.shape[1])
-                    out.result["per_prompt"].append(
-                        {"set": name, "prompt": i, "system": system, "new_tokens": seq.shape[1] - ids.shape[1],
-                         "seconds": seconds, "compression": comp, "identical": diff is None, "first_diff": diff})
-                out.result["rows"] = aggregate(out.result["per_prompt"], systems)
-                out.flush()
-                print(f"{name} prompt {i}: " + ", ".join(
-                    f"{p['system']} {p['new_tokens'] / p['seconds']:.0f} tok/s{'' if p['identical'] else ' DIFF'}"
-                    for p in out.result["per_prompt"] if p["set"] == name and p["prompt"] == i), flush=True)
+        # Prompt i of every set before prompt i + 1 of any: a time box leaves every set measured alike.
+        order = [(name, i, ids) for i in range(max(map(len, sets.values()))) for name, prompts in sets.items()
+                 for ids in prompts[i: i + 1]]
+        for name, i, ids in order:
+            ref = None
+            for system, run in runners.items():
+                seq, seconds, comp = run(ids)
+                if system == "ours-plain":
+                    ref = seq
+                diff = first_diff(seq, ref, ids.shape[1])
+                out.result["per_prompt"].append(
+                    {"set": name, "prompt": i, "system": system, "new_tokens": seq.shape[1] - ids.shape[1],
+                     "seconds": seconds, "compression": comp, "identical": diff is None, "first_diff": diff})
+            out.result["rows"] = aggregate(out.result["per_prompt"], systems)
+            out.flush()
+            print(f"{name} prompt {i}: " + ", ".join(
+                f"{p['system']} {p['new_tokens'] / p['seconds']:.0f} tok/s{'' if p['identical'] else ' DIFF'}"
+                for p in out.result["per_prompt"] if p["set"] == name and p["prompt"] == i), flush=True)
     for r in out.result["rows"]:
         print(f"{r['set']:10s} {r['system']:20s} {r['tokens_per_s']:8.1f} tok/s  compression {r['compression']:.2f}"
               f"  identical {r['identical']}/{r['prompts']}", flush=True)

@@ -5,7 +5,7 @@ compiled FlexAttention, T = 120, committed contexts 1k to 32k (FlexAttention onl
 Steps: ``(15, 5, 15)`` (window 15, 4 levels, 15 linear guesses of 4: T = 120) and ``(15, 5, tree 60)`` (the
 same window beside a random tree of 60 nodes: T = 120). Rows are measured most-wanted first (7B shape, 4k
 context: the issue's target) and written after each, so a time box keeps what was done. The per-row work is
-``bench_attention.run_config`` (do_bench medians; errors against ``attention_torch``).
+``bench_attention.run_config`` (do_bench_cudagraph medians; errors against ``attention_torch``).
 
     python bench/gpu_kernels.py --out-dir $OUT/work
     python bench/gpu_kernels.py --dry-run --out-dir /tmp/x    # tiny shapes, Triton interpreter on the CPU
@@ -47,11 +47,14 @@ def render(result: dict) -> str:
     lines = [f"# Step attention at 7B/8B shape, {result.get('dtype')}", "",
              f"Device: {result['device']}; torch {m['torch']}, triton {m['triton']}; git {m['git']}.",
              f"Command: `{result['command']}`", f"Copy bandwidth: {result.get('copy_gbs', 0):.0f} GB/s.", "",
-             "µs per call (do_bench median). × sdpa: SDPA with a prebuilt dense mask over ours; × flex: compiled "
-             "flex_attention with a prebuilt block mask over ours.", "",
-             "| model | step | T | context | splits | ours µs | sdpa µs | sdpa+mask µs | flex µs | flex+mask µs | "
-             "ours GB/s | × sdpa | × flex | err ours | err flex |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "µs of device time per call: each call captured in a CUDA graph and replayed "
+             "(`triton.testing.do_bench_cudagraph` median), as a decoding step replayed from a graph pays it. "
+             "`ours launched`: our kernel called from Python (`do_bench` median: the host's launch cost, which "
+             "graphs remove). × sdpa: SDPA with a prebuilt dense mask over ours; × flex: compiled flex_attention "
+             "with a prebuilt block mask over ours.", "",
+             "| model | step | T | context | splits | ours µs | ours launched µs | sdpa µs | sdpa+mask µs | flex µs | "
+             "flex+mask µs | ours GB/s | × sdpa | × flex | err ours | err flex |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def us(v):
         return "—" if v is None else f"{v * 1e3:.1f}"
@@ -64,12 +67,19 @@ def render(result: dict) -> str:
         xf = f"{t['flex'] / ours:.2f}" if ours and t.get("flex") else "—"
         ef = r.get("rel_err_flex_vs_torch")
         lines.append(f"| {r['model']} | {step_name(r['W_N_G'])} | {r['T']} | {r['cache_len']} | {r.get('num_splits')} "
-                     f"| {us(ours)} | {us(t.get('sdpa'))} | {us(t.get('sdpa+mask'))} | {us(t.get('flex'))} | "
+                     f"| {us(ours)} | {us(t.get('ours launched'))} | {us(t.get('sdpa'))} | {us(t.get('sdpa+mask'))} | {us(t.get('flex'))} | "
                      f"{us(t.get('flex+mask'))} | {gbs} | {xs} | {xf} | {r.get('rel_err_vs_torch', 0):.1e} | "
                      f"{'—' if ef is None else f'{ef:.1e}'} |")
     for r in result["rows"]:
+        if r.get("launched"):
+            lines.append(f"- {r['model']} {step_name(r['W_N_G'])} context {r['cache_len']}: "
+                         f"{', '.join(r['launched'])} could not be captured in a graph: timed as launched")
         for what, msg in r.get("errors", {}).items():
             if "not timed at this context" in msg:
+                continue
+            if what == "flex gqa":
+                lines.append(f"- {r['model']} {step_name(r['W_N_G'])} context {r['cache_len']}: flex with enable_gqa "
+                             f"failed to compile, timed with K/V heads repeated instead ({msg[:120]})")
                 continue
             lines.append(f"- {r['model']} {r['W_N_G']} context {r['cache_len']}: {what} failed: {msg}")
     return "\n".join(lines) + "\n"

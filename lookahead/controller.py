@@ -323,11 +323,14 @@ class StepPlanner:
         builder took them (each node after its parent), so any prefix is a tree."""
         return self.choose_batch([gains])
 
-    def choose_batch(self, gains: list[list[float]]) -> int:
+    def choose_batch(self, gains: list[list[float]], sizes: list[int] | None = None) -> int:
         """One tree size ``V`` for a batch of rows (``gains[b]``: row ``b``'s nodes as in :meth:`choose`): every
         row feeds ``window_tokens + V`` tokens (shorter trees padded), the step costs ``t(B * (window_tokens +
         V))`` plus, for ``V >= 1``, the trees' host work (:class:`HostCost`) and emits ``B + sum_b E_b(V)`` expected
-        tokens; the best rate wins, 0 (a plain step) when none beats it. Ties go to the smaller tree."""
+        tokens; the best rate wins, 0 (a plain step) when none beats it. Ties go to the smaller tree.
+
+        ``sizes`` (ascending): the only tree sizes a step can take (a step replayed from a CUDA graph is padded to
+        the next of them); each ``V`` is then costed at the size it is padded to."""
         B = len(gains)
         if B == 0:
             return 0
@@ -341,7 +344,10 @@ class StepPlanner:
                 if v < len(row):
                     expected += row[v]
                     nodes += 1
-            rate = expected / (self.costs(B * (self.window_tokens + v + 1)) + per_row * B + per_node * nodes)
+            fed = v + 1 if sizes is None else next((z for z in sizes if z >= v + 1), None)
+            if fed is None:  # past the largest size a step can take
+                break
+            rate = expected / (self.costs(B * (self.window_tokens + fed)) + per_row * B + per_node * nodes)
             if rate > best_rate * (BATCH_MARGIN if B > 1 and best == 0 else 1.0):
                 best, best_rate = v + 1, rate
         return best

@@ -41,6 +41,9 @@ PROMPT_SUCCESSOR_ROWS = 256
 # The longest run of plain steps a batch takes, after its planner kept choosing no tree, before asking again.
 MAX_BACKOFF = 16
 PLAIN = StepShape(1, 1, 0)
+# On the static path (CUDA graphs) a tree is padded to the next of a few sizes, its level's budget halved down to
+# this many nodes: padded to the full budget, a step of 4 real nodes paid for 256 tokens (SmolLM2, H100).
+SMALLEST_PADDED_TREE = 15
 # generate's default: the automatic step size (a frozen config, shared safely).
 AUTOMATIC = LookaheadConfig()
 
@@ -491,14 +494,33 @@ def _step_shape(plan, levels: int, batch_size: int) -> StepShape:
     return StepShape(shape.window, levels, budget)
 
 
+def _tree_sizes(plan, budget: int) -> list[int]:
+    """The tree sizes a padded step of this budget can take, ascending: the budget alone for a fixed config; in
+    automatic mode the budget halved down to ``SMALLEST_PADDED_TREE`` nodes (and 0 beside a window: a step
+    of the window alone), so a step that keeps a few nodes feeds a few tokens."""
+    if budget == 0 or plan.planner is None:
+        return [budget]
+    sizes = [budget]
+    while sizes[-1] // 2 >= SMALLEST_PADDED_TREE:
+        sizes.append(sizes[-1] // 2)
+    if plan.shape.window > 1:
+        sizes.append(0)
+    return sorted(sizes)
+
+
 def _static_menu(plan, batch_size: int) -> list[StepShape]:
     """Every step shape a call on the static path can take: the plain step (also the end of a batch near the
-    model's last positions), and the plan's shape at each level the window passes through while warming up (each
-    taken once per call, but captured once per model with the runner kept on it). A batch keeps its size to the
-    end (finished rows are parked), so the planner's reach, and with it each level's tree budget, is fixed."""
+    model's last positions), and at each level the window passes through while warming up, the plan's shape
+    with each of its padded tree sizes (each captured once per model with the runner kept on it). A batch keeps
+    its size to the end (finished rows are parked), so the planner's reach, and with it each level's tree
+    budget, is fixed."""
     if plan is None:
         return [PLAIN]
-    return [PLAIN] + [_step_shape(plan, levels, batch_size) for levels in range(1, plan.shape.levels + 1)]
+    menu = [PLAIN]
+    for levels in range(1, plan.shape.levels + 1):
+        shape = _step_shape(plan, levels, batch_size)
+        menu += [StepShape(shape.window, levels, z) for z in _tree_sizes(plan, shape.tree_budget)]
+    return menu
 
 
 def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: _Sampler, plan, pad: bool, device,
@@ -612,9 +634,17 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: _Sampler, 
     levels = active[0].window.levels  # the rows started together: their windows warm up in step
     shape = _step_shape(plan, levels, len(batch))
     budget = shape.tree_budget
-    proposals = {id(r): r.drafts.propose(r.emitter.sequence, budget) for r in active}
+    wanted = budget
+    if pad and plan.planner is not None and len(batch) == 1:
+        # Where a step's cost hardly grows with its size (a GPU) the host's work on the tree bounds it: build only
+        # what the planner could take of the best possible chain at the host cost measured so far (a batch's
+        # budget is bounded so already, _step_shape). At least the smallest padded size, so that it keeps
+        # measuring. SmolLM2 on an H100: 255 proposed nodes cost 3-6 ms of Python a step, the step itself 2 ms.
+        wanted = max(min(budget, SMALLEST_PADDED_TREE), plan.planner.reach(1, budget))
+    proposals = {id(r): r.drafts.propose(r.emitter.sequence, wanted) for r in active}
+    sizes = _tree_sizes(plan, budget) if pad else None
     if plan.planner is not None:  # one size for all rows: they are padded to one shape anyway
-        keep = plan.planner.choose_batch([[n.score for n in p] for p in proposals.values()])
+        keep = plan.planner.choose_batch([[n.score for n in p] for p in proposals.values()], sizes)
         # The step would feed x (and padding) only: a plain step does the same without the rows' learning, which
         # batch 1 keeps (its successor table learns from x's logits) and a batch cannot afford.
         if keep == 0 and W == 1 and (pad or len(batch) > 1):
@@ -624,7 +654,8 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: _Sampler, 
         if backoff is not None and keep > 0:
             backoff.hit()
         proposals = {k: p[:keep] for k, p in proposals.items()}
-    size = budget if pad else max(len(p) for p in proposals.values())
+    longest = max(len(p) for p in proposals.values())
+    size = next(z for z in sizes if z >= longest) if pad else longest
     trees = [DraftBuilder.encode(proposals.get(id(r), []), size) for r in batch]
     lens = [_start(r) for r in batch]
     window_tokens = [torch.full((levels * W,), r.x, dtype=torch.long) if r.emitter.done else r.window.step_tokens(r.x)

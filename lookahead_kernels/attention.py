@@ -40,6 +40,10 @@ _MAX_SPLITS = 64
 _DEFAULT_SMS = 132
 # Resident programs per SM assumed by the split heuristic (tiles of 64 rows, 4 warps).
 _PROGRAMS_PER_SM = 2
+# How float32 tiles are multiplied on a GPU: "tf32x3" splits each operand into two tf32 parts on the tensor
+# cores (about float32's accuracy); "ieee" (exact products on the CUDA cores) was 25x slower on an H100 at
+# SmolLM2's shape (385-457 us against 15-16 us a call, T = 16 to 120, bench/gpu_profile.py smolstep).
+_FP32_DOT = "tf32x3"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -64,6 +68,7 @@ def _attn_fwd_kernel(
     # meta-parameters
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     MIN_CHUNK: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    FP32_DOT: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -114,7 +119,7 @@ def _attn_fwd_kernel(
         if UPCAST:
             k = k.to(tl.float32)
         if IEEE:
-            s = tl.dot(q, k, input_precision="ieee")
+            s = tl.dot(q, k, input_precision=FP32_DOT)
         else:
             s = tl.dot(q, k)
         s = s * scale_log2
@@ -126,7 +131,7 @@ def _attn_fwd_kernel(
         if UPCAST:
             v = v.to(tl.float32)
         if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=FP32_DOT)
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
@@ -146,7 +151,7 @@ def _attn_fwd_kernel(
         if UPCAST:
             k = k.to(tl.float32)
         if IEEE:
-            s = tl.dot(q, k, input_precision="ieee")
+            s = tl.dot(q, k, input_precision=FP32_DOT)
         else:
             s = tl.dot(q, k)
         s = s * scale_log2
@@ -178,7 +183,7 @@ def _attn_fwd_kernel(
         if UPCAST:
             v = v.to(tl.float32)
         if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=FP32_DOT)
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
@@ -248,6 +253,9 @@ def _attn_merge_kernel(
 def _tile_config(M: int, D: int, dtype: torch.dtype):
     """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages) for a head dim, packed row count and dtype."""
     block_m = 16 if M <= 16 else (32 if M <= 32 else 64)
+    if dtype == torch.float32:
+        # float32 tiles of 64 rows spill registers: 25x slower on an H100 (SmolLM2 shape, T = 16 to 120).
+        block_m = 16
     block_d = triton.next_power_of_2(D)
     # fp32 tiles are twice the bytes: halve the key tile to stay within shared memory.
     block_n = 32 if dtype == torch.float32 and block_d >= 128 else 64
@@ -315,6 +323,7 @@ def _launch(q, k_cache, v_cache, cache_len, window, levels, tree_size, end, sm_s
         stride_ps, stride_ls,
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         MIN_CHUNK=_MIN_CHUNK, SPLIT=split, IEEE=q.dtype == torch.float32 or upcast, UPCAST=upcast,
+        FP32_DOT="ieee" if _interpreted(_attn_fwd_kernel) else _FP32_DOT,
         num_warps=warps, num_stages=stages,
     )
     if split:

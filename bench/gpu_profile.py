@@ -1,0 +1,280 @@
+"""Where a GPU step's time goes: a diagnostic for issue 11 (prints; not a benchmark of record).
+
+1. ``steps``: a SmolLM2-shaped random model (float32): each step size of the controller's menu replayed through a
+   StepRunner graph (CUDA events), capture errors printed in full.
+2. ``loop``: cProfile of ``generate`` (plain, fixed 15-5-15, automatic) on that model: the host functions that
+   cost most per step, and the count of device synchronisations.
+3. ``kernels``: GPU time per kernel of one eager 7B-shape bf16 step (torch.profiler), T = 1 and T = 120.
+4. ``attention``: our attention against SDPA (dense mask) at 7B shape, T = 120, 4k, timed with and without host
+   launch overhead (``do_bench`` vs ``do_bench_cudagraph``), over a few tile configurations.
+
+    python bench/gpu_profile.py [steps loop kernels attention]
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+import traceback
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+SMOL = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+            num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True,
+            rms_norm_eps=1e-5)
+
+
+def smol_model(device, dtype=torch.float32):
+    from lookahead.model import LlamaForCausalLM, ModelConfig
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=SMOL["vocab_size"], hidden_size=576, intermediate_size=1536, num_layers=30,
+                      num_heads=9, num_kv_heads=3, head_dim=64, max_position_embeddings=8192,
+                      rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
+    return LlamaForCausalLM(cfg, dtype=dtype, device=device).eval()
+
+
+def part_steps(device):
+    from lookahead.config import StepShape
+    from lookahead.runner import StepRunner
+    from lookahead_kernels.tree import TreeShape
+    from gpu_util import time_ms
+
+    model = smol_model(device)
+    context = 256
+    menu = (1, 16, 64, 128, 256)
+    cache = model.new_cache(1, context + max(menu))
+    shapes = [StepShape(1, 1, T - 1) for T in menu] + [StepShape(15, 4, 15), StepShape(15, 1, 15)]
+    runner = StepRunner(model, cache, shapes, graphs=True)
+    for shape in shapes:
+        T = shape.max_tokens
+        ids = torch.zeros(1, T, dtype=torch.long, device=device)
+        pos = torch.arange(context, context + T, device=device)[None]
+        V = shape.tree_budget
+        tree = TreeShape.from_parents(list(range(-1, V - 1)), device=device) if V else None
+        try:
+            ms = time_ms(lambda: runner.run(shape, ids, pos, context, tree), device, reps=20)
+            graph_only = time_ms(runner._buffers[(shape, None)].graph.replay, device, reps=20)
+            print(f"steps: {shape} T={T}: run() {ms:.3f} ms, replay only {graph_only:.3f} ms", flush=True)
+        except Exception:
+            print(f"steps: {shape} T={T}: FAILED", flush=True)
+            traceback.print_exc()
+    from lookahead.controller import measure_step_costs
+
+    costs = measure_step_costs(model)
+    print("steps: measure_step_costs:", list(zip(costs.tokens, [round(s * 1e3, 3) for s in costs.seconds])))
+
+
+def part_loop(device):
+    from lookahead import LookaheadConfig
+
+    model = smol_model(device)
+    g = torch.Generator().manual_seed(0)
+    base = torch.randint(0, 2000, (40,), generator=g)
+    prompt = torch.cat([base, base[:20], base, base[5:30]])[None].to(device)  # repeats: the pool finds something
+    configs = {"plain": None, "fixed-15-5-15": LookaheadConfig(window=15, ngram=5, guess=15),
+               "auto": LookaheadConfig()}
+    for name, la in configs.items():
+        for _ in range(2):  # warm-up: captures, cost measurement
+            model.generate(prompt, max_new_tokens=64, lookahead=la, eos_token_id=[])
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = model.generate(prompt, max_new_tokens=128, lookahead=la, eos_token_id=[])
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        st = out.stats
+        print(f"loop: {name}: {wall * 1e3:.1f} ms, {st.steps} steps, {wall / st.steps * 1e3:.3f} ms/step, "
+              f"compression {st.compression_ratio:.2f}, fed {st.fed_tokens / max(st.steps, 1):.1f}/step", flush=True)
+        prof = cProfile.Profile()
+        prof.enable()
+        out = model.generate(prompt, max_new_tokens=128, lookahead=la, eos_token_id=[])
+        torch.cuda.synchronize()
+        prof.disable()
+        s = io.StringIO()
+        ps = pstats.Stats(prof, stream=s).sort_stats("tottime")
+        ps.print_stats(22)
+        print(f"loop: {name}: cProfile by tottime ({out.stats.steps} steps)\n" + s.getvalue()[-6000:], flush=True)
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("cumtime").print_stats(30)
+        print(f"loop: {name}: cProfile by cumtime\n" + s.getvalue()[-7000:], flush=True)
+    if "auto" in configs:
+        from lookahead.controller import cost_key
+
+        print("loop: auto step costs:", model.step_costs_cache.get(cost_key(model)))
+
+
+def part_kernels(device):
+    from torch.profiler import ProfilerActivity, profile
+
+    from gpu_util import random_model
+    from lookahead_kernels import StepLayout
+
+    model = random_model("llama2-7b", torch.bfloat16, device)
+    context = 1024
+    cache = model.new_cache(1, context + 128)
+    for T in (1, 120):
+        layout = StepLayout(1, 1) if T == 1 else StepLayout.linear(15, 4, 15, 4, device=device)
+        ids = torch.zeros(1, T, dtype=torch.long, device=device)
+        pos = (context + layout.position_offsets(device))[None]
+        rows = torch.arange(T, device=device)
+        with torch.inference_mode():
+            for _ in range(3):
+                model(ids, pos, cache, context, layout, rows)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    model(ids, pos, cache, context, layout, rows)
+                torch.cuda.synchronize()
+        print(f"kernels: 7B bf16 eager step T={T} context {context}, 5 steps:\n" +
+              prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
+    del model, cache
+    torch.cuda.empty_cache()
+
+
+def part_attention(device):
+    import triton.testing
+
+    from bench_attention import make_inputs, sdpa_dense, step_layout
+    from lookahead_kernels import attention as attn
+    from lookahead_kernels.attention_ref import dense_mask
+
+    context = 4096
+    for name, hq, hkv in (("llama2-7b", 32, 32), ("llama3-8b", 32, 8)):
+        for kind in ("linear", "tree"):
+            layout = step_layout(15, 5, 15, device=device) if kind == "linear" else \
+                step_layout(15, 5, 60, "tree", device=device)
+            q, k, v = make_inputs(context, layout, hq, hkv, 128, torch.bfloat16, device)
+            lens = torch.tensor([context], device=device)
+            mask = dense_mask(layout, context, context + layout.T, device=device)
+            sdpa = lambda: sdpa_dense(q, k, v, mask)  # noqa: E731
+            res = {"sdpa": (triton.testing.do_bench(sdpa), triton.testing.do_bench_cudagraph(sdpa))}
+            original = attn._tile_config
+            for bm, bn, warps, stages in ((None, None, None, None), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3),
+                                          (128, 32, 4, 2), (64, 128, 8, 2), (128, 128, 8, 2), (32, 64, 4, 2)):
+                if bm is not None:
+                    attn._tile_config = lambda M, D, dt, c=(bm, bn, 128, warps, stages): c
+                for splits in (None, 1, 2, 8):
+                    fn = lambda: attn.lookahead_attention(q, k, v, cache_len=lens, layout=layout,  # noqa: E731
+                                                          num_splits=splits)
+                    try:
+                        fn()
+                        res[f"ours bm={bm} bn={bn} w={warps} s={stages} splits={splits}"] = (
+                            triton.testing.do_bench(fn), triton.testing.do_bench_cudagraph(fn))
+                    except Exception as exc:
+                        print(f"attention: {bm} {bn} {warps} {stages} {splits}: {type(exc).__name__}: {exc}"[:300])
+                attn._tile_config = original
+            print(f"attention: {name} {kind} T={layout.T} context {context}: (do_bench us, do_bench_cudagraph us)")
+            for key, (a, b) in sorted(res.items(), key=lambda kv: kv[1][1]):
+                print(f"   {key:50s} {a * 1e3:8.1f} {b * 1e3:8.1f}", flush=True)
+
+
+def part_verify(device):
+    import triton.testing
+
+    from lookahead_kernels import verify_tree_greedy, row_argmax
+    from lookahead_kernels.tree import TreeShape
+
+    V = 49152
+    tree = TreeShape.from_parents([-1, 0, 1, 2] * 1 + [-1, 4, 5, 6], device=device)
+    n = tree.size
+    x = torch.randn(1, V, device=device)
+    nodes = torch.randn(1, n, V, device=device)
+    tokens = torch.randint(0, V, (1, n), device=device)
+    num = torch.tensor([n], device=device)
+    fn = lambda: verify_tree_greedy(x, nodes, tokens, tree.end, num, 4)  # noqa: E731
+    fn()
+    print(f"verify: greedy {n} nodes vocab {V}: do_bench {triton.testing.do_bench(fn) * 1e3:.1f} us, "
+          f"cudagraph {triton.testing.do_bench_cudagraph(fn) * 1e3:.1f} us", flush=True)
+    am = lambda: row_argmax(nodes[0])  # noqa: E731
+    print(f"verify: row_argmax {n} rows: do_bench {triton.testing.do_bench(am) * 1e3:.1f} us, "
+          f"cudagraph {triton.testing.do_bench_cudagraph(am) * 1e3:.1f} us", flush=True)
+
+
+def part_smolstep(device):
+    """Kernel table of SmolLM2-shaped fp32 eager steps (T = 1, 16) and our attention at that shape by tile and
+    float32 precision (CUDA-graph timing)."""
+    import triton.testing
+    from torch.profiler import ProfilerActivity, profile
+
+    from lookahead_kernels import StepLayout
+    from lookahead_kernels import attention as attn
+    from lookahead_kernels.tree import TreeShape
+
+    model = smol_model(device)
+    context = 256
+    cache = model.new_cache(1, 1024)
+    for T in (1, 16):
+        layout = StepLayout(1, 1) if T == 1 else StepLayout(1, 1, TreeShape.from_parents(list(range(-1, T - 2)),
+                                                                                          device=device))
+        ids = torch.zeros(1, T, dtype=torch.long, device=device)
+        pos = (context + layout.position_offsets(device))[None]
+        lens = torch.tensor([context], device=device)
+        with torch.inference_mode():
+            for _ in range(3):
+                model(ids, pos, cache, lens, layout)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    model(ids, pos, cache, lens, layout)
+                torch.cuda.synchronize()
+        print(f"smolstep: fp32 eager step T={T}, 3 steps:\n" +
+              prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
+    for T, W, lv, V in ((16, 1, 1, 15), (75, 15, 4, 15), (120, 15, 4, 60)):
+        tree = TreeShape.from_parents(list(range(-1, V - 1)), device=device)
+        layout = StepLayout(W, lv, tree)
+        q = torch.randn(1, T, 9, 64, device=device)
+        k = torch.randn(1, 1024, 3, 64, device=device)
+        v = torch.randn(1, 1024, 3, 64, device=device)
+        lens = torch.tensor([context], device=device)
+        original = attn._tile_config
+        res = {}
+        for prec in ("ieee", "tf32x3", "tf32"):
+            attn._FP32_DOT = prec
+            for bm, bn, warps in ((None, None, None), (16, 64, 4), (32, 32, 4), (16, 32, 2), (64, 32, 4)):
+                if bm is not None:
+                    attn._tile_config = lambda M, D, dt, c=(bm, bn, 64, warps, 2): c
+                for splits in (None, 4):
+                    fn = lambda: attn.lookahead_attention(q, k, v, cache_len=lens, layout=layout,  # noqa: E731
+                                                          num_splits=splits)
+                    try:
+                        fn()
+                        res[f"{prec} bm={bm} bn={bn} w={warps} splits={splits}"] = \
+                            triton.testing.do_bench_cudagraph(fn)
+                    except Exception as exc:
+                        print(f"smolstep: {prec} {bm} {bn} {warps}: {type(exc).__name__}: {exc}"[:300])
+                attn._tile_config = original
+        attn._FP32_DOT = "ieee"
+        print(f"smolstep: attention fp32 T={T} (W={W}, levels={lv}, tree {V}) context {context}: us (cudagraph)")
+        for key, b in sorted(res.items(), key=lambda kv: kv[1])[:12]:
+            print(f"   {key:45s} {b * 1e3:8.1f}", flush=True)
+        print(f"   default ieee: {res.get('ieee bm=None bn=None w=None splits=None', float('nan')) * 1e3:.1f}")
+
+
+PARTS = {"smolstep": part_smolstep, "steps": part_steps, "loop": part_loop, "kernels": part_kernels, "attention": part_attention,
+         "verify": part_verify}
+
+
+def main(argv=None) -> int:
+    parts = (argv if argv is not None else sys.argv[1:]) or list(PARTS)
+    device = torch.device("cuda")
+    for p in parts:
+        t0 = time.perf_counter()
+        try:
+            PARTS[p](device)
+        except Exception:
+            print(f"{p}: FAILED")
+            traceback.print_exc()
+        print(f"== {p} took {time.perf_counter() - t0:.1f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
