@@ -27,7 +27,14 @@ def set_name(path: str) -> str:
 
 
 def git_revision() -> str:
-    """Short hash of HEAD, with ``-dirty`` when tracked files have uncommitted changes; "unknown" without git."""
+    """Short hash of HEAD, with ``-dirty`` when tracked files have uncommitted changes; "unknown" without git.
+
+    ``LOOKAHEAD_REVISION`` wins when set: the device machine's copy of the checkout carries the session's base
+    commit in ``.git`` with the newer files over it (so git says "<base>-dirty"); ``bench/run_gpu.sh`` sets it
+    from ``.device-model/REVISION``, written here before the calls."""
+    given = os.environ.get("LOOKAHEAD_REVISION")
+    if given:
+        return given
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                              check=True).stdout.strip()

@@ -175,7 +175,10 @@ def run_config(model, wng, cache_len, device, dtype, timer, flex_fn):
     row = {"model": name, "hq": hq, "hkv": hkv, "d": d, "W_N_G": list(wng), "T": T, "cache_len": cache_len,
            "bytes": bytes_needed(cache_len, T, hq, hkv, d, q.element_size()), "ms": {}, "errors": {}}
 
-    ours = lambda: attn.lookahead_attention(q, k, v, cache_len=cache_len, layout=layout)  # noqa: E731
+    # cache_len on the kernel's device, as the decoding loop keeps it: a host int is copied in on every call, which
+    # a CUDA graph cannot capture (and which the graph timer would refuse).
+    lens = torch.tensor([cache_len], device=device)
+    ours = lambda: attn.lookahead_attention(q, k, v, cache_len=lens, layout=layout)  # noqa: E731
     ref = attention_torch(q, k, v, cache_len=cache_len, layout=layout)
     row["rel_err_vs_torch"] = rel_err(ours(), ref)
     programs = math.ceil(hq // hkv * T / attn._tile_config(hq // hkv * T, d, dtype)[0]) * hkv

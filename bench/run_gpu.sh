@@ -47,6 +47,8 @@ START=$(date +%s)
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
 export LOOKAHEAD_GPU_REPORT_DIR=$WORK LOOKAHEAD_CACHE_DIR=${LOOKAHEAD_CACHE_DIR:-/tmp/lookahead-cache}
 export PYTHONPATH=/tmp/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}
+# The revision the results belong to (the device's .git is the session's base commit: see _common.git_revision).
+[ -f "$ROOT/.device-model/REVISION" ] && export LOOKAHEAD_REVISION=$(head -c 7 "$ROOT/.device-model/REVISION")
 DRYFLAG=()
 [ $DRY = 1 ] && DRYFLAG=(--dry-run)
 echo "run_gpu.sh: parts ${PARTS[*]}; budget ${BUDGET}s; dry run $DRY; OUT $OUT; WORK $WORK; python $($PY -c 'import sys; print(sys.executable)')"

@@ -262,9 +262,13 @@ def test_smollm2_dev_prompts_greedy_identical_to_transformers(smollm2, set_name)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32])
 def test_cuda_lookahead_through_the_kernels_equals_cuda_plain_greedy(smollm2, dtype):
-    """On a GPU the model runs attention and verification through the Triton kernels and the pool on CUDA."""
+    """On a GPU the model runs attention and verification through the Triton kernels and the pool on CUDA.
+
+    float32 only: in bfloat16 steps of different shapes round differently and greedy paths part where two
+    logits nearly tie (H100: 1 to 3 of 5 dev prompts identical over 64 tokens); tests/test_gpu_e2e.py counts
+    that instead of asserting it."""
     _, ours_cpu, tok = smollm2
     from lookahead.loading import default_gguf_path
 
@@ -272,6 +276,6 @@ def test_cuda_lookahead_through_the_kernels_equals_cuda_plain_greedy(smollm2, dt
     for set_name in ("mt_bench_dev.jsonl", "humaneval_dev.jsonl"):
         for ids in dev_prompts(tok, set_name, 10):
             ids = ids.cuda()
-            ref = model.generate(ids, max_new_tokens=64)
-            for cfg in (LookaheadConfig(15, 5, 15), LookaheadConfig(7, 5, 7)):
+            ref = model.generate(ids, max_new_tokens=64, lookahead=None)
+            for cfg in (LookaheadConfig(), LookaheadConfig(15, 5, 15), LookaheadConfig(7, 5, 7)):
                 assert torch.equal(model.generate(ids, max_new_tokens=64, lookahead=cfg).sequences, ref.sequences)
