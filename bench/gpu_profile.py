@@ -1,5 +1,6 @@
 """Where a GPU step's time goes: a diagnostic for issue 11 (prints; not a benchmark of record).
 
+0. ``smolstep``: kernel table of SmolLM2-shaped float32 steps, and our attention there by tile and precision.
 1. ``steps``: a SmolLM2-shaped random model (float32): each step size of the controller's menu replayed through a
    StepRunner graph (CUDA events), capture errors printed in full.
 2. ``loop``: cProfile of ``generate`` (plain, fixed 15-5-15, automatic) on that model: the host functions that
@@ -8,7 +9,7 @@
 4. ``attention``: our attention against SDPA (dense mask) at 7B shape, T = 120, 4k, timed with and without host
    launch overhead (``do_bench`` vs ``do_bench_cudagraph``), over a few tile configurations.
 
-    python bench/gpu_profile.py [steps loop kernels attention]
+    python bench/gpu_profile.py [smolstep steps loop verify kernels attention]
 """
 
 from __future__ import annotations
@@ -27,16 +28,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-SMOL = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-            num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True,
-            rms_norm_eps=1e-5)
-
 
 def smol_model(device, dtype=torch.float32):
     from lookahead.model import LlamaForCausalLM, ModelConfig
 
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=SMOL["vocab_size"], hidden_size=576, intermediate_size=1536, num_layers=30,
+    cfg = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
                       num_heads=9, num_kv_heads=3, head_dim=64, max_position_embeddings=8192,
                       rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
     return LlamaForCausalLM(cfg, dtype=dtype, device=device).eval()
@@ -183,7 +180,7 @@ def part_verify(device):
     from lookahead_kernels.tree import TreeShape
 
     V = 49152
-    tree = TreeShape.from_parents([-1, 0, 1, 2] * 1 + [-1, 4, 5, 6], device=device)
+    tree = TreeShape.from_parents([-1, 0, 1, 2, -1, 4, 5, 6], device=device)
     n = tree.size
     x = torch.randn(1, V, device=device)
     nodes = torch.randn(1, n, V, device=device)
@@ -258,8 +255,8 @@ def part_smolstep(device):
         print(f"   default ieee: {res.get('ieee bm=None bn=None w=None splits=None', float('nan')) * 1e3:.1f}")
 
 
-PARTS = {"smolstep": part_smolstep, "steps": part_steps, "loop": part_loop, "kernels": part_kernels, "attention": part_attention,
-         "verify": part_verify}
+PARTS = {"smolstep": part_smolstep, "steps": part_steps, "loop": part_loop, "kernels": part_kernels,
+         "attention": part_attention, "verify": part_verify}
 
 
 def main(argv=None) -> int:

@@ -67,7 +67,7 @@ def _attn_fwd_kernel(
     stride_ps, stride_ls,
     # meta-parameters
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    MIN_CHUNK: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    MIN_CHUNK: tl.constexpr, SPLIT: tl.constexpr, F32_INPUTS: tl.constexpr, UPCAST: tl.constexpr,
     FP32_DOT: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -118,7 +118,7 @@ def _attn_fwd_kernel(
         k = tl.load(k_base + n[None, :] * stride_ks, mask=d_ok[:, None], other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
-        if IEEE:
+        if F32_INPUTS:
             s = tl.dot(q, k, input_precision=FP32_DOT)
         else:
             s = tl.dot(q, k)
@@ -130,7 +130,7 @@ def _attn_fwd_kernel(
         v = tl.load(v_base + n[:, None] * stride_vs, mask=d_ok[None, :], other=0.0)
         if UPCAST:
             v = v.to(tl.float32)
-        if IEEE:
+        if F32_INPUTS:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=FP32_DOT)
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
@@ -150,7 +150,7 @@ def _attn_fwd_kernel(
         k = tl.load(k_base + n[None, :] * stride_ks, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
-        if IEEE:
+        if F32_INPUTS:
             s = tl.dot(q, k, input_precision=FP32_DOT)
         else:
             s = tl.dot(q, k)
@@ -182,7 +182,7 @@ def _attn_fwd_kernel(
         v = tl.load(v_base + n[:, None] * stride_vs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         if UPCAST:
             v = v.to(tl.float32)
-        if IEEE:
+        if F32_INPUTS:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=FP32_DOT)
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
@@ -322,7 +322,7 @@ def _launch(q, k_cache, v_cache, cache_len, window, levels, tree_size, end, sm_s
         stride_eb, stride_ev,
         stride_ps, stride_ls,
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        MIN_CHUNK=_MIN_CHUNK, SPLIT=split, IEEE=q.dtype == torch.float32 or upcast, UPCAST=upcast,
+        MIN_CHUNK=_MIN_CHUNK, SPLIT=split, F32_INPUTS=q.dtype == torch.float32 or upcast, UPCAST=upcast,
         FP32_DOT="ieee" if _interpreted(_attn_fwd_kernel) else _FP32_DOT,
         num_warps=warps, num_stages=stages,
     )

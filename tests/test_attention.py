@@ -407,12 +407,14 @@ from lookahead_kernels import attention as A
 target = GPUTarget("cuda", 90, 32)
 fwd, merge = A._attn_fwd_kernel, A._attn_merge_kernel
 assert isinstance(fwd, triton.runtime.JITFunction)
-for split in (False, True):
+# fp16 tiles, and the float32 path the GPU runs (tf32x3 products on 16-row tiles), each with and without split-KV.
+for split, dt in ((False, "fp16"), (True, "fp16"), (False, "fp32"), (True, "fp32")):
     sig = {n: "i32" for n in fwd.arg_names}
-    sig.update(Q="*fp16", K="*fp16", V="*fp16", OUT="*fp16", CACHE_LEN="*i64", END="*i64", scale_log2="fp32",
-               O_PART="*fp32" if split else "*fp16", LSE_PART="*fp32" if split else "*fp16")
-    const = dict(HEAD_DIM=80, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, MIN_CHUNK=256, SPLIT=split, IEEE=False,
-                 UPCAST=False)
+    sig.update(Q=f"*{dt}", K=f"*{dt}", V=f"*{dt}", OUT=f"*{dt}", CACHE_LEN="*i64", END="*i64", scale_log2="fp32",
+               O_PART="*fp32" if split else f"*{dt}", LSE_PART="*fp32" if split else f"*{dt}")
+    const = dict(HEAD_DIM=64 if dt == "fp32" else 80, BLOCK_M=16 if dt == "fp32" else 64, BLOCK_N=64,
+                 BLOCK_D=64 if dt == "fp32" else 128, MIN_CHUNK=256, SPLIT=split, F32_INPUTS=dt == "fp32",
+                 UPCAST=False, FP32_DOT=A._FP32_DOT)
     sig.update({k: "constexpr" for k in const})
     triton.compile(ASTSource(fn=fwd, signature=sig, constexprs=const), target=target,
                    options=dict(num_warps=4, num_stages=2))

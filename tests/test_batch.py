@@ -40,6 +40,16 @@ def alone(model, prompts, la, **kwargs):
     return [model.generate(p, lookahead=la, **kwargs).sequences[0] for p in prompts]
 
 
+def rows_stopping_apart(model, prompts, max_new_tokens=24):
+    """``(eos, refs)``: an EOS that row 0 emits early, and each prompt's own plain greedy output with it, so
+    that rows stop at different steps (some run to ``max_new_tokens``)."""
+    free = alone(model, prompts[:1], None, max_new_tokens=max_new_tokens)[0]
+    eos = int(free[len(prompts[0]) + 5])
+    refs = alone(model, prompts, None, max_new_tokens=max_new_tokens, eos_token_id=eos)
+    assert len({len(r) - len(p) for r, p in zip(refs, prompts)}) >= 2, "the rows should stop at different steps"
+    return eos, refs
+
+
 def check_rows(out, refs, prompts, pad_id):
     """Row ``b`` of ``out.sequences``: left pads, prompt ``b``, its batch-1 continuation, then pad ids."""
     L = max(len(p) for p in prompts)
@@ -57,12 +67,7 @@ def check_rows(out, refs, prompts, pad_id):
 def test_each_row_equals_its_own_greedy_output(tiny, mode):
     prompts = mixed_prompts()
     la = CONFIGS[mode]
-    # An EOS that row 0 emits early: rows stop at different steps (some run to max_new_tokens).
-    free = alone(tiny, prompts[:1], None, max_new_tokens=24)[0]
-    eos = int(free[len(prompts[0]) + 5])
-    refs = alone(tiny, prompts, None, max_new_tokens=24, eos_token_id=eos)
-    lengths = {len(r) - len(p) for r, p in zip(refs, prompts)}
-    assert len(lengths) >= 2, "the rows should stop at different steps"
+    eos, refs = rows_stopping_apart(tiny, prompts)
     out = tiny.generate(prompts, max_new_tokens=24, lookahead=la, eos_token_id=eos, pad_token_id=0)
     check_rows(out, refs, prompts, pad_id=0)
     stats = out.stats

@@ -12,7 +12,7 @@ from lookahead import LlamaForCausalLM, LookaheadConfig
 from lookahead.config import StepShape
 from lookahead.runner import RunnerCache, StepRunner
 
-from .test_batch import CPU_LIKE, alone, check_rows, mixed_prompts
+from .test_batch import CPU_LIKE, alone, check_rows, mixed_prompts, rows_stopping_apart
 from .test_generate import HAS_SMOLLM2, dev_prompts, tiny_hf_model
 
 STATIC = dict(cuda_graphs=False, _static_steps=True)
@@ -61,10 +61,7 @@ def test_mixed_batch_rows_equal_their_own_greedy_output(tiny, mode):
     """Rows of different lengths stop at different steps (an EOS): the finished ones stay parked in the batch."""
     prompts = mixed_prompts()
     la = CONFIGS[mode]
-    free = alone(tiny, prompts[:1], None, max_new_tokens=24)[0]
-    eos = int(free[len(prompts[0]) + 5])
-    refs = alone(tiny, prompts, None, max_new_tokens=24, eos_token_id=eos)
-    assert len({len(r) - len(p) for r, p in zip(refs, prompts)}) >= 2, "the rows should stop at different steps"
+    eos, refs = rows_stopping_apart(tiny, prompts)
     out = tiny.generate(prompts, max_new_tokens=24, lookahead=la, eos_token_id=eos, pad_token_id=0, **STATIC)
     check_rows(out, refs, prompts, pad_id=0)
     loop = tiny.generate(prompts, max_new_tokens=24, lookahead=la, eos_token_id=eos, pad_token_id=0)
