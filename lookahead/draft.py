@@ -34,6 +34,8 @@ _PRIOR_WEIGHT = 4.0
 _SUFFIX_CANDIDATES = 4
 _SUCCESSORS_PER_NODE = 8
 _MAX_DEPTH_KEY = 8
+_MAX_SUCCESSOR_DEPTH = 4
+_MAX_POOL_DEPTH_KEY = 63
 
 
 # Successor probabilities are bucketed by these upper bounds; acceptance is learned per bucket.
@@ -42,34 +44,119 @@ _PROB_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.01)
 
 def _prob_bucket(p: float) -> int:
     """The first bucket whose upper bound exceeds ``p`` (a bisection: it runs for every successor offered)."""
-    return bisect.bisect_right(_PROB_BUCKETS, p)
+    return min(bisect.bisect_right(_PROB_BUCKETS, p), len(_PROB_BUCKETS) - 1)
 
 
-def _prior(key: tuple) -> float:
-    source = key[0]
-    if source == "pool":
+# Acceptance keys as small integer codes, shared with the C++ builder (csrc/draft_tree.cpp): pool depth d ->
+# min(d, 63); suffix depth d -> 64 + min(d, 8); successor of bucket b at depth d -> 73 + 4 b + min(d, 4) - 1.
+_SUFFIX_BASE = _MAX_POOL_DEPTH_KEY + 1
+_SUCCESSOR_BASE = _SUFFIX_BASE + _MAX_DEPTH_KEY + 1
+NUM_CODES = _SUCCESSOR_BASE + _MAX_SUCCESSOR_DEPTH * len(_PROB_BUCKETS)
+
+
+def pool_code(depth: int) -> int:
+    return min(depth, _MAX_POOL_DEPTH_KEY)
+
+
+def suffix_code(depth: int) -> int:
+    return _SUFFIX_BASE + min(depth, _MAX_DEPTH_KEY)
+
+
+def successor_code(bucket: int, depth: int) -> int:
+    return _SUCCESSOR_BASE + _MAX_SUCCESSOR_DEPTH * bucket + min(depth, _MAX_SUCCESSOR_DEPTH) - 1
+
+
+def code_key(code: int) -> tuple:
+    """The readable key of a code: ``("pool", depth)``, ``("suffix", depth)`` or ``("successors", bucket,
+    depth)``."""
+    if code < _SUFFIX_BASE:
+        return ("pool", code)
+    if code < _SUCCESSOR_BASE:
+        return ("suffix", code - _SUFFIX_BASE)
+    bucket, depth = divmod(code - _SUCCESSOR_BASE, _MAX_SUCCESSOR_DEPTH)
+    return ("successors", bucket, depth + 1)
+
+
+def key_code(key: tuple) -> int:
+    """The code of a readable key (:func:`code_key`'s inverse)."""
+    if key[0] == "pool":
+        return pool_code(key[1])
+    if key[0] == "suffix":
+        return suffix_code(key[1])
+    return successor_code(key[1], key[2])
+
+
+def _prior(code: int) -> float:
+    key = code_key(code)
+    if key[0] == "pool":
         return 0.3
-    if source == "suffix":
+    if key[0] == "suffix":
         return 0.5
     return _PROB_BUCKETS[key[1]] * 0.8  # successors: about the model's own probability, a little less
 
 
 class AcceptanceStats:
     """Running conditional acceptance per key: ``(source, depth)``, or ``("successors", probability bucket,
-    depth)`` where the bucket is that of the probability the model gave the successor when it was recorded."""
+    depth)`` where the bucket is that of the probability the model gave the successor when it was recorded.
+
+    Kept per key code (:func:`key_code`); ``rates`` (float64 ``[NUM_CODES]``) is what the C++ builder reads."""
 
     def __init__(self):
-        self.tested: dict[tuple, int] = {}
-        self.accepted: dict[tuple, int] = {}
+        self._tested = [0] * NUM_CODES
+        self._accepted = [0] * NUM_CODES
+        self._rates = [_prior(c) for c in range(NUM_CODES)]
+        self.rates = torch.tensor(self._rates, dtype=torch.float64)
+
+    @property
+    def tested(self) -> dict[tuple, int]:
+        """Trials per readable key (keys never tried left out)."""
+        return {code_key(c): n for c, n in enumerate(self._tested) if n}
+
+    @property
+    def accepted(self) -> dict[tuple, int]:
+        """Acceptances per readable key tried."""
+        return {code_key(c): self._accepted[c] for c, n in enumerate(self._tested) if n}
 
     def rate(self, key: tuple) -> float:
         """Estimated chance a node of ``key`` is accepted once its parent is."""
-        t, a = self.tested.get(key, 0), self.accepted.get(key, 0)
-        return (a + _PRIOR_WEIGHT * _prior(key)) / (t + _PRIOR_WEIGHT)
+        return self._rates[key_code(key)]
 
     def record(self, key: tuple, accepted: bool) -> None:
-        self.tested[key] = self.tested.get(key, 0) + 1
-        self.accepted[key] = self.accepted.get(key, 0) + int(accepted)
+        self.record_code(key_code(key), accepted)
+
+    def record_code(self, code: int, accepted: bool) -> None:
+        self._tested[code] += 1
+        self._accepted[code] += int(accepted)
+        rate = (self._accepted[code] + _PRIOR_WEIGHT * _prior(code)) / (self._tested[code] + _PRIOR_WEIGHT)
+        self._rates[code] = rate
+        self.rates[code] = rate
+
+
+@dataclasses.dataclass
+class Proposal:
+    """One row's candidate nodes for a step, best first (each after its parent, so any prefix is a tree).
+
+    Attributes:
+        tokens: LongTensor ``[n]``.
+        parents: LongTensor ``[n]``: each node's parent as an index into this list (``-1`` under ``x``).
+        scores: per node the chance the verifier reaches it (the product of conditional acceptances on its path).
+        codes, code_offsets: LongTensors ``[m]`` and ``[n + 1]``: node ``i``'s acceptance key codes (one per
+            source that proposed it) are ``codes[code_offsets[i]:code_offsets[i + 1]]``.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    scores: list
+    codes: torch.Tensor
+    code_offsets: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.scores)
+
+    @classmethod
+    def empty(cls) -> "Proposal":
+        none = torch.empty(0, dtype=torch.long)
+        return cls(none, none, [], none, torch.zeros(1, dtype=torch.long))
 
 
 @dataclasses.dataclass
@@ -81,14 +168,21 @@ class DraftTree:
         shape: its :class:`TreeShape` (``depth``, ``end``).
         num_nodes: real nodes; ``num_nodes .. V-1`` are padding leaves.
         parents: per real node, its parent (``-1`` for children of ``x``).
-        keys: per real node, the acceptance keys of the sources that proposed it.
+        codes: per real node, the acceptance key codes of the sources that proposed it (:func:`code_key`).
+        max_depth: the deepest real node's depth (0 for no node).
     """
 
     tokens: torch.Tensor
     shape: TreeShape
     num_nodes: int
     parents: list[int]
-    keys: list[list[tuple]]
+    codes: list[list[int]]
+    max_depth: int
+
+    @property
+    def keys(self) -> list[list[tuple]]:
+        """Per real node, its readable acceptance keys."""
+        return [[code_key(c) for c in codes] for codes in self.codes]
 
     @property
     def sources(self) -> list[set]:
@@ -114,8 +208,8 @@ class _Node:
             node = self.children[token] = _Node(token, self, self.depth + 1)
         return node
 
-    def propose(self, key: tuple, rate: float) -> None:
-        self.keys.append(key)
+    def propose(self, code: int, rate: float) -> None:
+        self.keys.append(code)
         self.cond = max(self.cond, rate)
 
 
@@ -129,15 +223,22 @@ class DraftBuilder:
         shape, sources: the resolved step shape and sources (default: the config's own).
         planner: a :class:`lookahead.controller.StepPlanner` that cuts each tree to the size that pays (``None``:
             every tree takes its whole budget).
+        native: build with the C++ ops (``csrc/draft_tree.cpp``); ``None`` (default): where they build. ``False``
+            runs the Python reference below, which makes the same trees (``tests/test_draft_native.py``).
     """
 
     def __init__(self, config: LookaheadConfig, vocab_size: int, device, *, shape=None, sources=None,
-                 planner=None):
+                 planner=None, native: bool | None = None):
         self.config = config
         shape = shape if shape is not None else config.shape()
         sources = config.sources if sources is None else sources
         self.ngram = shape.ngram
         self.planner = planner
+        if native is None:
+            from lookahead_kernels.cpu_ops import cpu_ops_available
+
+            native = cpu_ops_available()
+        self.native = native
         self.pool = None
         if "pool" in sources and config.pool_guess > 0:
             from .pools import TableNGramPool, make_pool
@@ -169,40 +270,80 @@ class DraftBuilder:
     def build(self, sequence: list[int], budget: int, pad: bool = False) -> DraftTree:
         """The tree for the step whose ``x`` is ``sequence[-1]``: at most ``budget`` nodes (exactly ``budget``
         with ``pad``, the extra ones padding)."""
-        chosen = self.propose(sequence, budget)
+        proposal = self.propose(sequence, budget)
+        keep = len(proposal)
         if self.planner is not None:  # best-first order: any prefix is a tree
-            chosen = chosen[: self.planner.choose([n.score for n in chosen])]
-        return self.encode(chosen, budget if pad else len(chosen))
+            keep = self.planner.choose(proposal.scores)
+        return self.encode(proposal, keep, budget if pad else keep)
 
-    def propose(self, sequence: list[int], budget: int) -> list:
+    def _candidates(self, sequence: list[int], budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The suffix matches' and the pool's continuations of ``x``: int64 ``[C, L]`` each on the CPU, a row read
+        until its first negative entry."""
+        none = torch.empty(0, 0, dtype=torch.long)
+        if budget == 0:
+            return none, none
+        suffix = none
+        if self.suffix is not None:
+            conts = [c for c, _match in self.suffix.matches(sequence, _SUFFIX_CANDIDATES)]
+            if conts:
+                width = max(map(len, conts))
+                suffix = torch.tensor([list(c) + [-1] * (width - len(c)) for c in conts], dtype=torch.long)
+        pool = none
+        if self.pool is not None:
+            if hasattr(self.pool, "lookup_padded"):  # rows past the count are -1 already: no count read
+                pool = self.pool.lookup_padded(sequence[-1])[0].cpu()
+            else:
+                pool = self.pool.lookup(sequence[-1])
+        return suffix, pool
+
+    def propose(self, sequence: list[int], budget: int) -> Proposal:
         """Up to ``budget`` candidate nodes for the step whose ``x`` is ``sequence[-1]``, best first (each after
-        its parent, so any prefix is a tree); ``node.score`` is the chance the verifier reaches it. A batch cuts
-        every row's list to one size (:meth:`lookahead.controller.StepPlanner.choose_batch`) before
-        :meth:`encode`."""
-        root = _Node(sequence[-1], None, 0)
-        rate = self.stats.rate
-        if budget > 0:
-            if self.suffix is not None:
-                for cont, _match in self.suffix.matches(sequence, _SUFFIX_CANDIDATES):
-                    node = root
-                    for d, t in enumerate(cont, start=1):
-                        node = node.child(t)
-                        node.propose(("suffix", min(d, _MAX_DEPTH_KEY)), rate(("suffix", min(d, _MAX_DEPTH_KEY))))
-            if self.pool is not None:
-                for cont in self.pool.lookup(root.token).tolist():
-                    node = root
-                    for d, t in enumerate(cont, start=1):
-                        node = node.child(t)
-                        node.propose(("pool", d), rate(("pool", d)))
-        return self._best_first(root, budget)
+        its parent, so any prefix is a tree), with the chance the verifier reaches each. A batch cuts every row's
+        list to one size (:meth:`lookahead.controller.StepPlanner.choose_batch`) before :meth:`encode`."""
+        suffix, pool = self._candidates(sequence, budget)
+        if self.native:
+            table = self.successors
+            ids, probs, count = (table.ids, table.probs, table.count) if table is not None else \
+                (_NONE_I32, _NONE_F32, _NONE_I32)
+            tokens, parents, scores, codes, offsets = torch.ops.lookahead_draft.propose(
+                sequence[-1], suffix, pool, self.stats.rates, ids, probs, count, budget)
+            return Proposal(tokens, parents, scores.tolist(), codes, offsets)
+        return self._propose_reference(sequence[-1], suffix, pool, budget)
+
+    # ---- the Python reference of the C++ builder ------------------------------------------------------------
+    def _propose_reference(self, root_token: int, suffix: torch.Tensor, pool: torch.Tensor, budget: int) -> Proposal:
+        root = _Node(root_token, None, 0)
+        rates = self.stats._rates
+        for rows, code_of in ((suffix, suffix_code), (pool, pool_code)):
+            for cont in rows.tolist():
+                node = root
+                for d, t in enumerate(cont, start=1):
+                    if t < 0:
+                        break
+                    node = node.child(t)
+                    code = code_of(d)
+                    node.propose(code, rates[code])
+        chosen = self._best_first(root, budget)
+        for i, n in enumerate(chosen):
+            n.index = i
+        codes = [c for n in chosen for c in n.keys]
+        offsets = [0]
+        for n in chosen:
+            offsets.append(offsets[-1] + len(n.keys))
+        return Proposal(torch.tensor([n.token for n in chosen], dtype=torch.long),
+                        torch.tensor([-1 if n.parent.parent is None else n.parent.index for n in chosen],
+                                     dtype=torch.long),
+                        [n.score for n in chosen], torch.tensor(codes, dtype=torch.long),
+                        torch.tensor(offsets, dtype=torch.long))
 
     def _expand_successors(self, node: _Node) -> None:
         if self.successors is None:
             return
-        depth = min(node.depth + 1, 4)
+        depth = min(node.depth + 1, _MAX_SUCCESSOR_DEPTH)
+        rates = self.stats._rates
         for t, p in self.successors.successors(node.token):
-            key = ("successors", _prob_bucket(p), depth)
-            node.child(t).propose(key, self.stats.rate(key))
+            code = successor_code(_prob_bucket(p), depth)
+            node.child(t).propose(code, rates[code])
 
     def _best_first(self, root: _Node, budget: int) -> list[_Node]:
         chosen: list[_Node] = []
@@ -224,28 +365,24 @@ class DraftBuilder:
             node = heapq.heappop(heap)[2]
         return chosen
 
-    @staticmethod
-    def encode(chosen: list, size: int) -> DraftTree:
-        """The tree of ``chosen`` (a prefix of :meth:`propose`'s list): pre-order numbering (children best first),
-        padded with leaves to ``size`` nodes."""
-        taken = set(map(id, chosen))
-        kids: dict[int, list[_Node]] = {}
-        roots = []
-        for n in chosen:  # chosen is best-first, so each list is best first too
-            (roots if n.parent is None or n.parent.parent is None else kids.setdefault(id(n.parent), [])).append(n)
-        order: list[_Node] = []
-        stack = list(reversed(roots))
-        while stack:
-            n = stack.pop()
-            n.index = len(order)
-            order.append(n)
-            stack.extend(reversed([c for c in kids.get(id(n), []) if id(c) in taken]))
-        parents = [-1 if n.parent.parent is None else n.parent.index for n in order]
-        real = len(order)
-        tokens = [n.token for n in order] + [0] * (size - real)
-        shape = TreeShape.from_parents(parents + [-1] * (size - real))
-        return DraftTree(torch.tensor(tokens, dtype=torch.long), shape, real, parents,
-                         [n.keys for n in order])
+    def encode(self, proposal: Proposal, keep: int, size: int) -> DraftTree:
+        """The tree of the first ``keep`` nodes of ``proposal``: pre-order numbering (children best first), padded
+        with leaves to ``size`` nodes."""
+        if self.native:
+            tokens, depth, end, parents, order = torch.ops.lookahead_draft.encode(proposal.parents, proposal.tokens,
+                                                                                  keep, size)
+            shape = TreeShape.trusted(depth, end)
+        else:
+            tokens, parents, order = _encode_reference(proposal.parents[:keep].tolist(),
+                                                       proposal.tokens[:keep].tolist(), size)
+            shape = TreeShape.from_parents(parents + [-1] * (size - keep))
+            tokens = torch.tensor(tokens, dtype=torch.long)
+            parents, order = torch.tensor(parents, dtype=torch.long), torch.tensor(order, dtype=torch.long)
+        offsets = proposal.code_offsets.tolist()
+        codes = proposal.codes.tolist()
+        order = order.tolist()
+        return DraftTree(tokens, shape, keep, parents.tolist(), [codes[offsets[i]: offsets[i + 1]] for i in order],
+                         int(shape.depth[:keep].max()) if keep else 0)
 
     # ---- after the step ---------------------------------------------------------------------------------------
     def observe(self, tree: DraftTree, path: list[int], ngrams: torch.Tensor | None, sequence: list[int],
@@ -262,12 +399,14 @@ class DraftBuilder:
                 rows of ``x`` and the accepted path last, so that rows seen in their true context win.
         """
         accepted = set(path)
+        record = self.stats.record_code
         # A node was tested iff its parent was accepted (or it hangs from x): those are the trials.
         for i in range(tree.num_nodes):
             p = tree.parents[i]
             if p == -1 or p in accepted:
-                for key in tree.keys[i]:
-                    self.stats.record(key, i in accepted)
+                hit = i in accepted
+                for code in tree.codes[i]:
+                    record(code, hit)
         if ngrams is not None:
             self._pool_insert(ngrams)
         if self.pool is not None and self.config.pool_from_output:
@@ -278,3 +417,26 @@ class DraftBuilder:
                                                dtype=torch.long))
         if self.successors is not None and logits_rows is not None:
             self.successors.update(*logits_rows)
+
+
+_NONE_I32 = torch.empty(0, dtype=torch.int32)
+_NONE_F32 = torch.empty(0, dtype=torch.float32)
+
+
+def _encode_reference(parents: list[int], tokens: list[int], size: int) -> tuple[list, list, list]:
+    """Pre-order of a best-first list (``parents`` index into it): ``(tokens padded to size, pre-order parents,
+    best-first index of each pre-order node)``."""
+    kids: list[list[int]] = [[] for _ in parents]
+    roots = []
+    for i, p in enumerate(parents):  # best-first order: each list is best first too
+        (roots if p < 0 else kids[p]).append(i)
+    order: list[int] = []
+    pre = [-1] * len(parents)
+    stack = list(reversed(roots))
+    while stack:
+        i = stack.pop()
+        pre[i] = len(order)
+        order.append(i)
+        stack.extend(reversed(kids[i]))
+    return ([tokens[i] for i in order] + [0] * (size - len(order)),
+            [-1 if parents[i] < 0 else pre[parents[i]] for i in order], order)

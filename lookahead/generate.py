@@ -32,7 +32,7 @@ from lookahead_kernels import StepLayout
 from .arguments import resolve_generate_arguments
 from .config import LookaheadConfig, StepShape
 from .controller import make_plan
-from .draft import DraftBuilder
+from .draft import DraftBuilder, Proposal
 from .runner import StepRunner, runner_cache
 from .step import build_step
 from .window import LookaheadWindow
@@ -643,8 +643,9 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: _Sampler, 
         wanted = max(min(budget, SMALLEST_PADDED_TREE), plan.planner.reach(1, budget))
     proposals = {id(r): r.drafts.propose(r.emitter.sequence, wanted) for r in active}
     sizes = _tree_sizes(plan, budget) if pad else None
+    keep = max(map(len, proposals.values()))
     if plan.planner is not None:  # one size for all rows: they are padded to one shape anyway
-        keep = plan.planner.choose_batch([[n.score for n in p] for p in proposals.values()], sizes)
+        keep = plan.planner.choose_batch([p.scores for p in proposals.values()], sizes)
         # The step would feed x (and padding) only: a plain step does the same without the rows' learning, which
         # batch 1 keeps (its successor table learns from x's logits) and a batch cannot afford.
         if keep == 0 and W == 1 and (pad or len(batch) > 1):
@@ -653,10 +654,13 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: _Sampler, 
             return _plain_step(model, cache, runner, batch, sampler, device)
         if backoff is not None and keep > 0:
             backoff.hit()
-        proposals = {k: p[:keep] for k, p in proposals.items()}
-    longest = max(len(p) for p in proposals.values())
+    longest = max(min(keep, len(p)) for p in proposals.values())
     size = next(z for z in sizes if z >= longest) if pad else longest
-    trees = [DraftBuilder.encode(proposals.get(id(r), []), size) for r in batch]
+    none = Proposal.empty()
+    trees = []
+    for r in batch:
+        p = proposals.get(id(r), none)
+        trees.append(r.drafts.encode(p, min(keep, len(p)), size))
     lens = [_start(r) for r in batch]
     window_tokens = [torch.full((levels * W,), r.x, dtype=torch.long) if r.emitter.done else r.window.step_tokens(r.x)
                      for r in batch]
@@ -664,7 +668,7 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: _Sampler, 
     forward_started = time.perf_counter()
     logits = _forward(model, cache, runner, StepShape(W, levels, size), step.tokens, step.positions, lens,
                       step.layout, step.logits_rows)
-    depth = max((int(t.shape.depth[: t.num_nodes].max()) for t in trees if t.num_nodes), default=0)
+    depth = max(t.max_depth for t in trees)
     B = len(batch)
     la = step.layout.lookahead_len
     if size:

@@ -1,7 +1,9 @@
-"""Just-in-time build of the CPU forward's C++ ops: the small-M GEMM (``csrc/small_gemm.cpp``, namespace
-``torch.ops.lookahead_gemm``) and the step attention (``csrc/cpu_attention.cpp``, ``torch.ops.lookahead_cpu``).
+"""Just-in-time build of the host's C++ ops: the CPU forward's small-M GEMM (``csrc/small_gemm.cpp``, namespace
+``torch.ops.lookahead_gemm``) and step attention (``csrc/cpu_attention.cpp``, ``torch.ops.lookahead_cpu``), and the
+draft builder's best-first walk and tree encoding (``csrc/draft_tree.cpp``, ``torch.ops.lookahead_draft``), which
+serve the GPU path too: the draft is built on the host.
 
-Both live in one library, built with ninja into torch's extensions directory on first use (``scripts/setup.sh``
+All live in one library, built with ninja into torch's extensions directory on first use (``scripts/setup.sh``
 builds it at install time) and loaded by later processes in about a second. It is compiled with OpenMP: ATen's
 ``at::parallel_for`` is an OpenMP pragma in its headers, so without ``-fopenmp`` the ops would run on one thread
 whatever ``torch.set_num_threads`` says (measured: the vocabulary projection at one row took 2.8 ms on one core,
@@ -18,7 +20,7 @@ import torch
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 _NAME = "lookahead_cpu_ops"
-_SOURCES = ("small_gemm.cpp", "cpu_attention.cpp")
+_SOURCES = ("small_gemm.cpp", "cpu_attention.cpp", "draft_tree.cpp")
 _state: dict = {}  # "ok": bool once tried in this process, "error": why not
 _lock = threading.Lock()
 
@@ -30,7 +32,8 @@ class CpuOpsError(RuntimeError):
 def _registered() -> bool:
     try:
         return torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_cpu::step_attention", "CPU") and \
-            torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_gemm::linear", "CPU")
+            torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_gemm::linear", "CPU") and \
+            torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_draft::propose", "CPU")
     except RuntimeError:  # a schema is not registered yet
         return False
 
@@ -64,7 +67,8 @@ def load_cpu_ops(verbose: bool = False) -> None:
             raise CpuOpsError(f"building the CPU ops extension {_NAME!r} from {', '.join(_SOURCES)} failed "
                               f"(torch {torch.__version__}):\n{exc}") from exc
         if not _registered():
-            raise CpuOpsError(f"the library {_NAME!r} loaded but registered no lookahead_cpu / lookahead_gemm ops")
+            raise CpuOpsError(f"the library {_NAME!r} loaded but registered no lookahead_cpu / lookahead_gemm / "
+                              f"lookahead_draft ops")
 
 
 def cpu_ops_available(build: bool = True) -> bool:

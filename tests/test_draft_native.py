@@ -1,0 +1,122 @@
+"""The C++ draft builder (``csrc/draft_tree.cpp``) against its Python reference in ``lookahead.draft``: the same
+candidates, order, scores and keys, the same encoded trees, on random builder states."""
+
+import random
+
+import pytest
+import torch
+
+from lookahead import LookaheadConfig
+from lookahead.draft import NUM_CODES, DraftBuilder, code_key, key_code
+from lookahead.successors import SuccessorTable
+from lookahead_kernels.cpu_ops import cpu_ops_available
+from lookahead_kernels.tree import TreeShape, check_tree
+
+pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="the C++ ops could not be built here")
+
+
+def random_builder(seed: int, vocab: int, sources=("pool", "suffix", "successors"), ngram=4, guess=6):
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    cfg = LookaheadConfig(window=3, ngram=ngram, guess=guess, pool_backend="cpp", sources=sources)
+    b = DraftBuilder(cfg, vocab, "cpu", native=True)
+    # Few distinct tokens: sources propose the same tokens, tries share prefixes, scores tie.
+    prompt = torch.randint(0, min(vocab, 12), (rng.randint(2, 80),), generator=gen)
+    b.start(prompt)
+    if b.successors is not None:
+        rows = rng.randint(0, 3 * vocab)
+        logits = torch.randn(rows, vocab, generator=gen) * rng.choice([0.5, 2.0, 6.0])
+        if rng.random() < 0.3:  # exact ties among the top k
+            logits = logits.round()
+        b.successors.update(torch.randint(0, vocab, (rows,), generator=gen), logits)
+    for _ in range(rng.randint(0, 300)):
+        b.stats.record_code(rng.randrange(NUM_CODES), rng.random() < 0.4)
+    return b, prompt.tolist()
+
+
+def propose_both(b, sequence, budget):
+    b.native = True
+    native = b.propose(sequence, budget)
+    b.native = False
+    ref = b.propose(sequence, budget)
+    return native, ref
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_native_proposal_equals_the_reference(seed):
+    vocab = [7, 50, 300][seed % 3]
+    sources = [("pool", "suffix", "successors"), ("successors",), ("pool",), ("suffix", "successors"),
+               ("pool", "suffix")][seed % 5]
+    b, seq = random_builder(seed, vocab, sources, ngram=2 + seed % 4)
+    for budget in (0, 1, 2, 5, 15, 63, 255):
+        native, ref = propose_both(b, seq, budget)
+        assert len(native) == len(ref) <= budget
+        assert torch.equal(native.tokens, ref.tokens)
+        assert torch.equal(native.parents, ref.parents)
+        assert native.scores == ref.scores  # the same doubles, multiplied in the same order
+        assert torch.equal(native.codes, ref.codes) and torch.equal(native.code_offsets, ref.code_offsets)
+        assert all(-1 <= p < i for i, p in enumerate(native.parents.tolist()))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_native_encoding_equals_the_reference(seed):
+    rng = random.Random(seed)
+    b, seq = random_builder(100 + seed, 40)
+    proposal = b.propose(seq, rng.choice([3, 16, 64, 200]))
+    for keep in sorted({0, 1, len(proposal) // 2, len(proposal)}):
+        size = keep + rng.choice([0, 0, 3])
+        b.native = True
+        native = b.encode(proposal, keep, size)
+        b.native = False
+        ref = b.encode(proposal, keep, size)
+        assert native.num_nodes == ref.num_nodes == keep and native.size == ref.size == size
+        assert torch.equal(native.tokens, ref.tokens)
+        assert torch.equal(native.shape.depth, ref.shape.depth) and torch.equal(native.shape.end, ref.shape.end)
+        assert native.parents == ref.parents and native.codes == ref.codes and native.max_depth == ref.max_depth
+        if size:
+            check_tree(native.shape.depth, native.shape.end)
+            assert native.shape.parents().tolist()[:keep] == native.parents
+
+
+def test_successor_records_match_the_python_fallback():
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 20, (200,), generator=gen)  # many repeats: the last row for a token must win
+    logits = torch.randn(200, 20, generator=gen)
+    native = SuccessorTable(20, 5)
+    native.update(tokens, logits)
+    ids, probs = SuccessorTable.top(logits, 5)
+    ref = SuccessorTable(20, 5)
+    for t, i, p in zip(tokens.tolist(), ids, probs):
+        ref.ids[t], ref.probs[t], ref.count[t] = i.to(torch.int32), p, 5
+    assert torch.equal(native.ids, ref.ids) and torch.equal(native.probs, ref.probs)
+    assert torch.equal(native.count, ref.count)
+    with pytest.raises(ValueError, match=r"\[0, 20\)"):
+        native.record(torch.tensor([20]), ids[:1], probs[:1])
+
+
+def test_key_codes_round_trip_and_stay_in_range():
+    keys = [("pool", d) for d in range(1, 64)] + [("suffix", d) for d in range(1, 9)] + \
+           [("successors", b, d) for b in range(12) for d in range(1, 5)]
+    codes = [key_code(k) for k in keys]
+    assert len(set(codes)) == len(keys) and max(codes) < NUM_CODES
+    assert [code_key(c) for c in codes] == keys
+
+
+def test_native_ops_reject_bad_inputs():
+    none = torch.empty(0, 0, dtype=torch.long)
+    rates = torch.zeros(NUM_CODES, dtype=torch.float64)
+    e32, ef = torch.empty(0, dtype=torch.int32), torch.empty(0)
+    with pytest.raises(RuntimeError, match="rates"):
+        torch.ops.lookahead_draft.propose(1, none, none, rates[:-1], e32, ef, e32, 4)
+    with pytest.raises(RuntimeError, match="suffix"):
+        torch.ops.lookahead_draft.propose(1, torch.zeros(2, dtype=torch.long), none, rates, e32, ef, e32, 4)
+    with pytest.raises(RuntimeError, match="parent of node 0"):
+        torch.ops.lookahead_draft.encode(torch.tensor([0]), torch.tensor([5]), 1, 1)
+    with pytest.raises(RuntimeError, match="keep"):
+        torch.ops.lookahead_draft.encode(torch.tensor([-1]), torch.tensor([5]), 2, 2)
+
+
+def test_trusted_shape_is_not_checked_but_equal():
+    shape = TreeShape.from_parents([-1, 0, -1])
+    trusted = TreeShape.trusted(shape.depth, shape.end)
+    assert torch.equal(trusted.depth, shape.depth) and torch.equal(trusted.end, shape.end)
