@@ -71,7 +71,7 @@ class LookaheadConfig:
             ``"successors"`` (the model's own top next tokens after each token, from the logits a step computes).
         pool_from_prompt: seed the n-gram pool with the prompt's own n-grams.
         pool_from_output: also add the n-grams of the committed output to the pool.
-        pool_backend: ``"auto"`` (CUDA on a GPU, C++ on CPU where it builds, else Python), ``"python"``,
+        pool_backend: ``"auto"`` (C++ where it builds, on a GPU too, else CUDA on a GPU, else Python), ``"python"``,
             ``"cpp"`` or ``"cuda"``.
         seed: seeds the tokens that fill the window's empty columns (drawn from the sequence so far).
         pad_tree: pad every step's tree to its budget (constant step shape; verification never accepts the

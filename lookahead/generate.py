@@ -89,6 +89,9 @@ class GenerationStats:
             step size).
         seconds: wall time of the whole call, prefill included.
         prefill_seconds: wall time of the prefill alone.
+        host_seconds: wall time the lookahead steps spent on the host outside the forward pass, verification and
+            the read-back (candidates, trees, step inputs, KV compaction, learning), over all steps; part of
+            ``seconds``. Where the forward is cheap (a GPU) this bounds the speed.
         accepted: per step, the tokens it emitted over all rows (accepted candidate tokens plus bonus tokens).
         trace: per lookahead step, a :class:`StepTrace` when ``generate`` was called with ``trace=True``, else
             ``None``. For analysing guess quality (``bench/bench_guesses.py``); it costs host memory per step.
@@ -101,6 +104,7 @@ class GenerationStats:
     fed_tokens: int = 0
     seconds: float = 0.0
     prefill_seconds: float = 0.0
+    host_seconds: float = 0.0
     accepted: list = dataclasses.field(default_factory=list)
     trace: list | None = None
     rows: list | None = None
@@ -256,7 +260,7 @@ class _Row:
         self.history = None
 
     def start_lookahead(self, la: LookaheadConfig, plan, vocab_size: int, device, prompt: torch.Tensor,
-                        prompt_rows) -> None:
+                        prompt_rows, native: bool | None) -> None:
         shape = plan.shape
         self.window = LookaheadWindow(shape.window, shape.ngram, torch.Generator().manual_seed(la.seed))
         self.window.reset(prompt)
@@ -264,7 +268,7 @@ class _Row:
         self.history = torch.empty(len(sequence) + self.emitter.max_new_tokens, dtype=torch.long)
         self.history[: len(sequence)] = torch.tensor(sequence)
         # The planner cuts the trees of the whole batch at once (_lookahead_step), not each builder alone.
-        self.drafts = DraftBuilder(la, vocab_size, device, shape=shape, sources=plan.sources)
+        self.drafts = DraftBuilder(la, vocab_size, device, shape=shape, sources=plan.sources, native=native)
         self.drafts.start(prompt)
         if prompt_rows is not None:
             self.drafts.successors.update(*prompt_rows)
@@ -288,6 +292,7 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
              generator: torch.Generator | None = None, eos_token_id=None, pad_token_id: int | None = None,
              attention_mask: torch.Tensor | None = None, generation_config=None, streamer=None,
              trace: bool = False, cuda_graphs: bool | None = None, _static_steps: bool | None = None,
+             _native_draft: bool | None = None,
              **kwargs) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` tokens after each prompt.
 
@@ -317,6 +322,8 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     once per model, not per call. ``cuda_graphs=False`` is the eager loop (for debugging and comparison);
     ``True`` off CUDA is a ``ValueError``. ``_static_steps`` (private, for tests) forces the graph path's loop,
     run eagerly when graphs are off, e.g. on the CPU (``cuda_graphs=False, _static_steps=True``).
+    ``_native_draft`` (private, for tests and benches) picks the draft builder: ``True`` the C++ one, ``False`` its
+    Python reference, ``None`` the C++ one where it builds.
     """
     args = resolve_generate_arguments(
         input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=do_sample,
@@ -348,6 +355,8 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
                          "leave pad_tree unset or pass cuda_graphs=False")
     if not isinstance(trace, bool):
         raise ValueError(f"trace must be a bool, got {trace!r}")
+    if _native_draft is not None and not isinstance(_native_draft, bool):
+        raise ValueError(f"_native_draft must be None, True or False, got {_native_draft!r}")
     if not isinstance(do_sample, bool):
         raise ValueError(f"do_sample must be a bool, got {do_sample!r}")
     sampler = _Sampler(do_sample, temperature, top_k, top_p, generator)
@@ -392,14 +401,16 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
         row.stats.prefill_seconds = time.perf_counter() - prefill_started
         if plan is not None and not deferred:
             prompt_rows = (prompt[n - seed_rows: n], logits[-seed_rows:]) if seed_rows else None
-            row.start_lookahead(lookahead, plan, cfg.vocab_size, device, prompt, prompt_rows)
+            row.start_lookahead(lookahead, plan, cfg.vocab_size, device, prompt, prompt_rows, _native_draft)
 
     def start_late(row: _Row) -> None:  # a deferred row, when its batch first takes a lookahead step
-        row.start_lookahead(lookahead, plan, cfg.vocab_size, device, torch.tensor(row.emitter.sequence), None)
+        row.start_lookahead(lookahead, plan, cfg.vocab_size, device, torch.tensor(row.emitter.sequence), None,
+                            _native_draft)
 
     pad = lookahead is not None and (lookahead.pad_tree if lookahead.pad_tree is not None else
                                      static or device.type == "cuda")
-    accepted = _decode(model, cache, runner, rows, sampler, plan, pad, device, started, start_late)
+    host = _HostClock()
+    accepted = _decode(model, cache, runner, rows, sampler, plan, pad, device, started, host, start_late)
     if runner is not None:  # only after a clean run: a runner left mid-step or mid-capture is dropped
         runner_cache(model).give_back(runner)
     seconds = time.perf_counter() - started
@@ -410,7 +421,7 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     stats = GenerationStats(
         new_tokens=sum(r.stats.new_tokens for r in rows), steps=len(accepted),
         fed_tokens=sum(r.stats.fed_tokens for r in rows), seconds=seconds,
-        prefill_seconds=sum(r.stats.prefill_seconds for r in rows), accepted=accepted,
+        prefill_seconds=sum(r.stats.prefill_seconds for r in rows), host_seconds=host.seconds, accepted=accepted,
         trace=rows[0].stats.trace if B == 1 else None, rows=[r.stats for r in rows])
     if B == 1:
         rows[0].stats.seconds = seconds
@@ -440,7 +451,7 @@ def _load_pool_extension_untimed(lookahead, device: torch.device) -> None:
     if not isinstance(lookahead, LookaheadConfig) or "pool" not in lookahead.sources or \
             lookahead.pool_backend == "python":
         return
-    cuda = device.type == "cuda" and lookahead.pool_backend != "cpp"
+    cuda = lookahead.pool_backend == "cuda"  # "auto" takes the C++ pool on every device
     if cuda in _POOL_PREBUILD_FAILED:
         return
     try:
@@ -523,8 +534,15 @@ def _static_menu(plan, batch_size: int) -> list[StepShape]:
     return menu
 
 
+class _HostClock:
+    """Seconds the lookahead steps spent on host work (``GenerationStats.host_seconds``)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+
 def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: _Sampler, plan, pad: bool, device,
-            started: float, start_late=None) -> list:
+            started: float, host: _HostClock, start_late=None) -> list:
     """Step until every row has stopped. Returns, per step, the tokens emitted.
 
     Without a runner a finished row leaves the batch (its cache row is dropped), so later steps are smaller. With
@@ -545,7 +563,7 @@ def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: 
             for row in active:
                 if row.drafts is None:
                     start_late(row)
-            accepted.append(_lookahead_step(model, cache, runner, batch, sampler, plan, pad, device, backoff))
+            accepted.append(_lookahead_step(model, cache, runner, batch, sampler, plan, pad, device, host, backoff))
         finished = [i for i, r in enumerate(active) if r.emitter.done]
         if finished:
             now = time.perf_counter() - started
@@ -625,7 +643,7 @@ def _plain_step(model, cache, runner, batch: list[_Row], sampler: _Sampler, devi
 
 
 def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: _Sampler, plan, pad: bool, device,
-                    backoff: _Backoff | None = None) -> int:
+                    host: _HostClock, backoff: _Backoff | None = None) -> int:
     """One step for every row of the batch: plan and build the trees, run, verify, compact, commit and observe.
     Parked rows (finished, with a runner) feed their last token and an empty tree; their outputs are ignored."""
     host_started = time.perf_counter()
@@ -680,8 +698,18 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: _Sampler, 
         path = torch.empty(B, 0, dtype=torch.long, device=device)
         tokens = sampler.choose(logits[:, 0])[:, None]
     outputs = sampler.choose(logits[:, step.window_rows])
-    # One read-back per step: per row, accepted length, accepted nodes, emitted tokens, the window's new guesses.
-    back = torch.cat([accept_len[:, None], path, tokens, outputs], dim=1).tolist()
+    # One read-back per step: per row, accepted length, accepted nodes, emitted tokens, the window's new guesses,
+    # and for the successor table the top few next tokens of every row computed but padding (not the logits).
+    parts = [accept_len[:, None], path, tokens, outputs]
+    width = 2 + 2 * depth + outputs.shape[1]
+    successors = active[0].drafts.successors
+    if successors is not None:
+        computed = step.node_rows.start + max(t.num_nodes for t in trees)
+        top_ids, top_probs = successors.top(logits[:, :computed], successors.k)
+        top_probs = top_probs.to("cpu", non_blocking=True)  # complete once the read-back below is
+        parts.append(top_ids.reshape(B, -1))
+    readback = torch.cat(parts, dim=1).cpu()
+    back = readback[:, :width].tolist()
     forward_done = time.perf_counter()
     most = max(r[0] for r in back)
     if most > 0:  # KV compaction: each row's accepted nodes to the slots after its x
@@ -698,7 +726,7 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: _Sampler, 
         a = r[0]
         nodes = r[1: 1 + a]
         emitted = r[1 + depth: 1 + depth + a + 1]
-        new_guesses = r[1 + 2 * depth + 1:]
+        new_guesses = r[1 + 2 * depth + 1: width]
         sequence = row.emitter.sequence
         committed = len(sequence)
         ngrams = row.window.advance(row.x, torch.tensor(new_guesses), a, row.history[:committed])
@@ -712,23 +740,24 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: _Sampler, 
                                              () if ngrams is None else tuple(map(tuple, ngrams.tolist())),
                                              tuple(nodes)))
         successor_rows = None
-        if row.drafts.successors is not None:
-            successor_rows = _successor_rows(step, b, logits[b], tree.num_nodes, nodes)
+        if successors is not None:
+            ids = readback[b, width:].view(computed, -1)
+            successor_rows = _successor_rows(step, b, tree.num_nodes, nodes, ids, top_probs[b])
         row.drafts.observe(tree, nodes, ngrams, sequence, taken, successor_rows)
         row.x = emitted[-1]
+    host_seconds = (forward_started - host_started) + (time.perf_counter() - forward_done)
+    host.seconds += host_seconds
     if plan.planner is not None and plan.planner.host is not None and size:
         # The trees' host work beside the forward (and verification), for the planner's next choices.
-        plan.planner.host.observe(len(active), sum(t.num_nodes for t in trees),
-                                  (forward_started - host_started) + (time.perf_counter() - forward_done))
+        plan.planner.host.observe(len(active), sum(t.num_nodes for t in trees), host_seconds)
     return emitted_total
 
 
-def _successor_rows(step, b: int, logits, num_nodes, nodes):
-    """``(tokens, logits)`` of every row the step computed for batch row ``b`` but padding, with ``x`` and the
-    accepted nodes last (their rows saw the true context, so their successors should win)."""
-    row_tokens = step.tokens[b, step.logits_rows]
+def _successor_rows(step, b: int, num_nodes: int, nodes: list[int], ids: torch.Tensor, probs: torch.Tensor):
+    """``(tokens, ids, probs)`` on the host for every row the step computed for batch row ``b`` but padding (of
+    ``ids``/``probs [computed, k]``, its top next tokens), with ``x`` and the accepted nodes last (their rows saw
+    the true context, so their successors should win)."""
     first_node = step.node_rows.start
     last = [0] + [first_node + n for n in nodes]
-    order = [i for i in range(first_node + num_nodes) if i not in last] + last
-    idx = torch.tensor(order, device=logits.device)
-    return row_tokens[idx], logits[idx]
+    order = torch.tensor([i for i in range(first_node + num_nodes) if i not in last] + last)
+    return step.logits_tokens[b, order], ids[order], probs[order]

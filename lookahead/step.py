@@ -22,12 +22,14 @@ class Step:
         layout: the :class:`StepLayout` (its tree shared ``[V]`` for one row, ``[B, V]`` for several).
         logits_rows: LongTensor ``[R]``: step rows whose logits are computed, in this order: ``x``, the last
             lookahead level (``W`` rows, minus ``x`` when there is a single level), then every tree node.
+        logits_tokens: LongTensor ``[B, R]`` on the host: the token fed at each of those rows.
     """
 
     tokens: torch.Tensor
     positions: torch.Tensor
     layout: StepLayout
     logits_rows: torch.Tensor
+    logits_tokens: torch.Tensor
 
     @property
     def window_rows(self) -> slice:
@@ -68,9 +70,11 @@ def build_step(positions: list[int], lookahead_tokens: torch.Tensor, levels: int
     last = list(layout.last_level_rows())
     rows = ([] if levels == 1 else [0]) + last + list(range(layout.lookahead_len, layout.T))
     p = torch.tensor(positions, dtype=torch.long)[:, None]
+    rows = torch.tensor(rows, dtype=torch.long)
     return Step(
         tokens=tokens.to(device),
         positions=(p + layout.position_offsets()).to(device).expand(B, layout.T),
         layout=layout,
-        logits_rows=torch.tensor(rows, dtype=torch.long, device=device),
+        logits_rows=rows.to(device),
+        logits_tokens=tokens[:, rows],
     )

@@ -126,6 +126,25 @@ def test_trace_records_each_step(tiny):
         ours.generate(ids, max_new_tokens=3, lookahead=cfg, trace=1)
 
 
+@pytest.mark.parametrize("static", [False, True])
+def test_the_c_plus_plus_draft_builder_makes_the_reference_trees(tiny, static):
+    from lookahead_kernels.cpu_ops import cpu_ops_available
+
+    if not cpu_ops_available():
+        pytest.skip("the C++ ops could not be built here")
+    _, ours = tiny
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 9]])
+    for cfg in (LookaheadConfig(window=5, ngram=4, guess=5), LookaheadConfig(max_step_tokens=32),
+                LookaheadConfig(step_costs=((1, 1.0), (16, 1.1), (64, 1.5)))):
+        runs = [ours.generate(ids, max_new_tokens=40, lookahead=cfg, trace=True, cuda_graphs=False,
+                              _static_steps=static, _native_draft=native) for native in (False, True)]
+        assert torch.equal(runs[0].sequences, runs[1].sequences)
+        assert runs[0].stats.trace == runs[1].stats.trace  # the same trees, sources and accepted paths
+        assert all(r.stats.host_seconds > 0 for r in runs)
+    with pytest.raises(ValueError, match="_native_draft"):
+        ours.generate(ids, max_new_tokens=3, _native_draft=1)
+
+
 def test_single_token_prompt_and_one_new_token(tiny):
     hf, ours = tiny
     ids = torch.tensor([[3]])

@@ -237,14 +237,19 @@ def test_make_pool_auto_falls_back_to_python_with_a_reason():
     assert isinstance(pool, NGramPool)
 
 
-def test_make_pool_auto_on_cuda_device_falls_back_to_cpp(cpp_loader):
-    def cpu_only(cuda: bool):
-        return failing_loader(cuda) if cuda else cpp_loader(False)
-
-    # Without a GPU the CUDA pool is refused before loading; with one, the loader refuses: either way C++.
-    with pytest.warns(RuntimeWarning, match="C\\+\\+ n-gram pool.*CUDA pool unavailable"):
-        pool = make_pool(LookaheadConfig(), 50, "cuda", loader=cpu_only)
+def test_make_pool_auto_on_cuda_device_takes_cpp_first(cpp_loader):
+    # The draft is built on the host: the C++ pool serves a GPU too, without a warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pool = make_pool(LookaheadConfig(), 50, "cuda", loader=cpp_loader)
     assert isinstance(pool, CppNGramPool)
+
+
+def test_make_pool_auto_on_cuda_device_without_cpp_says_why():
+    # Without a GPU the CUDA pool is refused before loading; with one, the loader refuses: Python, both reasons.
+    with pytest.warns(RuntimeWarning, match="Python n-gram pool.*C\\+\\+ pool unavailable.*CUDA pool unavailable"):
+        pool = make_pool(LookaheadConfig(), 50, "cuda", loader=failing_loader)
+    assert isinstance(pool, NGramPool)
 
 
 def dataclass_replace(cfg, **changes):
