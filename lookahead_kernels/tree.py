@@ -73,7 +73,7 @@ class TreeShape:
         return TreeShape(self.depth[b], self.end[b])
 
     def to(self, device) -> "TreeShape":
-        return TreeShape(self.depth.to(device), self.end.to(device))
+        return TreeShape.trusted(self.depth.to(device), self.end.to(device))  # checked when it was made
 
     @classmethod
     def linear(cls, guesses: int, guess_len: int, device=None) -> "TreeShape":
