@@ -96,7 +96,8 @@ def markdown(result: dict) -> str:
              "`stats.host_seconds`, the step's time outside the forward pass, verification and read-back (candidates, "
              "trees, step inputs, KV compaction, learning); rest: the step's other time (here the CPU forward).", "",
              f"Command: `{result['command']}`", "",
-             "| set | budget | builder | host ms / step | rest ms / step | host share | compression | identical to C++ |",
+             "| set | budget | builder | host ms / step | rest ms / step | host share | compression "
+             "| identical to C++ |",
              "|---|---:|---|---:|---:|---:|---:|---|"]
     for r in result["rows"]:
         lines.append(f"| {r['set']} | {r['budget']} | {r['builder']} | {r['host_ms_per_step']:.2f} | "

@@ -52,6 +52,7 @@ def make_runners(model, hf_model, max_new_tokens: int, device=None):
     def ours(config, **kwargs):
         def run(ids):
             out = model.generate(ids, max_new_tokens=max_new_tokens, lookahead=config, **kwargs)
+            run.stats = out.stats  # the last call's statistics (host work per step, say), for who wants them
             return out.sequences.cpu(), out.stats.seconds, out.stats.compression_ratio
         return run
 

@@ -108,7 +108,7 @@ if wants build; then  # CPU work: overlaps the GPU parts that do not need the po
   ( t0=$(date +%s)
     timeout -k 10 300 $PY -c "import torch; from lookahead_kernels.pool_ext import load_pool_extension as b; \
 b(torch.cuda.is_available(), verbose=False); print('pool extension ready'); \
-from lookahead_kernels.cpu_ops import load_cpu_ops; load_cpu_ops(); print('CPU ops ready (GEMM, step attention)')" \
+from lookahead_kernels.cpu_ops import load_cpu_ops; load_cpu_ops(); print('CPU ops ready (GEMM, step attention, draft builder)')" \
       > "$WORK/build.log" 2>&1
     echo -e "build\t$?\t$(( $(date +%s) - t0 ))" >> "$WORK/parts.tsv" ) &
   BUILD_PID=$!

@@ -338,7 +338,7 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     graphs, static = _step_path(cuda_graphs, _static_steps, model.device)
     if streamer is not None:
         streamer.start(torch.cat([args.padding[0], args.prompts[0]])[None])
-    _load_pool_extension_untimed(lookahead, model.device)
+    _load_extensions_untimed(lookahead, model.device)
     started = time.perf_counter()
     cfg = model.config
     prompts = [_check_prompt(p, cfg.vocab_size, b, B) for b, p in enumerate(args.prompts)]
@@ -445,11 +445,16 @@ def _sequences(rows, padding, pad_id: int, device) -> torch.Tensor:
 _POOL_PREBUILD_FAILED: set = set()
 
 
-def _load_pool_extension_untimed(lookahead, device: torch.device) -> None:
-    """Build (first use) or load the C++/CUDA n-gram pool before the clock starts, so ``stats.seconds`` never
-    includes it. A failure is left to the pool's own fallback or error inside the loop."""
-    if not isinstance(lookahead, LookaheadConfig) or "pool" not in lookahead.sources or \
-            lookahead.pool_backend == "python":
+def _load_extensions_untimed(lookahead, device: torch.device) -> None:
+    """Build (first use) or load the C++ ops lookahead takes, the draft builder's and the n-gram pool's, before
+    the clock starts, so ``stats.seconds`` never includes them. A failure is left to the fallbacks inside the loop
+    (the builder's Python reference; the pool's own fallback or error)."""
+    if not isinstance(lookahead, LookaheadConfig):
+        return
+    from lookahead_kernels.cpu_ops import cpu_ops_available
+
+    cpu_ops_available()  # remembers a failure for the process
+    if "pool" not in lookahead.sources or lookahead.pool_backend == "python":
         return
     cuda = lookahead.pool_backend == "cuda"  # "auto" takes the C++ pool on every device
     if cuda in _POOL_PREBUILD_FAILED:
