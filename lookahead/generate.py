@@ -34,7 +34,7 @@ from .config import LookaheadConfig, StepShape
 from .controller import make_plan
 from .draft import DraftBuilder, Proposal
 from .runner import StepRunner, runner_cache
-from .step import build_step
+from .step import build_step, upload
 from .window import LookaheadWindow
 
 PROMPT_SUCCESSOR_ROWS = 256
@@ -497,7 +497,8 @@ def _forward(model, cache, runner: StepRunner | None, shape: StepShape, tokens, 
     With graphs the result is overwritten by the next step of the same shape: the step reads it before then."""
     if runner is None:
         return model(tokens, positions, cache, _cache_len_arg(lens, device=tokens.device), layout, logits_rows)
-    return runner.run(shape, tokens, positions, torch.tensor(lens, dtype=torch.long), layout.tree, logits_rows)
+    # Each row's x sits at its committed length: the positions' first column is cache_len, already on the device.
+    return runner.run(shape, tokens, positions, positions[:, 0], layout.tree, logits_rows)
 
 
 def _step_shape(plan, levels: int, batch_size: int) -> StepShape:
@@ -635,8 +636,8 @@ def _levels(active: list[_Row]) -> int:
 
 def _plain_step(model, cache, runner, batch: list[_Row], sampler: _Sampler, device) -> int:
     lens = [_start(r) for r in batch]
-    logits = _forward(model, cache, runner, PLAIN, torch.tensor([[r.x] for r in batch], device=device),
-                      torch.tensor([[n] for n in lens], device=device), lens, StepLayout(1, 1), None)
+    tokens, positions = upload([torch.tensor([[r.x] for r in batch]), torch.tensor([[n] for n in lens])], device)
+    logits = _forward(model, cache, runner, PLAIN, tokens, positions, lens, StepLayout(1, 1), None)
     emitted = 0
     for row, y in zip(batch, sampler.choose(logits[:, 0]).tolist()):
         if row.emitter.done:  # parked
@@ -695,9 +696,8 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: _Sampler, 
     B = len(batch)
     la = step.layout.lookahead_len
     if size:
-        num_nodes = torch.tensor([t.num_nodes for t in trees], device=device)
         accept_len, path, tokens = sampler.verify_tree(logits[:, 0], logits[:, step.node_rows], step.tokens[:, la:],
-                                                       step.layout.tree.end, num_nodes, depth)
+                                                       step.layout.tree.end, step.num_nodes, depth)
     else:
         accept_len = torch.zeros(B, dtype=torch.long, device=device)
         path = torch.empty(B, 0, dtype=torch.long, device=device)

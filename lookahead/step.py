@@ -23,6 +23,7 @@ class Step:
         logits_rows: LongTensor ``[R]``: step rows whose logits are computed, in this order: ``x``, the last
             lookahead level (``W`` rows, minus ``x`` when there is a single level), then every tree node.
         logits_tokens: LongTensor ``[B, R]`` on the host: the token fed at each of those rows.
+        num_nodes: LongTensor ``[B]``: real (not padding) tree nodes per row (zeros without a tree).
     """
 
     tokens: torch.Tensor
@@ -30,6 +31,12 @@ class Step:
     layout: StepLayout
     logits_rows: torch.Tensor
     logits_tokens: torch.Tensor
+    num_nodes: torch.Tensor
+
+    @property
+    def cache_len(self) -> torch.Tensor:
+        """LongTensor ``[B]`` on the step's device: each row's committed length, the position of its ``x``."""
+        return self.positions[:, 0]
 
     @property
     def window_rows(self) -> slice:
@@ -56,25 +63,42 @@ def build_step(positions: list[int], lookahead_tokens: torch.Tensor, levels: int
             verification branch.
     """
     B = len(positions)
-    shape = None
+    depth = end = None
     if trees is not None and trees[0].size:
-        if B == 1:
-            shape = trees[0].shape.to(device)
-        else:
-            shape = TreeShape(torch.stack([t.shape.depth for t in trees]),
-                              torch.stack([t.shape.end for t in trees])).to(device)
-    layout = StepLayout(window, levels, shape)
+        depth = torch.stack([t.shape.depth for t in trees]) if B > 1 else trees[0].shape.depth
+        end = torch.stack([t.shape.end for t in trees]) if B > 1 else trees[0].shape.end
+    layout = StepLayout(window, levels, None if depth is None else TreeShape.trusted(depth, end))
     tokens = lookahead_tokens.reshape(B, -1)
-    if shape is not None:
+    if depth is not None:
         tokens = torch.cat([tokens, torch.stack([t.tokens for t in trees])], dim=1)
     last = list(layout.last_level_rows())
-    rows = ([] if levels == 1 else [0]) + last + list(range(layout.lookahead_len, layout.T))
+    rows = torch.tensor(([] if levels == 1 else [0]) + last + list(range(layout.lookahead_len, layout.T)),
+                        dtype=torch.long)
     p = torch.tensor(positions, dtype=torch.long)[:, None]
-    rows = torch.tensor(rows, dtype=torch.long)
-    return Step(
-        tokens=tokens.to(device),
-        positions=(p + layout.position_offsets()).to(device).expand(B, layout.T),
-        layout=layout,
-        logits_rows=rows.to(device),
-        logits_tokens=tokens[:, rows],
-    )
+    num_nodes = torch.tensor([t.num_nodes for t in trees] if depth is not None else [0] * B, dtype=torch.long)
+    host = [tokens, (p + layout.position_offsets()).expand(B, layout.T), rows, num_nodes]
+    if depth is not None:
+        host += [depth, end]
+    moved = upload(host, device)
+    if depth is not None:  # checked when each tree was made
+        layout = StepLayout(window, levels, TreeShape.trusted(moved[4], moved[5]))
+    return Step(tokens=moved[0], positions=moved[1], layout=layout, logits_rows=moved[2],
+                logits_tokens=tokens[:, rows], num_nodes=moved[3])
+
+
+def upload(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
+    """Host int64 tensors on ``device``, in one copy (from a pinned block on CUDA, so it does not wait for the
+    device): each small copy of a step's inputs would cost a launch of its own. On the CPU they are returned as
+    they are (made contiguous)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return [t.contiguous() for t in tensors]
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    if device.type == "cuda":
+        flat = flat.pin_memory()
+    flat = flat.to(device, non_blocking=True)
+    out, start = [], 0
+    for t in tensors:
+        out.append(flat[start: start + t.numel()].view(t.shape))
+        start += t.numel()
+    return out

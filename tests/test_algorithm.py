@@ -143,7 +143,7 @@ def test_pool_from_sequence_and_disabled_pool():
 
 # ---- step builder --------------------------------------------------------------------------------------------
 def test_build_step_packs_tokens_positions_and_rows():
-    tree = DraftTree(torch.tensor([30, 31, 40, 41]), TreeShape.linear(2, 2), 4, [-1, 0, -1, 2], [[]] * 4)
+    tree = DraftTree(torch.tensor([30, 31, 40, 41]), TreeShape.linear(2, 2), 4, [-1, 0, -1, 2], [[]] * 4, 2)
     step = build_step([100], torch.tensor([[5, 7, 9, 11, 12, 9]]), levels=2, window=3, trees=[tree], device="cpu")
     assert step.tokens.tolist() == [[5, 7, 9, 11, 12, 9, 30, 31, 40, 41]]
     assert step.positions.tolist() == [[100, 101, 102, 101, 102, 103, 101, 102, 101, 102]]
@@ -157,12 +157,25 @@ def test_build_step_packs_tokens_positions_and_rows():
 
 
 def test_build_step_batch_has_a_tree_per_row():
-    chain = DraftTree(torch.tensor([30, 31, 32]), TreeShape.from_parents([-1, 0, 1]), 3, [-1, 0, 1], [[]] * 3)
-    star = DraftTree(torch.tensor([40, 41, 0]), TreeShape.from_parents([-1, -1, -1]), 2, [-1, -1], [[]] * 2)
+    chain = DraftTree(torch.tensor([30, 31, 32]), TreeShape.from_parents([-1, 0, 1]), 3, [-1, 0, 1], [[]] * 3, 3)
+    star = DraftTree(torch.tensor([40, 41, 0]), TreeShape.from_parents([-1, -1, -1]), 2, [-1, -1], [[]] * 2, 1)
     step = build_step([10, 20], torch.tensor([[5], [6]]), levels=1, window=1, trees=[chain, star], device="cpu")
     assert step.tokens.tolist() == [[5, 30, 31, 32], [6, 40, 41, 0]]
     assert step.positions.tolist() == [[10, 11, 12, 13], [20, 21, 21, 21]]
     assert step.layout.tree.end.tolist() == [[3, 3, 3], [1, 2, 3]]
+    assert step.num_nodes.tolist() == [3, 2] and step.cache_len.tolist() == [10, 20]
+    assert step.logits_tokens.tolist() == [[5, 30, 31, 32], [6, 40, 41, 0]]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_upload_moves_a_step_s_inputs_in_one_block(device):
+    from lookahead.step import upload
+
+    host = [torch.arange(6).reshape(2, 3), torch.tensor([7]).expand(2, 4), torch.empty(0, dtype=torch.long)]
+    moved = upload(host, device)
+    assert [tuple(t.shape) for t in moved] == [(2, 3), (2, 4), (0,)]
+    assert all(t.device.type == device and t.is_contiguous() for t in moved)
+    assert [t.cpu().tolist() for t in moved] == [t.tolist() for t in host]
 
 
 # ---- greedy verification -------------------------------------------------------------------------------------
