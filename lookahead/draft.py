@@ -104,8 +104,7 @@ class AcceptanceStats:
     def __init__(self):
         self._tested = [0] * NUM_CODES
         self._accepted = [0] * NUM_CODES
-        self._rates = [_prior(c) for c in range(NUM_CODES)]
-        self.rates = torch.tensor(self._rates, dtype=torch.float64)
+        self.rates = torch.tensor([_prior(c) for c in range(NUM_CODES)], dtype=torch.float64)
 
     @property
     def tested(self) -> dict[tuple, int]:
@@ -119,7 +118,7 @@ class AcceptanceStats:
 
     def rate(self, key: tuple) -> float:
         """Estimated chance a node of ``key`` is accepted once its parent is."""
-        return self._rates[key_code(key)]
+        return float(self.rates[key_code(key)])
 
     def record(self, key: tuple, accepted: bool) -> None:
         self.record_code(key_code(key), accepted)
@@ -128,7 +127,6 @@ class AcceptanceStats:
         self._tested[code] += 1
         self._accepted[code] += int(accepted)
         rate = (self._accepted[code] + _PRIOR_WEIGHT * _prior(code)) / (self._tested[code] + _PRIOR_WEIGHT)
-        self._rates[code] = rate
         self.rates[code] = rate
 
 
@@ -313,7 +311,7 @@ class DraftBuilder:
     # ---- the Python reference of the C++ builder ------------------------------------------------------------
     def _propose_reference(self, root_token: int, suffix: torch.Tensor, pool: torch.Tensor, budget: int) -> Proposal:
         root = _Node(root_token, None, 0)
-        rates = self.stats._rates
+        rates = self.stats.rates.tolist()  # indexed per proposal: a list, not the tensor
         for rows, code_of in ((suffix, suffix_code), (pool, pool_code)):
             for cont in rows.tolist():
                 node = root
@@ -323,7 +321,7 @@ class DraftBuilder:
                     node = node.child(t)
                     code = code_of(d)
                     node.propose(code, rates[code])
-        chosen = self._best_first(root, budget)
+        chosen = self._best_first(root, budget, rates)
         for i, n in enumerate(chosen):
             n.index = i
         codes = [c for n in chosen for c in n.keys]
@@ -336,16 +334,15 @@ class DraftBuilder:
                         [n.score for n in chosen], torch.tensor(codes, dtype=torch.long),
                         torch.tensor(offsets, dtype=torch.long))
 
-    def _expand_successors(self, node: _Node) -> None:
+    def _expand_successors(self, node: _Node, rates: list[float]) -> None:
         if self.successors is None:
             return
         depth = min(node.depth + 1, _MAX_SUCCESSOR_DEPTH)
-        rates = self.stats._rates
         for t, p in self.successors.successors(node.token):
             code = successor_code(_prob_bucket(p), depth)
             node.child(t).propose(code, rates[code])
 
-    def _best_first(self, root: _Node, budget: int) -> list[_Node]:
+    def _best_first(self, root: _Node, budget: int, rates: list[float]) -> list[_Node]:
         chosen: list[_Node] = []
         heap: list = []
         counter = 0  # ties: first proposed first
@@ -355,7 +352,7 @@ class DraftBuilder:
                 chosen.append(node)
                 if len(chosen) >= budget:
                     break
-            self._expand_successors(node)
+            self._expand_successors(node, rates)
             for child in node.children.values():
                 child.score = node.score * child.cond
                 heapq.heappush(heap, (-child.score, counter, child))
@@ -372,16 +369,15 @@ class DraftBuilder:
             tokens, depth, end, parents, order = torch.ops.lookahead_draft.encode(proposal.parents, proposal.tokens,
                                                                                   keep, size)
             shape = TreeShape.trusted(depth, end)
+            parents, order = parents.tolist(), order.tolist()
         else:
             tokens, parents, order = _encode_reference(proposal.parents[:keep].tolist(),
                                                        proposal.tokens[:keep].tolist(), size)
             shape = TreeShape.from_parents(parents + [-1] * (size - keep))
             tokens = torch.tensor(tokens, dtype=torch.long)
-            parents, order = torch.tensor(parents, dtype=torch.long), torch.tensor(order, dtype=torch.long)
         offsets = proposal.code_offsets.tolist()
         codes = proposal.codes.tolist()
-        order = order.tolist()
-        return DraftTree(tokens, shape, keep, parents.tolist(), [codes[offsets[i]: offsets[i + 1]] for i in order],
+        return DraftTree(tokens, shape, keep, parents, [codes[offsets[i]: offsets[i + 1]] for i in order],
                          int(shape.depth[:keep].max()) if keep else 0)
 
     # ---- after the step ---------------------------------------------------------------------------------------

@@ -34,11 +34,6 @@ class Step:
     num_nodes: torch.Tensor
 
     @property
-    def cache_len(self) -> torch.Tensor:
-        """LongTensor ``[B]`` on the step's device: each row's committed length, the position of its ``x``."""
-        return self.positions[:, 0]
-
-    @property
     def window_rows(self) -> slice:
         """Slice of the returned logits holding the last level, column 0 first."""
         # With one level, column 0 of the last level is x itself (returned logits row 0).
@@ -80,7 +75,7 @@ def build_step(positions: list[int], lookahead_tokens: torch.Tensor, levels: int
     if depth is not None:
         host += [depth, end]
     moved = upload(host, device)
-    if depth is not None:  # checked when each tree was made
+    if depth is not None and moved[4] is not depth:  # moved to the device; checked when each tree was made
         layout = StepLayout(window, levels, TreeShape.trusted(moved[4], moved[5]))
     return Step(tokens=moved[0], positions=moved[1], layout=layout, logits_rows=moved[2],
                 logits_tokens=tokens[:, rows], num_nodes=moved[3])

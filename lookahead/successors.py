@@ -48,7 +48,7 @@ class SuccessorTable:
         if tokens.numel() == 0:
             return
         tokens, ids, probs = tokens.reshape(-1).cpu(), ids.cpu(), probs.cpu()
-        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size):
+        if int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size:
             raise ValueError(f"SuccessorTable: token ids must be in [0, {self.vocab_size})")
         from lookahead_kernels.cpu_ops import cpu_ops_available
 

@@ -163,7 +163,7 @@ def test_build_step_batch_has_a_tree_per_row():
     assert step.tokens.tolist() == [[5, 30, 31, 32], [6, 40, 41, 0]]
     assert step.positions.tolist() == [[10, 11, 12, 13], [20, 21, 21, 21]]
     assert step.layout.tree.end.tolist() == [[3, 3, 3], [1, 2, 3]]
-    assert step.num_nodes.tolist() == [3, 2] and step.cache_len.tolist() == [10, 20]
+    assert step.num_nodes.tolist() == [3, 2] and step.positions[:, 0].tolist() == [10, 20]
     assert step.logits_tokens.tolist() == [[5, 30, 31, 32], [6, 40, 41, 0]]
 
 
