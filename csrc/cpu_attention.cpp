@@ -25,39 +25,17 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_ops.h"
+#include "cpu_vec.h"
+
 namespace cpu_attention {
 namespace {
 
-typedef float v16sf __attribute__((vector_size(64)));
-typedef int32_t v16si __attribute__((vector_size(64)));
+using cpu_vec::exp_nonpositive;
+using cpu_vec::load16;
+using cpu_vec::v16sf;
 constexpr int kRows = 16;  // query rows per task: one vector lane each while scoring
 constexpr int kKeys = 8;   // keys scored at once: independent accumulators hide the FMA latency
-
-__attribute__((always_inline)) inline v16sf load16(const float* p) {
-  v16sf x;
-  std::memcpy(&x, p, sizeof(x));
-  return x;
-}
-
-// exp(x) for x <= 0 (scores minus their row's maximum), Cephes' float polynomial on x - n ln2 (relative error
-// ~1e-7); n rounded with the 1.5 * 2^23 trick, as vector types have no floor.
-__attribute__((always_inline)) inline v16sf exp_nonpositive(v16sf x) {
-  const v16sf lo = v16sf{} - 87.0f;  // below: denormal results; the caller zeroes what must be zero
-  x = x < lo ? lo : x;
-  const v16sf magic = v16sf{} + 12582912.0f;
-  const v16sf n = (x * 1.44269504088896341f + magic) - magic;
-  v16sf r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  v16sf y = v16sf{} + 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.0f;
-  const v16si bits = (__builtin_convertvector(n, v16si) + 127) << 23;
-  return y * reinterpret_cast<const v16sf&>(bits);
-}
 
 struct Args {
   const float* q;
@@ -166,6 +144,8 @@ void run_task(const Args& a, int64_t b, int64_t kv, int64_t r0, float* scores, f
   }
 }
 
+}  // namespace
+
 at::Tensor step_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& cache_len, const at::Tensor& visible, double scale) {
   TORCH_CHECK_VALUE(q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4,
@@ -218,7 +198,6 @@ at::Tensor step_attention(const at::Tensor& q, const at::Tensor& k_cache, const 
   return out;
 }
 
-}  // namespace
 }  // namespace cpu_attention
 
 TORCH_LIBRARY(lookahead_cpu, m) {

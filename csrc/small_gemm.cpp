@@ -27,6 +27,8 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_ops.h"
+
 namespace small_gemm {
 namespace {
 
@@ -176,6 +178,8 @@ at::Tensor pack(const at::Tensor& weight) {
   return packed;
 }
 
+}  // namespace
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
                     "lookahead_gemm.linear: x must be a float32 CPU tensor [M, K], got ", x.scalar_type(), " ",
@@ -213,6 +217,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, cons
   });
   return y;
 }
+
+namespace {
 
 std::string isa() { return current_isa(); }
 

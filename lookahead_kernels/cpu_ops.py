@@ -1,5 +1,6 @@
 """Just-in-time build of the host's C++ ops: the CPU forward's small-M GEMM (``csrc/small_gemm.cpp``, namespace
-``torch.ops.lookahead_gemm``) and step attention (``csrc/cpu_attention.cpp``, ``torch.ops.lookahead_cpu``), and the
+``torch.ops.lookahead_gemm``), step attention (``csrc/cpu_attention.cpp``, ``torch.ops.lookahead_cpu``) and whole
+decoder layer (``csrc/cpu_layer.cpp``, the two before plus everything between them, same namespace), and the
 draft builder's best-first walk and tree encoding (``csrc/draft_tree.cpp``, ``torch.ops.lookahead_draft``), which
 serve the GPU path too: the draft is built on the host.
 
@@ -20,7 +21,8 @@ import torch
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 _NAME = "lookahead_cpu_ops"
-_SOURCES = ("small_gemm.cpp", "cpu_attention.cpp", "draft_tree.cpp")
+_SOURCES = ("small_gemm.cpp", "cpu_attention.cpp", "cpu_layer.cpp", "draft_tree.cpp")
+_HEADERS = ("cpu_ops.h", "cpu_vec.h")  # a change to one rebuilds the library too
 _state: dict = {}  # "ok": bool once tried in this process, "error": why not
 _lock = threading.Lock()
 
@@ -32,6 +34,7 @@ class CpuOpsError(RuntimeError):
 def _registered() -> bool:
     try:
         return torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_cpu::step_attention", "CPU") and \
+            torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_cpu::decoder_layer", "CPU") and \
             torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_gemm::linear", "CPU") and \
             torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_draft::propose", "CPU")
     except RuntimeError:  # a schema is not registered yet
@@ -54,7 +57,8 @@ def load_cpu_ops(verbose: bool = False) -> None:
         sources = [_CSRC / s for s in _SOURCES]
         try:
             library = Path(cpp_extension._get_build_directory(_NAME, False)) / f"{_NAME}.so"
-            stale = not library.is_file() or any(s.stat().st_mtime > library.stat().st_mtime for s in sources)
+            stale = not library.is_file() or any(s.stat().st_mtime > library.stat().st_mtime
+                                                 for s in sources + [_CSRC / h for h in _HEADERS])
         except (OSError, RuntimeError):
             stale = True
         if stale:

@@ -1,0 +1,230 @@
+// One decoder layer of the CPU forward in float32 as one op: the layer's four linear layers on the small-M GEMM
+// (csrc/small_gemm.cpp), its attention on the step attention (csrc/cpu_attention.cpp), and everything between
+// them (RMSNorm, rotary embedding, the KV cache write, SwiGLU, the residual adds) in plain loops here.
+//
+// Why: at one to a few dozen rows those in-between parts are a few microseconds of arithmetic each but cost
+// 10-20 us apiece as separate torch ops called from Python (dispatch, allocation, the Python layer's own checks):
+// ~130 us a layer, ~4 ms of a 19 ms SmolLM2 forward on this project's CPU (measured). Every row's result depends on
+// that row alone (its own inputs, its visible keys), computed in a fixed order, so a step of T rows gives each row
+// what a step of one would.
+//
+// Op (namespace lookahead_cpu):
+//   decoder_layer(x, cos, sin, k_cache!, v_cache!, layer, cache_len, visible, scale, eps, num_heads,
+//                 num_kv_heads, intermediate_size, attn_norm, qkv, qkv_bias?, o, o_bias?, mlp_norm, gate_up,
+//                 gate_up_bias?, down, down_bias?) -> Tensor
+//     x [B, T, hidden] float32; cos, sin [B, T, D]; k_cache / v_cache [L, B, S, Hkv, D], the whole cache (layer
+//     `layer` written at rows cache_len[b] .. cache_len[b]+T-1: taking the layer here saves two Python-side
+//     views a layer); cache_len int64 [B]; visible bool [1 or B, T, T]; attn_norm,
+//     mlp_norm [hidden]; qkv, o, gate_up, down packed by lookahead_gemm::pack from weights [(Hq+2Hkv)*D, hidden],
+//     [hidden, Hq*D], [2*intermediate, hidden] (gate rows first, then up) and [hidden, intermediate]; biases
+//     float32 [n] or None. Returns the layer's output [B, T, hidden].
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "cpu_ops.h"
+#include "cpu_vec.h"
+
+namespace cpu_layer {
+namespace {
+
+using cpu_vec::exp_nonpositive;
+using cpu_vec::load16;
+using cpu_vec::store16;
+using cpu_vec::v16sf;
+
+// Rows of work below which a loop stays on the calling thread (waking the others costs about as much).
+constexpr int64_t kSerialFloats = 1 << 16;
+
+int64_t grain(int64_t width) { return std::max<int64_t>(1, kSerialFloats / std::max<int64_t>(width, 1)); }
+
+// y[r] = x[r] * (1 / sqrt(mean(x[r]^2) + eps)) * w, rows [r0, r1) of width n; y may be x.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void rms_norm_rows(const float* x, const float* w, float* y, int64_t r0, int64_t r1, int64_t n, float eps) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* xr = x + r * n;
+    float* yr = y + r * n;
+    v16sf acc = {};
+    int64_t d = 0;
+    for (; d + 16 <= n; d += 16) {
+      const v16sf v = load16(xr + d);
+      acc += v * v;
+    }
+    float ss = 0.f;
+    for (int i = 0; i < 16; ++i) ss += acc[i];
+    for (; d < n; ++d) ss += xr[d] * xr[d];
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+    for (d = 0; d < n; ++d) yr[d] = (xr[d] * inv) * w[d];
+  }
+}
+
+// Rotate-half rotary embedding, in place, on heads [0, heads) of rows [r0, r1): row r's head h starts at
+// x + r * row_stride + h * D; cos / sin [rows, D].
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void rotary_rows(float* x, const float* cos, const float* sin, int64_t r0, int64_t r1, int64_t heads,
+                 int64_t row_stride, int64_t D) {
+  const int64_t half = D / 2;
+  float tmp[256];
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* c = cos + r * D;
+    const float* s = sin + r * D;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* v = x + r * row_stride + h * D;
+      std::memcpy(tmp, v, D * sizeof(float));
+      for (int64_t d = 0; d < half; ++d) v[d] = tmp[d] * c[d] + (-tmp[d + half]) * s[d];
+      for (int64_t d = half; d < D; ++d) v[d] = tmp[d] * c[d] + tmp[d - half] * s[d];
+    }
+  }
+}
+
+// out[r] = silu(gate[r]) * up[r] for rows [r0, r1), gate and up the two halves of gu[r] (width 2 * n).
+// silu(g) = g * sigmoid(g), with sigmoid from exp(-|g|) so that the exponential never overflows.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void silu_mul_rows(const float* gu, float* out, int64_t r0, int64_t r1, int64_t n) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* g = gu + r * 2 * n;
+    const float* u = g + n;
+    float* o = out + r * n;
+    int64_t d = 0;
+    for (; d + 16 <= n; d += 16) {
+      const v16sf gv = load16(g + d);
+      const v16sf neg_abs = gv > 0.f ? -gv : gv;
+      const v16sf e = exp_nonpositive(neg_abs);
+      const v16sf sig = (gv > 0.f ? v16sf{} + 1.0f : e) / (1.0f + e);
+      store16(o + d, gv * sig * load16(u + d));
+    }
+    for (; d < n; ++d) {
+      const float e = std::exp(-std::fabs(g[d]));
+      const float sig = (g[d] > 0.f ? 1.0f : e) / (1.0f + e);
+      o[d] = g[d] * sig * u[d];
+    }
+  }
+}
+
+void add_in_place(float* y, const float* x, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) y[i] = x[i] + y[i];
+}
+
+void check_vector(const at::Tensor& t, int64_t n, const char* name) {
+  TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == n && t.scalar_type() == at::kFloat && t.device().is_cpu(),
+                    "lookahead_cpu.decoder_layer: ", name, " must be a float32 CPU tensor [", n, "], got ",
+                    t.scalar_type(), " ", t.sizes());
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  const int64_t M = x.size(0), n = x.size(1);
+  at::Tensor y = at::empty_like(x);
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, M, grain(n), [&](int64_t r0, int64_t r1) {
+    rms_norm_rows(xp, wp, yp, r0, r1, n, static_cast<float>(eps));
+  });
+  return y;
+}
+
+}  // namespace
+
+at::Tensor decoder_layer(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
+                         at::Tensor& k_all, at::Tensor& v_all, int64_t layer, const at::Tensor& cache_len,
+                         const at::Tensor& visible, double scale, double eps, int64_t num_heads,
+                         int64_t num_kv_heads, int64_t intermediate_size, const at::Tensor& attn_norm,
+                         const at::Tensor& qkv, const c10::optional<at::Tensor>& qkv_bias, const at::Tensor& o,
+                         const c10::optional<at::Tensor>& o_bias, const at::Tensor& mlp_norm,
+                         const at::Tensor& gate_up, const c10::optional<at::Tensor>& gate_up_bias,
+                         const at::Tensor& down, const c10::optional<at::Tensor>& down_bias) {
+  TORCH_CHECK_VALUE(x_in.dim() == 3 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
+                    "lookahead_cpu.decoder_layer: x must be a float32 CPU tensor [B, T, hidden], got ",
+                    x_in.scalar_type(), " ", x_in.sizes());
+  const int64_t B = x_in.size(0), T = x_in.size(1), hidden = x_in.size(2), M = B * T;
+  const int64_t Hq = num_heads, Hkv = num_kv_heads;
+  TORCH_CHECK_VALUE(Hq > 0 && Hkv > 0 && Hq % Hkv == 0 && intermediate_size > 0,
+                    "lookahead_cpu.decoder_layer: num_heads must be a positive multiple of num_kv_heads and "
+                    "intermediate_size positive, got ", Hq, ", ", Hkv, ", ", intermediate_size);
+  TORCH_CHECK_VALUE(cos_in.dim() == 3 && cos_in.sizes() == sin_in.sizes() && cos_in.size(0) == B &&
+                        cos_in.size(1) == T && cos_in.scalar_type() == at::kFloat &&
+                        sin_in.scalar_type() == at::kFloat,
+                    "lookahead_cpu.decoder_layer: cos and sin must be float32 [B=", B, ", T=", T, ", D], got ",
+                    cos_in.sizes(), " and ", sin_in.sizes());
+  const int64_t D = cos_in.size(2);
+  TORCH_CHECK_VALUE(D % 2 == 0 && D <= 256, "lookahead_cpu.decoder_layer: head_dim must be even and at most 256, got ",
+                    D);
+  TORCH_CHECK_VALUE(k_all.dim() == 5 && k_all.sizes() == v_all.sizes() && layer >= 0 && layer < k_all.size(0),
+                    "lookahead_cpu.decoder_layer: k_cache and v_cache must both be [L, B, S, Hkv, D] and layer in "
+                    "[0, L), got ", k_all.sizes(), ", ", v_all.sizes(), " and layer ", layer);
+  const at::Tensor k_cache = k_all.select(0, layer), v_cache = v_all.select(0, layer);
+  TORCH_CHECK_VALUE(k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == B &&
+                        k_cache.size(2) == Hkv && k_cache.size(3) == D && k_cache.scalar_type() == at::kFloat &&
+                        v_cache.scalar_type() == at::kFloat && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+                    "lookahead_cpu.decoder_layer: k_cache and v_cache must be float32 [B=", B, ", S, Hkv=", Hkv,
+                    ", D=", D, "] with a contiguous last dimension, got ", k_cache.sizes(), " and ",
+                    v_cache.sizes());
+  TORCH_CHECK_VALUE(cache_len.dim() == 1 && cache_len.size(0) == B && cache_len.scalar_type() == at::kLong,
+                    "lookahead_cpu.decoder_layer: cache_len must be int64 [B=", B, "], got ", cache_len.sizes());
+  check_vector(attn_norm, hidden, "attn_norm");
+  check_vector(mlp_norm, hidden, "mlp_norm");
+  const at::Tensor lens = cache_len.contiguous();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t S = k_cache.size(1);
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK_VALUE(lp[b] >= 0 && lp[b] + T <= S, "lookahead_cpu.decoder_layer: cache_len[", b, "]=", lp[b],
+                      " plus T=", T, " must lie within the cache's ", S, " rows");
+
+  const at::Tensor x = x_in.contiguous().view({M, hidden});
+  const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
+  const int64_t width = (Hq + 2 * Hkv) * D;
+
+  // Attention block: norm, q/k/v, rotary on q and k, the cache write, attention, o, residual.
+  at::Tensor h = rms_norm(x, attn_norm, eps);
+  at::Tensor q_k_v = small_gemm::linear(h, qkv, width, qkv_bias);  // [M, width]
+  float* qkvp = q_k_v.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  at::parallel_for(0, M, grain((Hq + Hkv) * D), [&](int64_t r0, int64_t r1) {
+    rotary_rows(qkvp, cp, sp, r0, r1, Hq + Hkv, width, D);
+  });
+  float *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      const float* row = qkvp + (b * T + t) * width;
+      const int64_t slot = lp[b] + t;
+      for (int64_t g = 0; g < Hkv; ++g) {
+        std::memcpy(kp + b * k_cache.stride(0) + slot * k_cache.stride(1) + g * k_cache.stride(2),
+                    row + (Hq + g) * D, D * sizeof(float));
+        std::memcpy(vp + b * v_cache.stride(0) + slot * v_cache.stride(1) + g * v_cache.stride(2),
+                    row + (Hq + Hkv + g) * D, D * sizeof(float));
+      }
+    }
+  const at::Tensor q = q_k_v.view({B, T, Hq + 2 * Hkv, D}).narrow(2, 0, Hq);
+  const at::Tensor attn = cpu_attention::step_attention(q, k_cache, v_cache, lens, visible, scale);
+  at::Tensor y = small_gemm::linear(attn.view({M, Hq * D}), o, hidden, o_bias);
+  add_in_place(y.data_ptr<float>(), x.data_ptr<float>(), M * hidden);
+
+  // MLP block: norm, gate and up, SwiGLU, down, residual.
+  h = rms_norm(y, mlp_norm, eps);
+  const at::Tensor gu = small_gemm::linear(h, gate_up, 2 * intermediate_size, gate_up_bias);
+  at::Tensor act = at::empty({M, intermediate_size}, x.options());
+  const float* gup = gu.data_ptr<float>();
+  float* ap = act.data_ptr<float>();
+  at::parallel_for(0, M, grain(2 * intermediate_size), [&](int64_t r0, int64_t r1) {
+    silu_mul_rows(gup, ap, r0, r1, intermediate_size);
+  });
+  at::Tensor z = small_gemm::linear(act, down, hidden, down_bias);
+  add_in_place(z.data_ptr<float>(), y.data_ptr<float>(), M * hidden);
+  return z.view({B, T, hidden});
+}
+
+}  // namespace cpu_layer
+
+TORCH_LIBRARY_FRAGMENT(lookahead_cpu, m) {
+  m.def("decoder_layer(Tensor x, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int layer, "
+        "Tensor cache_len, Tensor visible, float scale, float eps, int num_heads, int num_kv_heads, "
+        "int intermediate_size, Tensor attn_norm, Tensor qkv, Tensor? qkv_bias, Tensor o, Tensor? o_bias, Tensor mlp_norm, "
+        "Tensor gate_up, Tensor? gate_up_bias, Tensor down, Tensor? down_bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(lookahead_cpu, CPU, m) { m.impl("decoder_layer", &cpu_layer::decoder_layer); }

@@ -1,0 +1,15 @@
+// The CPU ops one C++ op calls from another within the library (each also registered with torch on its own).
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace small_gemm {
+// y [M, n] = x [M, K] @ W^T (+ bias), W packed by lookahead_gemm::pack; csrc/small_gemm.cpp.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias);
+}  // namespace small_gemm
+
+namespace cpu_attention {
+// q [B, T, Hq, D] over k_cache / v_cache [B, S, Hkv, D]; csrc/cpu_attention.cpp.
+at::Tensor step_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& cache_len, const at::Tensor& visible, double scale);
+}  // namespace cpu_attention

@@ -1,0 +1,177 @@
+"""The fused CPU decoder layer (``lookahead_kernels.cpu_layer``, ``csrc/cpu_layer.cpp``) against its reference, the
+model's own layer in plain torch, run in float64.
+
+Each case runs a whole model (two layers) on one step after a committed prefix: the prefix's keys and values are
+random, every cache row the step does not own is NaN past the prefix (a read of one shows up as NaN), and the rows
+the step owns start NaN too, so a row the op fails to write fails the comparison of the caches. Shapes: MHA and
+GQA, head sizes 16 to 128, hidden and intermediate sizes that are not multiples of the vector width, biases on
+q/k/v, o and the MLP, ragged batches, plain, prefill, window and tree steps.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from lookahead.model import LlamaForCausalLM, ModelConfig
+from lookahead_kernels import StepLayout
+from tests.test_attention import tree_layout
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ops():
+    from lookahead_kernels.cpu_ops import cpu_ops_available, cpu_ops_error
+
+    if not cpu_ops_available():
+        pytest.skip(f"the CPU ops did not build: {cpu_ops_error()}")
+
+
+def random_model(hidden, inter, heads, kv_heads, head_dim, bias, seed=0, layers=2) -> LlamaForCausalLM:
+    config = ModelConfig(vocab_size=67, hidden_size=hidden, intermediate_size=inter, num_layers=layers,
+                         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, max_position_embeddings=512,
+                         attention_bias=bias, mlp_bias=bias, tie_word_embeddings=not bias)
+    model = LlamaForCausalLM(config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.2 * noise if "norm" in name else 0.3 * noise)
+    return model.eval()
+
+
+def poisoned_cache(model, batch, lens, T, seed=1):
+    """Random keys/values below each sequence's ``cache_len``, NaN everywhere else (the step's own rows too)."""
+    cache = model.new_cache(batch, max(lens) + T + 3)
+    g = torch.Generator().manual_seed(seed)
+    for t in (cache.k, cache.v):
+        t.fill_(float("nan"))
+        for b, n in enumerate(lens):
+            t[:, b, :n] = torch.randn(t[:, b, :n].shape, generator=g)
+    return cache
+
+
+def run_step(model, cache, ids, layout, lens):
+    positions = torch.tensor(lens)[:, None] + layout.position_offsets()
+    with torch.inference_mode():
+        return model(ids, positions.expand(ids.shape[0], -1), cache, torch.tensor(lens), layout)
+
+
+def float64_twin(model, cache):
+    ref = copy.deepcopy(model).double()
+    ref.set_cpu_linear("torch")
+    ref_cache = ref.new_cache(cache.batch_size, cache.max_len)
+    ref_cache.k.copy_(cache.k)
+    ref_cache.v.copy_(cache.v)
+    return ref, ref_cache
+
+
+def step_rows_of(cache, lens, T):
+    return torch.stack([torch.stack([cache.k[:, b, n:n + T], cache.v[:, b, n:n + T]]) for b, n in enumerate(lens)])
+
+
+CASES = [
+    # (hidden, intermediate, heads, kv heads, head dim, bias, layout, cache_len per sequence)
+    (576, 1536, 9, 3, 64, False, StepLayout(1, 1), [300]),                    # SmolLM2's shape, a plain step
+    (40, 70, 4, 2, 16, True, StepLayout.prefill(7), [0, 13]),                 # prefill of a ragged batch, biases
+    (96, 100, 3, 3, 32, False, StepLayout.linear(4, 2, 2, 2), [37]),          # window, levels, candidates; MHA
+    (200, 48, 2, 1, 128, True, StepLayout.linear(1, 3, 2, 3), [5, 0, 64]),    # D=128, one empty prefix
+    (33, 17, 6, 2, 16, False, "tree", [20, 3]),                               # odd widths, per-sequence trees
+]
+
+
+@pytest.mark.parametrize("hidden,inter,heads,kv_heads,head_dim,bias,layout,lens", CASES)
+def test_matches_the_float64_reference(hidden, inter, heads, kv_heads, head_dim, bias, layout, lens):
+    if layout == "tree":
+        layout, _ = tree_layout(3, 2, ("bushy", "deep"), 9, batch=len(lens), seed=4)
+    model = random_model(hidden, inter, heads, kv_heads, head_dim, bias)
+    B, T = len(lens), layout.T
+    cache = poisoned_cache(model, B, lens, T)
+    ref, ref_cache = float64_twin(model, cache)
+    ids = torch.randint(0, model.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(2))
+    out = run_step(model, cache, ids, layout, lens)
+    assert all(layer._packed.packed is not None for layer in model.layers)  # the fused op ran
+    want = run_step(ref, ref_cache, ids, layout, lens)
+    assert torch.isfinite(out).all()
+    assert ((out.double() - want).abs().max() / want.abs().max()).item() < 2e-5
+    got_rows, want_rows = step_rows_of(cache, lens, T), step_rows_of(ref_cache, lens, T)
+    assert torch.isfinite(got_rows).all()  # every row the step owns was written
+    assert ((got_rows.double() - want_rows).abs().max() / want_rows.abs().max()).item() < 2e-5
+    for b, n in enumerate(lens):  # nothing past the step's rows was touched
+        assert torch.isnan(cache.k[:, b, n + T:]).all() and torch.isnan(cache.v[:, b, n + T:]).all()
+
+
+def test_a_row_does_not_depend_on_the_rows_beside_it():
+    """Bit-identical logits for x whether it is fed alone or leads a 16-token step: greedy lookahead output equals
+    plain greedy output because of this, not merely closeness."""
+    model = random_model(576, 1536, 9, 3, 64, False, layers=3)
+    ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(3))
+    alone = run_step(model, poisoned_cache(model, 1, [50], 16), ids[:, :1], StepLayout(1, 1), [50])
+    step = run_step(model, poisoned_cache(model, 1, [50], 16), ids, StepLayout.prefill(16), [50])
+    assert torch.equal(alone[0, 0], step[0, 0])
+
+
+def test_a_weight_changed_in_place_or_replaced_is_repacked():
+    model = random_model(64, 96, 4, 2, 16, True)
+    ids = torch.randint(0, model.config.vocab_size, (1, 3), generator=torch.Generator().manual_seed(5))
+    layout = StepLayout.prefill(3)
+
+    def close_to_plain():
+        fast = run_step(model, poisoned_cache(model, 1, [4], 3), ids, layout, [4])
+        model.set_cpu_linear("torch")
+        plain = run_step(model, poisoned_cache(model, 1, [4], 3), ids, layout, [4])
+        model.set_cpu_linear("packed")
+        return ((fast - plain).abs().max() / plain.abs().max()).item() < 1e-5
+
+    assert close_to_plain()
+    with torch.no_grad():
+        model.layers[1].mlp.down_proj.weight.mul_(-2.0)  # in place: its version moves
+    assert close_to_plain()
+    model.layers[0].attn.qkv_proj.weight = torch.nn.Parameter(torch.randn(model.layers[0].attn.qkv_proj.weight.shape))
+    assert close_to_plain()
+    model.layers[0].mlp.gate_up_proj.weight.data = torch.randn(model.layers[0].mlp.gate_up_proj.weight.shape)
+    assert close_to_plain()
+    twin = copy.deepcopy(model)  # a copy starts without packed weights (no second copy of them in memory)
+    assert all(layer._packed.packed is None for layer in twin.layers)
+
+
+def test_the_python_layer_serves_where_the_op_does_not_apply():
+    model = random_model(64, 96, 4, 2, 16, False)
+    ids = torch.randint(0, model.config.vocab_size, (1, 2))
+    model.set_cpu_linear("onednn")
+    run_step(model, poisoned_cache(model, 1, [3], 2), ids, StepLayout.prefill(2), [3])
+    assert all(layer._packed.packed is None for layer in model.layers)
+    model.set_cpu_linear("packed")
+    run_step(model, poisoned_cache(model, 1, [3], 2), ids, StepLayout.prefill(2), [3])
+    assert all(layer._packed.packed is not None for layer in model.layers)
+
+
+def _op_args(T=2, cache_len=3, norm=64):
+    model = random_model(64, 96, 4, 2, 16, False, layers=1)
+    layer = model.layers[0]
+    x = torch.randn(1, T, 64)
+    cos, sin = model.rotary(torch.arange(T)[None])
+    cache = model.new_cache(1, 8)
+    with torch.inference_mode():
+        packed = [lin.pack.get(lin.weight)[1] for lin in layer._linears]
+    return (x, cos, sin, cache.k, cache.v, 0, torch.tensor([cache_len]), torch.ones(1, T, T, dtype=torch.bool),
+            0.25, 1e-6, 4, 2, 96, torch.ones(norm), packed[0], None, packed[1], None, torch.ones(64), packed[2],
+            None, packed[3], None)
+
+
+def test_op_checks_its_arguments():
+    op = torch.ops.lookahead_cpu.decoder_layer
+    with pytest.raises(ValueError, match="within the cache"):
+        op(*_op_args(cache_len=7))
+    with pytest.raises(ValueError, match="attn_norm must be a float32 CPU tensor"):
+        op(*_op_args(norm=63))
+    args = list(_op_args())
+    args[5] = 1  # a layer the one-layer cache does not have
+    with pytest.raises(ValueError, match="layer in"):
+        op(*args)
+
+
+def test_opcheck():
+    torch.library.opcheck(torch.ops.lookahead_cpu.decoder_layer, _op_args(), test_utils=("test_schema",
+                                                                                         "test_autograd_registration"))
