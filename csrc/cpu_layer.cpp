@@ -223,8 +223,8 @@ at::Tensor decoder_layer(const at::Tensor& x_in, const at::Tensor& cos_in, const
 TORCH_LIBRARY_FRAGMENT(lookahead_cpu, m) {
   m.def("decoder_layer(Tensor x, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int layer, "
         "Tensor cache_len, Tensor visible, float scale, float eps, int num_heads, int num_kv_heads, "
-        "int intermediate_size, Tensor attn_norm, Tensor qkv, Tensor? qkv_bias, Tensor o, Tensor? o_bias, Tensor mlp_norm, "
-        "Tensor gate_up, Tensor? gate_up_bias, Tensor down, Tensor? down_bias) -> Tensor");
+        "int intermediate_size, Tensor attn_norm, Tensor qkv, Tensor? qkv_bias, Tensor o, Tensor? o_bias, "
+        "Tensor mlp_norm, Tensor gate_up, Tensor? gate_up_bias, Tensor down, Tensor? down_bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lookahead_cpu, CPU, m) { m.impl("decoder_layer", &cpu_layer::decoder_layer); }
