@@ -17,11 +17,11 @@ import math
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lookahead_kernels.cpu_attention import CpuStepAttention
 from lookahead_kernels.cpu_layer import decoder_layer_cpu
+from lookahead_kernels.layer_ops_ref import apply_rotary, rms_norm_reference, silu_mul_reference, write_rows
 from lookahead_kernels.layout import StepLayout
 
 from . import cpu_linear
@@ -293,14 +293,8 @@ class KVCache:
                              f"D={self.k.shape[4]}], got {tuple(k.shape)} and {tuple(v.shape)}")
         starts = _as_row_starts(cache_len, B, self.device, "cache_len")
         _check_row_range(starts, T, self.max_len, "cache_len")
-        if isinstance(starts, int):
-            self.k[layer, :, starts:starts + T] = k
-            self.v[layer, :, starts:starts + T] = v
-        else:
-            rows = starts[:, None] + torch.arange(T, device=self.device)  # [B, T]
-            batch = torch.arange(B, device=self.device)[:, None]
-            self.k[layer][batch, rows] = k
-            self.v[layer][batch, rows] = v
+        write_rows(self.k[layer], starts, k)
+        write_rows(self.v[layer], starts, v)
 
     def move_rows(self, src_rows: torch.Tensor, dst_start: int | torch.Tensor) -> None:
         """Copy rows ``src_rows[b]`` to ``dst_start[b] .. dst_start[b]+n-1`` in every layer (KV compaction).
@@ -361,6 +355,12 @@ class KVCache:
 # ---------------------------------------------------------------------------------------------------------------
 # Layers
 # ---------------------------------------------------------------------------------------------------------------
+def _layer_ops():
+    """The element-wise Triton kernels (:mod:`lookahead_kernels.layer_ops`): the CUDA path; imported on first use."""
+    from lookahead_kernels import layer_ops
+    return layer_ops
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -368,22 +368,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # one fused op, the same formula
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Normalise in float32 and cast back before the weight, as the reference implementation does.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [B, T, H, D]`` by ``cos, sin [B, T, D]`` (rotate-half convention)."""
-    return x * cos[:, :, None] + _rotate_half(x) * sin[:, :, None]
+        if x.is_cuda:
+            return _layer_ops().rms_norm(x, self.weight, self.eps)
+        return rms_norm_reference(x, self.weight, self.eps)
 
 
 AttentionFn = Callable[..., torch.Tensor]
@@ -408,9 +395,12 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         Hq, Hkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(B, T, Hq + 2 * Hkv, self.head_dim)
-        qk = apply_rotary(qkv[:, :, :Hq + Hkv], cos, sin)  # q and k heads rotated together: one op chain
-        q, k = qk.split((Hq, Hkv), dim=2)
-        cache.write(layer, cache_len, k, qkv[:, :, Hq + Hkv:])
+        if qkv.is_cuda:  # one kernel; cache_len is a device tensor there (LlamaForCausalLM.forward)
+            q = _layer_ops().rotary_cache_write(qkv, cos, sin, cache.k[layer], cache.v[layer], cache_len, Hq, Hkv)
+        else:
+            qk = apply_rotary(qkv[:, :, :Hq + Hkv], cos, sin)  # q and k heads rotated together: one op chain
+            q, k = qk.split((Hq, Hkv), dim=2)
+            cache.write(layer, cache_len, k, qkv[:, :, Hq + Hkv:])
         out = attend(q, cache.k[layer], cache.v[layer], cache_len=cache_len, layout=layout)
         return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
 
@@ -425,8 +415,8 @@ class MLP(nn.Module):
         self.down_proj = CpuLinear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(_layer_ops().silu_mul(gate_up) if x.is_cuda else silu_mul_reference(gate_up))
 
 
 class _PackedAnswer:
@@ -456,8 +446,13 @@ class DecoderLayer(nn.Module):
         packed = self._packed_weights(x, attend)
         if packed is not None:  # float32 on the CPU: the whole layer in one C++ op
             return self._fused(x, cos, sin, cache, layer, attend, packed)
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer, cache_len, layout, attend)
-        return x + self.mlp(self.mlp_norm(x))
+        attn = self.attn(self.attn_norm(x), cos, sin, cache, layer, cache_len, layout, attend)
+        if x.is_cuda:  # the residual add and the next norm in one kernel
+            x, h = _layer_ops().add_rms_norm(x, attn, self.mlp_norm.weight, self.mlp_norm.eps)
+        else:
+            x = x + attn
+            h = self.mlp_norm(x)
+        return x + self.mlp(h)
 
     def _packed_weights(self, x, attend) -> tuple | None:
         """The four linear layers' weights packed for our GEMM, or None where the fused C++ layer does not apply
@@ -696,6 +691,8 @@ class LlamaForCausalLM(nn.Module):
         self._check_inputs(input_ids, positions, cache, layout, logits_rows)
         cache_len = _as_row_starts(cache_len, input_ids.shape[0], input_ids.device, "cache_len")
         _check_row_range(cache_len, layout.T, cache.max_len, "cache_len")
+        if input_ids.is_cuda and isinstance(cache_len, int):  # the kernels read it on the device
+            cache_len = torch.full((input_ids.shape[0],), cache_len, dtype=torch.int64, device=input_ids.device)
         if attention is None:
             if input_ids.device.type == "cuda":
                 attention = _kernel_attention()
