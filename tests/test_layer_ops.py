@@ -7,15 +7,11 @@ widths that are not powers of two and rows longer than one block; every dtype th
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from lookahead_kernels import layer_ops_ref as ref
+from tests.sm90_compile import run_compile_script
 from tests.test_attention import TOL, check, rel_err
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -192,20 +188,8 @@ print("sm90 ok")
 
 
 def test_kernels_compile_for_h100(kernel_device):
-    """The interpreter never compiles: build each kernel for sm_90 through ptxas, every dtype, so compiled-path
-    errors show up without a GPU."""
-    if kernel_device == "cuda":
-        pytest.skip("on a GPU the other tests compile the kernels")
-    import triton
-
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if not (os.path.exists(ptxas) or shutil.which("ptxas")):
-        pytest.skip("this Triton install has no ptxas")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _SM90_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "sm90 ok" in proc.stdout, proc.stderr[-3000:]
+    """Each kernel built for sm_90 through ptxas (float32 and the bfloat16 rounding path), without a GPU."""
+    run_compile_script(_SM90_SCRIPT, kernel_device)
 
 
 @pytest.mark.gpu

@@ -18,6 +18,7 @@ from lookahead.sampling import SamplingParams, sample_rows, warp_logits
 from lookahead_kernels.tree import TreeShape
 from lookahead_kernels.verify_ref import (draw_tree_uniforms, inverse_cdf_sample, tree_parents,
                                           verify_tree_greedy_reference, verify_tree_sample_reference)
+from tests.sm90_compile import run_compile_script
 
 POISON = -777
 
@@ -757,21 +758,4 @@ print("sm90 ok")
 def test_kernels_compile_for_h100(kernel_device):
     """The interpreter never compiles: build every kernel for sm_90 through ptxas so compiled-path type errors
     (loop-carried types, constexpr specialisation of strides equal to 1) show up without a GPU."""
-    import os
-    import shutil
-    import subprocess
-    import sys
-
-    if kernel_device == "cuda":
-        pytest.skip("on a GPU the other tests compile the kernels")
-    import triton
-
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if not (os.path.exists(ptxas) or shutil.which("ptxas")):
-        pytest.skip("this Triton install has no ptxas")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _SM90_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "sm90 ok" in proc.stdout, proc.stderr[-3000:]
+    run_compile_script(_SM90_SCRIPT, kernel_device, {"TRITON_DEFAULT_FP_FUSION": "1"})
