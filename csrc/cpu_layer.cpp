@@ -120,7 +120,8 @@ void check_vector(const at::Tensor& t, int64_t n, const char* name) {
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   const int64_t M = x.size(0), n = x.size(1);
   at::Tensor y = at::empty_like(x);
-  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  const at::Tensor wc = w.contiguous();  // a strided weight view would be read wrong
+  const float *xp = x.data_ptr<float>(), *wp = wc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, M, grain(n), [&](int64_t r0, int64_t r1) {
     rms_norm_rows(xp, wp, yp, r0, r1, n, static_cast<float>(eps));
