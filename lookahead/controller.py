@@ -44,8 +44,11 @@ WINDOW_COST_LIMIT = 1.05
 # miss (the noise of their estimates, work they do not count) is paid B times over, and a batch that loses to
 # plain decoding is the peers' common failure under load.
 BATCH_MARGIN = 1.05
-# Each new measurement of the host work discounts the older ones by this factor.
+# Each new measurement of the host work (and of a batch's realised gains) discounts the older ones by this factor.
 HOST_DECAY = 0.95
+# A batch's gain calibration starts as if this many expected extra tokens had all come true: one unlucky step
+# moves it, but does not turn lookahead off on its own.
+CALIBRATION_PRIOR = 10.0
 # A batch builds trees only as large as could pay if each node were accepted with this chance once its parent is
 # (a chain): beyond, no tree pays for its rows' host work (building, learning), and at 0 the batch steps plainly.
 OPTIMISTIC_ACCEPTANCE = 0.9
@@ -291,6 +294,28 @@ class HostCost:
         return a * rows + b * nodes
 
 
+class GainCalibration:
+    """How far a batch's expected extra tokens came true: the tokens its trees' accepted nodes added over the sum
+    of the builder's acceptance estimates for the nodes verified, older steps discounted by ``HOST_DECAY`` per new
+    one, from a prior of ``CALIBRATION_PRIOR`` tokens come true; at most 1 (estimates are only scaled down).
+
+    Why: at 10 rows on HumanEval 2-node trees emitted 14% fewer tokens than expected, which turned the gain the
+    planner saw into a loss (measured step by step, session 7); a batch pays such an error B times over."""
+
+    def __init__(self):
+        self._expected = self._realised = CALIBRATION_PRIOR
+
+    def observe(self, expected: float, realised: float) -> None:
+        if not expected > 0 or not realised >= 0:
+            return
+        self._expected = HOST_DECAY * self._expected + expected
+        self._realised = HOST_DECAY * self._realised + realised
+
+    @property
+    def factor(self) -> float:
+        return min(1.0, self._realised / self._expected)
+
+
 class StepPlanner:
     """Picks each step's tree size from the expected gains of its nodes and the cost model.
 
@@ -306,17 +331,29 @@ class StepPlanner:
         # learned from the steps taken with a measured cost table; none (0) with a given one, so that such a
         # plan stays deterministic.
         self.host = host
+        # A batch's estimates scaled by what came true, where the plan learns (a measured cost table) only.
+        self.calibration = GainCalibration() if host is not None else None
         self._reach: dict[tuple, int] = {}
 
     def reach(self, batch_size: int, budget: int) -> int:
         """The largest tree per row (at most ``budget``) that a batch of ``batch_size`` rows would take if every
         node were a chain link accepted with chance ``OPTIMISTIC_ACCEPTANCE``; 0: lookahead cannot pay."""
         # The host cost's coefficients, in steps of 10 us, belong to the key: they change as steps are measured.
-        key = (batch_size, budget) + tuple(round(c, 5) for c in (self.host.coefficients if self.host else ()))
+        key = (batch_size, budget, round(self._scale(batch_size), 2)) \
+            + tuple(round(c, 5) for c in (self.host.coefficients if self.host else ()))
         if key not in self._reach:
             chain = [OPTIMISTIC_ACCEPTANCE ** (d + 1) for d in range(budget)]
             self._reach[key] = self.choose_batch([chain] * batch_size)
         return self._reach[key]
+
+    def _scale(self, batch_size: int) -> float:
+        return self.calibration.factor if self.calibration is not None and batch_size > 1 else 1.0
+
+    def observe_gain(self, expected: float, realised: float) -> None:
+        """A batch step with trees: ``expected`` extra tokens (its rows' estimates for the nodes verified), of
+        which ``realised`` came true (nodes accepted)."""
+        if self.calibration is not None:
+            self.calibration.observe(expected, realised)
 
     def choose(self, gains: list[float]) -> int:
         """How many of the nodes to verify. ``gains`` are the nodes' reach probabilities in the order the
@@ -327,7 +364,8 @@ class StepPlanner:
         """One tree size ``V`` for a batch of rows (``gains[b]``: row ``b``'s nodes as in :meth:`choose`): every
         row feeds ``window_tokens + V`` tokens (shorter trees padded), the step costs ``t(B * (window_tokens +
         V))`` plus, for ``V >= 1``, the trees' host work (:class:`HostCost`) and emits ``B + sum_b E_b(V)`` expected
-        tokens; the best rate wins, 0 (a plain step) when none beats it. Ties go to the smaller tree.
+        tokens (for ``B > 1`` scaled by :class:`GainCalibration`); the best rate wins, 0 (a plain step) when none
+        beats it. Ties go to the smaller tree.
 
         ``sizes`` (ascending): the only tree sizes a step can take (a step replayed from a CUDA graph is padded to
         the next of them); each ``V`` is then costed at the size it is padded to."""
@@ -339,10 +377,11 @@ class StepPlanner:
         nodes = 0
         longest = max(len(g) for g in gains)
         expected = float(B)
+        scale = self._scale(B)
         for v in range(longest):
             for b, row in enumerate(gains):
                 if v < len(row):
-                    expected += row[v]
+                    expected += scale * row[v]
                     nodes += 1
             fed = v + 1 if sizes is None else next((z for z in sizes if z >= v + 1), None)
             if fed is None:  # past the largest size a step can take

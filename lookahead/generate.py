@@ -752,6 +752,10 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: _Sampler, 
         row.x = emitted[-1]
     host_seconds = (forward_started - host_started) + (time.perf_counter() - forward_done)
     host.seconds += host_seconds
+    if plan.planner is not None and size and len(active) > 1:  # how far the batch's estimates came true
+        verified = [p.scores[:min(keep, len(p))] for p in proposals.values()]
+        accepted = sum(r[0] for row, r in zip(batch, back) if id(row) in proposals)
+        plan.planner.observe_gain(float(sum(map(sum, verified))), accepted)
     if plan.planner is not None and plan.planner.host is not None and size:
         # The trees' host work beside the forward (and verification), for the planner's next choices.
         plan.planner.host.observe(len(active), sum(t.num_nodes for t in trees), host_seconds)

@@ -112,6 +112,32 @@ def test_planner_charges_host_work_and_a_batch_margin():
     assert StepPlanner(flat, 1).choose_batch(edge[:1]) == 1
 
 
+def test_a_batch_scales_its_gains_by_what_came_true():
+    from lookahead.controller import CALIBRATION_PRIOR, HOST_DECAY, GainCalibration, HostCost
+
+    cal = GainCalibration()
+    assert cal.factor == 1.0
+    cal.observe(10.0, 14.0)  # more than expected: estimates are never scaled up
+    assert cal.factor == 1.0
+    cal = GainCalibration()
+    cal.observe(10.0, 5.0)
+    prior = HOST_DECAY * CALIBRATION_PRIOR
+    assert cal.factor == pytest.approx((prior + 5.0) / (prior + 10.0))
+    cal.observe(0.0, 3.0)  # a step that expected nothing tells nothing
+    assert cal.factor == pytest.approx((prior + 5.0) / (prior + 10.0))
+
+    flat = StepCosts((1, 64), (0.010, 0.010))
+    gains = [[0.3, 0.3]] * 4
+    planner = StepPlanner(flat, 1, HostCost())
+    assert planner.choose_batch(gains) == 2
+    for _ in range(40):  # the batch's trees keep adding nothing: its estimates shrink until no tree pays
+        planner.observe_gain(2.4, 0.0)
+    assert planner.calibration.factor < 0.05
+    assert planner.choose_batch(gains) == 0
+    assert planner.choose_batch(gains[:1]) == 2  # one row: its estimates as they are
+    assert StepPlanner(flat, 1).calibration is None  # a given cost table: nothing learned, deterministic
+
+
 def test_backoff_doubles_and_resets():
     from lookahead.generate import MAX_BACKOFF, _Backoff
 
