@@ -26,8 +26,9 @@ def set_name(path: str) -> str:
     return os.path.basename(path).split(".")[0].replace("_dev", "")
 
 
-def git_revision() -> str:
-    """Short hash of HEAD, with ``-dirty`` when tracked files have uncommitted changes; "unknown" without git.
+def git_revision(root: str | None = None) -> str:
+    """Short hash of HEAD of ``root`` (default: this checkout), with ``-dirty`` when tracked files have uncommitted
+    changes; "unknown" without git.
 
     ``LOOKAHEAD_REVISION`` wins when set: the device machine's copy of the checkout carries the session's base
     commit in ``.git`` with the newer files over it (so git says "<base>-dirty"); ``bench/run_gpu.sh`` sets it
@@ -36,9 +37,9 @@ def git_revision() -> str:
     if given:
         return given
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root or ROOT, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root or ROOT,
                                capture_output=True, text=True, check=True).stdout.strip()
         return rev + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
@@ -64,12 +65,13 @@ def _triton_version() -> str | None:
     return getattr(triton, "__version__", None)
 
 
-def machine_info(device: str) -> dict:
-    """What a result depends on: ``device`` ("cpu", "cuda", "cuda:1"), ``gpu`` name on CUDA, CPU, versions, git,
-    and the load average (other work on the machine skews CPU timings)."""
+def machine_info(device: str, root: str | None = None) -> dict:
+    """What a result depends on: ``device`` ("cpu", "cuda", "cuda:1"), ``gpu`` name on CUDA, CPU, versions, git
+    (of the checkout at ``root`` whose code runs, default this one), and the load average (other work on the
+    machine skews CPU timings)."""
     info = {"device": device, "cpu": cpu_model(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
             "triton": _triton_version(), "cuda": torch.version.cuda, "python": platform.python_version(),
-            "platform": platform.platform(), "git": git_revision(), "torch_threads": torch.get_num_threads()}
+            "platform": platform.platform(), "git": git_revision(root), "torch_threads": torch.get_num_threads()}
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
     try:

@@ -231,7 +231,7 @@ def main(argv=None) -> int:
     import lookahead
 
     torch.set_num_threads(args.threads)
-    info = _common.machine_info("cpu")
+    info = _common.machine_info("cpu", root=args.repo)  # the revision whose code runs
     model, tokenizer = lookahead.load_default()
     model.eval()
     if hasattr(model, "set_cpu_linear"):
