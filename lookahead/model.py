@@ -395,7 +395,7 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         Hq, Hkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(B, T, Hq + 2 * Hkv, self.head_dim)
-        if qkv.is_cuda:  # one kernel; cache_len is a device tensor there (LlamaForCausalLM.forward)
+        if qkv.is_cuda:  # one kernel
             q = _layer_ops().rotary_cache_write(qkv, cos, sin, cache.k[layer], cache.v[layer], cache_len, Hq, Hkv)
         else:
             qk = apply_rotary(qkv[:, :, :Hq + Hkv], cos, sin)  # q and k heads rotated together: one op chain
@@ -691,8 +691,6 @@ class LlamaForCausalLM(nn.Module):
         self._check_inputs(input_ids, positions, cache, layout, logits_rows)
         cache_len = _as_row_starts(cache_len, input_ids.shape[0], input_ids.device, "cache_len")
         _check_row_range(cache_len, layout.T, cache.max_len, "cache_len")
-        if input_ids.is_cuda and isinstance(cache_len, int):  # the kernels read it on the device
-            cache_len = torch.full((input_ids.shape[0],), cache_len, dtype=torch.int64, device=input_ids.device)
         if attention is None:
             if input_ids.device.type == "cuda":
                 attention = _kernel_attention()

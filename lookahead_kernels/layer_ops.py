@@ -52,13 +52,13 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, N, stride_x, stride_r, s
     tl.store(y_ptr + row * stride_y + offs, (w * h).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["start"])
 def _rotary_cache_kernel(x_ptr, cos_ptr, sin_ptr, len_ptr, q_ptr, k_ptr, v_ptr,
-                         T, Hq, Hkv, stride_xm, stride_xh, stride_cm, stride_qm, stride_qh,
+                         T, Hq, Hkv, start, stride_xm, stride_xh, stride_cm, stride_qm, stride_qh,
                          stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                         HALF: tl.constexpr, BLOCK_D: tl.constexpr, ROUND: tl.constexpr):
+                         HALF: tl.constexpr, BLOCK_D: tl.constexpr, ROUND: tl.constexpr, PER_ROW: tl.constexpr):
     # Program (m, h): head h of row m = b * T + t; q heads to q, k heads rotated and v heads as they are to the
-    # caches at row cache_len[b] + t.
+    # caches at row cache_len[b] + t (PER_ROW: read from len_ptr on the device) or start + t.
     m = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     b = m // T
@@ -82,10 +82,10 @@ def _rotary_cache_kernel(x_ptr, cos_ptr, sin_ptr, len_ptr, q_ptr, k_ptr, v_ptr,
         if h < Hq:
             tl.store(q_ptr + m * stride_qm + h * stride_qh + offs, y, mask=mask)
         else:
-            slot = tl.load(len_ptr + b) + t
+            slot = (tl.load(len_ptr + b) if PER_ROW else start) + t
             tl.store(k_ptr + b * stride_kb + slot * stride_ks + (h - Hq) * stride_kh + offs, y, mask=mask)
     else:
-        slot = tl.load(len_ptr + b) + t
+        slot = (tl.load(len_ptr + b) if PER_ROW else start) + t
         tl.store(v_ptr + b * stride_vb + slot * stride_vs + (h - Hq - Hkv) * stride_vh + offs, x, mask=mask)
 
 
@@ -213,7 +213,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 @torch.library.custom_op("lookahead::rotary_cache_write", mutates_args=("k_cache", "v_cache"))
 def _rotary_cache_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, cache_len: torch.Tensor, num_heads: int,
+                     v_cache: torch.Tensor, cache_len: torch.Tensor | None, start: int, num_heads: int,
                      num_kv_heads: int) -> torch.Tensor:
     B, T, H, D = qkv.shape
     q = torch.empty((B, T, num_heads, D), dtype=qkv.dtype, device=qkv.device)
@@ -223,23 +223,23 @@ def _rotary_cache_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_
         c, s = cos.reshape(M, D), sin.reshape(M, D)
         with _on_device(qkv):
             _rotary_cache_kernel[(M, H)](
-                x, c, s, cache_len, q, k_cache, v_cache, T, num_heads, num_kv_heads,
+                x, c, s, q if cache_len is None else cache_len, q, k_cache, v_cache, T, num_heads, num_kv_heads,
+                start,
                 x.stride(0), x.stride(1), c.stride(0), q.stride(1), q.stride(2),
                 *k_cache.stride()[:3], *v_cache.stride()[:3],
                 HALF=D // 2, BLOCK_D=triton.next_power_of_2(D), ROUND=qkv.dtype != torch.float32,
-                num_warps=1 if D <= 128 else 2)
+                PER_ROW=cache_len is not None, num_warps=1 if D <= 128 else 2)
     return q
 
 
 @_rotary_cache_op.register_fake
-def _rotary_cache_fake(qkv, cos, sin, k_cache, v_cache, cache_len, num_heads, num_kv_heads):
+def _rotary_cache_fake(qkv, cos, sin, k_cache, v_cache, cache_len, start, num_heads, num_kv_heads):
     B, T, _, D = qkv.shape
     return qkv.new_empty((B, T, num_heads, D))
 
 
 def rotary_cache_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, cache_len: torch.Tensor, num_heads: int,
-                       num_kv_heads: int) -> torch.Tensor:
+                       v_cache: torch.Tensor, cache_len, num_heads: int, num_kv_heads: int) -> torch.Tensor:
     """Rotary embedding of the q and k heads and the KV cache write of one layer, as
     :func:`~lookahead_kernels.layer_ops_ref.rotary_cache_write_reference`.
 
@@ -248,7 +248,8 @@ def rotary_cache_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
         cos, sin: ``[B, T, D]`` in ``qkv``'s dtype.
         k_cache, v_cache: the layer's ``[B, S, Hkv, D]``, last dimension contiguous; rows ``cache_len[b] ..
             cache_len[b] + T - 1`` are written (bounds are the caller's: on a GPU they are not read back).
-        cache_len: integer ``[B]`` on ``qkv``'s device.
+        cache_len: an int (every sequence's), or an integer tensor ``[B]`` on ``qkv``'s device (read there: a
+            CUDA graph replays it).
         num_heads, num_kv_heads: ``Hq`` and ``Hkv``.
     Returns:
         the rotated q, ``[B, T, Hq, D]`` contiguous.
@@ -271,11 +272,18 @@ def rotary_cache_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
                 or t.device != qkv.device or t.stride(3) != 1:
             raise ValueError(f"{name} must be [{B}, S, {num_kv_heads}, {D}] {qkv.dtype} on {qkv.device} with a "
                              f"contiguous last dimension, got {tuple(t.shape)} {t.dtype} on {t.device}")
-    if cache_len.shape != (B,) or cache_len.dtype not in (torch.int32, torch.int64) \
-            or cache_len.device != qkv.device:
-        raise ValueError(f"cache_len must be an integer tensor [{B}] on {qkv.device}, got {tuple(cache_len.shape)} "
-                         f"{cache_len.dtype} on {cache_len.device}")
-    return _rotary_cache_op(qkv, cos.contiguous(), sin.contiguous(), k_cache, v_cache, cache_len, num_heads,
+    if isinstance(cache_len, int) and not isinstance(cache_len, bool):
+        if cache_len < 0:
+            raise ValueError(f"cache_len must be >= 0, got {cache_len}")
+        lens, start = None, cache_len
+    elif isinstance(cache_len, torch.Tensor) and cache_len.shape == (B,) \
+            and cache_len.dtype in (torch.int32, torch.int64) and cache_len.device == qkv.device:
+        lens, start = cache_len, 0
+    else:
+        desc = (tuple(cache_len.shape), cache_len.dtype, str(cache_len.device)) if isinstance(cache_len, torch.Tensor) \
+            else repr(cache_len)
+        raise ValueError(f"cache_len must be an int or an integer tensor [{B}] on {qkv.device}, got {desc}")
+    return _rotary_cache_op(qkv, cos.contiguous(), sin.contiguous(), k_cache, v_cache, lens, start, num_heads,
                             num_kv_heads)
 
 

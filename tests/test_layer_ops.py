@@ -83,7 +83,8 @@ def test_rotary_cache_write(ops, kernel_device, B, T, Hq, Hkv, D, lens, dtype):
     S = max(lens) + T + 2
     k_cache = torch.full((B, S, Hkv, D), float("nan"), dtype=dtype, device=kernel_device)
     v_cache = torch.full_like(k_cache, float("nan"))
-    cache_len = torch.tensor(lens, device=kernel_device)
+    # One sequence: the int form (the eager path's); several: per-sequence lengths on the device (the graphs').
+    cache_len = lens[0] if B == 1 else torch.tensor(lens, device=kernel_device)
     q = ops.rotary_cache_write(qkv, cos, sin, k_cache, v_cache, cache_len, Hq, Hkv)
     k_want = torch.full((B, S, Hkv, D), float("nan"), dtype=torch.float64)
     v_want = k_want.clone()
@@ -152,7 +153,7 @@ def test_opcheck(ops, kernel_device):
     cs = rand(1, 2, 8, dtype=torch.float32, device=kernel_device)
     cache = torch.zeros(1, 5, 1, 8, device=kernel_device)
     torch.library.opcheck(torch.ops.lookahead.rotary_cache_write,
-                          (qkv, cs, cs, cache, cache.clone(), torch.tensor([1], device=kernel_device), 2, 1),
+                          (qkv, cs, cs, cache, cache.clone(), torch.tensor([1], device=kernel_device), 0, 2, 1),
                           test_utils=utils)
 
 
@@ -181,7 +182,7 @@ for dt, res in (("fp32", False), ("bf16", True)):
           dict(HAS_RESIDUAL=res, ROUND=dt != "fp32", BLOCK=4096), 8)
     build(lo._rotary_cache_kernel, dict({p: "*" + dt for p in ("x_ptr", "cos_ptr", "sin_ptr", "q_ptr", "k_ptr",
                                                                "v_ptr")}, len_ptr="*i64"),
-          dict(HALF=64, BLOCK_D=128, ROUND=dt != "fp32"), 1)
+          dict(HALF=64, BLOCK_D=128, ROUND=dt != "fp32", PER_ROW=dt != "fp32"), 1)
     build(lo._silu_mul_kernel, dict(x_ptr="*" + dt, y_ptr="*" + dt), dict(ROUND=dt != "fp32", BLOCK=1024), 4)
 print("sm90 ok")
 '''
