@@ -14,7 +14,7 @@
 #   e2e        SmolLM2 end to end, fp32 speed + identity (bench/gpu_e2e.py) -> e2e-gpu-<device>.json
 #   batch      SmolLM2 batches of 1, 4, 16 rows: lookahead against plain (bench/bench_batch.py --device cuda)
 #   gputests   every other test marked gpu (pytest -m gpu), bf16 identity counts included
-#   ktests     kernel tests on CUDA: tests/test_gpu_kernels.py, test_layer_ops.py, test_runner.py, test_attention.py,
+#   ktests     kernel tests on CUDA: tests/test_gpu_kernels.py, test_layer_ops.py, test_kv_compact.py, test_runner.py, test_attention.py,
 #              test_verify.py
 #
 # Each part runs under `timeout` with its own budget, clipped to what is left of RUN_GPU_BUDGET (default 560 s,
@@ -120,7 +120,7 @@ TIMEOUT_FLAG=()
 $PY -c "import pytest_timeout" 2>/dev/null && TIMEOUT_FLAG=(--timeout=150)
 
 wants env && part env 40 $PY bench/gpu_env.py "${DRYFLAG[@]}" --out-dir "$WORK" --revision-file "$ROOT/.device-model/REVISION"
-KTESTS=(tests/test_gpu_kernels.py tests/test_layer_ops.py tests/test_runner.py tests/test_attention.py tests/test_verify.py)
+KTESTS=(tests/test_gpu_kernels.py tests/test_layer_ops.py tests/test_kv_compact.py tests/test_runner.py tests/test_attention.py tests/test_verify.py)
 [ $DRY = 1 ] && KTESTS=(tests/test_gpu_kernels.py)  # the interpreter takes minutes over the other two
 wants stepcost && part stepcost 130 $PY bench/gpu_step_cost.py "${DRYFLAG[@]}" --out-dir "$WORK"
 wants kernels && part kernels 150 $PY bench/gpu_kernels.py "${DRYFLAG[@]}" --out-dir "$WORK"

@@ -35,6 +35,7 @@ from .controller import make_plan
 from .draft import DraftBuilder, Proposal
 from .runner import StepRunner, runner_cache
 from .step import build_step, upload
+from .verification import PlainChoice, Sampler, StepInputs, StepVerifier
 from .window import LookaheadWindow
 
 PROMPT_SUCCESSOR_ROWS = 256
@@ -90,7 +91,7 @@ class GenerationStats:
         seconds: wall time of the whole call, prefill included.
         prefill_seconds: wall time of the prefill alone.
         host_seconds: wall time the lookahead steps spent on the host outside the forward pass, verification and
-            the read-back (candidates, trees, step inputs, KV compaction, learning), over all steps; part of
+            the read-back (candidates, trees, step inputs, learning), over all steps; part of
             ``seconds``. Where the forward is cheap (a GPU) this bounds the speed.
         accepted: per step, the tokens it emitted over all rows (accepted candidate tokens plus bonus tokens).
         trace: per lookahead step, a :class:`StepTrace` when ``generate`` was called with ``trace=True``, else
@@ -184,66 +185,6 @@ class _Emitter:
         if self.streamer is not None and taken:
             self.streamer(taken)
         return len(taken)
-
-
-class _Sampler:
-    """Greedy or sampled choice of tokens from logits rows; holds the sampling parameters and generator.
-
-    In a batch every row draws from the one generator, in row order: a row's samples differ from what the same
-    seed gives it alone, but each row keeps exactly the model's distribution."""
-
-    def __init__(self, do_sample: bool, temperature, top_k, top_p, generator):
-        self.params = None
-        self.generator = generator
-        if do_sample:
-            from .sampling import SamplingParams  # sampling utilities live beside the verifier's reference
-
-            params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-            self.params = None if params.is_greedy else params
-
-    @property
-    def greedy(self) -> bool:
-        return self.params is None
-
-    def choose(self, logits: torch.Tensor) -> torch.Tensor:
-        """LongTensor ``[...]``: one token per row of ``logits [..., V]``."""
-        lead = logits.shape[:-1]
-        logits = logits.reshape(-1, logits.shape[-1])
-        if self.greedy:
-            if logits.device.type == "cuda":
-                from lookahead_kernels import row_argmax
-
-                return row_argmax(logits).reshape(lead)
-            return logits.argmax(-1).reshape(lead)
-        from .sampling import sample_rows, warp_logits
-
-        return sample_rows(warp_logits(logits, self.params), self.generator).reshape(lead)
-
-    def verify_tree(self, x_logits, node_logits, tokens, end, num_nodes, max_accept: int):
-        """Verification of a batch's trees: ``(accept_len [B], path [B, max_accept], emitted [B, max_accept+1])``.
-
-        ``x_logits [B, vocab]``, ``node_logits [B, V, vocab]``, ``tokens [B, V]``, ``end`` ``[V]`` or ``[B, V]``
-        on the logits' device; ``num_nodes``: int64 ``[B]`` real nodes per row (the rest padding)."""
-        device = x_logits.device
-        cuda = device.type == "cuda"
-        if self.greedy:
-            if cuda:
-                from lookahead_kernels import verify_tree_greedy as verify
-            else:
-                from lookahead_kernels import verify_tree_greedy_reference as verify
-            return verify(x_logits, node_logits, tokens, end, num_nodes, max_accept)
-        from lookahead_kernels import draw_tree_uniforms
-
-        from .sampling import warp_logits
-
-        x_probs = warp_logits(x_logits, self.params)
-        node_probs = warp_logits(node_logits, self.params)
-        uniforms = draw_tree_uniforms(tokens.shape[0], tokens.shape[1], device, self.generator)
-        if cuda:
-            from lookahead_kernels import verify_tree_sample as verify
-        else:
-            from lookahead_kernels import verify_tree_sample_reference as verify
-        return verify(x_probs, node_probs, tokens, end, num_nodes, max_accept, uniforms=uniforms)
 
 
 class _Row:
@@ -359,7 +300,7 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
         raise ValueError(f"_native_draft must be None, True or False, got {_native_draft!r}")
     if not isinstance(do_sample, bool):
         raise ValueError(f"do_sample must be a bool, got {do_sample!r}")
-    sampler = _Sampler(do_sample, temperature, top_k, top_p, generator)
+    sampler = Sampler(do_sample, temperature, top_k, top_p, generator)
     device = model.device
     eos = _eos_set(model, eos_token_id)
     rows = [_Row(_Emitter(p.tolist(), max_new_tokens, eos, streamer), GenerationStats(trace=[] if trace else None))
@@ -491,14 +432,18 @@ def _cache_len_arg(lens: list[int], device):
     return torch.tensor(lens, dtype=torch.long, device=device)
 
 
-def _forward(model, cache, runner: StepRunner | None, shape: StepShape, tokens, positions, lens: list[int],
-             layout: StepLayout, logits_rows):
-    """A step's logits: through the runner's static buffers (and graphs) when there is one, else the model itself.
+def _run(model, cache, runner: StepRunner | None, shape: StepShape, tokens, positions, lens: list[int],
+         layout: StepLayout, logits_rows, num_nodes, finish):
+    """Parts 3 and 4 of a step: the forward and ``finish`` (its verification) on the logits, through the runner's
+    static buffers (and graphs, which hold a greedy ``finish`` too) when there is one, else the model itself.
     With graphs the result is overwritten by the next step of the same shape: the step reads it before then."""
     if runner is None:
-        return model(tokens, positions, cache, _cache_len_arg(lens, device=tokens.device), layout, logits_rows)
+        logits = model(tokens, positions, cache, _cache_len_arg(lens, device=tokens.device), layout, logits_rows)
+        tree = layout.tree
+        return finish(logits, StepInputs(tokens, None if tree is None else tree.end, num_nodes, cache,
+                                         positions[:, 0]))
     # Each row's x sits at its committed length: the positions' first column is cache_len, already on the device.
-    return runner.run(shape, tokens, positions, positions[:, 0], layout.tree, logits_rows)
+    return runner.run(shape, tokens, positions, positions[:, 0], layout.tree, logits_rows, num_nodes, finish)
 
 
 def _step_shape(plan, levels: int, batch_size: int) -> StepShape:
@@ -547,7 +492,7 @@ class _HostClock:
         self.seconds = 0.0
 
 
-def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: _Sampler, plan, pad: bool, device,
+def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: Sampler, plan, pad: bool, device,
             started: float, host: _HostClock, start_late=None) -> list:
     """Step until every row has stopped. Returns, per step, the tokens emitted.
 
@@ -634,12 +579,13 @@ def _levels(active: list[_Row]) -> int:
     return active[0].window.levels if active[0].window is not None else 1
 
 
-def _plain_step(model, cache, runner, batch: list[_Row], sampler: _Sampler, device) -> int:
+def _plain_step(model, cache, runner, batch: list[_Row], sampler: Sampler, device) -> int:
     lens = [_start(r) for r in batch]
     tokens, positions = upload([torch.tensor([[r.x] for r in batch]), torch.tensor([[n] for n in lens])], device)
-    logits = _forward(model, cache, runner, PLAIN, tokens, positions, lens, StepLayout(1, 1), None)
+    chosen = _run(model, cache, runner, PLAIN, tokens, positions, lens, StepLayout(1, 1), None, None,
+                  PlainChoice(sampler))
     emitted = 0
-    for row, y in zip(batch, sampler.choose(logits[:, 0]).tolist()):
+    for row, y in zip(batch, chosen.tolist()):
         if row.emitter.done:  # parked
             continue
         row.cache_len += 1
@@ -648,7 +594,7 @@ def _plain_step(model, cache, runner, batch: list[_Row], sampler: _Sampler, devi
     return emitted
 
 
-def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: _Sampler, plan, pad: bool, device,
+def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, plan, pad: bool, device,
                     host: _HostClock, backoff: _Backoff | None = None) -> int:
     """One step for every row of the batch: plan and build the trees, run, verify, compact, commit and observe.
     Parked rows (finished, with a runner) feed their last token and an empty tree; their outputs are ignored."""
@@ -689,52 +635,27 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: _Sampler, 
     window_tokens = [torch.full((levels * W,), r.x, dtype=torch.long) if r.emitter.done else r.window.step_tokens(r.x)
                      for r in batch]
     step = build_step(lens, torch.stack(window_tokens), levels, W, trees, device)
-    forward_started = time.perf_counter()
-    logits = _forward(model, cache, runner, StepShape(W, levels, size), step.tokens, step.positions, lens,
-                      step.layout, step.logits_rows)
-    depth = max(t.max_depth for t in trees)
-    B = len(batch)
-    la = step.layout.lookahead_len
-    if size:
-        accept_len, path, tokens = sampler.verify_tree(logits[:, 0], logits[:, step.node_rows], step.tokens[:, la:],
-                                                       step.layout.tree.end, step.num_nodes, depth)
-    else:
-        accept_len = torch.zeros(B, dtype=torch.long, device=device)
-        path = torch.empty(B, 0, dtype=torch.long, device=device)
-        tokens = sampler.choose(logits[:, 0])[:, None]
-    outputs = sampler.choose(logits[:, step.window_rows])
-    # One read-back per step: per row, accepted length, accepted nodes, emitted tokens, the window's new guesses,
-    # and for the successor table the top few next tokens of every row computed but padding (not the logits).
-    parts = [accept_len[:, None], path, tokens, outputs]
-    width = 2 + 2 * depth + outputs.shape[1]
+    step_shape = StepShape(W, levels, size)
     successors = active[0].drafts.successors
-    if successors is not None:
+    if runner is None:  # the eager loop verifies as deep as this step's trees go, and tops only computed rows
+        depth = max(t.max_depth for t in trees)
         computed = step.node_rows.start + max(t.num_nodes for t in trees)
-        top_ids, top_probs = successors.top(logits[:, :computed], successors.k)
-        top_probs = top_probs.to("cpu", non_blocking=True)  # complete once the read-back below is
-        parts.append(top_ids.reshape(B, -1))
-    readback = torch.cat(parts, dim=1).cpu()
-    back = readback[:, :width].tolist()
+    else:  # a replayed graph has the shape's sizes
+        depth, computed = size, step.node_rows.stop
+    verifier = StepVerifier(sampler, step_shape, depth, 0 if successors is None else successors.k, computed)
+    forward_started = time.perf_counter()
+    # Forward, verification and KV compaction (one graph replay for greedy decoding); one read-back per step.
+    back = verifier.read(_run(model, cache, runner, step_shape, step.tokens, step.positions, lens, step.layout,
+                              step.logits_rows, step.num_nodes, verifier))
     forward_done = time.perf_counter()
-    most = max(r[0] for r in back)
-    if most > 0:  # KV compaction: each row's accepted nodes to the slots after its x
-        src = []
-        for n, r in zip(lens, back):
-            a = r[0]
-            # A row that accepted fewer (a parked row: none) copies slots past its new length onto themselves.
-            src.append([n + la + j for j in r[1: 1 + a]] + list(range(n + 1 + a, n + 1 + most)))
-        cache.move_rows(torch.tensor(src, device=device), _cache_len_arg([n + 1 for n in lens], device))
     emitted_total = 0
-    for b, (row, r) in enumerate(zip(batch, back)):
+    for b, row in enumerate(batch):
         if row.emitter.done:  # parked
             continue
-        a = r[0]
-        nodes = r[1: 1 + a]
-        emitted = r[1 + depth: 1 + depth + a + 1]
-        new_guesses = r[1 + 2 * depth + 1: width]
+        a, nodes, emitted = back.accept_len[b], back.nodes[b], back.emitted[b]
         sequence = row.emitter.sequence
         committed = len(sequence)
-        ngrams = row.window.advance(row.x, torch.tensor(new_guesses), a, row.history[:committed])
+        ngrams = row.window.advance(row.x, torch.tensor(back.guesses[b]), a, row.history[:committed])
         row.cache_len += 1 + a
         taken = row.commit(emitted, step.layout.T)
         emitted_total += taken
@@ -746,15 +667,15 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: _Sampler, 
                                              tuple(nodes)))
         successor_rows = None
         if successors is not None:
-            ids = readback[b, width:].view(computed, -1)
-            successor_rows = _successor_rows(step, b, tree.num_nodes, nodes, ids, top_probs[b])
+            successor_rows = _successor_rows(step, b, tree.num_nodes, nodes, back.successor_ids[b],
+                                             back.successor_probs[b])
         row.drafts.observe(tree, nodes, ngrams, sequence, taken, successor_rows)
         row.x = emitted[-1]
     host_seconds = (forward_started - host_started) + (time.perf_counter() - forward_done)
     host.seconds += host_seconds
     if plan.planner is not None and size and len(active) > 1:  # how far the batch's estimates came true
         verified = [p.scores[:min(keep, len(p))] for p in proposals.values()]
-        accepted = sum(r[0] for row, r in zip(batch, back) if id(row) in proposals)
+        accepted = sum(a for row, a in zip(batch, back.accept_len) if id(row) in proposals)
         plan.planner.observe_gain(float(sum(map(sum, verified))), accepted)
     if plan.planner is not None and plan.planner.host is not None and size:
         # The trees' host work beside the forward (and verification), for the planner's next choices.

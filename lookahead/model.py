@@ -296,33 +296,17 @@ class KVCache:
         write_rows(self.k[layer], starts, k)
         write_rows(self.v[layer], starts, v)
 
-    def move_rows(self, src_rows: torch.Tensor, dst_start: int | torch.Tensor) -> None:
-        """Copy rows ``src_rows[b]`` to ``dst_start[b] .. dst_start[b]+n-1`` in every layer (KV compaction).
-
-        Args:
-            src_rows: LongTensor ``[B, n]`` of source rows per sequence.
-            dst_start: int or LongTensor ``[B]``: first destination row per sequence.
-        Source and destination may overlap: all rows are gathered before any is written.
-        """
-        if not isinstance(src_rows, torch.Tensor) or src_rows.is_floating_point() or src_rows.dtype == torch.bool \
-                or src_rows.dim() != 2 or src_rows.shape[0] != self.batch_size:
-            desc = tuple(src_rows.shape) if isinstance(src_rows, torch.Tensor) else type(src_rows).__name__
-            raise ValueError(f"src_rows must be an integer tensor [B={self.batch_size}, n], got {desc}")
-        n = src_rows.shape[1]
-        if n == 0:
-            return
-        src_rows = src_rows.to(device=self.device, dtype=torch.int64)
-        if src_rows.device.type == "cpu" and (int(src_rows.min()) < 0 or int(src_rows.max()) >= self.max_len):
-            raise ValueError(f"src_rows must lie in [0, max_len={self.max_len}), got {src_rows.tolist()}")
-        starts = _as_row_starts(dst_start, self.batch_size, self.device, "dst_start")
-        _check_row_range(starts, n, self.max_len, "dst_start")
-        offsets = torch.arange(n, device=self.device)
-        dst_rows = (starts + offsets).expand(self.batch_size, n) if isinstance(starts, int) \
-            else starts[:, None] + offsets
-        batch = torch.arange(self.batch_size, device=self.device)[:, None]
-        for cache in (self.k, self.v):
-            gathered = cache[:, batch, src_rows]  # [L, B, n, Hkv, D], a copy: safe under overlap
-            cache[:, batch, dst_rows] = gathered
+    def compact(self, cache_len: torch.Tensor, offset: int, accept_len: torch.Tensor, path: torch.Tensor) -> None:
+        """KV compaction after verification: per sequence ``b``, the rows of its accepted tree nodes,
+        ``cache_len[b] + offset + path[b, j]`` for ``j < accept_len[b]``, move to ``cache_len[b] + 1 + j`` in every
+        layer. Arguments on the cache's device (int64 ``[B]``, ``[B]``, ``[B, A]``), read there: on CUDA one kernel
+        launch without synchronisation (:func:`lookahead_kernels.kv_compact.compact_kv`), elsewhere its torch
+        reference."""
+        if self.k.is_cuda:
+            from lookahead_kernels import compact_kv
+        else:
+            from lookahead_kernels import compact_kv_reference as compact_kv
+        compact_kv(self.k, self.v, cache_len, offset, accept_len, path)
 
     def sequence(self, b: int) -> "KVCache":
         """A cache of batch 1 sharing sequence ``b``'s storage (writes land in this cache), e.g. for a prefill."""

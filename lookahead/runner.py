@@ -3,10 +3,12 @@ CUDA one captured graph per step shape.
 
 A :class:`StepRunner` owns, for each step shape of a small menu, preallocated buffers for everything a forward
 reads: the step's tokens and positions, the committed length of each row (``cache_len``), the verification
-tree (``depth``, ``end``) and the rows whose logits are wanted. :meth:`StepRunner.run` writes a step's inputs
-into those buffers in place and runs the model on them, eagerly or, with ``graphs=True`` on CUDA, by replaying
-the CUDA graph captured for that shape the first time it ran. Nothing else needs to know the buffers or graphs
-exist: the caller hands in ordinary tensors and gets the logits back.
+tree (``depth``, ``end``, real nodes per row) and the rows whose logits are wanted. :meth:`StepRunner.run` writes
+a step's inputs into those buffers in place and runs the model on them, eagerly or, with ``graphs=True`` on CUDA,
+by replaying the CUDA graph captured for that shape the first time it ran. Given the step's verification
+(``finish``, :class:`lookahead.verification.StepVerifier`), the graph holds it too, so one replay takes a step
+from its inputs to the tensor the host reads back. Nothing else needs to know the buffers or graphs exist: the
+caller hands in ordinary tensors and gets the logits (or the verification's result) back.
 
 Why static buffers: a CUDA graph replays fixed device addresses, so every input must live at the same address on
 every step; writing in place (``copy_``) is what makes replay possible, and on the CPU the same path runs eagerly
@@ -38,11 +40,12 @@ class _ShapeBuffers:
         # A valid tree to start from (every node a child of x); each step overwrites it in place.
         self.depth = torch.ones(batch_size, V, dtype=torch.long, device=device)
         self.end = torch.arange(1, V + 1, device=device).expand(batch_size, V).contiguous()
+        self.num_nodes = torch.full((batch_size,), V, dtype=torch.long, device=device)
         tree = TreeShape(self.depth, self.end) if V else None
         self.layout = StepLayout(shape.window, shape.levels, tree)
         self.rows = None if rows is None else torch.arange(rows, device=device)
         self.graph = None
-        self.logits = None
+        self.out = None  # the graph's output: the logits, or the captured verification's result
 
 
 class StepRunner:
@@ -82,8 +85,10 @@ class StepRunner:
 
     # ---- public ---------------------------------------------------------------------------------------------
     def run(self, shape: StepShape, tokens: torch.Tensor, positions: torch.Tensor, cache_len,
-            tree: TreeShape | None = None, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Write one step's inputs into ``shape``'s buffers and run the model; returns its logits.
+            tree: TreeShape | None = None, logits_rows: torch.Tensor | None = None, num_nodes=None,
+            finish=None) -> torch.Tensor:
+        """Write one step's inputs into ``shape``'s buffers and run the model; returns its logits, or with
+        ``finish`` what ``finish`` makes of them.
 
         Args:
             shape: one of the runner's menu.
@@ -93,32 +98,41 @@ class StepRunner:
                 for a shape without a tree.
             logits_rows: optional integer ``[R]`` of step rows whose logits are wanted (all rows when ``None``).
                 Each distinct ``R`` of a shape gets its own buffers (and graph).
+            num_nodes: integer ``[B]``: real tree nodes per row (``None``: the whole tree), for ``finish``.
+            finish: optional ``finish(logits, inputs)`` run on the logits and the step's buffers as a
+                :class:`lookahead.verification.StepInputs`, with ``key`` (hashable: its own graph per key) and
+                ``capturable`` (with graphs, captured with the forward; otherwise run after the replay).
         Returns:
-            float32 ``[B, R or T, vocab]``. With graphs this is the graph's static output, overwritten by the
-            next replay of the same shape: read it (or copy it) before then.
+            float32 ``[B, R or T, vocab]`` logits, or ``finish``'s result. With graphs this is the graph's static
+            output, overwritten by the next replay of the same shape: read it (or copy it) before then.
         Raises:
             ValueError: on a shape outside the menu or inputs of the wrong shape, dtype or tree size.
         """
-        buf = self._buffers_for(shape, logits_rows)
-        self._write_inputs(buf, tokens, positions, cache_len, tree, logits_rows)
+        captured = finish if finish is not None and finish.capturable and self.graphs else None
+        buf = self._buffers_for(shape, logits_rows, None if captured is None else captured.key)
+        self._write_inputs(buf, tokens, positions, cache_len, tree, logits_rows, num_nodes)
         if not self.graphs:
             with torch.inference_mode():
-                return self._forward(buf)
+                logits = self._forward(buf)
+                return logits if finish is None else finish(logits, self._inputs(buf))
         if buf.graph is None:
             try:
-                self._capture(buf)
+                self._capture(buf, captured)
             except Exception as exc:
                 raise RuntimeError(f"capturing the CUDA graph of step shape {shape} failed ({type(exc).__name__}: "
                                    f"{exc}); generate(..., cuda_graphs=False) runs the eager loop") from exc
         buf.graph.replay()
-        return buf.logits
+        if finish is None or captured is not None:
+            return buf.out
+        with torch.inference_mode():
+            return finish(buf.out, self._inputs(buf))
 
     def captured(self) -> list[StepShape]:
         """Shapes whose graph has been captured (in first-run order)."""
         return [b.shape for b in self._buffers.values() if b.graph is not None]
 
     # ---- internals ----------------------------------------------------------------------------------------
-    def _buffers_for(self, shape: StepShape, logits_rows) -> _ShapeBuffers:
+    def _buffers_for(self, shape: StepShape, logits_rows, finish_key=None) -> _ShapeBuffers:
         if shape not in self.menu:
             raise ValueError(f"step shape {shape} is not on this runner's menu {list(self.menu)}")
         rows = None
@@ -127,12 +141,12 @@ class StepRunner:
                     or logits_rows.is_floating_point() or logits_rows.dtype == torch.bool:
                 raise ValueError(f"logits_rows must be None or an integer tensor [R], got {logits_rows!r}")
             rows = logits_rows.shape[0]
-        key = (shape, rows)
+        key = (shape, rows, finish_key)
         if key not in self._buffers:
             self._buffers[key] = _ShapeBuffers(shape, self.batch_size, rows, self.device)
         return self._buffers[key]
 
-    def _write_inputs(self, buf: _ShapeBuffers, tokens, positions, cache_len, tree, logits_rows) -> None:
+    def _write_inputs(self, buf: _ShapeBuffers, tokens, positions, cache_len, tree, logits_rows, num_nodes) -> None:
         B, T, V = self.batch_size, buf.shape.max_tokens, buf.shape.tree_budget
         for name, t in (("tokens", tokens), ("positions", positions)):
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != (B, T) or t.is_floating_point() \
@@ -169,24 +183,42 @@ class StepRunner:
             buf.end.copy_(tree.end.expand(B, V), non_blocking=True)
         if logits_rows is not None:
             buf.rows.copy_(logits_rows, non_blocking=True)
+        if num_nodes is None:
+            buf.num_nodes.fill_(V)
+        elif not isinstance(num_nodes, torch.Tensor) or num_nodes.shape != (B,) or num_nodes.is_floating_point() \
+                or num_nodes.dtype == torch.bool:
+            raise ValueError(f"num_nodes must be None or an integer tensor [B={B}], got {num_nodes!r}")
+        else:
+            buf.num_nodes.copy_(num_nodes, non_blocking=True)
+
+    def _inputs(self, buf: _ShapeBuffers):
+        from .verification import StepInputs
+
+        return StepInputs(tokens=buf.tokens, end=buf.end if buf.shape.tree_budget else None,
+                          num_nodes=buf.num_nodes, cache=self.cache, cache_len=self.cache_len)
 
     def _forward(self, buf: _ShapeBuffers) -> torch.Tensor:
         return self.model(buf.tokens, buf.positions, self.cache, self.cache_len, buf.layout, buf.rows)
 
-    def _capture(self, buf: _ShapeBuffers) -> None:
-        # Warm-up on a side stream compiles the kernels; it rewrites the step's own KV rows from the same
-        # inputs, so running it before the capture leaves the cache as one run would.
+    def _step(self, buf: _ShapeBuffers, finish):
+        logits = self._forward(buf)
+        return logits if finish is None else finish(logits, self._inputs(buf))
+
+    def _capture(self, buf: _ShapeBuffers, finish) -> None:
+        # Warm-up on a side stream compiles the kernels. It rewrites the step's own KV rows from the same inputs
+        # (and compacts them again from the same verification), so running it before the capture leaves the cache
+        # as one run would.
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.inference_mode(), torch.cuda.stream(stream):
             for _ in range(2):
-                self._forward(buf)
+                self._step(buf, finish)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
-            buf.logits = self._forward(buf)
+            buf.out = self._step(buf, finish)
         buf.graph = graph
 
 

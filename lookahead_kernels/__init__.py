@@ -1,4 +1,4 @@
-"""Kernels for lookahead decoding: attention under the step's mask, verification, the n-gram pool.
+"""Kernels for lookahead decoding: attention under the step's mask, verification, KV compaction, the n-gram pool.
 
 Importing this package is cheap and never queries a device: the Triton and C++/CUDA modules load on first
 use of a name that needs them.
@@ -7,6 +7,7 @@ use of a name that needs them.
 import importlib
 
 from .attention_ref import attention_dense_reference, attention_torch, dense_mask
+from .kv_compact_ref import compact_kv_reference
 from .layout import StepLayout
 from .verify_ref import draw_tree_uniforms, verify_tree_greedy_reference, verify_tree_sample_reference
 
@@ -16,6 +17,7 @@ _LAZY = {
     "verify_tree_greedy": ".verify",
     "verify_tree_sample": ".verify",
     "row_argmax": ".verify",
+    "compact_kv": ".kv_compact",
     "load_pool_extension": ".pool_ext",
     "attention_cpu": ".cpu_attention",
     "load_cpu_ops": ".cpu_ops",
@@ -23,7 +25,7 @@ _LAZY = {
 
 __all__ = ["StepLayout", "attention_torch", "attention_dense_reference", "dense_mask",
            "verify_tree_greedy_reference", "verify_tree_sample_reference", "draw_tree_uniforms",
-           *_LAZY]
+           "compact_kv_reference", *_LAZY]
 
 
 def __getattr__(name):

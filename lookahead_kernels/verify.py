@@ -187,16 +187,19 @@ def _tree_greedy_walk_kernel(
     emitted = tl.full([BLOCK_A], -1, tl.int64)
     cur = tl.zeros([], tl.int32) - 1
     acc = tl.zeros([], tl.int32)
-    for s in range(0, A):
-        # once a step finds no child the walk is over: cur stays, so every later step finds none either
+    go = acc < A
+    # Until a step finds no child: a static graph passes the tree's size as A, and a walk of that many steps
+    # would cost every step as much as the deepest tree.
+    while go:
         nxt = tl.min(tl.where(match & (parent == cur), nodes, BLOCK_N), axis=0)
-        go = nxt < BLOCK_N
-        here = (av == s) & go
+        found = nxt < BLOCK_N
+        here = (av == acc) & found
         path = tl.where(here, nxt.to(tl.int64), path)
         emitted = tl.where(here, y, emitted)  # the accepted token is the argmax that matched it
-        y = tl.where(go, tl.sum(tl.where(nodes == nxt, pred, 0), axis=0), y)
-        acc = tl.where(go, acc + 1, acc)
-        cur = tl.where(go, nxt, cur)
+        y = tl.where(found, tl.sum(tl.where(nodes == nxt, pred, 0), axis=0), y)
+        acc = tl.where(found, acc + 1, acc)
+        cur = tl.where(found, nxt, cur)
+        go = found & (acc < A)
     emitted = tl.where(av == acc, y, emitted)
     tl.store(path_ptr + b64 * spb + av, path, mask=av < A)
     tl.store(emit_ptr + b64 * smb + av, emitted, mask=av < A + 1)

@@ -200,27 +200,20 @@ def test_kv_cache_write_with_per_sequence_offsets():
     assert (cache.max_len, cache.batch_size, cache.num_layers) == (10, 3, 2)
 
 
-def test_kv_cache_move_rows_with_overlap():
+def test_kv_cache_compact_moves_accepted_rows_beside_x():
     torch.manual_seed(6)
-    cache = KVCache(3, 2, 12, 2, 4, dtype=torch.float32, device="cpu")
+    cache = KVCache(3, 2, 16, 2, 4, dtype=torch.float32, device="cpu")
     cache.k.normal_()
     cache.v.normal_()
     before_k, before_v = cache.k.clone(), cache.v.clone()
-    # Sequence 0 shifts rows 4,5,6 down to 3,4,5 (overlapping); sequence 1 moves 9,7,8 to 5,6,7.
-    src = torch.tensor([[4, 5, 6], [9, 7, 8]])
-    dst = torch.tensor([3, 5])
-    cache.move_rows(src, dst)
+    # x at 3 and 5; tree nodes start 4 rows after x; sequence 0 accepted nodes 0 and 2, sequence 1 node 1 only.
+    cache.compact(torch.tensor([3, 5]), 4, torch.tensor([2, 1]), torch.tensor([[0, 2], [1, -1]]))
     expect_k, expect_v = before_k.clone(), before_v.clone()
-    for b in range(2):
-        for m in range(3):
-            expect_k[:, b, int(dst[b]) + m] = before_k[:, b, int(src[b, m])]
-            expect_v[:, b, int(dst[b]) + m] = before_v[:, b, int(src[b, m])]
+    for b, moves in enumerate([[(7, 4), (9, 5)], [(10, 6)]]):
+        for src, dst in moves:
+            expect_k[:, b, dst] = before_k[:, b, src]
+            expect_v[:, b, dst] = before_v[:, b, src]
     assert torch.equal(cache.k, expect_k) and torch.equal(cache.v, expect_v)
-    # Overlap the other way (moving up) with an int destination.
-    before = cache.k.clone()
-    cache.move_rows(torch.tensor([[2, 3, 4], [2, 3, 4]]), 3)
-    assert torch.equal(cache.k[:, :, 3:6], before[:, :, 2:5])
-    cache.move_rows(torch.empty(2, 0, dtype=torch.long), 0)  # nothing to move is fine
 
 
 def test_kv_cache_rejects_bad_arguments():
@@ -232,12 +225,8 @@ def test_kv_cache_rejects_bad_arguments():
         cache.write(0, 1.5, k, k)
     with pytest.raises(ValueError, match=r"\[B=2, T"):
         cache.write(0, 0, torch.zeros(1, 3, 1, 4), torch.zeros(1, 3, 1, 4))
-    with pytest.raises(ValueError, match="src_rows"):
-        cache.move_rows(torch.tensor([1, 2]), 0)
-    with pytest.raises(ValueError, match="src_rows must lie"):
-        cache.move_rows(torch.tensor([[1], [8]]), 0)
-    with pytest.raises(ValueError, match="dst_start"):
-        cache.move_rows(torch.tensor([[1], [2]]), torch.tensor([0, 8]))
+    with pytest.raises(ValueError, match="path must be"):
+        cache.compact(torch.tensor([1, 2]), 1, torch.tensor([1, 1]), torch.tensor([0, 0]))
     with pytest.raises(ValueError, match="max_len"):
         KVCache(1, 1, 0, 1, 4, dtype=torch.float32, device="cpu")
 

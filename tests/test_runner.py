@@ -118,3 +118,109 @@ def test_cuda_graph_replay_equals_eager_on_cuda(batch):
         assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5), shape
     assert set(graphed.captured()) == {PLAIN, TREE}
     assert torch.allclose(cache_graph.k, cache_eager.k, rtol=1e-5, atol=1e-5)
+
+
+class Recorder:
+    """A ``finish`` that keeps what it was given and returns a marker."""
+
+    key = ("recorder",)
+    capturable = True
+
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, logits, inputs):
+        self.seen.append((logits.clone(), inputs))
+        return torch.full((1,), len(self.seen))
+
+
+def test_finish_sees_the_logits_and_the_step_s_static_inputs():
+    model = tiny_model()
+    cache_ref, cache_run = prefilled(model, 2, "cpu"), prefilled(model, 2, "cpu")
+    runner = StepRunner(model, cache_run, [TREE])
+    shape, tokens, positions, lens, tree, _ = steps("cpu", 2)[1]
+    finish = Recorder()
+    got = runner.run(shape, tokens, positions, lens, tree, None, torch.tensor([5, 2]), finish)
+    assert got.tolist() == [1]
+    logits, inputs = finish.seen[0]
+    with torch.inference_mode():
+        assert torch.equal(logits, model(tokens, positions, cache_ref, lens, StepLayout(3, 2, tree)))
+    assert torch.equal(inputs.tokens, tokens) and torch.equal(inputs.end, tree.end.expand(2, 5))
+    assert inputs.num_nodes.tolist() == [5, 2] and torch.equal(inputs.cache_len, lens)
+    assert inputs.cache is cache_run
+    runner.run(shape, tokens, positions, lens, tree, None, None, finish)
+    assert finish.seen[1][1].num_nodes.tolist() == [5, 5]  # no count given: the whole tree
+    with pytest.raises(ValueError, match="num_nodes must be"):
+        runner.run(shape, tokens, positions, lens, tree, None, torch.tensor([1.0, 2.0]), finish)
+
+
+def verifier_steps(device, batch, seed=5):
+    """Tree steps with a window (shape TREE), each row's tree a random prefix of real nodes."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for shape, tokens, positions, lens, tree, _ in steps(device, batch, count=8, seed=seed):
+        if shape == TREE:
+            out.append((tokens, positions, lens, tree, torch.randint(0, 6, (batch,), generator=gen).to(device)))
+    return out
+
+
+def logits_rows(shape):
+    layout = StepLayout(shape.window, shape.levels, TREES[0])
+    return torch.tensor([0, *layout.last_level_rows(), *range(layout.lookahead_len, layout.T)])
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_verifier_run_by_the_runner_equals_one_run_after_the_model(batch):
+    """Verification, guesses, successor tops and KV compaction through the runner's buffers: the same read-back
+    and the same cache as the verifier on the model's own logits."""
+    from lookahead.verification import Sampler, StepInputs, StepVerifier
+
+    model = tiny_model()
+    cache_ref, cache_run = prefilled(model, batch, "cpu"), prefilled(model, batch, "cpu")
+    runner = StepRunner(model, cache_run, [TREE])
+    verifier = StepVerifier(Sampler(False, None, None, None, None), TREE, 5, 4, 1 + 3 + 5)
+    rows = logits_rows(TREE)
+    accepted = 0
+    for tokens, positions, lens, tree, num_nodes in verifier_steps("cpu", batch):
+        # Make some nodes match: each node's token is what the model predicts at its parent.
+        layout = StepLayout(3, 2, tree)
+        with torch.inference_mode():
+            probe = model(tokens, positions, cache_ref, lens, layout, rows)
+        tokens[:, 6:] = probe[:, 4:].argmax(-1).roll(1, dims=1)
+        tokens[:, 6] = probe[:, 0].argmax(-1)
+        with torch.inference_mode():
+            ref_logits = model(tokens, positions, cache_ref, lens, layout, rows)
+            want = verifier.read(verifier(ref_logits, StepInputs(tokens, tree.end, num_nodes, cache_ref, lens)))
+        got = verifier.read(runner.run(TREE, tokens, positions, lens, tree, rows, num_nodes, verifier))
+        assert got.accept_len == want.accept_len and got.nodes == want.nodes and got.emitted == want.emitted
+        assert got.guesses == want.guesses
+        assert torch.equal(got.successor_ids, want.successor_ids)
+        assert torch.equal(got.successor_probs, want.successor_probs)
+        assert all(a <= n for a, n in zip(got.accept_len, num_nodes.tolist()))
+        accepted += sum(got.accept_len)
+    assert accepted > 0  # the steps above exercised compaction
+    assert torch.equal(cache_run.k, cache_ref.k) and torch.equal(cache_run.v, cache_ref.v)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_a_cuda_graph_holds_the_greedy_verifier(do_sample):
+    """Greedy: forward, verification and compaction replay as one graph; sampling: the verifier runs after the
+    replay. Either way the read-back and the cache match the eager runner's."""
+    from lookahead.verification import Sampler, StepVerifier
+
+    model = tiny_model("cuda")
+    cache_eager, cache_graph = prefilled(model, 2, "cuda"), prefilled(model, 2, "cuda")
+    eager = StepRunner(model, cache_eager, [TREE])
+    graphed = StepRunner(model, cache_graph, [TREE], graphs=True)
+    rows = logits_rows(TREE).cuda()
+    gens = [torch.Generator("cuda").manual_seed(0) for _ in range(2)]
+    verifiers = [StepVerifier(Sampler(do_sample, 1.0, None, None, g), TREE, 5, 4, 9) for g in gens]
+    for tokens, positions, lens, tree, num_nodes in verifier_steps("cuda", 2):
+        want = verifiers[0].read(eager.run(TREE, tokens, positions, lens, tree, rows, num_nodes, verifiers[0]))
+        got = verifiers[1].read(graphed.run(TREE, tokens, positions, lens, tree, rows, num_nodes, verifiers[1]))
+        assert got.accept_len == want.accept_len and got.emitted == want.emitted and got.guesses == want.guesses
+    key = next(iter(graphed._buffers))
+    assert key[2] == (None if do_sample else verifiers[1].key)
+    assert graphed.captured() == [TREE]
+    assert torch.allclose(cache_graph.k, cache_eager.k, rtol=1e-5, atol=1e-5)

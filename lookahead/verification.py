@@ -1,0 +1,225 @@
+"""The "verify" part of a decoding step (``shared/design/decode-loop.md``, part 4) and the device half of part 5's
+KV compaction, as one function of the step's logits run where they are.
+
+:class:`StepVerifier` takes a step's logits and inputs and, on their device: verifies the tree (greedy or by
+rejection sampling), picks the window's next guesses, takes the successor table's top next tokens, and moves
+the accepted nodes' keys and values beside ``x`` (a function of the accepted path alone: no host decision is
+needed). Everything the host needs from the step then comes back in one int32 tensor, read back once
+(:meth:`StepVerifier.read`). Its shapes depend only on the step's shape, so for greedy decoding a CUDA graph holds
+it with the forward (:class:`lookahead.runner.StepRunner`): a replayed lookahead step launches nothing from
+Python between the step's inputs and its read-back. Sampling draws its uniforms from a host generator on every
+step, so it runs after the replay instead.
+
+Why compaction moved here from the commit part: it had to wait for the read-back and then launched about ten
+copies and index tensors from Python between two replays (the H100 run of record measured verification alone,
+launched from Python, at 110-250 us against 14-16 us of device time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .config import StepShape
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """What verification reads of a step besides its logits (device tensors; static buffers under a runner).
+
+    Attributes:
+        tokens: int64 ``[B, T]``, the step's tokens in layout order (tree nodes last).
+        end: int64 ``[V]`` or ``[B, V]``, the tree's subtree ends (``TreeShape.end``); ``None`` without a tree.
+        num_nodes: int64 ``[B]``, real (not padding) nodes per row.
+        cache: the :class:`lookahead.model.KVCache` the step wrote.
+        cache_len: int64 ``[B]``, each row's committed length (the slot of its ``x``).
+    """
+
+    tokens: torch.Tensor
+    end: torch.Tensor | None
+    num_nodes: torch.Tensor
+    cache: object
+    cache_len: torch.Tensor
+
+
+class Sampler:
+    """Greedy or sampled choice of tokens from logits rows; holds the sampling parameters and generator.
+
+    In a batch every row draws from the one generator, in row order: a row's samples differ from what the same
+    seed gives it alone, but each row keeps exactly the model's distribution."""
+
+    def __init__(self, do_sample: bool, temperature, top_k, top_p, generator):
+        self.params = None
+        self.generator = generator
+        if do_sample:
+            from .sampling import SamplingParams  # sampling utilities live beside the verifier's reference
+
+            params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+            self.params = None if params.is_greedy else params
+
+    @property
+    def greedy(self) -> bool:
+        return self.params is None
+
+    def choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """LongTensor ``[...]``: one token per row of ``logits [..., V]``."""
+        lead = logits.shape[:-1]
+        logits = logits.reshape(-1, logits.shape[-1])
+        if self.greedy:
+            if logits.device.type == "cuda":
+                from lookahead_kernels import row_argmax
+
+                return row_argmax(logits).reshape(lead)
+            return logits.argmax(-1).reshape(lead)
+        from .sampling import sample_rows, warp_logits
+
+        return sample_rows(warp_logits(logits, self.params), self.generator).reshape(lead)
+
+    def verify_tree(self, x_logits, node_logits, tokens, end, num_nodes, max_accept: int):
+        """Verification of a batch's trees: ``(accept_len [B], path [B, max_accept], emitted [B, max_accept+1])``.
+
+        ``x_logits [B, vocab]``, ``node_logits [B, V, vocab]``, ``tokens [B, V]``, ``end`` ``[V]`` or ``[B, V]``
+        on the logits' device; ``num_nodes``: int64 ``[B]`` real nodes per row (the rest padding)."""
+        device = x_logits.device
+        cuda = device.type == "cuda"
+        if self.greedy:
+            if cuda:
+                from lookahead_kernels import verify_tree_greedy as verify
+            else:
+                from lookahead_kernels import verify_tree_greedy_reference as verify
+            return verify(x_logits, node_logits, tokens, end, num_nodes, max_accept)
+        from lookahead_kernels import draw_tree_uniforms
+
+        from .sampling import warp_logits
+
+        x_probs = warp_logits(x_logits, self.params)
+        node_probs = warp_logits(node_logits, self.params)
+        uniforms = draw_tree_uniforms(tokens.shape[0], tokens.shape[1], device, self.generator)
+        if cuda:
+            from lookahead_kernels import verify_tree_sample as verify
+        else:
+            from lookahead_kernels import verify_tree_sample_reference as verify
+        return verify(x_probs, node_probs, tokens, end, num_nodes, max_accept, uniforms=uniforms)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReadBack:
+    """A lookahead step's results on the host, per row of the batch.
+
+    Attributes:
+        accept_len: accepted tree nodes per row.
+        nodes: per row, the accepted nodes' indices in the tree, root first.
+        emitted: per row, the tokens emitted: the accepted nodes' tokens and the bonus token.
+        guesses: per row, the window's next guesses (``W`` tokens).
+        successor_ids: int64 ``[B, R, k]``: the top next tokens of the step's first ``R`` logits rows (``None``
+            when the step took none); rows past a row's real nodes are padding.
+        successor_probs: float32 ``[B, R, k]``: their probabilities among the ``k``.
+    """
+
+    accept_len: list
+    nodes: list
+    emitted: list
+    guesses: list
+    successor_ids: torch.Tensor | None
+    successor_probs: torch.Tensor | None
+
+
+class StepVerifier:
+    """Verification, the window's guesses, successor tops and KV compaction of one lookahead step shape.
+
+    Args:
+        sampler: the call's :class:`Sampler`.
+        shape: the step's shape (``tree_budget``: its tree size, padding included; 0 for a step without a tree).
+        max_accept: the most nodes a row may accept (at least its tree's depth; the tree size on a CUDA graph,
+            whose shapes cannot follow each step's depth).
+        successor_k: the successor table's ``k`` (0: none wanted).
+        successor_rows: the logits rows whose tops are wanted (the first ``successor_rows``).
+
+    The logits a step returns are ordered ``x``, the window's last level (``W`` rows; with one level that level
+    starts at ``x``), then the tree's nodes, as :class:`lookahead.step.Step` builds them.
+    """
+
+    def __init__(self, sampler: Sampler, shape: StepShape, max_accept: int, successor_k: int = 0,
+                 successor_rows: int = 0):
+        self.sampler = sampler
+        self.shape = shape
+        self.max_accept = max_accept if shape.tree_budget else 0
+        self.successor_k = successor_k
+        self.successor_rows = successor_rows if successor_k else 0
+        first = 0 if shape.levels == 1 else 1  # with one level, column 0 of the last level is x itself
+        self.window_rows = slice(first, first + shape.window)
+        self.node_rows = slice(first + shape.window, first + shape.window + shape.tree_budget)
+        self.lookahead_len = shape.window * shape.levels
+        self.width = 2 + 2 * self.max_accept + shape.window
+
+    @property
+    def key(self) -> tuple:
+        """What a captured graph of this verifier depends on besides the step shape."""
+        return ("verify", self.max_accept, self.successor_k, self.successor_rows)
+
+    @property
+    def capturable(self) -> bool:
+        """Whether a CUDA graph may hold it: greedy only (sampling draws from a host generator each step)."""
+        return self.sampler.greedy
+
+    def __call__(self, logits: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
+        """int32 ``[B, width + 2 R k]`` on the logits' device: per row its accepted length, path (``max_accept``,
+        then -1), emitted tokens (``max_accept + 1``), the window's guesses (``W``), then the successor tops' ids
+        and their float32 probabilities' bits. Compacts ``inputs.cache`` in place."""
+        B, V = logits.shape[0], self.shape.tree_budget
+        if V:
+            la = self.lookahead_len
+            accept_len, path, emitted = self.sampler.verify_tree(
+                logits[:, 0], logits[:, self.node_rows], inputs.tokens[:, la: la + V], inputs.end, inputs.num_nodes,
+                self.max_accept)
+            inputs.cache.compact(inputs.cache_len, la, accept_len, path)
+        else:
+            accept_len = torch.zeros(B, dtype=torch.long, device=logits.device)
+            path = torch.empty(B, 0, dtype=torch.long, device=logits.device)
+            emitted = self.sampler.choose(logits[:, 0])[:, None]
+        guesses = self.sampler.choose(logits[:, self.window_rows])
+        parts = [accept_len[:, None], path, emitted, guesses]
+        if self.successor_k:
+            from .successors import SuccessorTable
+
+            ids, probs = SuccessorTable.top(logits[:, : self.successor_rows], self.successor_k)
+            parts.append(ids.reshape(B, -1))
+        out = torch.cat(parts, dim=1).to(torch.int32)
+        if self.successor_k:
+            out = torch.cat([out, probs.reshape(B, -1).view(torch.int32)], dim=1)
+        return out
+
+    def read(self, out: torch.Tensor) -> StepReadBack:
+        """The host's view of ``out`` (:meth:`__call__`'s result): one copy to the host, the only sync of a step."""
+        out = out.cpu()
+        A, width = self.max_accept, self.width
+        rows = out[:, :width].tolist()
+        accept = [r[0] for r in rows]
+        ids = probs = None
+        if self.successor_k:
+            B, R, k = out.shape[0], self.successor_rows, -1
+            ids = out[:, width: width + (out.shape[1] - width) // 2]
+            probs = out[:, width + ids.shape[1]:].view(torch.float32).reshape(B, R, k)
+            ids = ids.long().reshape(B, R, k)
+        return StepReadBack(accept_len=accept, nodes=[r[1: 1 + a] for r, a in zip(rows, accept)],
+                            emitted=[r[1 + A: 2 + A + a] for r, a in zip(rows, accept)],
+                            guesses=[r[2 + 2 * A: width] for r in rows], successor_ids=ids, successor_probs=probs)
+
+
+class PlainChoice:
+    """The "verify" part of a plain step: each row's next token from ``x``'s logits, int64 ``[B]``."""
+
+    def __init__(self, sampler: Sampler):
+        self.sampler = sampler
+
+    @property
+    def key(self) -> tuple:
+        return ("plain",)
+
+    @property
+    def capturable(self) -> bool:
+        return self.sampler.greedy
+
+    def __call__(self, logits: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
+        return self.sampler.choose(logits[:, 0])
