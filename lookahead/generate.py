@@ -581,7 +581,9 @@ def _levels(active: list[_Row]) -> int:
 
 def _plain_step(model, cache, runner, batch: list[_Row], sampler: Sampler, device) -> int:
     lens = [_start(r) for r in batch]
-    tokens, positions = upload([torch.tensor([[r.x] for r in batch]), torch.tensor([[n] for n in lens])], device)
+    # A runner stages host inputs itself (one copy into its buffers); the model takes them on its device.
+    tokens, positions = upload([torch.tensor([[r.x] for r in batch]), torch.tensor([[n] for n in lens])],
+                               "cpu" if runner is not None else device)
     chosen = _run(model, cache, runner, PLAIN, tokens, positions, lens, StepLayout(1, 1), None, None,
                   PlainChoice(sampler))
     emitted = 0
@@ -634,7 +636,7 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
     lens = [_start(r) for r in batch]
     window_tokens = [torch.full((levels * W,), r.x, dtype=torch.long) if r.emitter.done else r.window.step_tokens(r.x)
                      for r in batch]
-    step = build_step(lens, torch.stack(window_tokens), levels, W, trees, device)
+    step = build_step(lens, torch.stack(window_tokens), levels, W, trees, "cpu" if runner is not None else device)
     step_shape = StepShape(W, levels, size)
     successors = active[0].drafts.successors
     if runner is None:  # the eager loop verifies as deep as this step's trees go, and tops only computed rows

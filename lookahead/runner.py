@@ -16,7 +16,8 @@ so both devices take one route through the loop.
 
 The graph path needs a forward without host synchronisation: ``cache_len`` is kept as a device tensor (the
 model and the attention kernel never read it back), the tree lives on the device, and the attention kernel
-sizes its split-KV from the cache's capacity rather than the current length.
+sizes its split-KV from the cache's capacity rather than the current length. A step's inputs given on the host
+reach the device in one copy (a pinned staging block laid out like the device buffers).
 """
 
 from __future__ import annotations
@@ -29,21 +30,53 @@ from lookahead_kernels.tree import TreeShape
 from .config import StepShape
 
 
+class _Inputs:
+    """A step's integer inputs as views of one flat int64 block: ``tokens``, ``positions [B, T]``, ``cache_len``,
+    ``num_nodes [B]``, ``depth``, ``end [B, V]``, ``rows [R]`` (``None`` without rows)."""
+
+    def __init__(self, block: torch.Tensor, B: int, T: int, V: int, rows: int | None):
+        sizes = dict(tokens=(B, T), positions=(B, T), cache_len=(B,), num_nodes=(B,), depth=(B, V), end=(B, V),
+                     rows=(rows or 0,))
+        start = 0
+        for name, shape in sizes.items():
+            n = torch.Size(shape).numel()
+            setattr(self, name, block[start: start + n].view(shape))
+            start += n
+        if rows is None:
+            self.rows = None
+
+    @staticmethod
+    def numel(B: int, T: int, V: int, rows: int | None) -> int:
+        return 2 * B * T + 2 * B + 2 * B * V + (rows or 0)
+
+
 class _ShapeBuffers:
-    """The static inputs (and, once captured, the graph and its output) of one ``(shape, logits rows)``."""
+    """The static inputs (and, once captured, the graph and its output) of one ``(shape, logits rows)``.
+
+    The inputs are views of one device block; on CUDA a pinned host block of the same layout stages a step's host
+    inputs, so that they reach the device in one copy (each small copy is a launch of its own)."""
 
     def __init__(self, shape: StepShape, batch_size: int, rows: int | None, device: torch.device):
-        T, V = shape.max_tokens, shape.tree_budget
+        B, T, V = batch_size, shape.max_tokens, shape.tree_budget
         self.shape = shape
-        self.tokens = torch.zeros(batch_size, T, dtype=torch.long, device=device)
-        self.positions = torch.arange(T, device=device).expand(batch_size, T).contiguous()
+        size = _Inputs.numel(B, T, V, rows)
+        self.device_block = torch.zeros(size, dtype=torch.long, device=device)
+        self.inputs = _Inputs(self.device_block, B, T, V, rows)
+        self.host_block = self.staging = self.staged = None
+        if device.type == "cuda":
+            self.host_block = torch.zeros(size, dtype=torch.long, pin_memory=True)
+            self.staging = _Inputs(self.host_block, B, T, V, rows)
+            self.staged = None  # an event recorded after the last copy out of the staging block
+        x = self.inputs
+        x.positions.copy_(torch.arange(T).expand(B, T))
         # A valid tree to start from (every node a child of x); each step overwrites it in place.
-        self.depth = torch.ones(batch_size, V, dtype=torch.long, device=device)
-        self.end = torch.arange(1, V + 1, device=device).expand(batch_size, V).contiguous()
-        self.num_nodes = torch.full((batch_size,), V, dtype=torch.long, device=device)
-        tree = TreeShape(self.depth, self.end) if V else None
+        x.depth.fill_(1)
+        x.end.copy_(torch.arange(1, V + 1).expand(B, V))
+        x.num_nodes.fill_(V)
+        if rows is not None:
+            x.rows.copy_(torch.arange(rows))
+        tree = TreeShape(x.depth, x.end) if V else None
         self.layout = StepLayout(shape.window, shape.levels, tree)
-        self.rows = None if rows is None else torch.arange(rows, device=device)
         self.graph = None
         self.out = None  # the graph's output: the logits, or the captured verification's result
 
@@ -78,8 +111,6 @@ class StepRunner:
         self.graphs = bool(graphs)
         self.batch_size = cache.batch_size
         self.device = model.device
-        # Shared by every shape: committed rows per sequence, on the device so that nothing reads it back.
-        self.cache_len = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
         self._buffers: dict[tuple[StepShape, int | None], _ShapeBuffers] = {}
         self._pool = None  # one memory pool for all graphs: only one step's activations live at a time
 
@@ -172,33 +203,46 @@ class StepRunner:
             if int(lens.min()) < 0 or int(lens.max()) + T > self.cache.max_len:
                 raise ValueError(f"cache_len {lens.tolist()} + T {T} must lie within the cache's "
                                  f"{self.cache.max_len} rows")
-        buf.tokens.copy_(tokens, non_blocking=True)
-        buf.positions.copy_(positions, non_blocking=True)
-        if isinstance(cache_len, int):
-            self.cache_len.fill_(cache_len)
-        else:
-            self.cache_len.copy_(cache_len.reshape(-1).expand(B), non_blocking=True)
-        if V:
-            buf.depth.copy_(tree.depth.expand(B, V), non_blocking=True)
-            buf.end.copy_(tree.end.expand(B, V), non_blocking=True)
-        if logits_rows is not None:
-            buf.rows.copy_(logits_rows, non_blocking=True)
-        if num_nodes is None:
-            buf.num_nodes.fill_(V)
-        elif not isinstance(num_nodes, torch.Tensor) or num_nodes.shape != (B,) or num_nodes.is_floating_point() \
-                or num_nodes.dtype == torch.bool:
+        if num_nodes is not None and (not isinstance(num_nodes, torch.Tensor) or num_nodes.shape != (B,)
+                                      or num_nodes.is_floating_point() or num_nodes.dtype == torch.bool):
             raise ValueError(f"num_nodes must be None or an integer tensor [B={B}], got {num_nodes!r}")
+        given = [tokens, positions, cache_len, logits_rows, num_nodes] + ([tree.depth, tree.end] if V else [])
+        # Host inputs go through the pinned block: one copy to the device instead of one per buffer.
+        staged = buf.staging is not None and all(not isinstance(t, torch.Tensor) or t.device.type == "cpu"
+                                                 for t in given)
+        if staged and buf.staged is not None:
+            buf.staged.synchronize()  # the last step's copy has left the staging block (its read-back waited)
+        dst = buf.staging if staged else buf.inputs
+        dst.tokens.copy_(tokens, non_blocking=True)
+        dst.positions.copy_(positions, non_blocking=True)
+        if isinstance(cache_len, int):
+            dst.cache_len.fill_(cache_len)
         else:
-            buf.num_nodes.copy_(num_nodes, non_blocking=True)
+            dst.cache_len.copy_(cache_len.reshape(-1).expand(B), non_blocking=True)
+        if V:
+            dst.depth.copy_(tree.depth.expand(B, V), non_blocking=True)
+            dst.end.copy_(tree.end.expand(B, V), non_blocking=True)
+        if logits_rows is not None:
+            dst.rows.copy_(logits_rows, non_blocking=True)
+        if num_nodes is None:
+            dst.num_nodes.fill_(V)
+        else:
+            dst.num_nodes.copy_(num_nodes, non_blocking=True)
+        if staged:
+            buf.device_block.copy_(buf.host_block, non_blocking=True)
+            buf.staged = torch.cuda.Event()
+            buf.staged.record()
 
     def _inputs(self, buf: _ShapeBuffers):
         from .verification import StepInputs
 
-        return StepInputs(tokens=buf.tokens, end=buf.end if buf.shape.tree_budget else None,
-                          num_nodes=buf.num_nodes, cache=self.cache, cache_len=self.cache_len)
+        x = buf.inputs
+        return StepInputs(tokens=x.tokens, end=x.end if buf.shape.tree_budget else None, num_nodes=x.num_nodes,
+                          cache=self.cache, cache_len=x.cache_len)
 
     def _forward(self, buf: _ShapeBuffers) -> torch.Tensor:
-        return self.model(buf.tokens, buf.positions, self.cache, self.cache_len, buf.layout, buf.rows)
+        x = buf.inputs
+        return self.model(x.tokens, x.positions, self.cache, x.cache_len, buf.layout, x.rows)
 
     def _step(self, buf: _ShapeBuffers, finish):
         logits = self._forward(buf)

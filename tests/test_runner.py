@@ -120,6 +120,22 @@ def test_cuda_graph_replay_equals_eager_on_cuda(batch):
     assert torch.allclose(cache_graph.k, cache_eager.k, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.gpu
+def test_host_inputs_reach_a_cuda_runner_through_its_staging_block():
+    """Inputs on the host are staged in pinned memory and copied once: the same logits as device inputs."""
+    model = tiny_model("cuda")
+    cache_dev, cache_host = prefilled(model, 2, "cuda"), prefilled(model, 2, "cuda")
+    on_device = StepRunner(model, cache_dev, [PLAIN, TREE], graphs=True)
+    from_host = StepRunner(model, cache_host, [PLAIN, TREE], graphs=True)
+    for shape, tokens, positions, lens, tree, rows in steps("cuda", 2, count=8):
+        ref = on_device.run(shape, tokens, positions, lens, tree, rows).clone()
+        got = from_host.run(shape, tokens.cpu(), positions.cpu(), lens.cpu(), None if tree is None else tree.to("cpu"),
+                            None if rows is None else rows.cpu())
+        assert torch.equal(got, ref), shape
+    assert all(b.staged is not None for b in from_host._buffers.values())
+    assert torch.equal(cache_host.k, cache_dev.k)
+
+
 class Recorder:
     """A ``finish`` that keeps what it was given and returns a marker."""
 
