@@ -41,6 +41,37 @@ def test_suffix_index_is_incremental_and_rejects_a_shorter_sequence():
         idx.matches([1], 4)
 
 
+def matches_by_contexts(sequence, limit, max_match=8, max_len=32):
+    """The rule spelled out: for each context length from the longest down, every earlier end of the sequence's
+    last ``c`` tokens, most recent first, offers what followed it; a continuation that is a prefix of one already
+    taken is left out."""
+    out = {}
+    n = len(sequence)
+    for c in range(min(max_match, n - 1), 0, -1):
+        for j in range(n - 2, c - 2, -1):
+            if sequence[j - c + 1: j + 1] != sequence[n - c:]:
+                continue
+            if len(out) >= limit:
+                return list(out.items())
+            cont = tuple(sequence[j + 1: j + 1 + SuffixIndex.length_for(c, max_len)])
+            if cont and not any(prev[: len(cont)] == cont for prev in out):
+                out[cont] = c
+    return list(out.items())
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_suffix_matches_follow_the_rule_on_random_sequences(seed):
+    """Small vocabularies make long and overlapping matches; the index grows a few tokens at a time."""
+    g = torch.Generator().manual_seed(seed)
+    vocab, max_match, max_len = [2, 3, 5, 20][seed % 4], [1, 3, 8][seed % 3], [2, 8, 32][seed % 3]
+    seq = torch.randint(0, vocab, (int(torch.randint(1, 120, (1,), generator=g)),), generator=g).tolist()
+    idx = SuffixIndex(max_match=max_match, max_len=max_len)
+    for cut in list(range(1, len(seq), 7)) + [len(seq)]:
+        for limit in (1, 4, 16):
+            assert idx.matches(seq[:cut], limit) == matches_by_contexts(seq[:cut], limit, max_match, max_len), \
+                (cut, limit)
+
+
 # ---- successor table -------------------------------------------------------------------------------------------
 def test_successor_table_keeps_the_top_k_of_the_latest_row():
     table = SuccessorTable(vocab_size=10, k=3)
