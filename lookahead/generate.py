@@ -33,7 +33,7 @@ from .arguments import resolve_generate_arguments
 from .config import LookaheadConfig, StepShape
 from .controller import make_plan
 from .draft import DraftBuilder, Proposal
-from .runner import StepRunner, runner_cache
+from .runner import StepRunner, cache_pool, runner_cache
 from .step import build_step, upload
 from .verification import PlainChoice, Sampler, StepInputs, StepVerifier
 from .window import LookaheadWindow
@@ -317,7 +317,8 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
                                           graphs=graphs)
         cache = runner.cache
     else:
-        cache = model.new_cache(B, longest + max_new_tokens + step_cap)
+        cache = cache_pool(model).take(model, B, longest + max_new_tokens + step_cap,
+                                       cfg.max_position_embeddings + step_cap)
     # A batch too big for any tree at the start decodes plainly, its rows' lookahead state (window, drafts) made
     # only if the batch shrinks enough for trees to pay (_decode): building it and seeding the successor table (a
     # vocabulary projection per prompt row) cost 64 HumanEval rows 0.79x plain decoding when they steered nothing.
@@ -354,6 +355,8 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     accepted = _decode(model, cache, runner, rows, sampler, plan, pad, device, started, host, start_late)
     if runner is not None:  # only after a clean run: a runner left mid-step or mid-capture is dropped
         runner_cache(model).give_back(runner)
+    else:
+        cache_pool(model).give_back(cache)
     seconds = time.perf_counter() - started
     if streamer is not None:
         streamer.end()

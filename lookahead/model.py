@@ -260,6 +260,16 @@ class KVCache:
         shape = (num_layers, batch_size, max_len, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._whole = (self.k, self.v)  # as allocated: remove_rows narrows k and v
+
+    def renewed(self) -> "KVCache":
+        """A cache over this one's whole storage as allocated (every batch row, whatever :meth:`remove_rows` left),
+        for a later call. Its rows hold what earlier steps wrote: a step reads only its sequence's committed rows and
+        the rows it writes itself, so leftovers are never read."""
+        fresh = object.__new__(KVCache)
+        fresh.k, fresh.v = self._whole
+        fresh._whole = self._whole
+        return fresh
 
     @property
     def num_layers(self) -> int:
@@ -314,6 +324,7 @@ class KVCache:
             raise ValueError(f"sequence index must be an int in [0, {self.batch_size}), got {b!r}")
         view = object.__new__(KVCache)
         view.k, view.v = self.k[:, b:b + 1], self.v[:, b:b + 1]
+        view._whole = (view.k, view.v)
         return view
 
     def remove_rows(self, rows: list[int]) -> list[int]:

@@ -197,11 +197,10 @@ class StepVerifier:
         rows = out[:, :width].tolist()
         accept = [r[0] for r in rows]
         ids = probs = None
-        if self.successor_k:
-            B, R, k = out.shape[0], self.successor_rows, -1
-            ids = out[:, width: width + (out.shape[1] - width) // 2]
-            probs = out[:, width + ids.shape[1]:].view(torch.float32).reshape(B, R, k)
-            ids = ids.long().reshape(B, R, k)
+        if self.successor_k:  # ids, then as many float32 probabilities (k may exceed a tiny vocabulary)
+            B, R, half = out.shape[0], self.successor_rows, (out.shape[1] - width) // 2
+            ids = out[:, width: width + half].long().reshape(B, R, -1)
+            probs = out[:, width + half:].view(torch.float32).reshape(B, R, -1)
         return StepReadBack(accept_len=accept, nodes=[r[1: 1 + a] for r, a in zip(rows, accept)],
                             emitted=[r[1 + A: 2 + A + a] for r, a in zip(rows, accept)],
                             guesses=[r[2 + 2 * A: width] for r in rows], successor_ids=ids, successor_probs=probs)

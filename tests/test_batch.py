@@ -10,6 +10,7 @@ import torch
 
 from lookahead import LlamaForCausalLM, LookaheadConfig
 from lookahead.controller import StepCosts, StepPlanner, make_plan
+from lookahead.model import ModelConfig
 from lookahead.sampling import SamplingParams
 
 from .test_generate import HAS_SMOLLM2, dev_prompts, tiny_hf_model
@@ -232,3 +233,23 @@ def test_lookahead_resumes_when_rows_leave(tiny):
                [short] * 15 + [long], pad_id=eos)
     last = out.stats.rows[-1]
     assert last.accepted[:4] == [1] * 4 and last.fed_tokens > last.steps  # plain while crowded, trees after
+
+
+def test_the_eager_loop_reuses_its_kv_cache_between_calls():
+    """A call's cache is kept on the model (``model.kv_caches``) and handed to the next call of the batch size,
+    rows left over included: the outputs stay those of a fresh cache."""
+    from lookahead.runner import CachePool
+
+    model = LlamaForCausalLM(ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=2,
+                                         num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256))
+    torch.manual_seed(0)
+    prompts = [torch.randint(0, 50, (n,)) for n in (7, 3, 12)]
+    first = model.generate(prompts, 20, lookahead=None).sequences
+    pool = model.kv_caches
+    assert isinstance(pool, CachePool)
+    stored = pool._idle[(model.device, model.dtype, 3)]
+    again = model.generate(prompts, 20, lookahead=LookaheadConfig(window=2, ngram=3, guess=2)).sequences
+    assert torch.equal(again, first)
+    assert pool._idle[(model.device, model.dtype, 3)].k.data_ptr() == stored.k.data_ptr()  # the same storage
+    model.kv_caches.clear()
+    assert torch.equal(model.generate(prompts, 20, lookahead=None).sequences, first)
