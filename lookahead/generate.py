@@ -436,15 +436,21 @@ def _cache_len_arg(lens: list[int], device):
 
 
 def _run(model, cache, runner: StepRunner | None, shape: StepShape, tokens, positions, lens: list[int],
-         layout: StepLayout, logits_rows, num_nodes, finish):
+         layout: StepLayout, logits_rows, num_nodes, finish, host: "_HostClock | None" = None):
     """Parts 3 and 4 of a step: the forward and ``finish`` (its verification) on the logits, through the runner's
     static buffers (and graphs, which hold a greedy ``finish`` too) when there is one, else the model itself.
-    With graphs the result is overwritten by the next step of the same shape: the step reads it before then."""
+    With graphs the result is overwritten by the next step of the same shape: the step reads it before then.
+    Without a runner ``finish``'s time is added to ``host.verify_seconds``: there it is work the trees cost beside
+    the forward that the planner's step costs (forward passes alone) do not count."""
     if runner is None:
         logits = model(tokens, positions, cache, _cache_len_arg(lens, device=tokens.device), layout, logits_rows)
         tree = layout.tree
-        return finish(logits, StepInputs(tokens, None if tree is None else tree.end, num_nodes, cache,
-                                         positions[:, 0]))
+        started = time.perf_counter()
+        out = finish(logits, StepInputs(tokens, None if tree is None else tree.end, num_nodes, cache,
+                                        positions[:, 0]))
+        if host is not None:
+            host.verify_seconds = time.perf_counter() - started
+        return out
     # Each row's x sits at its committed length: the positions' first column is cache_len, already on the device.
     return runner.run(shape, tokens, positions, positions[:, 0], layout.tree, logits_rows, num_nodes, finish)
 
@@ -489,10 +495,12 @@ def _static_menu(plan, batch_size: int) -> list[StepShape]:
 
 
 class _HostClock:
-    """Seconds the lookahead steps spent on host work (``GenerationStats.host_seconds``)."""
+    """Seconds the lookahead steps spent on host work (``GenerationStats.host_seconds``), and the last eager
+    step's verification (0 where a graph holds it)."""
 
     def __init__(self):
         self.seconds = 0.0
+        self.verify_seconds = 0.0
 
 
 def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: Sampler, plan, pad: bool, device,
@@ -650,8 +658,9 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
     verifier = StepVerifier(sampler, step_shape, depth, 0 if successors is None else successors.k, computed)
     forward_started = time.perf_counter()
     # Forward, verification and KV compaction (one graph replay for greedy decoding); one read-back per step.
+    host.verify_seconds = 0.0
     back = verifier.read(_run(model, cache, runner, step_shape, step.tokens, step.positions, lens, step.layout,
-                              step.logits_rows, step.num_nodes, verifier))
+                              step.logits_rows, step.num_nodes, verifier, host))
     forward_done = time.perf_counter()
     emitted_total = 0
     for b, row in enumerate(batch):
@@ -683,8 +692,9 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
         accepted = sum(a for row, a in zip(batch, back.accept_len) if id(row) in proposals)
         plan.planner.observe_gain(float(sum(map(sum, verified))), accepted)
     if plan.planner is not None and plan.planner.host is not None and size:
-        # The trees' host work beside the forward (and verification), for the planner's next choices.
-        plan.planner.host.observe(len(active), sum(t.num_nodes for t in trees), host_seconds)
+        # The trees' work beside the forward (host work, and verification where it runs eagerly), for the
+        # planner's next choices.
+        plan.planner.host.observe(len(active), sum(t.num_nodes for t in trees), host_seconds + host.verify_seconds)
     return emitted_total
 
 
