@@ -111,7 +111,7 @@ class StepRunner:
         self.graphs = bool(graphs)
         self.batch_size = cache.batch_size
         self.device = model.device
-        self._buffers: dict[tuple[StepShape, int | None], _ShapeBuffers] = {}
+        self._buffers: dict[tuple, _ShapeBuffers] = {}  # (shape, logits rows, captured finish key)
         self._pool = None  # one memory pool for all graphs: only one step's activations live at a time
 
     # ---- public ---------------------------------------------------------------------------------------------
