@@ -266,6 +266,12 @@ class StepRunner:
         buf.graph = graph
 
 
+def _pooled_rows(min_len: int, limit: int) -> int:
+    """Rows of a cache kept for later calls: ``min_len`` rounded up to a power of two, at least 1024, at most
+    ``limit`` (never below ``min_len``), so that later calls with somewhat longer prompts reuse it."""
+    return min(max(1024, 1 << (int(min_len) - 1).bit_length()), max(int(limit), int(min_len)))
+
+
 class RunnerCache:
     """Step runners kept between ``generate`` calls on one model, so that each step shape's CUDA graph is captured
     once rather than once per call (a capture runs the step's forward three times, two warm-up runs and the
@@ -301,8 +307,7 @@ class RunnerCache:
         if runner is not None and runner.cache.max_len >= min_len:
             return runner
         limit = model.config.max_position_embeddings + max(s.max_tokens for s in key[3])
-        rows = min(max(1024, 1 << (int(min_len) - 1).bit_length()), max(limit, int(min_len)))
-        return StepRunner(model, model.new_cache(batch_size, rows), key[3], graphs=graphs)
+        return StepRunner(model, model.new_cache(batch_size, _pooled_rows(min_len, limit)), key[3], graphs=graphs)
 
     def give_back(self, runner: StepRunner) -> None:
         """Store ``runner`` for a later :meth:`take` (the most recently given back is kept longest)."""
@@ -345,8 +350,7 @@ class CachePool:
         cache = self._idle.pop(key, None)
         if cache is not None and cache.max_len >= min_len:
             return cache
-        rows = min(max(1024, 1 << (int(min_len) - 1).bit_length()), max(int(limit), int(min_len)))
-        return model.new_cache(batch_size, rows)
+        return model.new_cache(batch_size, _pooled_rows(min_len, limit))
 
     def give_back(self, cache) -> None:
         """Store ``cache`` (its whole storage, every batch row) for a later :meth:`take`."""

@@ -36,15 +36,18 @@ class Step:
     @property
     def window_rows(self) -> slice:
         """Slice of the returned logits holding the last level, column 0 first."""
-        # With one level, column 0 of the last level is x itself (returned logits row 0).
-        start = 0 if self.layout.levels == 1 else 1
-        return slice(start, start + self.layout.window)
+        return logits_slices(self.layout.window, self.layout.levels, self.layout.tree_size)[0]
 
     @property
     def node_rows(self) -> slice:
         """Slice of the returned logits holding the tree nodes, in node order."""
-        start = self.layout.window + (0 if self.layout.levels == 1 else 1)
-        return slice(start, start + self.layout.tree_size)
+        return logits_slices(self.layout.window, self.layout.levels, self.layout.tree_size)[1]
+
+
+def logits_slices(window: int, levels: int, tree_size: int) -> tuple[slice, slice]:
+    """``(window rows, node rows)`` of a step's returned logits, ordered ``x``, the last level, the tree nodes."""
+    start = 0 if levels == 1 else 1  # with one level, column 0 of the last level is x itself (row 0)
+    return slice(start, start + window), slice(start + window, start + window + tree_size)
 
 
 def build_step(positions: list[int], lookahead_tokens: torch.Tensor, levels: int, window: int,

@@ -22,6 +22,7 @@ import dataclasses
 import torch
 
 from .config import StepShape
+from .step import logits_slices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,8 +137,8 @@ class StepVerifier:
         successor_k: the successor table's ``k`` (0: none wanted).
         successor_rows: the logits rows whose tops are wanted (the first ``successor_rows``).
 
-    The logits a step returns are ordered ``x``, the window's last level (``W`` rows; with one level that level
-    starts at ``x``), then the tree's nodes, as :class:`lookahead.step.Step` builds them.
+    The logits a step returns are ordered as :func:`lookahead.step.logits_slices` says (``x``, the window's last
+    level, the tree's nodes).
     """
 
     def __init__(self, sampler: Sampler, shape: StepShape, max_accept: int, successor_k: int = 0,
@@ -147,9 +148,7 @@ class StepVerifier:
         self.max_accept = max_accept if shape.tree_budget else 0
         self.successor_k = successor_k
         self.successor_rows = successor_rows if successor_k else 0
-        first = 0 if shape.levels == 1 else 1  # with one level, column 0 of the last level is x itself
-        self.window_rows = slice(first, first + shape.window)
-        self.node_rows = slice(first + shape.window, first + shape.window + shape.tree_budget)
+        self.window_rows, self.node_rows = logits_slices(shape.window, shape.levels, shape.tree_budget)
         self.lookahead_len = shape.window * shape.levels
         self.width = 2 + 2 * self.max_accept + shape.window
 

@@ -19,7 +19,6 @@ the test oracle is :func:`lookahead_kernels.attention_ref.attention_dense_refere
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -27,6 +26,7 @@ import triton
 import triton.language as tl
 
 from .attention_ref import check_attention_args
+from .launch import on_device
 from .layout import StepLayout
 
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128)
@@ -354,17 +354,12 @@ def tree_end(layout: StepLayout, batch: int, device) -> torch.Tensor:
     return end.to(device)
 
 
-def _on_device(q):
-    # Triton launches on the current CUDA device; make it q's.
-    return torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
-
-
 @torch.library.custom_op("lookahead::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: torch.Tensor,
                   window: int, levels: int, tree_size: int, end: torch.Tensor, sm_scale: float,
                   num_splits: int) -> torch.Tensor:
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    with _on_device(q):
+    with on_device(q):
         _launch(q, k_cache, v_cache, cache_len, window, levels, tree_size, end, sm_scale, num_splits, out)
     return out
 
@@ -378,7 +373,7 @@ def _attention_fake(q, k_cache, v_cache, cache_len, window, levels, tree_size, e
 def _attention_out_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: torch.Tensor,
                       window: int, levels: int, tree_size: int, end: torch.Tensor, sm_scale: float,
                       num_splits: int, out: torch.Tensor) -> None:
-    with _on_device(q):
+    with on_device(q):
         _launch(q, k_cache, v_cache, cache_len, window, levels, tree_size, end, sm_scale, num_splits, out)
 
 

@@ -12,13 +12,12 @@ its inputs (``ValueError``) and launches; the op is the torch custom op ``lookah
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
 from .kv_compact_ref import check_compact_inputs
+from .launch import on_device
 
 _MAX_BLOCK = 1024
 
@@ -55,10 +54,6 @@ def _compact_kv_kernel(k_ptr, v_ptr, len_ptr, acc_ptr, path_ptr, offset, A, ROW,
                    stride_vs, stride_pb, BLOCK)
 
 
-def _on_device(x):
-    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
-
-
 @torch.library.custom_op("lookahead::compact_kv", mutates_args=("k_cache", "v_cache"))
 def _compact_kv_op(k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: torch.Tensor, offset: int,
                    accept_len: torch.Tensor, path: torch.Tensor) -> None:
@@ -68,7 +63,7 @@ def _compact_kv_op(k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: torc
         return
     row = H * D
     block = min(triton.next_power_of_2(row), _MAX_BLOCK)
-    with _on_device(k_cache):
+    with on_device(k_cache):
         _compact_kv_kernel[(B, 2 * L)](
             k_cache, v_cache, cache_len, accept_len, path, offset, A, row,
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -19,11 +19,11 @@ launcher checks its inputs (``ValueError``), allocates and launches; each is a t
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
+
+from .launch import on_device
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -106,10 +106,6 @@ def _silu_mul_kernel(x_ptr, y_ptr, I, stride_x, stride_y, ROUND: tl.constexpr, B
 # ---------------------------------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------------------------------
-def _on_device(x):
-    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
-
-
 def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
     """``x`` as ``[M, N]`` rows with a contiguous last dimension (a view where possible)."""
     if x.dtype not in _DTYPES:
@@ -140,7 +136,7 @@ def _launch_norm(x, residual, weight, eps, s, y):
     s2 = y.view(M, N) if s is None else s.view(M, N)
     block = triton.next_power_of_2(N)
     if M:
-        with _on_device(x):
+        with on_device(x):
             _rms_norm_kernel[(M,)](x2, r2, w, s2, y.view(M, N), N, x2.stride(0), r2.stride(0), s2.stride(0),
                                    N, float(eps), HAS_RESIDUAL=residual is not None,
                                    ROUND=x.dtype != torch.float32, BLOCK=block, num_warps=_norm_warps(block))
@@ -221,7 +217,7 @@ def _rotary_cache_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_
     if M:
         x = qkv.reshape(M, H, D)
         c, s = cos.reshape(M, D), sin.reshape(M, D)
-        with _on_device(qkv):
+        with on_device(qkv):
             _rotary_cache_kernel[(M, H)](
                 x, c, s, q if cache_len is None else cache_len, q, k_cache, v_cache, T, num_heads, num_kv_heads,
                 start,
@@ -298,7 +294,7 @@ def _silu_mul_op(gate_up: torch.Tensor) -> torch.Tensor:
     M = x.shape[0]
     if M:
         block = min(_SILU_BLOCK, triton.next_power_of_2(I))
-        with _on_device(gate_up):
+        with on_device(gate_up):
             _silu_mul_kernel[(M, triton.cdiv(I, block))](x, y.view(M, I), I, x.stride(0), I,
                                                         ROUND=gate_up.dtype != torch.float32, BLOCK=block,
                                                         num_warps=4)
