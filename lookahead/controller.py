@@ -122,7 +122,7 @@ def cost_key(model) -> str:
         parts.append(f"linear={_cpu_linear_path(model)}")
         parts.append(f"attention={_cpu_attention_path(model)}")
     else:
-        parts.append("steps=graphs")  # measured as generate runs them (replayed graphs), not eagerly
+        parts.append("steps=graphs+verify")  # as generate runs them: replayed graphs holding verification
     return "|".join(parts)
 
 
@@ -142,6 +142,18 @@ def _cpu_attention_path(model) -> str:
     return "cpu-op" if cpu_attention_applies(model.device, model.dtype, model.config.head_dim) else "sdpa"
 
 
+def _greedy_finish(shape):
+    """What a greedy step of ``shape`` runs after its forward in ``generate``: the plain step's argmax, or a lookahead
+    step's verifier (a graph verifies up to the tree's size; the successor tops of every computed row)."""
+    from .draft import SUCCESSORS_PER_NODE
+    from .verification import PlainChoice, Sampler, StepVerifier
+
+    greedy = Sampler(False, None, None, None, None)
+    if not shape.tree_budget:
+        return PlainChoice(greedy)
+    return StepVerifier(greedy, shape, shape.tree_budget, SUCCESSORS_PER_NODE, shape.max_tokens)
+
+
 @torch.inference_mode()
 def measure_step_costs(model, menu=None, runs: int = 2, static: bool | None = None) -> StepCosts:
     """Time one forward pass of ``model`` at each step size of ``menu`` (default: by device) at a context of
@@ -150,7 +162,9 @@ def measure_step_costs(model, menu=None, runs: int = 2, static: bool | None = No
     ``static`` (default: on CUDA) times each size as ``generate`` runs it there: a step of a
     :class:`lookahead.runner.StepRunner`, replaying its CUDA graph on CUDA (a chain tree of ``T - 1`` nodes, the
     same cost as any tree of that size); eager forwards cost more host time per step than replays, which would
-    make the planner take too few tokens. Where a capture fails the model's own forward is timed instead."""
+    make the planner take too few tokens. Each step there includes its greedy verification (with the window's
+    guesses, the successor table's tops and KV compaction), captured with the forward as ``generate`` captures it.
+    Where a capture fails the model's own forward is timed instead."""
     device = model.device
     menu = menu or (GPU_MENU if device.type == "cuda" else CPU_MENU)
     static = device.type == "cuda" if static is None else static
@@ -186,8 +200,9 @@ def measure_step_costs(model, menu=None, runs: int = 2, static: bool | None = No
         if runner is not None:
             shape = runner.menu[menu.index(T)]
             tree = TreeShape.from_parents(list(range(-1, T - 2)), device=device) if T > 1 else None
+            finish = _greedy_finish(shape)
             try:
-                seconds = timed(lambda: runner.run(shape, ids, pos, context, tree))
+                seconds = timed(lambda: runner.run(shape, ids, pos, context, tree, None, None, finish))
             except RuntimeError:  # a capture that fails here fails in generate too, which says so
                 seconds = None
         if seconds is None:

@@ -32,7 +32,7 @@ from .suffix import SuffixIndex
 # Prior acceptance estimates and their weight in pseudo-trials: what a source is trusted with before any step.
 _PRIOR_WEIGHT = 4.0
 _SUFFIX_CANDIDATES = 4
-_SUCCESSORS_PER_NODE = 8
+SUCCESSORS_PER_NODE = 8
 _MAX_DEPTH_KEY = 8
 _MAX_SUCCESSOR_DEPTH = 4
 _MAX_POOL_DEPTH_KEY = 63
@@ -247,7 +247,7 @@ class DraftBuilder:
             # The model's own ids are in range: table pools skip the check (a host sync on CUDA).
             self._pool_unchecked = isinstance(self.pool, TableNGramPool)
         self.suffix = SuffixIndex() if "suffix" in sources else None
-        self.successors = SuccessorTable(vocab_size, _SUCCESSORS_PER_NODE) if "successors" in sources else None
+        self.successors = SuccessorTable(vocab_size, SUCCESSORS_PER_NODE) if "successors" in sources else None
         self.stats = AcceptanceStats()
 
     # ---- the pool's inputs ------------------------------------------------------------------------------------

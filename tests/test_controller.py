@@ -163,3 +163,17 @@ def test_step_costs_through_the_static_runner(tmp_path):
     model = LlamaForCausalLM.from_hf(tiny_hf_model())
     costs = measure_step_costs(model, menu=(1, 4, 9), runs=1, static=True)
     assert costs.tokens == (1, 4, 9) and all(s > 0 for s in costs.seconds)
+
+
+def test_step_costs_time_a_step_with_its_verification():
+    """The static path times what generate's graphs hold: the forward and the greedy finish of that shape (the
+    plain step's argmax; a tree's verifier up to its size, with successor tops of every row it computes)."""
+    from lookahead.config import StepShape
+    from lookahead.controller import _greedy_finish
+    from lookahead.verification import PlainChoice, StepVerifier
+
+    plain = _greedy_finish(StepShape(1, 1, 0))
+    assert isinstance(plain, PlainChoice) and plain.capturable
+    tree = _greedy_finish(StepShape(1, 1, 15))
+    assert isinstance(tree, StepVerifier) and tree.capturable
+    assert tree.max_accept == 15 and tree.successor_rows == 16 and tree.successor_k > 0
