@@ -142,12 +142,15 @@ def markdown(result: dict) -> str:
              f"Command: `{result['command']}`", "",
              f"Tokens/s over the batches (new tokens / seconds; the median of {result.get('repeats', 1)} pass(es)); "
              "vs plain: the median over the passes of lookahead's tokens/s over plain's, each batch decoded both ways "
-             "back to back; identical: rows equal to the prompt's batch-1 plain greedy output.", "",
-             "| set | batch | mode | tokens/s | vs plain | tokens fed per row and step | identical |",
-             "|---|---|---|---|---|---|---|"]
+             "back to back; passes: the lowest and highest of those ratios (the machine's pass-to-pass noise); "
+             "identical: rows equal to the prompt's batch-1 plain greedy output.", "",
+             "| set | batch | mode | tokens/s | vs plain | passes | tokens fed per row and step | identical |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
+        ratios = r.get("vs_plain_passes") or [r["vs_plain"]]
+        spread = "" if r["mode"] == "plain" else f"{min(ratios):.2f}-{max(ratios):.2f}"
         lines.append(f"| {r['set']} | {r['batch_size']} | {r['mode']} | {r['tokens_per_s']:.2f} | "
-                     f"{r['vs_plain']:.2f}x | {r['fed_per_row_step']:.2f} | {r['identical']}/{r['prompts']} |")
+                     f"{r['vs_plain']:.2f}x | {spread} | {r['fed_per_row_step']:.2f} | {r['identical']}/{r['prompts']} |")
     return "\n".join(lines) + "\n"
 
 
