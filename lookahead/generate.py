@@ -438,7 +438,7 @@ def _cache_len_arg(lens: list[int], device):
 def _run(model, cache, runner: StepRunner | None, shape: StepShape, tokens, positions, lens: list[int],
          layout: StepLayout, logits_rows, num_nodes, finish, host: "_HostClock | None" = None):
     """Parts 3 and 4 of a step: the forward and ``finish`` (its verification) on the logits, through the runner's
-    static buffers (and graphs, which hold a greedy ``finish`` too) when there is one, else the model itself.
+    static buffers (and graphs, which hold ``finish`` too) when there is one, else the model itself.
     With graphs the result is overwritten by the next step of the same shape: the step reads it before then.
     Without a runner ``finish``'s time is added to ``host.verify_seconds``: there it is work the trees cost beside
     the forward that the planner's step costs (forward passes alone) do not count."""
@@ -446,8 +446,12 @@ def _run(model, cache, runner: StepRunner | None, shape: StepShape, tokens, posi
         logits = model(tokens, positions, cache, _cache_len_arg(lens, device=tokens.device), layout, logits_rows)
         tree = layout.tree
         started = time.perf_counter()
+        uniforms = None
+        if finish.uniforms_per_row:  # sampling: the step's random numbers, laid out as a runner's buffer holds them
+            uniforms = finish.draw_uniforms(torch.empty(tokens.shape[0], finish.uniforms_per_row,
+                                                        dtype=torch.float64, device=tokens.device))
         out = finish(logits, StepInputs(tokens, None if tree is None else tree.end, num_nodes, cache,
-                                        positions[:, 0]))
+                                        positions[:, 0], uniforms))
         if host is not None:
             host.verify_seconds = time.perf_counter() - started
         return out

@@ -77,6 +77,7 @@ class _ShapeBuffers:
             x.rows.copy_(torch.arange(rows))
         tree = TreeShape(x.depth, x.end) if V else None
         self.layout = StepLayout(shape.window, shape.levels, tree)
+        self.uniforms = None  # float64 [B, U]: a sampled finish's random numbers, drawn before each step
         self.graph = None
         self.out = None  # the graph's output: the logits, or the captured verification's result
 
@@ -132,7 +133,9 @@ class StepRunner:
             num_nodes: integer ``[B]``: real tree nodes per row (``None``: the whole tree), for ``finish``.
             finish: optional ``finish(logits, inputs)`` run on the logits and the step's buffers as a
                 :class:`lookahead.verification.StepInputs`, with ``key`` (hashable: its own graph per key) and
-                ``capturable`` (with graphs, captured with the forward; otherwise run after the replay).
+                ``capturable`` (with graphs, captured with the forward; otherwise run after the replay). A finish
+                with ``uniforms_per_row > 0`` (sampling) gets them in a buffer of this shape that its
+                ``draw_uniforms(out)`` fills before each step (outside the graph).
         Returns:
             float32 ``[B, R or T, vocab]`` logits, or ``finish``'s result. With graphs this is the graph's static
             output, overwritten by the next replay of the same shape: read it (or copy it) before then.
@@ -142,10 +145,11 @@ class StepRunner:
         captured = finish if finish is not None and finish.capturable and self.graphs else None
         buf = self._buffers_for(shape, logits_rows, None if captured is None else captured.key)
         self._write_inputs(buf, tokens, positions, cache_len, tree, logits_rows, num_nodes)
+        uniforms = self._draw_uniforms(buf, finish)
         if not self.graphs:
             with torch.inference_mode():
                 logits = self._forward(buf)
-                return logits if finish is None else finish(logits, self._inputs(buf))
+                return logits if finish is None else finish(logits, self._inputs(buf, uniforms))
         if buf.graph is None:
             try:
                 self._capture(buf, captured)
@@ -156,7 +160,7 @@ class StepRunner:
         if finish is None or captured is not None:
             return buf.out
         with torch.inference_mode():
-            return finish(buf.out, self._inputs(buf))
+            return finish(buf.out, self._inputs(buf, uniforms))
 
     def captured(self) -> list[StepShape]:
         """Shapes whose graph has been captured (in first-run order)."""
@@ -233,12 +237,24 @@ class StepRunner:
             buf.staged = torch.cuda.Event()
             buf.staged.record()
 
-    def _inputs(self, buf: _ShapeBuffers):
+    def _draw_uniforms(self, buf: _ShapeBuffers, finish) -> bool:
+        """Fill ``buf``'s random numbers for ``finish`` (a sampled one); whether it takes any. A captured buffer
+        keeps one size (its key holds the sampler's parameters and the shape); an eager one may serve finishes of
+        several sizes, so it is replaced when the size changes."""
+        count = getattr(finish, "uniforms_per_row", 0) if finish is not None else 0
+        if not count:
+            return False
+        if buf.uniforms is None or buf.uniforms.shape[1] != count:
+            buf.uniforms = torch.empty(self.batch_size, count, dtype=torch.float64, device=self.device)
+        finish.draw_uniforms(buf.uniforms)
+        return True
+
+    def _inputs(self, buf: _ShapeBuffers, uniforms: bool = False):
         from .verification import StepInputs
 
         x = buf.inputs
         return StepInputs(tokens=x.tokens, end=x.end if buf.shape.tree_budget else None, num_nodes=x.num_nodes,
-                          cache=self.cache, cache_len=x.cache_len)
+                          cache=self.cache, cache_len=x.cache_len, uniforms=buf.uniforms if uniforms else None)
 
     def _forward(self, buf: _ShapeBuffers) -> torch.Tensor:
         x = buf.inputs
@@ -246,7 +262,7 @@ class StepRunner:
 
     def _step(self, buf: _ShapeBuffers, finish):
         logits = self._forward(buf)
-        return logits if finish is None else finish(logits, self._inputs(buf))
+        return logits if finish is None else finish(logits, self._inputs(buf, buf.uniforms is not None))
 
     def _capture(self, buf: _ShapeBuffers, finish) -> None:
         # Warm-up on a side stream compiles the kernels. It rewrites the step's own KV rows from the same inputs

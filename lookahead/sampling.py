@@ -91,10 +91,12 @@ def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def sample_rows(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_rows(probs: torch.Tensor, generator: torch.Generator | None = None,
+                uniforms: torch.Tensor | None = None) -> torch.Tensor:
     """Draw one token per row of ``probs`` ``[..., V]`` (nonnegative, need not be normalised).
 
-    One float64 uniform per row from ``torch.rand(generator=generator)`` on ``probs.device``, then inverse CDF
+    One float64 uniform per row (``uniforms``, ``R`` values in ``[0, 1)`` for the ``R`` rows in order, on
+    ``probs.device``; drawn with ``torch.rand(generator=generator)`` when ``None``), then inverse CDF
     (``lookahead_kernels.verify_ref.inverse_cdf_sample``: a zero-probability token is never drawn). Returns
     int64 ``[...]``; ``-1`` only for a row without positive mass (invalid input).
     """
@@ -102,5 +104,11 @@ def sample_rows(probs: torch.Tensor, generator: torch.Generator | None = None) -
         raise ValueError(f"sample_rows: probs must be a floating tensor [..., V] with V >= 1, got {_describe(probs)}")
     lead = probs.shape[:-1]
     rows = probs.reshape(-1, probs.shape[-1]).double()
-    u = torch.rand(rows.shape[0], dtype=torch.float64, device=probs.device, generator=generator)
+    if uniforms is None:
+        u = torch.rand(rows.shape[0], dtype=torch.float64, device=probs.device, generator=generator)
+    elif uniforms.numel() != rows.shape[0] or uniforms.device != probs.device:
+        raise ValueError(f"sample_rows: uniforms must hold one value per row ({rows.shape[0]}) on {probs.device}, "
+                         f"got {_describe(uniforms)} on {uniforms.device}")
+    else:
+        u = uniforms.reshape(-1).double()
     return inverse_cdf_sample(rows, u * rows.sum(-1)).reshape(lead)

@@ -5,10 +5,12 @@ KV compaction, as one function of the step's logits run where they are.
 rejection sampling), picks the window's next guesses, takes the successor table's top next tokens, and moves
 the accepted nodes' keys and values beside ``x`` (a function of the accepted path alone: no host decision is
 needed). Everything the host needs from the step then comes back in one int32 tensor, read back once
-(:meth:`StepVerifier.read`). Its shapes depend only on the step's shape, so for greedy decoding a CUDA graph holds
-it with the forward (:class:`lookahead.runner.StepRunner`): a replayed lookahead step launches nothing from
-Python between the step's inputs and its read-back. Sampling draws its uniforms from a host generator on every
-step, so it runs after the replay instead.
+(:meth:`StepVerifier.read`). Its shapes depend only on the step's shape, so a CUDA graph holds it with the
+forward (:class:`lookahead.runner.StepRunner`): a replayed lookahead step launches nothing from Python between
+the step's inputs and its read-back. Sampling reads its random numbers from an input buffer that one
+``torch.rand`` fills before the step (:meth:`StepVerifier.draw_uniforms`): a random op inside a graph would need
+the generator's state registered with it, and would draw new numbers in each warm-up run that compacts the
+cache before the capture.
 
 Why compaction moved here from the commit part: it had to wait for the read-back and then launched about ten
 copies and index tensors from Python between two replays (the H100 run of record measured verification alone,
@@ -35,6 +37,8 @@ class StepInputs:
         num_nodes: int64 ``[B]``, real (not padding) nodes per row.
         cache: the :class:`lookahead.model.KVCache` the step wrote.
         cache_len: int64 ``[B]``, each row's committed length (the slot of its ``x``).
+        uniforms: float64 ``[B, U]`` in ``[0, 1)``, the step's random numbers (``U``: the finish's
+            ``uniforms_per_row``); ``None`` for greedy decoding.
     """
 
     tokens: torch.Tensor
@@ -42,6 +46,7 @@ class StepInputs:
     num_nodes: torch.Tensor
     cache: object
     cache_len: torch.Tensor
+    uniforms: torch.Tensor | None = None
 
 
 class Sampler:
@@ -63,8 +68,18 @@ class Sampler:
     def greedy(self) -> bool:
         return self.params is None
 
-    def choose(self, logits: torch.Tensor) -> torch.Tensor:
-        """LongTensor ``[...]``: one token per row of ``logits [..., V]``."""
+    @property
+    def key(self):
+        """What a captured graph of a finish depends on of the sampler: its parameters (``None``: greedy)."""
+        return self.params
+
+    def draw(self, out: torch.Tensor) -> torch.Tensor:
+        """Fill float64 ``out`` with uniforms in ``[0, 1)`` from the generator, in place (one ``torch.rand``)."""
+        return torch.rand(out.shape, dtype=out.dtype, device=out.device, generator=self.generator, out=out)
+
+    def choose(self, logits: torch.Tensor, uniforms: torch.Tensor | None = None) -> torch.Tensor:
+        """LongTensor ``[...]``: one token per row of ``logits [..., V]``; sampling draws each row's token with
+        ``uniforms [...]`` (float64) where given, else from the generator."""
         lead = logits.shape[:-1]
         logits = logits.reshape(-1, logits.shape[-1])
         if self.greedy:
@@ -75,13 +90,15 @@ class Sampler:
             return logits.argmax(-1).reshape(lead)
         from .sampling import sample_rows, warp_logits
 
-        return sample_rows(warp_logits(logits, self.params), self.generator).reshape(lead)
+        u = None if uniforms is None else uniforms.reshape(-1)
+        return sample_rows(warp_logits(logits, self.params), self.generator, uniforms=u).reshape(lead)
 
-    def verify_tree(self, x_logits, node_logits, tokens, end, num_nodes, max_accept: int):
+    def verify_tree(self, x_logits, node_logits, tokens, end, num_nodes, max_accept: int, uniforms=None):
         """Verification of a batch's trees: ``(accept_len [B], path [B, max_accept], emitted [B, max_accept+1])``.
 
         ``x_logits [B, vocab]``, ``node_logits [B, V, vocab]``, ``tokens [B, V]``, ``end`` ``[V]`` or ``[B, V]``
-        on the logits' device; ``num_nodes``: int64 ``[B]`` real nodes per row (the rest padding)."""
+        on the logits' device; ``num_nodes``: int64 ``[B]`` real nodes per row (the rest padding); ``uniforms``
+        (sampling): float64 ``[B, V + 1]`` as ``draw_tree_uniforms`` lays them out, else drawn here."""
         device = x_logits.device
         cuda = device.type == "cuda"
         if self.greedy:
@@ -96,7 +113,8 @@ class Sampler:
 
         x_probs = warp_logits(x_logits, self.params)
         node_probs = warp_logits(node_logits, self.params)
-        uniforms = draw_tree_uniforms(tokens.shape[0], tokens.shape[1], device, self.generator)
+        if uniforms is None:
+            uniforms = draw_tree_uniforms(tokens.shape[0], tokens.shape[1], device, self.generator)
         if cuda:
             from lookahead_kernels import verify_tree_sample as verify
         else:
@@ -155,29 +173,43 @@ class StepVerifier:
     @property
     def key(self) -> tuple:
         """What a captured graph of this verifier depends on besides the step shape."""
-        return ("verify", self.max_accept, self.successor_k, self.successor_rows)
+        return ("verify", self.max_accept, self.successor_k, self.successor_rows, self.sampler.key)
+
+    capturable = True  # its shapes follow the step's; sampling's random numbers are an input (draw_uniforms)
 
     @property
-    def capturable(self) -> bool:
-        """Whether a CUDA graph may hold it: greedy only (sampling draws from a host generator each step)."""
-        return self.sampler.greedy
+    def uniforms_per_row(self) -> int:
+        """Random numbers a sampled step consumes per row: the tree's (``V + 1``, ``draw_tree_uniforms``'s layout;
+        1 for the token after ``x`` without a tree), then one per window guess; 0 for greedy decoding."""
+        if self.sampler.greedy:
+            return 0
+        return self.shape.tree_budget + 1 + self.shape.window
+
+    def draw_uniforms(self, out: torch.Tensor) -> torch.Tensor:
+        """Fill float64 ``out [B, uniforms_per_row]`` from the sampler's generator (before the step runs)."""
+        return self.sampler.draw(out)
 
     def __call__(self, logits: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
         """int32 ``[B, width + 2 R k]`` on the logits' device: per row its accepted length, path (``max_accept``,
         then -1), emitted tokens (``max_accept + 1``), the window's guesses (``W``), then the successor tops' ids
-        and their float32 probabilities' bits. Compacts ``inputs.cache`` in place."""
+        and their float32 probabilities' bits. Compacts ``inputs.cache`` in place. Sampling reads
+        ``inputs.uniforms`` (laid out as :attr:`uniforms_per_row` says)."""
         B, V = logits.shape[0], self.shape.tree_budget
+        u = inputs.uniforms
+        if not self.sampler.greedy and (u is None or tuple(u.shape) != (B, self.uniforms_per_row)):
+            raise ValueError(f"a sampled step of shape {self.shape} needs uniforms [B={B}, {self.uniforms_per_row}], "
+                             f"got {None if u is None else tuple(u.shape)}")
         if V:
             la = self.lookahead_len
             accept_len, path, emitted = self.sampler.verify_tree(
                 logits[:, 0], logits[:, self.node_rows], inputs.tokens[:, la: la + V], inputs.end, inputs.num_nodes,
-                self.max_accept)
+                self.max_accept, None if u is None else u[:, : V + 1])
             inputs.cache.compact(inputs.cache_len, la, accept_len, path)
         else:
             accept_len = torch.zeros(B, dtype=torch.long, device=logits.device)
             path = torch.empty(B, 0, dtype=torch.long, device=logits.device)
-            emitted = self.sampler.choose(logits[:, 0])[:, None]
-        guesses = self.sampler.choose(logits[:, self.window_rows])
+            emitted = self.sampler.choose(logits[:, 0], None if u is None else u[:, 0])[:, None]
+        guesses = self.sampler.choose(logits[:, self.window_rows], None if u is None else u[:, V + 1:])
         parts = [accept_len[:, None], path, emitted, guesses]
         if self.successor_k:
             from .successors import SuccessorTable
@@ -213,11 +245,17 @@ class PlainChoice:
 
     @property
     def key(self) -> tuple:
-        return ("plain",)
+        return ("plain", self.sampler.key)
+
+    capturable = True
 
     @property
-    def capturable(self) -> bool:
-        return self.sampler.greedy
+    def uniforms_per_row(self) -> int:
+        return 0 if self.sampler.greedy else 1
+
+    def draw_uniforms(self, out: torch.Tensor) -> torch.Tensor:
+        return self.sampler.draw(out)
 
     def __call__(self, logits: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
-        return self.sampler.choose(logits[:, 0])
+        u = inputs.uniforms
+        return self.sampler.choose(logits[:, 0], None if u is None else u[:, 0])

@@ -185,16 +185,27 @@ def logits_rows(shape):
     return torch.tensor([0, *layout.last_level_rows(), *range(layout.lookahead_len, layout.T)])
 
 
+def sampler(do_sample: bool, device="cpu", seed=0):
+    from lookahead.verification import Sampler
+
+    # Sharp sampling (few candidates, low temperature) so that nodes set to the argmax are often accepted.
+    return Sampler(do_sample, 0.05, 3, 1.0, torch.Generator(device).manual_seed(seed))
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_a_verifier_run_by_the_runner_equals_one_run_after_the_model(batch):
+def test_a_verifier_run_by_the_runner_equals_one_run_after_the_model(batch, do_sample):
     """Verification, guesses, successor tops and KV compaction through the runner's buffers: the same read-back
-    and the same cache as the verifier on the model's own logits."""
-    from lookahead.verification import Sampler, StepInputs, StepVerifier
+    and the same cache as the verifier on the model's own logits (sampling: from the same random numbers, which
+    the runner draws into its buffer before the step)."""
+    from lookahead.verification import StepInputs, StepVerifier
 
     model = tiny_model()
     cache_ref, cache_run = prefilled(model, batch, "cpu"), prefilled(model, batch, "cpu")
     runner = StepRunner(model, cache_run, [TREE])
-    verifier = StepVerifier(Sampler(False, None, None, None, None), TREE, 5, 4, 1 + 3 + 5)
+    verifier = StepVerifier(sampler(do_sample), TREE, 5, 4, 1 + 3 + 5)
+    reference = StepVerifier(sampler(do_sample), TREE, 5, 4, 1 + 3 + 5)
+    assert verifier.uniforms_per_row == (5 + 1 + 3 if do_sample else 0)
     rows = logits_rows(TREE)
     accepted = 0
     for tokens, positions, lens, tree, num_nodes in verifier_steps("cpu", batch):
@@ -206,7 +217,8 @@ def test_a_verifier_run_by_the_runner_equals_one_run_after_the_model(batch):
         tokens[:, 6] = probe[:, 0].argmax(-1)
         with torch.inference_mode():
             ref_logits = model(tokens, positions, cache_ref, lens, layout, rows)
-            want = verifier.read(verifier(ref_logits, StepInputs(tokens, tree.end, num_nodes, cache_ref, lens)))
+            u = reference.draw_uniforms(torch.empty(batch, 9, dtype=torch.float64)) if do_sample else None
+            want = reference.read(reference(ref_logits, StepInputs(tokens, tree.end, num_nodes, cache_ref, lens, u)))
         got = verifier.read(runner.run(TREE, tokens, positions, lens, tree, rows, num_nodes, verifier))
         assert got.accept_len == want.accept_len and got.nodes == want.nodes and got.emitted == want.emitted
         assert got.guesses == want.guesses
@@ -218,25 +230,36 @@ def test_a_verifier_run_by_the_runner_equals_one_run_after_the_model(batch):
     assert torch.equal(cache_run.k, cache_ref.k) and torch.equal(cache_run.v, cache_ref.v)
 
 
+def test_a_sampled_verifier_needs_its_uniforms():
+    from lookahead.verification import StepInputs, StepVerifier
+
+    model = tiny_model()
+    cache = prefilled(model, 2, "cpu")
+    tokens, positions, lens, tree, num_nodes = verifier_steps("cpu", 2)[0]
+    with torch.inference_mode():
+        logits = model(tokens, positions, cache, lens, StepLayout(3, 2, tree), logits_rows(TREE))
+        with pytest.raises(ValueError, match=r"needs uniforms \[B=2, 9\]"):
+            StepVerifier(sampler(True), TREE, 5)(logits, StepInputs(tokens, tree.end, num_nodes, cache, lens))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("do_sample", [False, True])
-def test_a_cuda_graph_holds_the_greedy_verifier(do_sample):
-    """Greedy: forward, verification and compaction replay as one graph; sampling: the verifier runs after the
-    replay. Either way the read-back and the cache match the eager runner's."""
-    from lookahead.verification import Sampler, StepVerifier
+def test_a_cuda_graph_holds_the_verifier(do_sample):
+    """Forward, verification and compaction replay as one graph, greedy or sampled (sampling's random numbers
+    drawn into the runner's buffer before each replay): the read-back and the cache match the eager runner's."""
+    from lookahead.verification import StepVerifier
 
     model = tiny_model("cuda")
     cache_eager, cache_graph = prefilled(model, 2, "cuda"), prefilled(model, 2, "cuda")
     eager = StepRunner(model, cache_eager, [TREE])
     graphed = StepRunner(model, cache_graph, [TREE], graphs=True)
     rows = logits_rows(TREE).cuda()
-    gens = [torch.Generator("cuda").manual_seed(0) for _ in range(2)]
-    verifiers = [StepVerifier(Sampler(do_sample, 1.0, None, None, g), TREE, 5, 4, 9) for g in gens]
+    verifiers = [StepVerifier(sampler(do_sample, "cuda"), TREE, 5, 4, 9) for _ in range(2)]
     for tokens, positions, lens, tree, num_nodes in verifier_steps("cuda", 2):
         want = verifiers[0].read(eager.run(TREE, tokens, positions, lens, tree, rows, num_nodes, verifiers[0]))
         got = verifiers[1].read(graphed.run(TREE, tokens, positions, lens, tree, rows, num_nodes, verifiers[1]))
         assert got.accept_len == want.accept_len and got.emitted == want.emitted and got.guesses == want.guesses
     key = next(iter(graphed._buffers))
-    assert key[2] == (None if do_sample else verifiers[1].key)
+    assert key[2] == verifiers[1].key
     assert graphed.captured() == [TREE]
     assert torch.allclose(cache_graph.k, cache_eager.k, rtol=1e-5, atol=1e-5)

@@ -641,6 +641,16 @@ def test_sample_rows_distribution():
     assert chi2_pvalue(counts, p.numpy()) > 1e-3
 
 
+def test_sample_rows_given_uniforms_draws_what_its_generator_would():
+    """Uniforms passed in (a runner's buffer, drawn before the step) give the rows the generator would have."""
+    probs = torch.rand(4, 5, 11, generator=torch.Generator().manual_seed(2))
+    drawn = sample_rows(probs, torch.Generator().manual_seed(9))
+    u = torch.rand(20, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    assert torch.equal(sample_rows(probs, uniforms=u.view(4, 5)), drawn)
+    with pytest.raises(ValueError, match="one value per row"):
+        sample_rows(probs, uniforms=u[:19])
+
+
 @pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(temperature=float("nan")), dict(top_p=0.0),
                                     dict(top_p=1.5), dict(top_k=-1), dict(top_k=2.0), dict(top_k=True),
                                     dict(temperature="1")])
