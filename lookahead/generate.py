@@ -300,8 +300,14 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
         raise ValueError(f"_native_draft must be None, True or False, got {_native_draft!r}")
     if not isinstance(do_sample, bool):
         raise ValueError(f"do_sample must be a bool, got {do_sample!r}")
-    sampler = Sampler(do_sample, temperature, top_k, top_p, generator)
     device = model.device
+    # The step's random numbers are drawn on the model's device (a greedy call never draws from it).
+    if generator is not None and (not isinstance(generator, torch.Generator)
+                                  or do_sample and generator.device.type != device.type):
+        got = f"one on {generator.device}" if isinstance(generator, torch.Generator) else type(generator).__name__
+        raise ValueError(f"generator must be a torch.Generator on the model's device ({device.type}: "
+                         f"torch.Generator(device={device.type!r})) or None, got {got}")
+    sampler = Sampler(do_sample, temperature, top_k, top_p, generator)
     eos = _eos_set(model, eos_token_id)
     rows = [_Row(_Emitter(p.tolist(), max_new_tokens, eos, streamer), GenerationStats(trace=[] if trace else None))
             for p in prompts]

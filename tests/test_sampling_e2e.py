@@ -112,7 +112,8 @@ def test_seeded_sampling_is_reproducible_and_temperature_zero_is_greedy(model_an
 
 
 @pytest.mark.parametrize("kwargs, word", [({"temperature": -0.5}, "temperature"), ({"top_p": 0.0}, "top_p"),
-                                          ({"top_p": 1.5}, "top_p"), ({"top_k": -1}, "top_k")])
+                                          ({"top_p": 1.5}, "top_p"), ({"top_k": -1}, "top_k"),
+                                          ({"generator": 7}, "generator must be a torch.Generator")])
 def test_bad_sampling_arguments_are_rejected(model_and_prompt, kwargs, word):
     model, prompt = model_and_prompt
     with pytest.raises(ValueError, match=word):

@@ -207,6 +207,15 @@ def test_cuda_graphs_equal_the_eager_loop_on_a_tiny_model(mode):
 
 
 @pytest.mark.gpu
+def test_a_host_generator_for_a_cuda_model_is_a_value_error():
+    model = cuda_tiny()
+    prompt = mixed_prompts()[0].cuda()
+    with pytest.raises(ValueError, match="on the model's device"):
+        model.generate(prompt, max_new_tokens=4, do_sample=True, generator=torch.Generator())
+    model.generate(prompt, max_new_tokens=4, generator=torch.Generator())  # greedy never draws from it
+
+
+@pytest.mark.gpu
 def test_cuda_graph_sampling_is_seed_deterministic():
     model = cuda_tiny()
     prompts = [p.cuda() for p in mixed_prompts()]
