@@ -88,7 +88,8 @@ class GenerationStats:
         steps: forward passes after the prefill.
         fed_tokens: tokens fed by all steps after the prefill, over all rows (``fed_tokens / steps`` is the mean
             step size).
-        seconds: wall time of the whole call, prefill included.
+        seconds: wall time of the whole call, prefill included; one-time setup excluded (the device's step costs,
+            measured on first use; a new KV cache or step runner; CUDA graph captures).
         prefill_seconds: wall time of the prefill alone.
         host_seconds: wall time the lookahead steps spent on the host outside the forward pass, verification and
             the read-back (candidates, trees, step inputs, learning), over all steps; part of
@@ -260,9 +261,10 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     the batch until the batch ends, its outputs ignored. The runners (their KV cache and graphs) are kept on the
     model for the next call with the same batch size and menu (``model.step_runners``, a
     :class:`lookahead.runner.RunnerCache`; ``model.step_runners.clear()`` frees them), so a shape is captured
-    once per model, not per call. ``cuda_graphs=False`` is the eager loop (for debugging and comparison);
-    ``True`` off CUDA is a ``ValueError``. ``_static_steps`` (private, for tests) forces the graph path's loop,
-    run eagerly when graphs are off, e.g. on the CPU (``cuda_graphs=False, _static_steps=True``).
+    once per model, not per call (capturing is setup: not counted in ``stats.seconds``). ``cuda_graphs=False``
+    is the eager loop (for debugging and comparison); ``True`` off CUDA is a ``ValueError``. ``_static_steps``
+    (private, for tests) forces the graph path's loop, run eagerly when graphs are off, e.g. on the CPU
+    (``cuda_graphs=False, _static_steps=True``).
     ``_native_draft`` (private, for tests and benches) picks the draft builder: ``True`` the C++ one, ``False`` its
     Python reference, ``None`` the C++ one where it builds.
     """
@@ -312,10 +314,10 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     rows = [_Row(_Emitter(p.tolist(), max_new_tokens, eos, streamer), GenerationStats(trace=[] if trace else None))
             for p in prompts]
 
-    # The plan may measure the device's step costs (once per model and batch menu): not part of this call's time.
-    plan_started = time.perf_counter()
+    # One-time setup is not part of this call's time: the plan may measure the device's step costs (once per model
+    # and batch menu), and the first call at a batch size builds its KV cache or step runner (kept on the model).
+    setup_started = time.perf_counter()
     plan = make_plan(lookahead, model, B) if lookahead is not None else None
-    started += time.perf_counter() - plan_started
     step_cap = plan.shape.max_tokens if plan is not None else 1
     runner = None
     if static:
@@ -325,6 +327,8 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     else:
         cache = cache_pool(model).take(model, B, longest + max_new_tokens + step_cap,
                                        cfg.max_position_embeddings + step_cap)
+    started += time.perf_counter() - setup_started
+    clock = _CallClock(started, runner)
     # A batch too big for any tree at the start decodes plainly, its rows' lookahead state (window, drafts) made
     # only if the batch shrinks enough for trees to pay (_decode): building it and seeding the successor table (a
     # vocabulary projection per prompt row) cost 64 HumanEval rows 0.79x plain decoding when they steered nothing.
@@ -358,12 +362,12 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     pad = lookahead is not None and (lookahead.pad_tree if lookahead.pad_tree is not None else
                                      static or device.type == "cuda")
     host = _HostClock()
-    accepted = _decode(model, cache, runner, rows, sampler, plan, pad, device, started, host, start_late)
+    accepted = _decode(model, cache, runner, rows, sampler, plan, pad, device, clock, host, start_late)
     if runner is not None:  # only after a clean run: a runner left mid-step or mid-capture is dropped
         runner_cache(model).give_back(runner)
     else:
         cache_pool(model).give_back(cache)
-    seconds = time.perf_counter() - started
+    seconds = clock.elapsed()
     if streamer is not None:
         streamer.end()
     for row in rows:
@@ -504,6 +508,20 @@ def _static_menu(plan, batch_size: int) -> list[StepShape]:
     return menu
 
 
+class _CallClock:
+    """Seconds since the call's clock started, less the CUDA graphs its runner captured meanwhile (one-time
+    setup, like the runner itself: a later call with the same shapes replays them)."""
+
+    def __init__(self, started: float, runner: StepRunner | None):
+        self.started = started
+        self.runner = runner
+        self.captures_before = runner.capture_seconds if runner is not None else 0.0
+
+    def elapsed(self) -> float:
+        captured = self.runner.capture_seconds - self.captures_before if self.runner is not None else 0.0
+        return time.perf_counter() - self.started - captured
+
+
 class _HostClock:
     """Seconds the lookahead steps spent on host work (``GenerationStats.host_seconds``), and the last eager
     step's verification (0 where a graph holds it)."""
@@ -514,7 +532,7 @@ class _HostClock:
 
 
 def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: Sampler, plan, pad: bool, device,
-            started: float, host: _HostClock, start_late=None) -> list:
+            clock: "_CallClock", host: _HostClock, start_late=None) -> list:
     """Step until every row has stopped. Returns, per step, the tokens emitted.
 
     Without a runner a finished row leaves the batch (its cache row is dropped), so later steps are smaller. With
@@ -538,7 +556,7 @@ def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: 
             accepted.append(_lookahead_step(model, cache, runner, batch, sampler, plan, pad, device, host, backoff))
         finished = [i for i, r in enumerate(active) if r.emitter.done]
         if finished:
-            now = time.perf_counter() - started
+            now = clock.elapsed()
             for i in finished:
                 active[i].stats.seconds = now
             if len(finished) == len(active):

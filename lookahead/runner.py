@@ -22,6 +22,8 @@ reach the device in one copy (a pinned staging block laid out like the device bu
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from lookahead_kernels import StepLayout
@@ -114,6 +116,7 @@ class StepRunner:
         self.device = model.device
         self._buffers: dict[tuple, _ShapeBuffers] = {}  # (shape, logits rows, captured finish key)
         self._pool = None  # one memory pool for all graphs: only one step's activations live at a time
+        self.capture_seconds = 0.0  # spent capturing graphs, warm-up runs included (generate leaves it untimed)
 
     # ---- public ---------------------------------------------------------------------------------------------
     def run(self, shape: StepShape, tokens: torch.Tensor, positions: torch.Tensor, cache_len,
@@ -151,11 +154,14 @@ class StepRunner:
                 logits = self._forward(buf)
                 return logits if finish is None else finish(logits, self._inputs(buf, uniforms))
         if buf.graph is None:
+            capture_started = time.perf_counter()
             try:
                 self._capture(buf, captured)
             except Exception as exc:
                 raise RuntimeError(f"capturing the CUDA graph of step shape {shape} failed ({type(exc).__name__}: "
                                    f"{exc}); generate(..., cuda_graphs=False) runs the eager loop") from exc
+            torch.cuda.synchronize(self.device)  # the warm-up runs' device work belongs to the capture's time
+            self.capture_seconds += time.perf_counter() - capture_started
         buf.graph.replay()
         if finish is None or captured is not None:
             return buf.out

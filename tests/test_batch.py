@@ -235,6 +235,24 @@ def test_lookahead_resumes_when_rows_leave(tiny):
     assert last.accepted[:4] == [1] * 4 and last.fed_tokens > last.steps  # plain while crowded, trees after
 
 
+def test_a_first_call_does_not_time_building_its_cache(tiny):
+    """A batch size's first call builds its KV cache (kept on the model): setup, left out of ``stats.seconds``
+    like the controller's cost measurement; a runner without graphs captures nothing."""
+    import time
+
+    from lookahead.runner import cache_pool
+
+    cache_pool(tiny).clear()
+    prompts = [torch.arange(1, 6), torch.arange(3, 12)]
+    started = time.perf_counter()
+    out = tiny.generate(prompts, max_new_tokens=6, lookahead=None)
+    wall = time.perf_counter() - started
+    assert 0 < out.stats.seconds <= wall and all(r.seconds <= out.stats.seconds for r in out.stats.rows)
+    static = tiny.generate(prompts, max_new_tokens=6, cuda_graphs=False, _static_steps=True)
+    assert static.stats.seconds > 0
+    assert all(r.capture_seconds == 0 for r in tiny.step_runners.runners())
+
+
 def test_the_eager_loop_reuses_its_kv_cache_between_calls():
     """A call's cache is kept on the model (``model.kv_caches``) and handed to the next call of the batch size,
     rows left over included: the outputs stay those of a fresh cache."""

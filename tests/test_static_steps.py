@@ -207,6 +207,20 @@ def test_cuda_graphs_equal_the_eager_loop_on_a_tiny_model(mode):
 
 
 @pytest.mark.gpu
+def test_graph_captures_are_not_part_of_the_call_s_time():
+    import time
+
+    model = cuda_tiny()
+    prompt = mixed_prompts()[0].cuda()
+    started = time.perf_counter()
+    out = model.generate(prompt, max_new_tokens=8, lookahead=LookaheadConfig(window=4, ngram=3, guess=4))
+    wall = time.perf_counter() - started
+    runner = model.step_runners.runners()[-1]
+    assert runner.capture_seconds > 0 and runner.captured()
+    assert 0 < out.stats.seconds <= wall - runner.capture_seconds + 1e-3
+
+
+@pytest.mark.gpu
 def test_a_host_generator_for_a_cuda_model_is_a_value_error():
     model = cuda_tiny()
     prompt = mixed_prompts()[0].cuda()
