@@ -104,7 +104,11 @@ class AcceptanceStats:
     def __init__(self):
         self._tested = [0] * NUM_CODES
         self._accepted = [0] * NUM_CODES
-        self.rates = torch.tensor([_prior(c) for c in range(NUM_CODES)], dtype=torch.float64)
+        self._priors = [_prior(c) for c in range(NUM_CODES)]
+        self.rates = torch.tensor(self._priors, dtype=torch.float64)
+        # Written through a NumPy view of the same memory: a tensor's item assignment costs microseconds, and each
+        # row records a few trials every step.
+        self._rates = self.rates.numpy()
 
     @property
     def tested(self) -> dict[tuple, int]:
@@ -126,8 +130,8 @@ class AcceptanceStats:
     def record_code(self, code: int, accepted: bool) -> None:
         self._tested[code] += 1
         self._accepted[code] += int(accepted)
-        rate = (self._accepted[code] + _PRIOR_WEIGHT * _prior(code)) / (self._tested[code] + _PRIOR_WEIGHT)
-        self.rates[code] = rate
+        self._rates[code] = (self._accepted[code] + _PRIOR_WEIGHT * self._priors[code]) / \
+            (self._tested[code] + _PRIOR_WEIGHT)
 
 
 @dataclasses.dataclass
