@@ -117,7 +117,8 @@ def main(argv=None) -> int:
             reference = None
             if 1 not in args.batch_sizes:  # each prompt's batch-1 plain output, untimed, for the identity counts
                 reference = [model.generate(p, max_new_tokens=args.max_new_tokens, lookahead=None)
-                             .sequences[0, p.numel():].tolist() for p in tqdm(prompts, desc=f"{name} batch-1 reference")]
+                             .sequences[0, p.numel():].tolist()
+                             for p in tqdm(prompts, desc=f"{name} batch-1 reference")]
             for B in tqdm(sorted(args.batch_sizes), desc=name):
                 for mode, (outputs, totals) in run_paired(model, prompts, B, args.max_new_tokens,
                                                           args.repeats).items():
