@@ -68,6 +68,10 @@ class LookaheadWindow:
             LongTensor ``[W, N]`` of n-grams ``(L0[i], .., L_{N-2}[i], outputs[i])`` when the window was warm
             (``L0[0] = x``), else ``None``.
         """
+        if self.window == 1 and self.max_levels == 1:
+            # x alone (the automatic mode's step without a window): its one column is x at every step, so there
+            # is nothing to slide or refill; the n-gram is x and its guess. A row pays this every step.
+            return torch.tensor([[x, int(outputs.reshape(-1)[0])]])
         stacked = torch.cat([self.tokens, outputs.reshape(1, -1).cpu()], dim=0)
         stacked[0, 0] = x
         ngrams = stacked.t().contiguous() if self.warm else None

@@ -113,6 +113,14 @@ def test_window_ngram_2_is_warm_from_the_start():
     assert w.tokens.tolist() == [[8, 9]]
 
 
+def test_a_window_of_x_alone_gives_x_and_its_guess():
+    w = LookaheadWindow(window=1, ngram=2, generator=torch.Generator().manual_seed(0))
+    w.reset(torch.tensor([4, 5]))
+    for x, out, a in ((3, 8, 0), (8, 9, 2), (7, 1, 5)):
+        assert w.step_tokens(x).tolist() == [x] and w.levels == 1
+        assert w.advance(x, torch.tensor([out]), accepted=a, source=torch.tensor([6])).tolist() == [[x, out]]
+
+
 def test_window_acceptance_beyond_width_refills_everything():
     w = LookaheadWindow(window=1, ngram=3, generator=torch.Generator().manual_seed(0))
     w.reset(torch.tensor([4]))
