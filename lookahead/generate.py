@@ -35,7 +35,7 @@ from .controller import make_plan
 from .draft import DraftBuilder, Proposal
 from .runner import StepRunner, cache_pool, runner_cache
 from .step import build_step, upload
-from .verification import PlainChoice, Sampler, StepInputs, StepVerifier
+from .verification import PlainChoice, Sampler, StepInputs, StepVerifier, step_uniforms
 from .window import LookaheadWindow
 
 PROMPT_SUCCESSOR_ROWS = 256
@@ -456,10 +456,7 @@ def _run(model, cache, runner: StepRunner | None, shape: StepShape, tokens, posi
         logits = model(tokens, positions, cache, _cache_len_arg(lens, device=tokens.device), layout, logits_rows)
         tree = layout.tree
         started = time.perf_counter()
-        uniforms = None
-        if finish.uniforms_per_row:  # sampling: the step's random numbers, laid out as a runner's buffer holds them
-            uniforms = finish.draw_uniforms(torch.empty(tokens.shape[0], finish.uniforms_per_row,
-                                                        dtype=torch.float64, device=tokens.device))
+        uniforms = step_uniforms(finish, tokens.shape[0], tokens.device)  # as a runner draws them (sampling)
         out = finish(logits, StepInputs(tokens, None if tree is None else tree.end, num_nodes, cache,
                                         positions[:, 0], uniforms))
         if host is not None:
@@ -697,7 +694,7 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
         a, nodes, emitted = back.accept_len[b], back.nodes[b], back.emitted[b]
         sequence = row.emitter.sequence
         committed = len(sequence)
-        ngrams = row.window.advance(row.x, torch.tensor(back.guesses[b]), a, row.history[:committed])
+        ngrams = row.window.advance(row.x, back.guesses[b], a, row.history[:committed])
         row.cache_len += 1 + a
         taken = row.commit(emitted, step.layout.T)
         emitted_total += taken

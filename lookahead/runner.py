@@ -79,7 +79,9 @@ class _ShapeBuffers:
             x.rows.copy_(torch.arange(rows))
         tree = TreeShape(x.depth, x.end) if V else None
         self.layout = StepLayout(shape.window, shape.levels, tree)
-        self.uniforms = None  # float64 [B, U]: a sampled finish's random numbers, drawn before each step
+        # float64 [B, U]: a sampled finish's random numbers, drawn before each step (a captured buffer keeps one
+        # size: its key holds the sampler's parameters and the shape).
+        self.uniforms = None
         self.graph = None
         self.out = None  # the graph's output: the logits, or the captured verification's result
 
@@ -135,38 +137,36 @@ class StepRunner:
                 Each distinct ``R`` of a shape gets its own buffers (and graph).
             num_nodes: integer ``[B]``: real tree nodes per row (``None``: the whole tree), for ``finish``.
             finish: optional ``finish(logits, inputs)`` run on the logits and the step's buffers as a
-                :class:`lookahead.verification.StepInputs`, with ``key`` (hashable: its own graph per key) and
-                ``capturable`` (with graphs, captured with the forward; otherwise run after the replay). A finish
-                with ``uniforms_per_row > 0`` (sampling) gets them in a buffer of this shape that its
-                ``draw_uniforms(out)`` fills before each step (outside the graph).
+                :class:`lookahead.verification.StepInputs` (with graphs, captured with the forward), with ``key``
+                (hashable: its own graph per key) and ``uniforms_per_row`` (sampling: that many random numbers a
+                row, drawn into a buffer of this shape before each step, outside the graph:
+                :func:`lookahead.verification.step_uniforms`).
         Returns:
             float32 ``[B, R or T, vocab]`` logits, or ``finish``'s result. With graphs this is the graph's static
             output, overwritten by the next replay of the same shape: read it (or copy it) before then.
         Raises:
             ValueError: on a shape outside the menu or inputs of the wrong shape, dtype or tree size.
         """
-        captured = finish if finish is not None and finish.capturable and self.graphs else None
-        buf = self._buffers_for(shape, logits_rows, None if captured is None else captured.key)
+        buf = self._buffers_for(shape, logits_rows, None if finish is None or not self.graphs else finish.key)
         self._write_inputs(buf, tokens, positions, cache_len, tree, logits_rows, num_nodes)
-        uniforms = self._draw_uniforms(buf, finish)
+        if finish is not None:
+            from .verification import step_uniforms
+
+            buf.uniforms = step_uniforms(finish, self.batch_size, self.device, buf.uniforms)
         if not self.graphs:
             with torch.inference_mode():
-                logits = self._forward(buf)
-                return logits if finish is None else finish(logits, self._inputs(buf, uniforms))
+                return self._step(buf, finish)
         if buf.graph is None:
             capture_started = time.perf_counter()
             try:
-                self._capture(buf, captured)
+                self._capture(buf, finish)
             except Exception as exc:
                 raise RuntimeError(f"capturing the CUDA graph of step shape {shape} failed ({type(exc).__name__}: "
                                    f"{exc}); generate(..., cuda_graphs=False) runs the eager loop") from exc
             torch.cuda.synchronize(self.device)  # the warm-up runs' device work belongs to the capture's time
             self.capture_seconds += time.perf_counter() - capture_started
         buf.graph.replay()
-        if finish is None or captured is not None:
-            return buf.out
-        with torch.inference_mode():
-            return finish(buf.out, self._inputs(buf, uniforms))
+        return buf.out
 
     def captured(self) -> list[StepShape]:
         """Shapes whose graph has been captured (in first-run order)."""
@@ -243,24 +243,12 @@ class StepRunner:
             buf.staged = torch.cuda.Event()
             buf.staged.record()
 
-    def _draw_uniforms(self, buf: _ShapeBuffers, finish) -> bool:
-        """Fill ``buf``'s random numbers for ``finish`` (a sampled one); whether it takes any. A captured buffer
-        keeps one size (its key holds the sampler's parameters and the shape); an eager one may serve finishes of
-        several sizes, so it is replaced when the size changes."""
-        count = getattr(finish, "uniforms_per_row", 0) if finish is not None else 0
-        if not count:
-            return False
-        if buf.uniforms is None or buf.uniforms.shape[1] != count:
-            buf.uniforms = torch.empty(self.batch_size, count, dtype=torch.float64, device=self.device)
-        finish.draw_uniforms(buf.uniforms)
-        return True
-
-    def _inputs(self, buf: _ShapeBuffers, uniforms: bool = False):
+    def _inputs(self, buf: _ShapeBuffers):
         from .verification import StepInputs
 
         x = buf.inputs
         return StepInputs(tokens=x.tokens, end=x.end if buf.shape.tree_budget else None, num_nodes=x.num_nodes,
-                          cache=self.cache, cache_len=x.cache_len, uniforms=buf.uniforms if uniforms else None)
+                          cache=self.cache, cache_len=x.cache_len, uniforms=buf.uniforms)
 
     def _forward(self, buf: _ShapeBuffers) -> torch.Tensor:
         x = buf.inputs
@@ -268,7 +256,7 @@ class StepRunner:
 
     def _step(self, buf: _ShapeBuffers, finish):
         logits = self._forward(buf)
-        return logits if finish is None else finish(logits, self._inputs(buf, buf.uniforms is not None))
+        return logits if finish is None else finish(logits, self._inputs(buf))
 
     def _capture(self, buf: _ShapeBuffers, finish) -> None:
         # Warm-up on a side stream compiles the kernels. It rewrites the step's own KV rows from the same inputs

@@ -8,7 +8,7 @@ needed). Everything the host needs from the step then comes back in one int32 te
 (:meth:`StepVerifier.read`). Its shapes depend only on the step's shape, so a CUDA graph holds it with the
 forward (:class:`lookahead.runner.StepRunner`): a replayed lookahead step launches nothing from Python between
 the step's inputs and its read-back. Sampling reads its random numbers from an input buffer that one
-``torch.rand`` fills before the step (:meth:`StepVerifier.draw_uniforms`): a random op inside a graph would need
+``torch.rand`` fills before the step (:func:`step_uniforms`): a random op inside a graph would need
 the generator's state registered with it, and would draw new numbers in each warm-up run that compacts the
 cache before the capture.
 
@@ -175,8 +175,6 @@ class StepVerifier:
         """What a captured graph of this verifier depends on besides the step shape."""
         return ("verify", self.max_accept, self.successor_k, self.successor_rows, self.sampler.key)
 
-    capturable = True  # its shapes follow the step's; sampling's random numbers are an input (draw_uniforms)
-
     @property
     def uniforms_per_row(self) -> int:
         """Random numbers a sampled step consumes per row: the tree's (``V + 1``, ``draw_tree_uniforms``'s layout;
@@ -184,10 +182,6 @@ class StepVerifier:
         if self.sampler.greedy:
             return 0
         return self.shape.tree_budget + 1 + self.shape.window
-
-    def draw_uniforms(self, out: torch.Tensor) -> torch.Tensor:
-        """Fill float64 ``out [B, uniforms_per_row]`` from the sampler's generator (before the step runs)."""
-        return self.sampler.draw(out)
 
     def __call__(self, logits: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
         """int32 ``[B, width + 2 R k]`` on the logits' device: per row its accepted length, path (``max_accept``,
@@ -247,15 +241,22 @@ class PlainChoice:
     def key(self) -> tuple:
         return ("plain", self.sampler.key)
 
-    capturable = True
-
     @property
     def uniforms_per_row(self) -> int:
         return 0 if self.sampler.greedy else 1
 
-    def draw_uniforms(self, out: torch.Tensor) -> torch.Tensor:
-        return self.sampler.draw(out)
-
     def __call__(self, logits: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
         u = inputs.uniforms
         return self.sampler.choose(logits[:, 0], None if u is None else u[:, 0])
+
+
+def step_uniforms(finish, batch_size: int, device, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """A step's random numbers for ``finish`` (a :class:`StepVerifier` or :class:`PlainChoice`), drawn now from its
+    sampler's generator: float64 ``[batch_size, finish.uniforms_per_row]``, written into ``out`` when it has that
+    shape (a runner's buffer, whose address a graph holds), else new; ``None`` for a finish that takes none."""
+    count = finish.uniforms_per_row
+    if not count:
+        return None
+    if out is None or tuple(out.shape) != (batch_size, count):
+        out = torch.empty(batch_size, count, dtype=torch.float64, device=device)
+    return finish.sampler.draw(out)

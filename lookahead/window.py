@@ -61,7 +61,7 @@ class LookaheadWindow:
 
         Args:
             x: the step's input token.
-            outputs: LongTensor ``[W]``: the model's new guesses, one per column of the last level.
+            outputs: the model's new guesses, one per column of the last level (``W`` ints or a LongTensor).
             accepted: ``a``, candidate tokens accepted in the step (the bonus token not counted).
             source: 1-D LongTensor the refill tokens are drawn from (the sequence so far).
         Returns:
@@ -71,8 +71,8 @@ class LookaheadWindow:
         if self.window == 1 and self.max_levels == 1:
             # x alone (the automatic mode's step without a window): its one column is x at every step, so there
             # is nothing to slide or refill; the n-gram is x and its guess. A row pays this every step.
-            return torch.tensor([[x, int(outputs.reshape(-1)[0])]])
-        stacked = torch.cat([self.tokens, outputs.reshape(1, -1).cpu()], dim=0)
+            return torch.tensor([[x, int(outputs[0])]])
+        stacked = torch.cat([self.tokens, torch.as_tensor(outputs).reshape(1, -1).cpu()], dim=0)
         stacked[0, 0] = x
         ngrams = stacked.t().contiguous() if self.warm else None
         kept = stacked[1:, accepted:] if self.warm else stacked[:, 1 + accepted:]

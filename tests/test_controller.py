@@ -173,7 +173,7 @@ def test_step_costs_time_a_step_with_its_verification():
     from lookahead.verification import PlainChoice, StepVerifier
 
     plain = _greedy_finish(StepShape(1, 1, 0))
-    assert isinstance(plain, PlainChoice) and plain.capturable
+    assert isinstance(plain, PlainChoice) and plain.uniforms_per_row == 0  # greedy: a graph holds it whole
     tree = _greedy_finish(StepShape(1, 1, 15))
-    assert isinstance(tree, StepVerifier) and tree.capturable
+    assert isinstance(tree, StepVerifier) and tree.uniforms_per_row == 0
     assert tree.max_accept == 15 and tree.successor_rows == 16 and tree.successor_k > 0

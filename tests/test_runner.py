@@ -140,7 +140,7 @@ class Recorder:
     """A ``finish`` that keeps what it was given and returns a marker."""
 
     key = ("recorder",)
-    capturable = True
+    uniforms_per_row = 0
 
     def __init__(self):
         self.seen = []
@@ -198,7 +198,7 @@ def test_a_verifier_run_by_the_runner_equals_one_run_after_the_model(batch, do_s
     """Verification, guesses, successor tops and KV compaction through the runner's buffers: the same read-back
     and the same cache as the verifier on the model's own logits (sampling: from the same random numbers, which
     the runner draws into its buffer before the step)."""
-    from lookahead.verification import StepInputs, StepVerifier
+    from lookahead.verification import StepInputs, StepVerifier, step_uniforms
 
     model = tiny_model()
     cache_ref, cache_run = prefilled(model, batch, "cpu"), prefilled(model, batch, "cpu")
@@ -217,7 +217,8 @@ def test_a_verifier_run_by_the_runner_equals_one_run_after_the_model(batch, do_s
         tokens[:, 6] = probe[:, 0].argmax(-1)
         with torch.inference_mode():
             ref_logits = model(tokens, positions, cache_ref, lens, layout, rows)
-            u = reference.draw_uniforms(torch.empty(batch, 9, dtype=torch.float64)) if do_sample else None
+            u = step_uniforms(reference, batch, "cpu")
+            assert (u is None) == (not do_sample)
             want = reference.read(reference(ref_logits, StepInputs(tokens, tree.end, num_nodes, cache_ref, lens, u)))
         got = verifier.read(runner.run(TREE, tokens, positions, lens, tree, rows, num_nodes, verifier))
         assert got.accept_len == want.accept_len and got.nodes == want.nodes and got.emitted == want.emitted
