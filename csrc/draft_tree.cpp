@@ -26,10 +26,14 @@
 //     children best first, padded with leaves (token 0) to `size` nodes: token / depth / end int64 [size] (the
 //     tree encoding of shared/design/draft-tree.md), parent int64 [keep] in pre-order numbering (-1 under x),
 //     order int64 [keep]: the best-first index of each pre-order node.
-//   record_successors(Tensor(a!) succ_ids, Tensor(b!) succ_probs, Tensor(c!) succ_count, Tensor tokens,
-//                     Tensor top_ids, Tensor top_probs) -> ()
-//     Row r of top_ids int64 [R, j] / top_probs float32 [R, j] (j <= k) becomes the successors of tokens[r]
-//     (int64 [R]), rows in order, so a later row for the same token wins.
+//   record_successors(Tensor(a!)[] succ_ids, Tensor(b!)[] succ_probs, Tensor(c!)[] succ_count, Tensor tokens,
+//                     Tensor top_ids, Tensor top_probs, int[] computed, int[] last_count, int[] last) -> ()
+//     One step's successor tops into n tables at once (one call a step, not one a row: each call from Python
+//     costs microseconds). Table i (int32 ids [V, k], float32 probs [V, k], int32 counts [V]) takes rows
+//     0 .. computed[i] - 1 of tokens int64 [n, R], top_ids int64 [n, R', j] and top_probs float32 [n, R', j]
+//     (j <= k), in order; then every table takes again its last_count[i] rows listed next in last, in order.
+//     Row r makes top_ids[i, r] the successors of tokens[i, r] and a later row for the same token wins, so the
+//     rows that saw the true context (x and the accepted path) are listed (and a table may serve several rows).
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -263,36 +267,61 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> encode(co
   return {out_tok, depth, end, out_par, order};
 }
 
-void record_successors(at::Tensor succ_ids, at::Tensor succ_probs, at::Tensor succ_count, const at::Tensor& tokens,
-                       const at::Tensor& top_ids, const at::Tensor& top_probs) {
-  TORCH_CHECK(succ_ids.scalar_type() == at::kInt && succ_probs.scalar_type() == at::kFloat &&
-                  succ_count.scalar_type() == at::kInt && succ_ids.dim() == 2 &&
-                  succ_ids.sizes() == succ_probs.sizes() && succ_count.dim() == 1 && succ_count.size(0) == succ_ids.size(0) && succ_ids.is_contiguous() &&
-                  succ_probs.is_contiguous() && succ_count.is_contiguous(),
-              "lookahead_draft.record_successors: the table must be int32 ids [V, k], float32 probs [V, k], int32 "
-              "counts [V], contiguous");
-  const int64_t R = tokens.numel();
-  TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.dim() == 1 && top_ids.scalar_type() == at::kLong &&
-                  top_probs.scalar_type() == at::kFloat && top_ids.dim() == 2 && top_ids.sizes() == top_probs.sizes() &&
-                  top_ids.size(0) == R && top_ids.size(1) <= succ_ids.size(1),
-              "lookahead_draft.record_successors: tokens int64 [R], top_ids int64 [R, j] and top_probs float32 [R, j] "
-              "with j <= k");
+void record_successors(at::TensorList succ_ids, at::TensorList succ_probs, at::TensorList succ_count,
+                       const at::Tensor& tokens, const at::Tensor& top_ids, const at::Tensor& top_probs,
+                       at::IntArrayRef computed, at::IntArrayRef last_count, at::IntArrayRef last) {
+  const int64_t n = static_cast<int64_t>(succ_ids.size());
+  TORCH_CHECK(static_cast<int64_t>(succ_probs.size()) == n && static_cast<int64_t>(succ_count.size()) == n,
+              "lookahead_draft.record_successors: one ids, probs and counts tensor per table");
+  TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.dim() == 2 && tokens.size(0) == n &&
+                  top_ids.scalar_type() == at::kLong && top_probs.scalar_type() == at::kFloat &&
+                  top_ids.dim() == 3 && top_ids.sizes() == top_probs.sizes() && top_ids.size(0) == n &&
+                  top_ids.size(1) <= tokens.size(1),
+              "lookahead_draft.record_successors: tokens int64 [n, R], top_ids int64 [n, R', j] and top_probs "
+              "float32 [n, R', j] with R' <= R, one row per table");
+  TORCH_CHECK(static_cast<int64_t>(computed.size()) == n && static_cast<int64_t>(last_count.size()) == n,
+              "lookahead_draft.record_successors: one computed and one last_count per table");
   const at::Tensor tk = tokens.contiguous(), ti = top_ids.contiguous(), tp = top_probs.contiguous();
-  const int64_t V = succ_ids.size(0), k = succ_ids.size(1), j = ti.size(1);
-  const int64_t* t = tk.data_ptr<int64_t>();
-  const int64_t* ids = ti.data_ptr<int64_t>();
-  const float* probs = tp.data_ptr<float>();
-  int32_t* out_ids = succ_ids.data_ptr<int32_t>();
-  float* out_probs = succ_probs.data_ptr<float>();
-  int32_t* count = succ_count.data_ptr<int32_t>();
-  for (int64_t r = 0; r < R; ++r) {
-    TORCH_CHECK(0 <= t[r] && t[r] < V, "lookahead_draft.record_successors: token ", t[r], " outside [0, ", V, ")");
-    for (int64_t c = 0; c < j; ++c) {
-      out_ids[t[r] * k + c] = static_cast<int32_t>(ids[r * j + c]);
-      out_probs[t[r] * k + c] = probs[r * j + c];
-    }
-    count[t[r]] = static_cast<int32_t>(j);
+  const int64_t R = tk.size(1), Rt = ti.size(1), j = ti.size(2);
+  for (int64_t i = 0; i < n; ++i) {
+    const at::Tensor &ids_t = succ_ids[i], &probs_t = succ_probs[i], &count_t = succ_count[i];
+    TORCH_CHECK(ids_t.scalar_type() == at::kInt && probs_t.scalar_type() == at::kFloat &&
+                    count_t.scalar_type() == at::kInt && ids_t.dim() == 2 && ids_t.sizes() == probs_t.sizes() &&
+                    count_t.dim() == 1 && count_t.size(0) == ids_t.size(0) && ids_t.is_contiguous() &&
+                    probs_t.is_contiguous() && count_t.is_contiguous() && j <= ids_t.size(1),
+                "lookahead_draft.record_successors: table ", i, " must be int32 ids [V, k], float32 probs [V, k] "
+                "and int32 counts [V], contiguous, with k >= ", j);
+    TORCH_CHECK(0 <= computed[i] && computed[i] <= Rt && last_count[i] >= 0,
+                "lookahead_draft.record_successors: computed[", i, "] = ", computed[i], " outside [0, ", Rt, "]");
   }
+  int64_t listed = 0;
+  for (int64_t i = 0; i < n; ++i) listed += last_count[i];
+  TORCH_CHECK(listed == static_cast<int64_t>(last.size()),
+              "lookahead_draft.record_successors: last_count sums to ", listed, " but last has ", last.size());
+  auto record = [&](int64_t i, int64_t r) {  // row r of table i
+    TORCH_CHECK(0 <= r && r < Rt, "lookahead_draft.record_successors: row ", r, " outside the ", Rt,
+                " rows of top_ids");
+    const int64_t token = tk.data_ptr<int64_t>()[i * R + r];
+    const int64_t V = succ_ids[i].size(0), k = succ_ids[i].size(1);
+    TORCH_CHECK(0 <= token && token < V, "lookahead_draft.record_successors: token ", token, " outside [0, ", V,
+                ")");
+    const int64_t* ids = ti.data_ptr<int64_t>() + (i * Rt + r) * j;
+    const float* probs = tp.data_ptr<float>() + (i * Rt + r) * j;
+    int32_t* out_ids = succ_ids[i].data_ptr<int32_t>() + token * k;
+    float* out_probs = succ_probs[i].data_ptr<float>() + token * k;
+    for (int64_t c = 0; c < j; ++c) {
+      out_ids[c] = static_cast<int32_t>(ids[c]);
+      out_probs[c] = probs[c];
+    }
+    succ_count[i].data_ptr<int32_t>()[token] = static_cast<int32_t>(j);
+  };
+  // Every table's computed rows, then every table's listed rows: where rows share one table, the rows that saw
+  // their true context win over any row's speculative ones.
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t r = 0; r < computed[i]; ++r) record(i, r);
+  listed = 0;
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t m = 0; m < last_count[i]; ++m) record(i, last[listed++]);
 }
 
 }  // namespace
@@ -302,8 +331,8 @@ TORCH_LIBRARY(lookahead_draft, m) {
   m.def("propose(int root, Tensor suffix, Tensor pool, Tensor rates, Tensor succ_ids, Tensor succ_probs, "
         "Tensor succ_count, int budget) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("encode(Tensor parents, Tensor tokens, int keep, int size) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
-  m.def("record_successors(Tensor(a!) succ_ids, Tensor(b!) succ_probs, Tensor(c!) succ_count, Tensor tokens, "
-        "Tensor top_ids, Tensor top_probs) -> ()");
+  m.def("record_successors(Tensor(a!)[] succ_ids, Tensor(b!)[] succ_probs, Tensor(c!)[] succ_count, "
+        "Tensor tokens, Tensor top_ids, Tensor top_probs, int[] computed, int[] last_count, int[] last) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(lookahead_draft, CPU, m) {

@@ -386,8 +386,9 @@ class DraftBuilder:
 
     # ---- after the step ---------------------------------------------------------------------------------------
     def observe(self, tree: DraftTree, path: list[int], ngrams: torch.Tensor | None, sequence: list[int],
-                emitted: int, successor_rows: tuple | None = None) -> None:
-        """Learn from a verified step.
+                emitted: int) -> None:
+        """Learn from a verified step (the successor table learns from the step's logits beside this, for every
+        row of a batch at once: :func:`lookahead.successors.record_step`).
 
         Args:
             tree: the step's tree.
@@ -395,9 +396,6 @@ class DraftBuilder:
             ngrams: the window's n-grams ``[W, N]`` (``None`` while warming up).
             sequence: the committed sequence, this step's emitted tokens included.
             emitted: tokens this step committed (accepted + bonus, fewer when a stop cut them).
-            successor_rows: ``(tokens [R], ids [R, k], probs [R, k])`` on the host: the top next tokens of the
-                rows the step computed (:meth:`lookahead.successors.SuccessorTable.top`), for the successor table;
-                the rows of ``x`` and the accepted path last, so that rows seen in their true context win.
         """
         accepted = set(path)
         record = self.stats.record_code
@@ -416,8 +414,6 @@ class DraftBuilder:
             if start < len(sequence):
                 self._pool_insert(torch.tensor([sequence[e - n + 1: e + 1] for e in range(start, len(sequence))],
                                                dtype=torch.long))
-        if self.successors is not None and successor_rows is not None:
-            self.successors.record(*successor_rows)
 
 
 _NONE_I32 = torch.empty(0, dtype=torch.int32)

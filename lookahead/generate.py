@@ -35,6 +35,7 @@ from .controller import make_plan
 from .draft import DraftBuilder, Proposal
 from .runner import StepRunner, cache_pool, runner_cache
 from .step import build_step, upload
+from .successors import record_step
 from .verification import PlainChoice, Sampler, StepInputs, StepVerifier, step_uniforms
 from .window import LookaheadWindow
 
@@ -688,6 +689,8 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
                               step.logits_rows, step.num_nodes, verifier, host))
     forward_done = time.perf_counter()
     emitted_total = 0
+    recorded, computed, last = [], [], []  # the successor tables' rows, recorded together after the loop
+    first_node = step.node_rows.start
     for b, row in enumerate(batch):
         if row.emitter.done:  # parked
             continue
@@ -704,12 +707,16 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
                                              tuple(tree.parents), tuple(map(frozenset, tree.sources)),
                                              () if ngrams is None else tuple(map(tuple, ngrams.tolist())),
                                              tuple(nodes)))
-        successor_rows = None
-        if successors is not None:
-            successor_rows = _successor_rows(step, b, tree.num_nodes, nodes, back.successor_ids[b],
-                                             back.successor_probs[b])
-        row.drafts.observe(tree, nodes, ngrams, sequence, taken, successor_rows)
+        if successors is not None:  # every row computed but padding; x and the accepted path last, to win
+            recorded.append(b)
+            computed.append(first_node + tree.num_nodes)
+            last.append([0] + [first_node + n for n in nodes])
+        row.drafts.observe(tree, nodes, ngrams, sequence, taken)
         row.x = emitted[-1]
+    if recorded:
+        pick = slice(None) if len(recorded) == len(batch) else torch.tensor(recorded)
+        record_step([batch[b].drafts.successors for b in recorded], step.logits_tokens[pick],
+                    back.successor_ids[pick], back.successor_probs[pick], computed, last)
     host_seconds = (forward_started - host_started) + (time.perf_counter() - forward_done)
     host.seconds += host_seconds
     if plan.planner is not None and size and len(active) > 1:  # how far the batch's estimates came true
@@ -722,12 +729,3 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
         plan.planner.host.observe(len(active), sum(t.num_nodes for t in trees), host_seconds + host.verify_seconds)
     return emitted_total
 
-
-def _successor_rows(step, b: int, num_nodes: int, nodes: list[int], ids: torch.Tensor, probs: torch.Tensor):
-    """``(tokens, ids, probs)`` on the host for every row the step computed for batch row ``b`` but padding (of
-    ``ids``/``probs [computed, k]``, its top next tokens), with ``x`` and the accepted nodes last (their rows saw
-    the true context, so their successors should win)."""
-    first_node = step.node_rows.start
-    last = [0] + [first_node + n for n in nodes]
-    order = torch.tensor([i for i in range(first_node + num_nodes) if i not in last] + last)
-    return step.logits_tokens[b, order], ids[order], probs[order]

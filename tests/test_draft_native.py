@@ -8,7 +8,7 @@ import torch
 
 from lookahead import LookaheadConfig
 from lookahead.draft import NUM_CODES, DraftBuilder, code_key, key_code
-from lookahead.successors import SuccessorTable
+from lookahead.successors import SuccessorTable, record_step, record_step_reference
 from lookahead_kernels.cpu_ops import cpu_ops_available
 from lookahead_kernels.tree import TreeShape, check_tree
 
@@ -92,6 +92,28 @@ def test_successor_records_match_the_python_fallback():
     assert torch.equal(native.count, ref.count)
     with pytest.raises(ValueError, match=r"\[0, 20\)"):
         native.record(torch.tensor([20]), ids[:1], probs[:1])
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("n,R,j", [(1, 1, 1), (3, 17, 5), (16, 40, 8)])
+def test_a_step_s_successor_records_match_the_python_reference(n, R, j, shared):
+    gen = torch.Generator().manual_seed(n * 100 + R)
+    vocab = 12  # few tokens: rows repeat them, and the last row for a token must win
+    tokens = torch.randint(0, vocab, (n, R + 3), generator=gen)
+    ids = torch.randint(0, vocab, (n, R, j), generator=gen)
+    probs = torch.rand(n, R, j, generator=gen)
+    computed = torch.randint(1, R + 1, (n,), generator=gen).tolist()
+    last = [sorted(set(torch.randint(0, c, (3,), generator=gen).tolist())) for c in computed]
+    native = [SuccessorTable(vocab, 8) for _ in range(1 if shared else n)]
+    ref = [SuccessorTable(vocab, 8) for _ in range(1 if shared else n)]
+    for table in native + ref:  # a stale entry beyond j must survive: only the first j are written
+        table.ids.fill_(-7)
+        table.probs.fill_(-1.0)
+    record_step(native * (n if shared else 1), tokens, ids, probs, computed, last)
+    record_step_reference(ref * (n if shared else 1), tokens, ids, probs, computed, last)
+    for a, b in zip(native, ref):
+        assert torch.equal(a.ids, b.ids) and torch.equal(a.probs, b.probs) and torch.equal(a.count, b.count)
+    assert sum(int((t.count > 0).sum()) for t in native) > 0
 
 
 def test_key_codes_round_trip_and_stay_in_range():
