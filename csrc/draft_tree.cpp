@@ -9,23 +9,29 @@
 // Acceptance keys are small integer codes (lookahead/draft.py documents them): pool depth d -> min(d, 63);
 // suffix depth d -> 64 + min(d, 8); a successor of probability bucket b at depth d -> 73 + 4 b + min(d, 4) - 1.
 //
-// Ops (namespace lookahead_draft, CPU):
-//   propose(int root, Tensor suffix, Tensor pool, Tensor rates, Tensor succ_ids, Tensor succ_probs,
-//           Tensor succ_count, int budget) -> (Tensor tokens, Tensor parents, Tensor scores, Tensor codes,
-//           Tensor code_offsets)
-//     suffix int64 [Cs, Ls] and pool int64 [Cp, Lp]: candidate continuations of root, each row read until its
-//     first negative entry (suffix rows first, in order); rates float64 [kCodes]: conditional acceptance per code;
-//     succ_ids int32 [V, k], succ_probs float32 [V, k], succ_count int32 [V]: each token's recorded successors,
-//     most likely first (succ_count empty: no successor source). Returns up to `budget` nodes best first (each
-//     after its parent): token int64 [n], parent int64 [n] (an index into this list, -1 under root), score
-//     float64 [n] (the chance the verifier reaches the node), and each node's acceptance codes in the order they
-//     were proposed, flattened: codes int64 [m], code_offsets int64 [n + 1].
-//   encode(Tensor parents, Tensor tokens, int keep, int size) -> (Tensor tokens, Tensor depth, Tensor end,
-//          Tensor parents, Tensor order)
-//     The first `keep` nodes of a best-first list (parents as propose returns them) in depth-first pre-order,
-//     children best first, padded with leaves (token 0) to `size` nodes: token / depth / end int64 [size] (the
-//     tree encoding of shared/design/draft-tree.md), parent int64 [keep] in pre-order numbering (-1 under x),
-//     order int64 [keep]: the best-first index of each pre-order node.
+// Ops (namespace lookahead_draft, CPU). Each takes every row of a batch in one call: a call from Python costs
+// microseconds, which a 16-row batch paid per row and per op in every step.
+//   propose(int[] roots, int[] suffix_tokens, int[] suffix_lens, int[] suffix_counts, Tensor[] pool,
+//           Tensor[] rates, Tensor[] succ_ids, Tensor[] succ_probs, Tensor[] succ_count, int budget)
+//       -> (Tensor tokens, Tensor parents, Tensor scores, Tensor codes, Tensor code_offsets, Tensor counts)
+//     Row i grows a trie from roots[i] with its candidate continuations: suffix_counts[i] suffix matches
+//     (flattened: each continuation's length in suffix_lens, its tokens in suffix_tokens, rows in order), then
+//     pool[i] int64 [Cp, Lp] (each row read until its first negative entry); rates[i] float64 [kCodes]: its
+//     conditional acceptance per code; succ_ids[i] int32 [V, k], succ_probs[i] float32 [V, k], succ_count[i]
+//     int32 [V]: its recorded successors, most likely first (succ_count[i] empty: no successor source). It
+//     chooses up to `budget` nodes best first (each after its parent); every row's nodes follow the previous
+//     row's (counts int64 [n]: nodes per row): token int64 [N], parent int64 [N] (an index into its row's list,
+//     -1 under root), score float64 [N] (the chance the verifier reaches the node), and each node's acceptance
+//     codes in the order they were proposed: node j's are codes[code_offsets[j] : code_offsets[j + 1]] (codes
+//     int64 [M], code_offsets int64 [N + 1]).
+//   encode(Tensor parents, Tensor tokens, int[] starts, int[] keep, int size)
+//       -> (Tensor tokens, Tensor depth, Tensor end, Tensor parents, Tensor order, Tensor max_depth)
+//     Per row i, the first keep[i] nodes of the best-first list that starts at starts[i] in parents / tokens
+//     (int64 [N], as propose returns them) in depth-first pre-order, children best first, padded with leaves
+//     (token 0) to `size` nodes: token / depth / end int64 [n, size] (the tree encoding of
+//     shared/design/draft-tree.md), parent int64 [sum keep] in each row's pre-order numbering (-1 under x), order
+//     int64 [sum keep]: the best-first index of each pre-order node (rows one after another), max_depth int64
+//     [n]: each row's deepest real node (0 without one).
 //   record_successors(Tensor(a!)[] succ_ids, Tensor(b!)[] succ_probs, Tensor(c!)[] succ_count, Tensor tokens,
 //                     Tensor top_ids, Tensor top_probs, int[] computed, int[] last_count, int[] last) -> ()
 //     One step's successor tops into n tables at once (one call a step, not one a row: each call from Python
@@ -38,8 +44,8 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
-#include <queue>
 #include <tuple>
 #include <vector>
 
@@ -62,93 +68,109 @@ int64_t bucket_of(double p) {  // Python's bisect_right(_PROB_BUCKETS, p), clamp
   return b < kNumBuckets ? b : kNumBuckets - 1;
 }
 
+// Flat storage, kept across the rows of a call: a node's children and codes are linked lists through arrays,
+// not vectors per node (the allocations of a hundred-odd small vectors a row were most of the walk's time).
 struct Node {
   int64_t token;
   int32_t parent;
   int32_t depth;
   double cond = 0.0;
   double score = 0.0;
-  std::vector<int32_t> children;  // in the order they were first proposed
-  std::vector<int16_t> codes;     // every proposal's code, in order (repeats kept: each counts as a trial)
+  int32_t first_child = -1, last_child = -1, next_sibling = -1;  // children in the order first proposed
+  int32_t first_code = -1, last_code = -1;  // every proposal's code, in order (repeats kept: each is a trial)
+};
+
+struct Code {
+  int16_t code;
+  int32_t next;
 };
 
 class Trie {
  public:
-  Trie(int64_t root_token, const double* rates) : rates_(rates) { nodes_.push_back(Node{root_token, -1, 0}); }
+  void reset(int64_t root_token, const double* rates) {
+    rates_ = rates;
+    nodes_.clear();
+    codes_.clear();
+    nodes_.push_back(Node{root_token, -1, 0});
+  }
 
   int32_t child(int32_t parent, int64_t token) {
-    for (int32_t c : nodes_[parent].children)
+    for (int32_t c = nodes_[parent].first_child; c >= 0; c = nodes_[c].next_sibling)
       if (nodes_[c].token == token) return c;
     const int32_t c = static_cast<int32_t>(nodes_.size());
     nodes_.push_back(Node{token, parent, nodes_[parent].depth + 1});
-    nodes_[parent].children.push_back(c);
+    Node& p = nodes_[parent];
+    (p.last_child < 0 ? p.first_child : nodes_[p.last_child].next_sibling) = c;
+    p.last_child = c;
     return c;
   }
 
   void propose(int32_t node, int64_t code) {
+    const int32_t e = static_cast<int32_t>(codes_.size());
+    codes_.push_back(Code{static_cast<int16_t>(code), -1});
     Node& n = nodes_[node];
-    n.codes.push_back(static_cast<int16_t>(code));
+    (n.last_code < 0 ? n.first_code : codes_[n.last_code].next) = e;
+    n.last_code = e;
     const double r = rates_[code];
     if (r > n.cond) n.cond = r;
   }
 
-  void add_rows(const at::Tensor& rows, bool suffix) {
-    if (rows.numel() == 0) return;
-    const auto acc = rows.accessor<int64_t, 2>();
-    for (int64_t c = 0; c < rows.size(0); ++c) {
-      int32_t node = 0;
-      for (int64_t d = 1; d <= rows.size(1); ++d) {
-        const int64_t t = acc[c][d - 1];
-        if (t < 0) break;
-        node = child(node, t);
-        propose(node, suffix ? kSuffixBase + std::min(d, kMaxSuffixDepth) : std::min(d, kMaxPoolDepthCode));
-      }
+  // One continuation of the root, read until its first negative token or `len`.
+  void add_continuation(const int64_t* tokens, int64_t len, bool suffix) {
+    int32_t node = 0;
+    for (int64_t d = 1; d <= len; ++d) {
+      const int64_t t = tokens[d - 1];
+      if (t < 0) break;
+      node = child(node, t);
+      propose(node, suffix ? kSuffixBase + std::min(d, kMaxSuffixDepth) : std::min(d, kMaxPoolDepthCode));
     }
   }
 
   std::vector<Node> nodes_;
+  std::vector<Code> codes_;
 
  private:
-  const double* rates_;
+  const double* rates_ = nullptr;
 };
 
-void check_2d_long(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.dim() == 2 && t.is_contiguous(),
-              "lookahead_draft.propose: ", name, " must be a contiguous int64 CPU tensor [C, L], got ", t.sizes(),
-              " ", t.scalar_type(), " on ", t.device());
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> propose(
-    int64_t root, const at::Tensor& suffix, const at::Tensor& pool, const at::Tensor& rates,
-    const at::Tensor& succ_ids, const at::Tensor& succ_probs, const at::Tensor& succ_count, int64_t budget) {
-  check_2d_long(suffix, "suffix");
-  check_2d_long(pool, "pool");
-  TORCH_CHECK(rates.device().is_cpu() && rates.scalar_type() == at::kDouble && rates.numel() == kCodes &&
-                  rates.is_contiguous(),
-              "lookahead_draft.propose: rates must be a contiguous float64 CPU tensor [", kCodes, "]");
-  TORCH_CHECK(budget >= 0, "lookahead_draft.propose: budget must be >= 0, got ", budget);
-  const bool successors = succ_count.numel() > 0;
-  int64_t vocab = 0, k = 0;
-  if (successors) {
-    TORCH_CHECK(succ_ids.scalar_type() == at::kInt && succ_probs.scalar_type() == at::kFloat &&
-                    succ_count.scalar_type() == at::kInt && succ_ids.dim() == 2 &&
-                    succ_ids.sizes() == succ_probs.sizes() && succ_count.dim() == 1 &&
-                    succ_count.size(0) == succ_ids.size(0) && succ_ids.is_contiguous() &&
-                    succ_probs.is_contiguous() && succ_count.is_contiguous() && succ_ids.device().is_cpu() &&
-                    succ_probs.device().is_cpu() && succ_count.device().is_cpu(),
-                "lookahead_draft.propose: the successor table must be int32 ids [V, k], float32 probs [V, k] and "
-                "int32 counts [V], contiguous, on the CPU");
-    vocab = succ_ids.size(0);
-    k = succ_ids.size(1);
+// Max-heap on score; equal scores pop in the order they were pushed (a counter), as Python's heapq on
+// (-score, counter) does.
+using Entry = std::tuple<double, int64_t, int32_t>;
+struct Worse {
+  bool operator()(const Entry& a, const Entry& b) const {
+    if (std::get<0>(a) != std::get<0>(b)) return std::get<0>(a) < std::get<0>(b);
+    return std::get<1>(a) > std::get<1>(b);
   }
-  const double* rate = rates.data_ptr<double>();
-  Trie trie(root, rate);
-  trie.add_rows(suffix, true);
-  trie.add_rows(pool, false);
+};
 
-  const int32_t* sids = successors ? succ_ids.data_ptr<int32_t>() : nullptr;
-  const float* sprobs = successors ? succ_probs.data_ptr<float>() : nullptr;
-  const int32_t* scount = successors ? succ_count.data_ptr<int32_t>() : nullptr;
+// What one call reuses from row to row.
+struct Workspace {
+  Trie trie;
+  std::vector<Entry> heap;
+  std::vector<int32_t> chosen, list_index;  // list_index: trie node -> index in `chosen` (-1: not chosen)
+};
+
+// Every row's chosen nodes, one after another (one allocation per output for the batch, not per row).
+struct Proposals {
+  std::vector<int64_t> tokens, parents, codes, code_offsets{0}, counts;
+  std::vector<double> scores;
+};
+
+// One row's best-first walk, appended to `out`: `suffix_count` continuations of `suffix_lens[c]` tokens each,
+// flattened in `suffix_tokens`; the pool's rows; the row's rates and successor table (scount null: none).
+void propose_row(int64_t root, const int64_t* suffix_tokens, const int64_t* suffix_lens, int64_t suffix_count,
+                 const at::Tensor& pool, const double* rate, const int32_t* sids, const float* sprobs,
+                 const int32_t* scount, int64_t vocab, int64_t k, int64_t budget, Workspace& ws, Proposals& out) {
+  Trie& trie = ws.trie;
+  trie.reset(root, rate);
+  for (int64_t c = 0; c < suffix_count; ++c) {
+    trie.add_continuation(suffix_tokens, suffix_lens[c], true);
+    suffix_tokens += suffix_lens[c];
+  }
+  for (int64_t c = 0; c < pool.size(0); ++c) trie.add_continuation(pool.data_ptr<int64_t>() + c * pool.size(1),
+                                                                    pool.size(1), false);
+
+  const bool successors = scount != nullptr;
   auto expand = [&](int32_t node) {
     if (!successors) return;
     const int64_t token = trie.nodes_[node].token;
@@ -162,16 +184,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> propose(
     }
   };
 
-  // Max-heap on score; equal scores pop in the order they were pushed (a counter), as Python's heapq on
-  // (-score, counter) does.
-  using Entry = std::tuple<double, int64_t, int32_t>;
-  auto worse = [](const Entry& a, const Entry& b) {
-    if (std::get<0>(a) != std::get<0>(b)) return std::get<0>(a) < std::get<0>(b);
-    return std::get<1>(a) > std::get<1>(b);
-  };
-  std::priority_queue<Entry, std::vector<Entry>, decltype(worse)> heap(worse);
-  std::vector<int32_t> chosen;
-  std::vector<int32_t> list_index;  // trie node -> index in `chosen` (-1: not chosen)
+  std::vector<Entry>& heap = ws.heap;
+  std::vector<int32_t>& chosen = ws.chosen;
+  heap.clear();
+  chosen.clear();
   int64_t counter = 0;
   int32_t node = 0;
   trie.nodes_[0].score = 1.0;
@@ -182,89 +198,175 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> propose(
     }
     expand(node);
     const double s = trie.nodes_[node].score;
-    for (int32_t c : trie.nodes_[node].children) {
+    for (int32_t c = trie.nodes_[node].first_child; c >= 0; c = trie.nodes_[c].next_sibling) {
       trie.nodes_[c].score = s * trie.nodes_[c].cond;
-      heap.emplace(trie.nodes_[c].score, counter++, c);
+      heap.emplace_back(trie.nodes_[c].score, counter++, c);
+      std::push_heap(heap.begin(), heap.end(), Worse{});
     }
     if (heap.empty() || budget == 0) break;
-    node = std::get<2>(heap.top());
-    heap.pop();
+    std::pop_heap(heap.begin(), heap.end(), Worse{});
+    node = std::get<2>(heap.back());
+    heap.pop_back();
   }
 
-  const int64_t n = static_cast<int64_t>(chosen.size());
-  list_index.assign(trie.nodes_.size(), -1);
-  int64_t m = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    list_index[chosen[i]] = static_cast<int32_t>(i);
-    m += static_cast<int64_t>(trie.nodes_[chosen[i]].codes.size());
-  }
-  auto opts = at::TensorOptions().dtype(at::kLong);
-  at::Tensor tokens = at::empty({n}, opts), parents = at::empty({n}, opts), offsets = at::empty({n + 1}, opts);
-  at::Tensor scores = at::empty({n}, at::TensorOptions().dtype(at::kDouble)), codes = at::empty({m}, opts);
-  int64_t *tok = tokens.data_ptr<int64_t>(), *par = parents.data_ptr<int64_t>(), *off = offsets.data_ptr<int64_t>();
-  int64_t* cod = codes.data_ptr<int64_t>();
-  double* sc = scores.data_ptr<double>();
-  off[0] = 0;
-  for (int64_t i = 0; i < n; ++i) {
+  ws.list_index.assign(trie.nodes_.size(), -1);
+  for (size_t i = 0; i < chosen.size(); ++i) {
     const Node& nd = trie.nodes_[chosen[i]];
-    tok[i] = nd.token;
-    par[i] = nd.parent == 0 ? -1 : list_index[nd.parent];  // a parent is always chosen before its children
-    sc[i] = nd.score;
-    int64_t o = off[i];
-    for (int16_t c : nd.codes) cod[o++] = c;
-    off[i + 1] = o;
+    ws.list_index[chosen[i]] = static_cast<int32_t>(i);
+    out.tokens.push_back(nd.token);
+    out.parents.push_back(nd.parent == 0 ? -1 : ws.list_index[nd.parent]);  // a parent is chosen before its children
+    out.scores.push_back(nd.score);
+    for (int32_t e = nd.first_code; e >= 0; e = trie.codes_[e].next) out.codes.push_back(trie.codes_[e].code);
+    out.code_offsets.push_back(static_cast<int64_t>(out.codes.size()));
   }
-  return {tokens, parents, scores, codes, offsets};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> encode(const at::Tensor& parents,
-                                                                               const at::Tensor& tokens,
-                                                                               int64_t keep, int64_t size) {
-  TORCH_CHECK(parents.device().is_cpu() && tokens.device().is_cpu() && parents.scalar_type() == at::kLong &&
-                  tokens.scalar_type() == at::kLong && parents.dim() == 1 && tokens.dim() == 1 &&
-                  parents.size(0) == tokens.size(0) && parents.is_contiguous() && tokens.is_contiguous(),
-              "lookahead_draft.encode: parents and tokens must be contiguous int64 CPU tensors [n] of one length");
-  TORCH_CHECK(0 <= keep && keep <= parents.size(0) && keep <= size,
-              "lookahead_draft.encode: need 0 <= keep <= n and keep <= size, got keep ", keep, ", n ",
-              parents.size(0), ", size ", size);
-  const int64_t* par = parents.data_ptr<int64_t>();
-  const int64_t* tok = tokens.data_ptr<int64_t>();
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> propose(
+    at::IntArrayRef roots, at::IntArrayRef suffix_tokens, at::IntArrayRef suffix_lens, at::IntArrayRef suffix_counts,
+    at::TensorList pool, at::TensorList rates, at::TensorList succ_ids, at::TensorList succ_probs,
+    at::TensorList succ_count, int64_t budget) {
+  const int64_t n = static_cast<int64_t>(roots.size());
+  TORCH_CHECK(static_cast<int64_t>(suffix_counts.size()) == n && static_cast<int64_t>(pool.size()) == n &&
+                  static_cast<int64_t>(rates.size()) == n && static_cast<int64_t>(succ_ids.size()) == n &&
+                  static_cast<int64_t>(succ_probs.size()) == n && static_cast<int64_t>(succ_count.size()) == n,
+              "lookahead_draft.propose: one root, suffix count, pool, rates and successor table per row");
+  TORCH_CHECK(budget >= 0, "lookahead_draft.propose: budget must be >= 0, got ", budget);
+  int64_t spans = 0, listed = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(suffix_counts[i] >= 0, "lookahead_draft.propose: suffix_counts must be >= 0");
+    spans += suffix_counts[i];
+  }
+  TORCH_CHECK(spans == static_cast<int64_t>(suffix_lens.size()),
+              "lookahead_draft.propose: suffix_counts sums to ", spans, " but suffix_lens has ", suffix_lens.size());
+  for (int64_t c = 0; c < spans; ++c) {
+    TORCH_CHECK(suffix_lens[c] >= 0, "lookahead_draft.propose: suffix_lens must be >= 0");
+    listed += suffix_lens[c];
+  }
+  TORCH_CHECK(listed == static_cast<int64_t>(suffix_tokens.size()), "lookahead_draft.propose: suffix_lens sums to ",
+              listed, " but suffix_tokens has ", suffix_tokens.size());
+  Proposals out;
+  Workspace ws;
+  const int64_t* span_tokens = suffix_tokens.data();
+  const int64_t* span_lens = suffix_lens.data();
+  for (int64_t i = 0; i < n; ++i) {
+    const at::Tensor& p = pool[i];
+    TORCH_CHECK(p.device().is_cpu() && p.scalar_type() == at::kLong && p.dim() == 2 && p.is_contiguous(),
+                "lookahead_draft.propose: pool must be a contiguous int64 CPU tensor [C, L], got ", p.sizes(), " ",
+                p.scalar_type(), " on ", p.device());
+    const at::Tensor& r = rates[i];
+    TORCH_CHECK(r.device().is_cpu() && r.scalar_type() == at::kDouble && r.numel() == kCodes && r.is_contiguous(),
+                "lookahead_draft.propose: rates must be a contiguous float64 CPU tensor [", kCodes, "]");
+    const at::Tensor &ids = succ_ids[i], &probs = succ_probs[i], &count = succ_count[i];
+    const bool successors = count.numel() > 0;
+    if (successors)
+      TORCH_CHECK(ids.scalar_type() == at::kInt && probs.scalar_type() == at::kFloat &&
+                      count.scalar_type() == at::kInt && ids.dim() == 2 && ids.sizes() == probs.sizes() &&
+                      count.dim() == 1 && count.size(0) == ids.size(0) && ids.is_contiguous() &&
+                      probs.is_contiguous() && count.is_contiguous() && ids.device().is_cpu() &&
+                      probs.device().is_cpu() && count.device().is_cpu(),
+                  "lookahead_draft.propose: the successor table must be int32 ids [V, k], float32 probs [V, k] and "
+                  "int32 counts [V], contiguous, on the CPU");
+    const size_t before = out.tokens.size();
+    propose_row(roots[i], span_tokens, span_lens, suffix_counts[i], p, r.data_ptr<double>(),
+                successors ? ids.data_ptr<int32_t>() : nullptr, successors ? probs.data_ptr<float>() : nullptr,
+                successors ? count.data_ptr<int32_t>() : nullptr, successors ? ids.size(0) : 0,
+                successors ? ids.size(1) : 0, budget, ws, out);
+    for (int64_t c = 0; c < suffix_counts[i]; ++c) span_tokens += span_lens[c];
+    span_lens += suffix_counts[i];
+    out.counts.push_back(static_cast<int64_t>(out.tokens.size() - before));
+  }
+  auto longs = [](const std::vector<int64_t>& v) {
+    return at::tensor(at::ArrayRef<int64_t>(v), at::TensorOptions().dtype(at::kLong));
+  };
+  return {longs(out.tokens), longs(out.parents),
+          at::tensor(at::ArrayRef<double>(out.scores), at::TensorOptions().dtype(at::kDouble)), longs(out.codes),
+          longs(out.code_offsets), longs(out.counts)};
+}
+
+// What encode reuses from row to row: children lists linked through arrays (slot keep: the roots under x).
+struct EncodeSpace {
+  std::vector<int64_t> first, last, next, pre, stack;
+};
+
+// One row's encoding (see encode) into ot / dp / en [size] and op / od [keep]; returns its deepest real depth.
+int64_t encode_row(const int64_t* par, const int64_t* tok, int64_t keep, int64_t size, int64_t* ot, int64_t* dp,
+                   int64_t* en, int64_t* op, int64_t* od, EncodeSpace& ws) {
   // Children lists in best-first order (the list's order), then an iterative depth-first walk.
-  std::vector<std::vector<int64_t>> kids(keep);
-  std::vector<int64_t> roots;
+  ws.first.assign(keep + 1, -1);
+  ws.last.assign(keep + 1, -1);
+  ws.next.assign(keep, -1);
   for (int64_t i = 0; i < keep; ++i) {
     const int64_t p = par[i];
     TORCH_CHECK(-1 <= p && p < i, "lookahead_draft.encode: the parent of node ", i, " must be -1 or an earlier "
                 "node, got ", p);
-    (p < 0 ? roots : kids[p]).push_back(i);
+    const int64_t slot = p < 0 ? keep : p;
+    (ws.last[slot] < 0 ? ws.first[slot] : ws.next[ws.last[slot]]) = i;
+    ws.last[slot] = i;
   }
-  auto opts = at::TensorOptions().dtype(at::kLong);
-  at::Tensor out_tok = at::zeros({size}, opts), depth = at::empty({size}, opts), end = at::empty({size}, opts);
-  at::Tensor out_par = at::empty({keep}, opts), order = at::empty({keep}, opts);
-  int64_t *ot = out_tok.data_ptr<int64_t>(), *dp = depth.data_ptr<int64_t>(), *en = end.data_ptr<int64_t>();
-  int64_t *op = out_par.data_ptr<int64_t>(), *od = order.data_ptr<int64_t>();
-  std::vector<int64_t> pre(keep, -1);  // best-first index -> pre-order index
-  std::vector<int64_t> stack(roots.rbegin(), roots.rend());
-  int64_t next = 0;
-  while (!stack.empty()) {
-    const int64_t i = stack.back();
-    stack.pop_back();
+  ws.pre.assign(keep, -1);  // best-first index -> pre-order index
+  ws.stack.clear();
+  // The stack pops the best child first: push a parent's children worst first, i.e. reversed.
+  auto push_children = [&](int64_t slot) {
+    const size_t from = ws.stack.size();
+    for (int64_t c = ws.first[slot]; c >= 0; c = ws.next[c]) ws.stack.push_back(c);
+    std::reverse(ws.stack.begin() + static_cast<std::ptrdiff_t>(from), ws.stack.end());
+  };
+  push_children(keep);
+  int64_t next = 0, deepest = 0;
+  while (!ws.stack.empty()) {
+    const int64_t i = ws.stack.back();
+    ws.stack.pop_back();
     const int64_t j = next++;
-    pre[i] = j;
+    ws.pre[i] = j;
     od[j] = i;
     ot[j] = tok[i];
-    op[j] = par[i] < 0 ? -1 : pre[par[i]];
-    dp[j] = par[i] < 0 ? 1 : dp[pre[par[i]]] + 1;
+    op[j] = par[i] < 0 ? -1 : ws.pre[par[i]];
+    dp[j] = par[i] < 0 ? 1 : dp[ws.pre[par[i]]] + 1;
     en[j] = j + 1;
-    for (auto it = kids[i].rbegin(); it != kids[i].rend(); ++it) stack.push_back(*it);
+    deepest = std::max(deepest, dp[j]);
+    push_children(i);
   }
   for (int64_t j = keep - 1; j >= 0; --j)  // children follow parents: fold subtree ends upwards
     if (op[j] >= 0 && en[j] > en[op[j]]) en[op[j]] = en[j];
   for (int64_t j = keep; j < size; ++j) {  // padding: leaves under x
+    ot[j] = 0;
     dp[j] = 1;
     en[j] = j + 1;
   }
-  return {out_tok, depth, end, out_par, order};
+  return deepest;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> encode(
+    const at::Tensor& parents, const at::Tensor& tokens, at::IntArrayRef starts, at::IntArrayRef keep, int64_t size) {
+  const int64_t n = static_cast<int64_t>(starts.size());
+  TORCH_CHECK(parents.device().is_cpu() && tokens.device().is_cpu() && parents.scalar_type() == at::kLong &&
+                  tokens.scalar_type() == at::kLong && parents.dim() == 1 && tokens.dim() == 1 &&
+                  parents.size(0) == tokens.size(0) && parents.is_contiguous() && tokens.is_contiguous(),
+              "lookahead_draft.encode: parents and tokens must be contiguous int64 CPU tensors [N] of one length");
+  TORCH_CHECK(static_cast<int64_t>(keep.size()) == n, "lookahead_draft.encode: one start and one keep per row");
+  int64_t kept = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(0 <= keep[i] && keep[i] <= size && 0 <= starts[i] && starts[i] + keep[i] <= parents.size(0),
+                "lookahead_draft.encode: need 0 <= keep <= size and start + keep <= N, got start ", starts[i],
+                ", keep ", keep[i], ", size ", size, ", N ", parents.size(0));
+    kept += keep[i];
+  }
+  auto opts = at::TensorOptions().dtype(at::kLong);
+  at::Tensor out_tok = at::empty({n, size}, opts), depth = at::empty({n, size}, opts);
+  at::Tensor end = at::empty({n, size}, opts), out_par = at::empty({kept}, opts), order = at::empty({kept}, opts);
+  at::Tensor deepest = at::empty({n}, opts);
+  int64_t* op = out_par.data_ptr<int64_t>();
+  int64_t* od = order.data_ptr<int64_t>();
+  EncodeSpace ws;
+  for (int64_t i = 0; i < n; ++i) {
+    deepest.data_ptr<int64_t>()[i] = encode_row(
+        parents.data_ptr<int64_t>() + starts[i], tokens.data_ptr<int64_t>() + starts[i], keep[i], size,
+        out_tok.data_ptr<int64_t>() + i * size, depth.data_ptr<int64_t>() + i * size,
+        end.data_ptr<int64_t>() + i * size, op, od, ws);
+    op += keep[i];
+    od += keep[i];
+  }
+  return {out_tok, depth, end, out_par, order, deepest};
 }
 
 void record_successors(at::TensorList succ_ids, at::TensorList succ_probs, at::TensorList succ_count,
@@ -328,9 +430,11 @@ void record_successors(at::TensorList succ_ids, at::TensorList succ_probs, at::T
 }  // namespace draft_tree
 
 TORCH_LIBRARY(lookahead_draft, m) {
-  m.def("propose(int root, Tensor suffix, Tensor pool, Tensor rates, Tensor succ_ids, Tensor succ_probs, "
-        "Tensor succ_count, int budget) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
-  m.def("encode(Tensor parents, Tensor tokens, int keep, int size) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("propose(int[] roots, int[] suffix_tokens, int[] suffix_lens, int[] suffix_counts, Tensor[] pool, "
+        "Tensor[] rates, Tensor[] succ_ids, Tensor[] succ_probs, Tensor[] succ_count, int budget) -> "
+        "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("encode(Tensor parents, Tensor tokens, int[] starts, int[] keep, int size) -> "
+        "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("record_successors(Tensor(a!)[] succ_ids, Tensor(b!)[] succ_probs, Tensor(c!)[] succ_count, "
         "Tensor tokens, Tensor top_ids, Tensor top_probs, int[] computed, int[] last_count, int[] last) -> ()");
 }

@@ -32,7 +32,7 @@ from lookahead_kernels import StepLayout
 from .arguments import resolve_generate_arguments
 from .config import LookaheadConfig, StepShape
 from .controller import make_plan
-from .draft import DraftBuilder, Proposal
+from .draft import DraftBuilder, encode_rows, propose_rows
 from .runner import StepRunner, cache_pool, runner_cache
 from .step import build_step, upload
 from .successors import record_step
@@ -650,11 +650,11 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
         # budget is bounded so already, _step_shape). At least the smallest padded size, so that it keeps
         # measuring. SmolLM2 on an H100: 255 proposed nodes cost 3-6 ms of Python a step, the step itself 2 ms.
         wanted = max(min(budget, SMALLEST_PADDED_TREE), plan.planner.reach(1, budget))
-    proposals = {id(r): r.drafts.propose(r.emitter.sequence, wanted) for r in active}
+    proposals = propose_rows([r.drafts for r in active], [r.emitter.sequence for r in active], wanted)
     sizes = _tree_sizes(plan, budget) if pad else None
-    keep = max(map(len, proposals.values()))
+    keep = max(map(len, proposals.scores))
     if plan.planner is not None:  # one size for all rows: they are padded to one shape anyway
-        keep = plan.planner.choose_batch([p.scores for p in proposals.values()], sizes)
+        keep = plan.planner.choose_batch(proposals.scores, sizes)
         # The step would feed x (and padding) only: a plain step does the same without the rows' learning, which
         # batch 1 keeps (its successor table learns from x's logits) and a batch cannot afford.
         if keep == 0 and W == 1 and (pad or len(batch) > 1):
@@ -663,17 +663,19 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
             return _plain_step(model, cache, runner, batch, sampler, device)
         if backoff is not None and keep > 0:
             backoff.hit()
-    longest = max(min(keep, len(p)) for p in proposals.values())
+    longest = max(min(keep, len(p)) for p in proposals.scores)
     size = next(z for z in sizes if z >= longest) if pad else longest
-    none = Proposal.empty()
-    trees = []
+    picks, taken = [], 0  # per batch row its row of proposals, -1 when parked (its tree all padding)
     for r in batch:
-        p = proposals.get(id(r), none)
-        trees.append(r.drafts.encode(p, min(keep, len(p)), size))
+        picks.append(-1 if r.emitter.done else taken)
+        taken += not r.emitter.done
+    keeps = [min(keep, len(proposals.scores[i])) if i >= 0 else 0 for i in picks]
+    drafts = encode_rows(proposals, picks, keeps, size, active[0].drafts.native)
+    trees = drafts.trees
     lens = [_start(r) for r in batch]
     window_tokens = [torch.full((levels * W,), r.x, dtype=torch.long) if r.emitter.done else r.window.step_tokens(r.x)
                      for r in batch]
-    step = build_step(lens, torch.stack(window_tokens), levels, W, trees, "cpu" if runner is not None else device)
+    step = build_step(lens, torch.stack(window_tokens), levels, W, drafts, "cpu" if runner is not None else device)
     step_shape = StepShape(W, levels, size)
     successors = active[0].drafts.successors
     if runner is None:  # the eager loop verifies as deep as this step's trees go, and tops only computed rows
@@ -720,8 +722,8 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
     host_seconds = (forward_started - host_started) + (time.perf_counter() - forward_done)
     host.seconds += host_seconds
     if plan.planner is not None and size and len(active) > 1:  # how far the batch's estimates came true
-        verified = [p.scores[:min(keep, len(p))] for p in proposals.values()]
-        accepted = sum(a for row, a in zip(batch, back.accept_len) if id(row) in proposals)
+        verified = [p[:min(keep, len(p))] for p in proposals.scores]
+        accepted = sum(a for i, a in zip(picks, back.accept_len) if i >= 0)
         plan.planner.observe_gain(float(sum(map(sum, verified))), accepted)
     if plan.planner is not None and plan.planner.host is not None and size:
         # The trees' work beside the forward (host work, and verification where it runs eagerly), for the

@@ -9,7 +9,7 @@ import torch
 from lookahead_kernels import StepLayout
 from lookahead_kernels.tree import TreeShape
 
-from .draft import DraftTree
+from .draft import DraftTree, DraftTrees
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,29 +51,30 @@ def logits_slices(window: int, levels: int, tree_size: int) -> tuple[slice, slic
 
 
 def build_step(positions: list[int], lookahead_tokens: torch.Tensor, levels: int, window: int,
-               trees: list[DraftTree] | None, device) -> Step:
+               trees: DraftTrees | list[DraftTree] | None, device) -> Step:
     """Pack each row's window (``levels x window`` tokens, ``x`` first) and tree nodes into one step.
 
     Args:
         positions: per row, the position ``p`` of its ``x``.
         lookahead_tokens: LongTensor ``[B, levels * window]``, ``x`` at column 0.
-        trees: per row its :class:`DraftTree`, all of one size ``V`` (padded); ``None`` or ``V == 0``: no
-            verification branch.
+        trees: the rows' :class:`DraftTrees` (or a list of one :class:`DraftTree` per row), all of one size ``V``
+            (padded); ``None`` or ``V == 0``: no verification branch.
     """
     B = len(positions)
+    if isinstance(trees, list):
+        trees = DraftTrees.stack(trees)
     depth = end = None
-    if trees is not None and trees[0].size:
-        depth = torch.stack([t.shape.depth for t in trees]) if B > 1 else trees[0].shape.depth
-        end = torch.stack([t.shape.end for t in trees]) if B > 1 else trees[0].shape.end
+    if trees is not None and trees.tokens.shape[1]:
+        depth, end = (trees.depth, trees.end) if B > 1 else (trees.depth[0], trees.end[0])
     layout = StepLayout(window, levels, None if depth is None else TreeShape.trusted(depth, end))
     tokens = lookahead_tokens.reshape(B, -1)
     if depth is not None:
-        tokens = torch.cat([tokens, torch.stack([t.tokens for t in trees])], dim=1)
+        tokens = torch.cat([tokens, trees.tokens], dim=1)
     last = list(layout.last_level_rows())
     rows = torch.tensor(([] if levels == 1 else [0]) + last + list(range(layout.lookahead_len, layout.T)),
                         dtype=torch.long)
     p = torch.tensor(positions, dtype=torch.long)[:, None]
-    num_nodes = torch.tensor([t.num_nodes for t in trees] if depth is not None else [0] * B, dtype=torch.long)
+    num_nodes = torch.tensor([t.num_nodes for t in trees.trees] if depth is not None else [0] * B, dtype=torch.long)
     host = [tokens, (p + layout.position_offsets()).expand(B, layout.T), rows, num_nodes]
     if depth is not None:
         host += [depth, end]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lookahead import LookaheadConfig
-from lookahead.draft import NUM_CODES, DraftBuilder, code_key, key_code
+from lookahead.draft import NUM_CODES, DraftBuilder, Proposals, code_key, encode_rows, key_code, propose_rows
 from lookahead.successors import SuccessorTable, record_step, record_step_reference
 from lookahead_kernels.cpu_ops import cpu_ops_available
 from lookahead_kernels.tree import TreeShape, check_tree
@@ -94,6 +94,46 @@ def test_successor_records_match_the_python_fallback():
         native.record(torch.tensor([20]), ids[:1], probs[:1])
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_a_batch_s_proposals_and_trees_equal_each_row_s_reference(seed):
+    # Rows of different sources and vocabularies in one call: each row reads its own candidates, rates and table.
+    rng = random.Random(seed)
+    rows = [random_builder(1000 * seed + i, rng.choice([7, 50, 300]),
+                           rng.choice([("pool", "suffix", "successors"), ("successors",), ("pool", "suffix"),
+                                       ("suffix",)]), ngram=rng.randint(2, 5)) for i in range(rng.randint(2, 6))]
+    builders, sequences = [b for b, _ in rows], [seq for _, seq in rows]
+    budget = rng.choice([1, 5, 16, 63])
+    batch = propose_rows(builders, sequences, budget)
+    refs = []
+    for b, seq in zip(builders, sequences):
+        b.native = False
+        refs.append(b.propose(seq, budget))
+        b.native = True
+    assert len(batch) == len(refs)
+    for i, ref in enumerate(refs):
+        got = batch.row(i)
+        assert torch.equal(got.tokens, ref.tokens) and torch.equal(got.parents, ref.parents)
+        assert got.scores == ref.scores
+        assert torch.equal(got.codes, ref.codes) and torch.equal(got.code_offsets, ref.code_offsets)
+    concat = Proposals.concat(refs)
+    for name in ("tokens", "parents", "codes", "code_offsets"):
+        assert torch.equal(getattr(concat, name), getattr(batch, name)), name
+    assert concat.starts == batch.starts and concat.scores == batch.scores
+    picks = list(range(len(refs))) + [-1]  # a parked row last: no node, all padding
+    rng.shuffle(picks)
+    keeps = [rng.randint(0, len(refs[i])) if i >= 0 else 0 for i in picks]
+    size = max(keeps) + rng.choice([0, 2])
+    native = encode_rows(batch, picks, keeps, size, native=True)
+    ref = encode_rows(batch, picks, keeps, size, native=False)
+    for name in ("tokens", "depth", "end"):
+        assert getattr(native, name).shape == (len(picks), size)
+        assert torch.equal(getattr(native, name), getattr(ref, name)), name
+    for a, b in zip(native.trees, ref.trees):
+        assert a.num_nodes == b.num_nodes and a.parents == b.parents and a.codes == b.codes
+        assert a.max_depth == b.max_depth and torch.equal(a.tokens, b.tokens)
+        assert torch.equal(a.shape.depth, b.shape.depth) and torch.equal(a.shape.end, b.shape.end)
+
+
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("n,R,j", [(1, 1, 1), (3, 17, 5), (16, 40, 8)])
 def test_a_step_s_successor_records_match_the_python_reference(n, R, j, shared):
@@ -128,14 +168,21 @@ def test_native_ops_reject_bad_inputs():
     none = torch.empty(0, 0, dtype=torch.long)
     rates = torch.zeros(NUM_CODES, dtype=torch.float64)
     e32, ef = torch.empty(0, dtype=torch.int32), torch.empty(0)
+    propose = torch.ops.lookahead_draft.propose
     with pytest.raises(RuntimeError, match="rates"):
-        torch.ops.lookahead_draft.propose(1, none, none, rates[:-1], e32, ef, e32, 4)
-    with pytest.raises(RuntimeError, match="suffix"):
-        torch.ops.lookahead_draft.propose(1, torch.zeros(2, dtype=torch.long), none, rates, e32, ef, e32, 4)
+        propose([1], [], [], [0], [none], [rates[:-1]], [e32], [ef], [e32], 4)
+    with pytest.raises(RuntimeError, match="pool"):
+        propose([1], [], [], [0], [torch.zeros(2, dtype=torch.long)], [rates], [e32], [ef], [e32], 4)
+    with pytest.raises(RuntimeError, match="suffix_lens"):
+        propose([1], [5, 6], [1], [1], [none], [rates], [e32], [ef], [e32], 4)
+    with pytest.raises(RuntimeError, match="one root"):
+        propose([1, 2], [], [], [0, 0], [none], [rates], [e32], [ef], [e32], 4)
     with pytest.raises(RuntimeError, match="parent of node 0"):
-        torch.ops.lookahead_draft.encode(torch.tensor([0]), torch.tensor([5]), 1, 1)
+        torch.ops.lookahead_draft.encode(torch.tensor([0]), torch.tensor([5]), [0], [1], 1)
     with pytest.raises(RuntimeError, match="keep"):
-        torch.ops.lookahead_draft.encode(torch.tensor([-1]), torch.tensor([5]), 2, 2)
+        torch.ops.lookahead_draft.encode(torch.tensor([-1]), torch.tensor([5]), [0], [2], 2)
+    with pytest.raises(RuntimeError, match="start"):
+        torch.ops.lookahead_draft.encode(torch.tensor([-1]), torch.tensor([5]), [1], [1], 2)
 
 
 def test_trusted_shape_is_not_checked_but_equal():
