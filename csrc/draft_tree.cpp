@@ -157,15 +157,16 @@ struct Proposals {
 };
 
 // One row's best-first walk, appended to `out`: `suffix_count` continuations of `suffix_lens[c]` tokens each,
-// flattened in `suffix_tokens`; the pool's rows; the row's rates and successor table (scount null: none).
-void propose_row(int64_t root, const int64_t* suffix_tokens, const int64_t* suffix_lens, int64_t suffix_count,
+// flattened in `suffix_tokens` (both left pointing past this row's); the pool's rows; the row's rates and
+// successor table (scount null: none).
+void propose_row(int64_t root, const int64_t*& suffix_tokens, const int64_t*& suffix_lens, int64_t suffix_count,
                  const at::Tensor& pool, const double* rate, const int32_t* sids, const float* sprobs,
                  const int32_t* scount, int64_t vocab, int64_t k, int64_t budget, Workspace& ws, Proposals& out) {
   Trie& trie = ws.trie;
   trie.reset(root, rate);
   for (int64_t c = 0; c < suffix_count; ++c) {
-    trie.add_continuation(suffix_tokens, suffix_lens[c], true);
-    suffix_tokens += suffix_lens[c];
+    trie.add_continuation(suffix_tokens, *suffix_lens, true);
+    suffix_tokens += *suffix_lens++;
   }
   for (int64_t c = 0; c < pool.size(0); ++c) trie.add_continuation(pool.data_ptr<int64_t>() + c * pool.size(1),
                                                                     pool.size(1), false);
@@ -271,8 +272,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
                 successors ? ids.data_ptr<int32_t>() : nullptr, successors ? probs.data_ptr<float>() : nullptr,
                 successors ? count.data_ptr<int32_t>() : nullptr, successors ? ids.size(0) : 0,
                 successors ? ids.size(1) : 0, budget, ws, out);
-    for (int64_t c = 0; c < suffix_counts[i]; ++c) span_tokens += span_lens[c];
-    span_lens += suffix_counts[i];
     out.counts.push_back(static_cast<int64_t>(out.tokens.size() - before));
   }
   auto longs = [](const std::vector<int64_t>& v) {

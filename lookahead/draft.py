@@ -481,8 +481,8 @@ def propose_rows(builders: list[DraftBuilder], sequences: list[list[int]], budge
     """:meth:`DraftBuilder.propose` for several rows (builder ``i`` for ``sequences[i]``): where every builder is
     native, in one C++ call."""
     candidates = [b._candidates(seq, budget) for b, seq in zip(builders, sequences)]
-    if not all(b.native for b in builders):
-        return Proposals.concat([b.propose(seq, budget) if b.native else b._propose_reference(seq[-1], *c, budget)
+    if not all(b.native for b in builders):  # the reference makes the same proposals (tests/test_draft_native.py)
+        return Proposals.concat([b._propose_reference(seq[-1], *c, budget)
                                  for b, seq, c in zip(builders, sequences, candidates)])
     span_tokens, span_lens, span_counts = [], [], []
     for suffix, _pool in candidates:

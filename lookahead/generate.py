@@ -663,13 +663,12 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
             return _plain_step(model, cache, runner, batch, sampler, device)
         if backoff is not None and keep > 0:
             backoff.hit()
-    longest = max(min(keep, len(p)) for p in proposals.scores)
-    size = next(z for z in sizes if z >= longest) if pad else longest
-    picks, taken = [], 0  # per batch row its row of proposals, -1 when parked (its tree all padding)
+    picks = []  # per batch row its row of proposals (active rows in batch order), -1 when parked (all padding)
     for r in batch:
-        picks.append(-1 if r.emitter.done else taken)
-        taken += not r.emitter.done
+        picks.append(-1 if r.emitter.done else sum(i >= 0 for i in picks))
     keeps = [min(keep, len(proposals.scores[i])) if i >= 0 else 0 for i in picks]
+    longest = max(keeps)
+    size = next(z for z in sizes if z >= longest) if pad else longest
     drafts = encode_rows(proposals, picks, keeps, size, active[0].drafts.native)
     trees = drafts.trees
     lens = [_start(r) for r in batch]
@@ -722,7 +721,7 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
     host_seconds = (forward_started - host_started) + (time.perf_counter() - forward_done)
     host.seconds += host_seconds
     if plan.planner is not None and size and len(active) > 1:  # how far the batch's estimates came true
-        verified = [p[:min(keep, len(p))] for p in proposals.scores]
+        verified = [proposals.scores[i][:k] for i, k in zip(picks, keeps) if i >= 0]
         accepted = sum(a for i, a in zip(picks, back.accept_len) if i >= 0)
         plan.planner.observe_gain(float(sum(map(sum, verified))), accepted)
     if plan.planner is not None and plan.planner.host is not None and size:
