@@ -1,13 +1,20 @@
-"""Host work per lookahead step: the C++ draft builder against its Python reference, at the step sizes a GPU takes.
+"""Host work per lookahead step, as it would be beside a GPU: the step's forward replayed from a recording.
 
-Where the forward is cheap (SmolLM2 replays a 128-token step in ~4 ms on an H100) the host's work between steps
-bounds the speed: candidates, the best-first tree, the step's inputs, KV compaction and learning. This runs the
-static (padded, graph-shaped) step path on this machine with fixed tree budgets, once with each builder, and
-reports ``stats.host_seconds`` per step (the step's time outside the forward pass, verification and read-back),
-the forward's share beside it, and whether both builders give the same tokens (they must build the same trees).
+Where the forward is cheap (SmolLM2 replays a step in 2-5 ms on an H100) the host's work between steps bounds the
+speed: candidates, the best-first trees, the step's inputs, the read-back's unpacking, the windows, learning.
+On this machine the forward runs on the same cores and streams the weights through their caches, so host work
+timed beside it runs cold (measured: twice as long at 16 rows, four to six times for single calls). This bench
+therefore decodes each batch twice on the static (padded, graph-shaped) step path: once for real, recording what
+each forward and verification returned, then ``--rounds`` times with ``lookahead.generate._run`` replaced by the
+recording (the host's work is a function of those results, so the replay takes the same steps; checked: same
+tokens). It reports ``stats.host_seconds`` per step both ways.
 
-    python bench/bench_host.py --threads 2                     # 3 prompts a set, budgets 16 64 128 256
-    python bench/bench_host.py --prompts 5 --budgets 64 256 --tag cpu-5
+The planner chooses trees from a GPU's step costs (``--step-costs``, default the H100's SmolLM2 ``t(T)`` of
+record, ``bench/results/gpu-h100.md``), or takes fixed budgets (``--budgets``); ``--builders`` adds the draft
+builder's Python reference beside the C++ one.
+
+    python bench/bench_host.py                                   # 16 prompts a set, batches of 1 and 16
+    python bench/bench_host.py --budgets 64 256 --builders C++ Python --batch-sizes 1 --tag cpu-builders
 
 Writes bench/results/host-<tag>.{json,md}.
 """
@@ -18,6 +25,7 @@ import argparse
 import os
 import statistics
 import sys
+from unittest import mock
 
 import torch
 
@@ -27,82 +35,133 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from _common import DEFAULT_SETS, command_line, machine_info, set_name, write_results  # noqa: E402
 
+import lookahead.generate as generate_module  # noqa: E402
 from lookahead import LookaheadConfig, load_default  # noqa: E402
 from lookahead.cli import read_prompts  # noqa: E402
 
 BUILDERS = {"C++": True, "Python": False}
+# SmolLM2 step latency t(T) in seconds on an H100 (CUDA graphs; bench/results/gpu-h100.md, git 5047120).
+H100_STEP_COSTS = [(1, 2.15e-3), (16, 3.29e-3), (64, 3.51e-3), (128, 3.82e-3), (256, 5.05e-3), (1024, 16e-3)]
+
+
+class RecordedForward:
+    """Stands in for ``lookahead.generate._run``: records what each real call returns, then replays it in order."""
+
+    def __init__(self):
+        self.real = generate_module._run
+        self.outputs: list[torch.Tensor] = []
+        self.next = None
+
+    def record(self, *args, **kwargs):
+        out = self.real(*args, **kwargs)
+        self.outputs.append(out.clone())
+        return out
+
+    def replay(self, *args, **kwargs):
+        return next(self.next).clone()  # callers may read it after the next call, as a graph's output is not
+
+    def recording(self):
+        self.outputs.clear()
+        return mock.patch.object(generate_module, "_run", self.record)
+
+    def replaying(self):
+        self.next = iter(self.outputs)
+        return mock.patch.object(generate_module, "_run", self.replay)
+
+
+def decode(model, batches, kwargs) -> list:
+    return [model.generate(b if len(b) > 1 else b[0], **kwargs) for b in batches]
+
+
+def per_step(outs, seconds) -> float:
+    return 1e3 * sum(seconds(o) for o in outs) / sum(o.stats.steps for o in outs)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--prompts", type=int, default=3, help="first prompts of each set")
-    ap.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 128, 256],
-                    help="max_step_tokens of the fixed configurations")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=16, help="first prompts of each set")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--budgets", type=int, nargs="*", default=[],
+                    help="fixed max_step_tokens configurations (default: the planner with --step-costs)")
+    ap.add_argument("--step-costs", default="h100", help="'h100' (default) or T:seconds pairs, e.g. 1:2e-3,64:3e-3")
+    ap.add_argument("--builders", nargs="+", choices=list(BUILDERS), default=["C++"])
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=5, help="replays of each recording (median reported)")
     ap.add_argument("--sets", nargs="+", default=DEFAULT_SETS)
     ap.add_argument("--tag", default="cpu")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     args = ap.parse_args(argv)
+    costs = H100_STEP_COSTS if args.step_costs == "h100" else \
+        [(int(t), float(s)) for t, s in (pair.split(":") for pair in args.step_costs.split(","))]
+    configs = {f"fixed {b}": LookaheadConfig(max_step_tokens=b) for b in args.budgets} or \
+        {"auto": LookaheadConfig(step_costs=costs)}
     torch.set_num_threads(args.threads)
     machine = machine_info("cpu")
     model, tokenizer = load_default()
+    forward = RecordedForward()
     rows = []
     for set_path in args.sets:
         name = set_name(set_path)
-        prompts = read_prompts(set_path, tokenizer)[: args.prompts]
-        for budget in args.budgets:
-            config = LookaheadConfig(max_step_tokens=budget)
-            model.generate(prompts[0], max_new_tokens=8, lookahead=config, cuda_graphs=False, _static_steps=True)
-            runs = {b: [] for b in BUILDERS}
-            for ids in prompts:  # both builders on a prompt before the next: drift hits them alike
-                for builder, native in BUILDERS.items():
-                    out = model.generate(ids, max_new_tokens=args.max_new_tokens, lookahead=config,
-                                         cuda_graphs=False, _static_steps=True, _native_draft=native)
-                    runs[builder].append(out)
-            for builder, outs in runs.items():
-                steps = sum(o.stats.steps for o in outs)
-                host = sum(o.stats.host_seconds for o in outs)
-                decode = sum(o.stats.seconds - o.stats.prefill_seconds for o in outs)
-                rows.append({
-                    "set": name, "budget": budget, "builder": builder, "steps": steps,
-                    "host_ms_per_step": host / steps * 1e3,
-                    "other_ms_per_step": (decode - host) / steps * 1e3,
-                    "host_share": host / decode,
-                    "median_prompt_host_ms_per_step": statistics.median(
-                        o.stats.host_seconds / o.stats.steps * 1e3 for o in outs),
-                    "compression": sum(o.stats.new_tokens for o in outs) / steps,
-                    "identical": sum(torch.equal(o.sequences, r.sequences) for o, r in zip(outs, runs["C++"])),
-                    "prompts": len(outs)})
-                r = rows[-1]
-                print(f"{name:10s} budget {budget:4d} {builder:7s} host {r['host_ms_per_step']:7.2f} ms/step, rest "
-                      f"{r['other_ms_per_step']:7.1f} ms/step, compression {r['compression']:.2f}, identical "
-                      f"{r['identical']}/{r['prompts']}", flush=True)
+        prompts = [ids[0] for ids in read_prompts(set_path, tokenizer)[: args.prompts]]  # 1-D: a batch is a list
+        for batch_size in args.batch_sizes:
+            batches = [prompts[i: i + batch_size] for i in range(0, len(prompts), batch_size)]
+            for label, config in configs.items():
+                for builder in args.builders:
+                    kwargs = dict(max_new_tokens=args.max_new_tokens, lookahead=config, cuda_graphs=False,
+                                  _static_steps=True, _native_draft=BUILDERS[builder])
+                    decode(model, [batches[0]], {**kwargs, "max_new_tokens": 8})  # warm-up: extension, runner
+                    with forward.recording():
+                        real = decode(model, batches, kwargs)
+                    replayed = []
+                    for _ in range(args.rounds):
+                        with forward.replaying():
+                            outs = decode(model, batches, kwargs)
+                        if any(not torch.equal(o.sequences, r.sequences) for o, r in zip(outs, real)):
+                            raise RuntimeError("the replayed decode took other steps than the recorded one")
+                        replayed.append(per_step(outs, lambda o: o.stats.host_seconds))
+                    steps = sum(o.stats.steps for o in real)
+                    rows.append({
+                        "set": name, "batch_size": batch_size, "config": label, "builder": builder,
+                        "steps": steps, "compression": sum(o.stats.new_tokens for o in real) / steps / batch_size,
+                        "host_ms_per_step_replayed": statistics.median(replayed),
+                        "host_ms_per_step_replayed_rounds": replayed,
+                        "host_ms_per_step_beside_cpu_forward": per_step(real, lambda o: o.stats.host_seconds),
+                        "forward_ms_per_step": per_step(real, lambda o: o.stats.seconds - o.stats.prefill_seconds
+                                                        - o.stats.host_seconds),
+                        "prompts": len(prompts)})
+                    r = rows[-1]
+                    print(f"{name:10s} B={batch_size:<3d} {label:9s} {builder:6s} host "
+                          f"{r['host_ms_per_step_replayed']:.3f} ms/step replayed "
+                          f"({r['host_ms_per_step_beside_cpu_forward']:.3f} beside the CPU forward), "
+                          f"{steps} steps, compression {r['compression']:.2f} a row", flush=True)
     machine["load_average_end"] = machine_info("cpu")["load_average"]
     result = {"device": "cpu", "machine": machine, "command": command_line(__file__, sys.argv[1:] if argv is None
                                                                            else argv),
               "model": "SmolLM2-135M-Instruct (float32)", "threads": args.threads, "prompts": args.prompts,
-              "max_new_tokens": args.max_new_tokens, "rows": rows}
-    print("wrote", write_results(args.out_dir, f"host-{args.tag}", result, markdown(result)))
+              "max_new_tokens": args.max_new_tokens, "step_costs": costs, "rounds": args.rounds, "rows": rows}
+    write_results(args.out_dir, f"host-{args.tag}", result, markdown(result))
     return 0
 
 
 def markdown(result: dict) -> str:
     m = result["machine"]
-    lines = [f"# Host work per lookahead step: C++ draft builder vs its Python reference ({result['model']})", "",
-             f"Static (padded, graph-shaped) steps run eagerly on {m['device']} ({m['cpu']}), {result['threads']} "
-             f"threads, torch {m['torch']}, git {m['git']}; first {result['prompts']} prompts of each set, "
-             f"{result['max_new_tokens']} new tokens, greedy, `LookaheadConfig(max_step_tokens=budget)`. Host: "
-             "`stats.host_seconds`, the step's time outside the forward pass, verification and read-back (candidates, "
-             "trees, step inputs, KV compaction, learning); rest: the step's other time (here the CPU forward).", "",
+    lines = [f"# Host work per lookahead step ({result['model']})", "",
+             f"Static (padded, graph-shaped) steps on {m['device']} ({m['cpu']}), {result['threads']} threads, torch "
+             f"{m['torch']}, git {m['git']}; first {result['prompts']} prompts of each set in batches, "
+             f"{result['max_new_tokens']} new tokens, greedy; `auto`: the planner with step costs "
+             f"{result['step_costs']} (seconds). Host: `stats.host_seconds` per step (candidates, trees, step inputs, "
+             "read-back, windows, learning; not the forward or verification). Replayed: the forward's recorded "
+             f"results returned in order, median of {result['rounds']} rounds (warm caches, as beside a GPU); beside "
+             "the CPU forward: the recording run itself; rest: the recording run's other time per step (the CPU forward, verification).", "",
              f"Command: `{result['command']}`", "",
-             "| set | budget | builder | host ms / step | rest ms / step | host share | compression "
-             "| identical to C++ |",
-             "|---|---:|---|---:|---:|---:|---:|---|"]
+             "| set | rows | config | builder | host ms / step, replayed | beside the CPU forward | rest ms / step "
+             "| steps | compression a row |",
+             "|---|---:|---|---|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
-        lines.append(f"| {r['set']} | {r['budget']} | {r['builder']} | {r['host_ms_per_step']:.2f} | "
-                     f"{r['other_ms_per_step']:.1f} | {100 * r['host_share']:.1f}% | {r['compression']:.2f} | "
-                     f"{r['identical']}/{r['prompts']} |")
+        lines.append(f"| {r['set']} | {r['batch_size']} | {r['config']} | {r['builder']} | "
+                     f"{r['host_ms_per_step_replayed']:.3f} | {r['host_ms_per_step_beside_cpu_forward']:.3f} | "
+                     f"{r['forward_ms_per_step']:.1f} | {r['steps']} | {r['compression']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
