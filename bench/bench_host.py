@@ -73,6 +73,11 @@ def decode(model, batches, kwargs) -> list:
     return [model.generate(b if len(b) > 1 else b[0], **kwargs) for b in batches]
 
 
+def row_steps(out) -> int:
+    """Steps a call's rows took part in (a row that finished early leaves the count)."""
+    return sum(r.steps for r in out.stats.rows) if out.stats.rows else out.stats.steps
+
+
 def per_step(outs, seconds) -> float:
     return 1e3 * sum(seconds(o) for o in outs) / sum(o.stats.steps for o in outs)
 
@@ -123,8 +128,10 @@ def main(argv=None) -> int:
                     steps = sum(o.stats.steps for o in real)
                     rows.append({
                         "set": name, "batch_size": batch_size, "config": label, "builder": builder,
-                        "steps": steps, "compression": sum(o.stats.new_tokens for o in real) / steps / batch_size,
+                        "steps": steps,
+                        "compression": sum(o.stats.new_tokens for o in real) / sum(map(row_steps, real)),
                         "host_ms_per_step_replayed": statistics.median(replayed),
+                        "host_ms_per_step_replayed_min": min(replayed),
                         "host_ms_per_step_replayed_rounds": replayed,
                         "host_ms_per_step_beside_cpu_forward": per_step(real, lambda o: o.stats.host_seconds),
                         "forward_ms_per_step": per_step(real, lambda o: o.stats.seconds - o.stats.prefill_seconds
@@ -132,7 +139,8 @@ def main(argv=None) -> int:
                         "prompts": len(prompts)})
                     r = rows[-1]
                     print(f"{name:10s} B={batch_size:<3d} {label:9s} {builder:6s} host "
-                          f"{r['host_ms_per_step_replayed']:.3f} ms/step replayed "
+                          f"{r['host_ms_per_step_replayed']:.3f} ms/step replayed (min "
+                          f"{r['host_ms_per_step_replayed_min']:.3f}) "
                           f"({r['host_ms_per_step_beside_cpu_forward']:.3f} beside the CPU forward), "
                           f"{steps} steps, compression {r['compression']:.2f} a row", flush=True)
     machine["load_average_end"] = machine_info("cpu")["load_average"]
@@ -152,15 +160,18 @@ def markdown(result: dict) -> str:
              f"{result['max_new_tokens']} new tokens, greedy; `auto`: the planner with step costs "
              f"{result['step_costs']} (seconds). Host: `stats.host_seconds` per step (candidates, trees, step inputs, "
              "read-back, windows, learning; not the forward or verification). Replayed: the forward's recorded "
-             f"results returned in order, median of {result['rounds']} rounds (warm caches, as beside a GPU); beside "
-             "the CPU forward: the recording run itself; rest: the recording run's other time per step (the CPU forward, verification).", "",
+             f"results returned in order, median and least of {result['rounds']} rounds (warm caches, as beside a "
+             "GPU; this machine's speed drifts by up to 2x within minutes: the least is the steadier figure); beside "
+             "the CPU forward: the recording run itself; rest: the recording run's other time per step (the CPU "
+             "forward, verification).", "",
              f"Command: `{result['command']}`", "",
-             "| set | rows | config | builder | host ms / step, replayed | beside the CPU forward | rest ms / step "
-             "| steps | compression a row |",
+             "| set | rows | config | builder | host ms / step replayed, median (least) | beside the CPU forward "
+             "| rest ms / step | steps | tokens a row-step |",
              "|---|---:|---|---|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         lines.append(f"| {r['set']} | {r['batch_size']} | {r['config']} | {r['builder']} | "
-                     f"{r['host_ms_per_step_replayed']:.3f} | {r['host_ms_per_step_beside_cpu_forward']:.3f} | "
+                     f"{r['host_ms_per_step_replayed']:.3f} ({r['host_ms_per_step_replayed_min']:.3f}) | "
+                     f"{r['host_ms_per_step_beside_cpu_forward']:.3f} | "
                      f"{r['forward_ms_per_step']:.1f} | {r['steps']} | {r['compression']:.2f} |")
     return "\n".join(lines) + "\n"
 

@@ -21,7 +21,9 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import hashlib
+import itertools
 import json
+import operator
 import os
 import time
 
@@ -349,6 +351,13 @@ class StepPlanner:
         # A batch's estimates scaled by what came true, where the plan learns (a measured cost table) only.
         self.calibration = GainCalibration() if host is not None else None
         self._reach: dict[tuple, int] = {}
+        self._costs: dict[int, float] = {}  # t(T) by T: a step's choice asks for the same few sizes again
+
+    def _cost(self, tokens: int) -> float:
+        cost = self._costs.get(tokens)
+        if cost is None:
+            cost = self._costs[tokens] = self.costs(tokens)
+        return cost
 
     def reach(self, batch_size: int, budget: int) -> int:
         """The largest tree per row (at most ``budget``) that a batch of ``batch_size`` rows would take if every
@@ -387,21 +396,31 @@ class StepPlanner:
         B = len(gains)
         if B == 0:
             return 0
-        best, best_rate = 0, B / self.costs(B * self.window_tokens)
+        best, best_rate = 0, B / self._cost(B * self.window_tokens)
         per_row, per_node = self.host.coefficients if self.host is not None else (0.0, 0.0)  # one fit per call
-        nodes = 0
-        longest = max(len(g) for g in gains)
-        expected = float(B)
+        host_rows = per_row * B
         scale = self._scale(B)
-        for v in range(longest):
-            for b, row in enumerate(gains):
-                if v < len(row):
-                    expected += scale * row[v]
-                    nodes += 1
-            fed = v + 1 if sizes is None else next((z for z in sizes if z >= v + 1), None)
-            if fed is None:  # past the largest size a step can take
-                break
-            rate = expected / (self.costs(B * (self.window_tokens + fed)) + per_row * B + per_node * nodes)
+        # Per tree size v + 1: the expected tokens its v-th nodes add (a column of the rows' gains) and how many
+        # rows have a v-th node. One pass over columns, not rows within sizes: this runs every step.
+        if B == 1:
+            columns, widths = gains[0], itertools.repeat(1)
+        else:
+            columns = [sum(c) for c in itertools.zip_longest(*gains, fillvalue=0.0)]
+            ends = [0] * (len(columns) + 1)
+            for row in gains:
+                ends[len(row)] += 1
+            widths = itertools.accumulate(ends[1:], operator.sub, initial=B - ends[0])  # rows longer than v
+        expected, nodes, fed, cost = float(B), 0, 0, 0.0
+        padded = iter(sizes) if sizes is not None else None
+        for v, (column, width) in enumerate(zip(columns, widths)):
+            expected += scale * column
+            nodes += width
+            if v + 1 > fed:  # the step this many nodes take: v + 1 fed, or the next size it is padded to
+                fed = v + 1 if padded is None else next((z for z in padded if z >= v + 1), None)
+                if fed is None:  # past the largest size a step can take
+                    break
+                cost = self._cost(B * (self.window_tokens + fed)) + host_rows
+            rate = expected / (cost + per_node * nodes)
             if rate > best_rate * (BATCH_MARGIN if B > 1 and best == 0 else 1.0):
                 best, best_rate = v + 1, rate
         return best

@@ -112,6 +112,46 @@ def test_planner_charges_host_work_and_a_batch_margin():
     assert StepPlanner(flat, 1).choose_batch(edge[:1]) == 1
 
 
+def _choose_batch_by_every_size(planner, gains, sizes=None):
+    """choose_batch's rule evaluated as its docstring states it: each size V's expected tokens over its cost."""
+    from lookahead.controller import BATCH_MARGIN
+
+    B = len(gains)
+    per_row, per_node = planner.host.coefficients if planner.host is not None else (0.0, 0.0)
+    best, best_rate = 0, B / planner.costs(B * planner.window_tokens)
+    for V in range(1, max(map(len, gains)) + 1):
+        fed = V if sizes is None else next((z for z in sizes if z >= V), None)
+        if fed is None:
+            break
+        expected = B + planner._scale(B) * sum(sum(g[:V]) for g in gains)
+        nodes = sum(min(len(g), V) for g in gains)
+        rate = expected / (planner.costs(B * (planner.window_tokens + fed)) + per_row * B + per_node * nodes)
+        if rate > best_rate * (BATCH_MARGIN if B > 1 and best == 0 else 1.0):
+            best, best_rate = V, rate
+    return best
+
+
+@pytest.mark.parametrize("batch", [1, 2, 5, 16])
+def test_planner_choice_equals_evaluating_every_size(batch):
+    from lookahead.controller import HostCost
+
+    g = torch.Generator().manual_seed(batch)
+    costs = StepCosts.from_pairs([(1, 2.15e-3), (16, 3.29e-3), (64, 3.51e-3), (256, 5.05e-3), (1024, 16e-3)])
+    host = HostCost()
+    host.observe(batch, 8 * batch, 1e-4 * batch)
+    for trial in range(60):
+        lengths = torch.randint(0, 40, (batch,), generator=g).tolist()
+        # decreasing reach probabilities along each row, some rows all but worthless
+        gains = [(torch.rand(n, generator=g).sort(descending=True).values * (trial % 3) / 2).tolist()
+                 for n in lengths]
+        if not any(gains):
+            continue
+        sizes = [0, 4, 8, 17, 35] if trial % 2 else None
+        for planner in (StepPlanner(costs, 1), StepPlanner(costs, 60, host)):
+            assert planner.choose_batch(gains, sizes) == _choose_batch_by_every_size(planner, gains, sizes), \
+                (gains, sizes)
+
+
 def test_a_batch_scales_its_gains_by_what_came_true():
     from lookahead.controller import CALIBRATION_PRIOR, HOST_DECAY, GainCalibration, HostCost
 
