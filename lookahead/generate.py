@@ -37,7 +37,7 @@ from .runner import StepRunner, cache_pool, runner_cache
 from .step import build_step, upload
 from .successors import record_step
 from .verification import PlainChoice, Sampler, StepInputs, StepVerifier, step_uniforms
-from .window import LookaheadWindow
+from .window import LookaheadWindow, stack_step_tokens
 
 PROMPT_SUCCESSOR_ROWS = 256
 # The longest run of plain steps a batch takes, after its planner kept choosing no tree, before asking again.
@@ -191,7 +191,7 @@ class _Emitter:
 
 class _Row:
     """One sequence of the batch: its emitter and statistics, its cache length and next input ``x``, and with
-    lookahead its window, draft builder and committed history (a tensor the window's refills are drawn from)."""
+    lookahead its window and draft builder."""
 
     def __init__(self, emitter: _Emitter, stats: GenerationStats):
         self.emitter = emitter
@@ -200,7 +200,6 @@ class _Row:
         self.x = emitter.sequence[-1]
         self.window = None
         self.drafts = None
-        self.history = None
 
     def start_lookahead(self, la: LookaheadConfig, plan, vocab_size: int, device, prompt: torch.Tensor,
                         prompt_rows, native: bool | None) -> None:
@@ -208,8 +207,6 @@ class _Row:
         self.window = LookaheadWindow(shape.window, shape.ngram, torch.Generator().manual_seed(la.seed))
         self.window.reset(prompt)
         sequence = self.emitter.sequence
-        self.history = torch.empty(len(sequence) + self.emitter.max_new_tokens, dtype=torch.long)
-        self.history[: len(sequence)] = torch.tensor(sequence)
         # The planner cuts the trees of the whole batch at once (_lookahead_step), not each builder alone.
         self.drafts = DraftBuilder(la, vocab_size, device, shape=shape, sources=plan.sources, native=native)
         self.drafts.start(prompt)
@@ -222,9 +219,6 @@ class _Row:
         self.stats.fed_tokens += fed
         taken = self.emitter.emit(tokens)
         self.stats.accepted.append(taken)
-        if self.history is not None:  # plain steps too: a batch may resume lookahead after them
-            n = len(self.emitter.sequence)
-            self.history[n - taken: n] = torch.tensor(self.emitter.sequence[n - taken:], dtype=torch.long)
         return taken
 
 
@@ -672,9 +666,9 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
     drafts = encode_rows(proposals, picks, keeps, size, active[0].drafts.native)
     trees = drafts.trees
     lens = [_start(r) for r in batch]
-    window_tokens = [torch.full((levels * W,), r.x, dtype=torch.long) if r.emitter.done else r.window.step_tokens(r.x)
-                     for r in batch]
-    step = build_step(lens, torch.stack(window_tokens), levels, W, drafts, "cpu" if runner is not None else device)
+    window_tokens = stack_step_tokens([None if r.emitter.done else r.window for r in batch], [r.x for r in batch],
+                                      levels * W)
+    step = build_step(lens, window_tokens, levels, W, drafts, "cpu" if runner is not None else device)
     step_shape = StepShape(W, levels, size)
     successors = active[0].drafts.successors
     if runner is None:  # the eager loop verifies as deep as this step's trees go, and tops only computed rows
@@ -698,7 +692,7 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
         a, nodes, emitted = back.accept_len[b], back.nodes[b], back.emitted[b]
         sequence = row.emitter.sequence
         committed = len(sequence)
-        ngrams = row.window.advance(row.x, back.guesses[b], a, row.history[:committed])
+        ngrams = row.window.advance(row.x, back.guesses[b], a, sequence)  # committed before this step's
         row.cache_len += 1 + a
         taken = row.commit(emitted, step.layout.T)
         emitted_total += taken

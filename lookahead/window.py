@@ -41,20 +41,17 @@ class LookaheadWindow:
     def warm(self) -> bool:
         return self.levels == self.max_levels
 
-    def _draw(self, source: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-        """``[rows, cols]`` tokens drawn uniformly from ``source`` (1-D, non-empty)."""
-        idx = torch.randint(source.numel(), (rows, cols), generator=self.generator)
-        return source[idx]
+    def _draw(self, source, rows: int, cols: int) -> torch.Tensor:
+        """``[rows, cols]`` tokens drawn uniformly from ``source`` (a non-empty list of ints or 1-D tensor)."""
+        idx = torch.randint(len(source), (rows, cols), generator=self.generator)
+        if isinstance(source, torch.Tensor):
+            return source[idx]
+        # A decoding row's committed sequence is a list: indexing it beats keeping a tensor copy of it up to date.
+        return torch.tensor([source[i] for i in idx.reshape(-1).tolist()], dtype=torch.long).reshape(rows, cols)
 
     def reset(self, source: torch.Tensor) -> None:
         """Start warm-up: one level of tokens drawn from ``source`` (the prompt)."""
         self.tokens = self._draw(source.reshape(-1).cpu(), 1, self.window)
-
-    def step_tokens(self, x: int) -> torch.Tensor:
-        """LongTensor ``[levels * W]``: the lookahead branch of the next step, ``x`` first."""
-        flat = self.tokens.reshape(-1).clone()
-        flat[0] = x
-        return flat
 
     def advance(self, x: int, outputs: torch.Tensor, accepted: int, source: torch.Tensor) -> torch.Tensor | None:
         """Slide after a step and return the step's n-grams.
@@ -63,7 +60,7 @@ class LookaheadWindow:
             x: the step's input token.
             outputs: the model's new guesses, one per column of the last level (``W`` ints or a LongTensor).
             accepted: ``a``, candidate tokens accepted in the step (the bonus token not counted).
-            source: 1-D LongTensor the refill tokens are drawn from (the sequence so far).
+            source: the tokens refills are drawn from (the sequence so far): a list of ints or a 1-D tensor.
         Returns:
             LongTensor ``[W, N]`` of n-grams ``(L0[i], .., L_{N-2}[i], outputs[i])`` when the window was warm
             (``L0[0] = x``), else ``None``.
@@ -78,6 +75,17 @@ class LookaheadWindow:
         kept = stacked[1:, accepted:] if self.warm else stacked[:, 1 + accepted:]
         missing = self.window - kept.shape[1]
         if missing > 0:
-            kept = torch.cat([kept, self._draw(source.reshape(-1).cpu(), kept.shape[0], missing)], dim=1)
+            if isinstance(source, torch.Tensor):
+                source = source.reshape(-1).cpu()
+            kept = torch.cat([kept, self._draw(source, kept.shape[0], missing)], dim=1)
         self.tokens = kept
         return ngrams
+
+
+def stack_step_tokens(windows: list[LookaheadWindow | None], xs: list[int], width: int) -> torch.Tensor:
+    """LongTensor ``[B, width]``: each row's lookahead branch of its next step, its window's ``levels * W =
+    width`` tokens with its ``x`` first; a row without a window (``None``: finished, parked) feeds ``x`` alone."""
+    out = torch.stack([torch.full((width,), x, dtype=torch.long) if w is None else w.tokens.reshape(-1)
+                       for w, x in zip(windows, xs)])
+    out[:, 0] = torch.tensor(xs, dtype=torch.long)
+    return out

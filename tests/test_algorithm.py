@@ -8,7 +8,7 @@ from lookahead.config import StepShape
 from lookahead.pool import NGramPool
 from lookahead.draft import DraftTree
 from lookahead.step import build_step
-from lookahead.window import LookaheadWindow
+from lookahead.window import LookaheadWindow, stack_step_tokens
 from lookahead_kernels import StepLayout, dense_mask, verify_tree_greedy_reference
 from lookahead_kernels.tree import TreeShape
 
@@ -93,15 +93,28 @@ def test_window_warm_up_then_slide_hand_worked():
     w = LookaheadWindow(window=3, ngram=3, generator=torch.Generator().manual_seed(0))
     w.reset(torch.tensor([7]))
     assert w.tokens.tolist() == [[7, 7, 7]] and not w.warm
-    assert w.step_tokens(1).tolist() == [1, 7, 7]
+    assert stack_step_tokens([w], [1], 3).tolist() == [[1, 7, 7]]
     # warming up: every row shifts by 1 + a columns and the outputs become a new level; no n-grams yet
     assert w.advance(1, torch.tensor([10, 11, 12]), accepted=0, source=torch.tensor([9])) is None
     assert w.tokens.tolist() == [[7, 7, 9], [11, 12, 9]] and w.warm
-    assert w.step_tokens(5).tolist() == [5, 7, 9, 11, 12, 9]
+    # a parked row (no window) feeds its x throughout
+    assert stack_step_tokens([w, None], [5, 4], 6).tolist() == [[5, 7, 9, 11, 12, 9], [4] * 6]
     # warm, a = 1: n-grams are the columns (x first), then level j takes old level j+1 from column a
     ngrams = w.advance(5, torch.tensor([20, 21, 22]), accepted=1, source=torch.tensor([9]))
     assert ngrams.tolist() == [[5, 11, 20], [7, 12, 21], [9, 9, 22]]
     assert w.tokens.tolist() == [[12, 9, 9], [21, 22, 9]]
+
+
+def test_window_refills_from_a_list_as_from_a_tensor():
+    source = torch.randint(0, 1000, (50,)).tolist()
+    windows = []
+    for given in (source, torch.tensor(source)):
+        w = LookaheadWindow(window=5, ngram=4, generator=torch.Generator().manual_seed(3))
+        w.reset(torch.tensor(source[:7]))
+        for x, a in ((1, 0), (2, 0), (3, 2), (4, 4), (5, 1)):
+            w.advance(x, torch.arange(5) + 10 * x, accepted=a, source=given)
+        windows.append(w.tokens)
+    assert torch.equal(windows[0], windows[1])
 
 
 def test_window_ngram_2_is_warm_from_the_start():
@@ -117,7 +130,7 @@ def test_a_window_of_x_alone_gives_x_and_its_guess():
     w = LookaheadWindow(window=1, ngram=2, generator=torch.Generator().manual_seed(0))
     w.reset(torch.tensor([4, 5]))
     for x, out, a in ((3, 8, 0), (8, 9, 2), (7, 1, 5)):
-        assert w.step_tokens(x).tolist() == [x] and w.levels == 1
+        assert stack_step_tokens([w], [x], 1).tolist() == [[x]] and w.levels == 1
         assert w.advance(x, torch.tensor([out]), accepted=a, source=torch.tensor([6])).tolist() == [[x, out]]
 
 
