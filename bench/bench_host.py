@@ -16,7 +16,8 @@ builder's Python reference beside the C++ one.
     python bench/bench_host.py                                   # 16 prompts a set, batches of 1 and 16
     python bench/bench_host.py --budgets 64 256 --builders C++ Python --batch-sizes 1 --tag cpu-builders
 
-Writes bench/results/host-<tag>.{json,md}.
+Writes bench/results/host-<tag>.{json,md} (default tag `cpu-replay`; `host-cpu.md` is the builders' comparison of git
+df8ddbf, made by that revision's version of this script, which timed host work beside the CPU forward).
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=5, help="replays of each recording (median reported)")
     ap.add_argument("--sets", nargs="+", default=DEFAULT_SETS)
-    ap.add_argument("--tag", default="cpu")
+    ap.add_argument("--tag", default="cpu-replay")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     args = ap.parse_args(argv)
     costs = H100_STEP_COSTS if args.step_costs == "h100" else \
