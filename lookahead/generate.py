@@ -206,7 +206,6 @@ class _Row:
         shape = plan.shape
         self.window = LookaheadWindow(shape.window, shape.ngram, torch.Generator().manual_seed(la.seed))
         self.window.reset(prompt)
-        sequence = self.emitter.sequence
         # The planner cuts the trees of the whole batch at once (_lookahead_step), not each builder alone.
         self.drafts = DraftBuilder(la, vocab_size, device, shape=shape, sources=plan.sources, native=native)
         self.drafts.start(prompt)

@@ -53,7 +53,7 @@ class LookaheadWindow:
         """Start warm-up: one level of tokens drawn from ``source`` (the prompt)."""
         self.tokens = self._draw(source.reshape(-1).cpu(), 1, self.window)
 
-    def advance(self, x: int, outputs: torch.Tensor, accepted: int, source: torch.Tensor) -> torch.Tensor | None:
+    def advance(self, x: int, outputs: torch.Tensor, accepted: int, source) -> torch.Tensor | None:
         """Slide after a step and return the step's n-grams.
 
         Args:
