@@ -656,9 +656,10 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
             return _plain_step(model, cache, runner, batch, sampler, device)
         if backoff is not None and keep > 0:
             backoff.hit()
-    picks = []  # per batch row its row of proposals (active rows in batch order), -1 when parked (all padding)
+    picks, active_row = [], 0  # per batch row its row of proposals (active rows in order), -1 when parked (padding)
     for r in batch:
-        picks.append(-1 if r.emitter.done else sum(i >= 0 for i in picks))
+        picks.append(-1 if r.emitter.done else active_row)
+        active_row += not r.emitter.done
     keeps = [min(keep, len(proposals.scores[i])) if i >= 0 else 0 for i in picks]
     longest = max(keeps)
     size = next(z for z in sizes if z >= longest) if pad else longest
