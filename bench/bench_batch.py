@@ -11,6 +11,10 @@ token.
 
     python bench/bench_batch.py --threads 2                        # both dev sets, B = 1 4 16 64, 128 tokens
     python bench/bench_batch.py --batch-sizes 1 4 --prompts 4 --max-new-tokens 16 --tag cpu-smoke
+    python bench/bench_batch.py --device cuda --dtype bfloat16 --batch-sizes 1 16 --prompts 16 --max-new-tokens 64
+
+In a dtype below float32, steps of different shapes round differently, so ``identical`` counts rows rather than
+being expected to equal the prompts (float32: identical everywhere).
 
 Writes bench/results/batch-<tag>.{json,md,png}.
 """
@@ -36,6 +40,7 @@ from lookahead.cli import read_prompts  # noqa: E402
 from lookahead.controller import make_plan  # noqa: E402
 
 MODES = {"plain": None, "lookahead": LookaheadConfig()}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def run_paired(model, prompts: list, batch_size: int, max_new_tokens: int, repeats: int) -> dict:
@@ -88,6 +93,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=1, help="passes over the prompts per batch size (medians)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+                    help="parameter dtype (bfloat16: where a GPU's steps stay flat longest; identity then counted)")
     ap.add_argument("--tag", default=None, help="result file tag (default: the device)")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     ap.add_argument("--render", metavar="JSON", help="only re-write the markdown and plot of a results file")
@@ -104,7 +111,7 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     machine = machine_info(args.device)  # at the start: the revision that runs, whatever is committed meanwhile
-    model, tokenizer = load_default(device=args.device)
+    model, tokenizer = load_default(dtype=DTYPES[args.dtype], device=args.device)
     rows = []
     with torch.inference_mode():
         for set_path in args.sets:
@@ -132,9 +139,11 @@ def main(argv=None) -> int:
     for r in rows:
         r["vs_plain"] = r["paired_vs_plain"]
     machine["load_average_end"] = machine_info(args.device)["load_average"]
-    tag = args.tag or ("cpu" if args.device == "cpu" else device_label(machine).lower().replace(" ", "-"))
+    tag = args.tag or ("cpu" if args.device == "cpu" else device_label(machine).lower().replace(" ", "-")) \
+        + ("" if args.dtype == "float32" else f"-{args.dtype}")
     result = {"machine": machine, "command": command_line(__file__, sys.argv[1:] if argv is None else argv),
-              "model": "SmolLM2-135M-Instruct (float32)", "max_new_tokens": args.max_new_tokens,
+              "model": f"SmolLM2-135M-Instruct ({args.dtype})", "dtype": args.dtype,
+              "max_new_tokens": args.max_new_tokens,
               "prompts_per_set": args.prompts, "threads": args.threads, "repeats": args.repeats, "rows": rows}
     base = write_results(args.out_dir, f"batch-{tag}", result, markdown(result))
     plot(result, base + ".png")
