@@ -2,7 +2,8 @@
 ``torch.ops.lookahead_gemm``), step attention (``csrc/cpu_attention.cpp``, ``torch.ops.lookahead_cpu``) and whole
 decoder layer (``csrc/cpu_layer.cpp``, the two before plus everything between them, same namespace), and the
 draft builder's best-first walk and tree encoding (``csrc/draft_tree.cpp``, ``torch.ops.lookahead_draft``), which
-serve the GPU path too: the draft is built on the host.
+serve the GPU path too: the draft is built on the host, and the successor table's top-k of a CPU step's logits
+(``csrc/row_topk.cpp``, same namespace).
 
 All live in one library, built with ninja into torch's extensions directory on first use (``scripts/setup.sh``
 builds it at install time) and loaded by later processes in about a second. It is compiled with OpenMP: ATen's
@@ -21,7 +22,7 @@ import torch
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 _NAME = "lookahead_cpu_ops"
-_SOURCES = ("small_gemm.cpp", "cpu_attention.cpp", "cpu_layer.cpp", "draft_tree.cpp")
+_SOURCES = ("small_gemm.cpp", "cpu_attention.cpp", "cpu_layer.cpp", "draft_tree.cpp", "row_topk.cpp")
 _HEADERS = ("cpu_ops.h", "cpu_vec.h")  # a change to one rebuilds the library too
 _state: dict = {}  # "ok": bool once tried in this process, "error": why not
 _lock = threading.Lock()
@@ -36,7 +37,8 @@ def _registered() -> bool:
         return torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_cpu::step_attention", "CPU") and \
             torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_cpu::decoder_layer", "CPU") and \
             torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_gemm::linear", "CPU") and \
-            torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_draft::propose", "CPU")
+            torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_draft::propose", "CPU") and \
+            torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_draft::top_successors", "CPU")
     except RuntimeError:  # a schema is not registered yet
         return False
 

@@ -189,3 +189,49 @@ def test_trusted_shape_is_not_checked_but_equal():
     shape = TreeShape.from_parents([-1, 0, -1])
     trusted = TreeShape.trusted(shape.depth, shape.end)
     assert torch.equal(trusted.depth, shape.depth) and torch.equal(trusted.end, shape.end)
+
+
+def stable_top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's top k, largest first, NaN largest, the lower index first among equals (float64 probabilities)."""
+    flat = x.reshape(-1, x.shape[-1]).double()
+    key = torch.where(flat.isnan(), torch.inf, flat)
+    nan_first = flat.isnan().double()  # NaN before +inf
+    ids = torch.stack([torch.tensor(sorted(range(flat.shape[1]), key=lambda i: (-nan_first[r, i], -key[r, i], i))[:k])
+                       for r in range(flat.shape[0])])
+    vals = flat.gather(1, ids)
+    return ids.reshape(*x.shape[:-1], -1), torch.softmax(vals, dim=-1).reshape(*x.shape[:-1], -1)
+
+
+@pytest.mark.parametrize("V", [1, 7, 63, 64, 65, 200, 1000])
+@pytest.mark.parametrize("k", [1, 3, 8, 70])
+def test_top_successors_equal_a_stable_top_k(V, k):
+    gen = torch.Generator().manual_seed(V * 131 + k)
+    for view in ("2d", "3d-slice"):
+        full = torch.randn(3, 5, V, generator=gen) * 4
+        full[0, 1] = full[0, 1].round()  # exact ties, the lower index first
+        full[1, 2, V // 2] = float("nan")
+        x = full[1] if view == "2d" else full[:, 1:4]  # rows of a larger step's logits, as the verifier passes
+        ids, probs = torch.ops.lookahead_draft.top_successors(x, k)
+        want_ids, want_probs = stable_top(x, min(k, V))
+        assert ids.dtype == torch.int64 and probs.dtype == torch.float32
+        assert ids.shape == probs.shape == (*x.shape[:-1], min(k, V))
+        assert torch.equal(ids, want_ids)
+        finite = ~want_probs.isnan()
+        assert torch.equal(probs.isnan(), ~finite)  # a NaN among a row's top k makes its probabilities NaN
+        assert torch.allclose(probs.double()[finite], want_probs[finite], rtol=1e-6, atol=1e-7)
+
+
+def test_successor_tops_on_the_cpu_match_torch_where_no_entries_tie():
+    x = torch.randn(2, 6, 4000, generator=torch.Generator().manual_seed(3))
+    ids, probs = SuccessorTable.top(x[:, :5], 8)
+    ref_ids, ref_probs = SuccessorTable.top_reference(x[:, :5], 8)
+    assert torch.equal(ids, ref_ids) and torch.allclose(probs, ref_probs, rtol=1e-6, atol=0)
+
+
+def test_top_successors_refuses_what_it_cannot_read():
+    with pytest.raises(ValueError, match="float32"):
+        torch.ops.lookahead_draft.top_successors(torch.zeros(2, 5, dtype=torch.float64), 3)
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        torch.ops.lookahead_draft.top_successors(torch.zeros(5, 2).t(), 3)
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        torch.ops.lookahead_draft.top_successors(torch.zeros(2, 5), 0)
