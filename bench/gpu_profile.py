@@ -1,6 +1,7 @@
 """Where a GPU step's time goes: a diagnostic for issue 11 (prints; not a benchmark of record).
 
-0. ``smolstep``: kernel table of SmolLM2-shaped float32 steps, and our attention there by tile and precision.
+0. ``smolstep``: kernel tables of SmolLM2-shaped float32 steps (T = 1, 16, 128); ``smoltiles``: our attention
+   there by tile and precision.
 1. ``steps``: a SmolLM2-shaped random model (float32): each step size of the controller's menu replayed through a
    StepRunner graph (CUDA events), capture errors printed in full.
 2. ``loop``: cProfile of ``generate`` (plain, fixed 15-5-15, automatic) on that model: the host functions that
@@ -9,7 +10,7 @@
 4. ``attention``: our attention against SDPA (dense mask) at 7B shape, T = 120, 4k, timed with and without host
    launch overhead (``do_bench`` vs ``do_bench_cudagraph``), over a few tile configurations.
 
-    python bench/gpu_profile.py [smolstep steps loop verify kernels attention]
+    python bench/gpu_profile.py [smolstep smoltiles steps loop verify kernels attention]
 """
 
 from __future__ import annotations
@@ -196,19 +197,17 @@ def part_verify(device):
 
 
 def part_smolstep(device):
-    """Kernel table of SmolLM2-shaped fp32 eager steps (T = 1, 16) and our attention at that shape by tile and
-    float32 precision (CUDA-graph timing)."""
-    import triton.testing
+    """Kernel tables of SmolLM2-shaped float32 eager steps at T = 1, 16 and 128 (a tree of T - 1 nodes): which
+    kernels grow with the step's size (the GPU's t(T) / t(1) bounds lookahead's gain on this model)."""
     from torch.profiler import ProfilerActivity, profile
 
     from lookahead_kernels import StepLayout
-    from lookahead_kernels import attention as attn
     from lookahead_kernels.tree import TreeShape
 
     model = smol_model(device)
     context = 256
     cache = model.new_cache(1, 1024)
-    for T in (1, 16):
+    for T in (1, 16, 128):
         layout = StepLayout(1, 1) if T == 1 else StepLayout(1, 1, TreeShape.from_parents(list(range(-1, T - 2)),
                                                                                           device=device))
         ids = torch.zeros(1, T, dtype=torch.long, device=device)
@@ -223,7 +222,18 @@ def part_smolstep(device):
                     model(ids, pos, cache, lens, layout)
                 torch.cuda.synchronize()
         print(f"smolstep: fp32 eager step T={T}, 3 steps:\n" +
-              prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
+              prof.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
+
+
+def part_smoltiles(device):
+    """Our attention at SmolLM2's shape by tile and float32 precision (CUDA-graph timing)."""
+    import triton.testing
+
+    from lookahead_kernels import StepLayout
+    from lookahead_kernels import attention as attn
+    from lookahead_kernels.tree import TreeShape
+
+    context = 256
     for T, W, lv, V in ((16, 1, 1, 15), (75, 15, 4, 15), (120, 15, 4, 60)):
         tree = TreeShape.from_parents(list(range(-1, V - 1)), device=device)
         layout = StepLayout(W, lv, tree)
@@ -231,7 +241,7 @@ def part_smolstep(device):
         k = torch.randn(1, 1024, 3, 64, device=device)
         v = torch.randn(1, 1024, 3, 64, device=device)
         lens = torch.tensor([context], device=device)
-        original = attn._tile_config
+        original, precision = attn._tile_config, attn._FP32_DOT
         res = {}
         for prec in ("ieee", "tf32x3", "tf32"):
             attn._FP32_DOT = prec
@@ -248,14 +258,14 @@ def part_smolstep(device):
                     except Exception as exc:
                         print(f"smolstep: {prec} {bm} {bn} {warps}: {type(exc).__name__}: {exc}"[:300])
                 attn._tile_config = original
-        attn._FP32_DOT = "ieee"
-        print(f"smolstep: attention fp32 T={T} (W={W}, levels={lv}, tree {V}) context {context}: us (cudagraph)")
+        attn._FP32_DOT = precision
+        print(f"smoltiles: attention fp32 T={T} (W={W}, levels={lv}, tree {V}) context {context}: us (cudagraph)")
         for key, b in sorted(res.items(), key=lambda kv: kv[1])[:12]:
             print(f"   {key:45s} {b * 1e3:8.1f}", flush=True)
         print(f"   default ieee: {res.get('ieee bm=None bn=None w=None splits=None', float('nan')) * 1e3:.1f}")
 
 
-PARTS = {"smolstep": part_smolstep, "steps": part_steps, "loop": part_loop, "kernels": part_kernels,
+PARTS = {"smolstep": part_smolstep, "smoltiles": part_smoltiles, "steps": part_steps, "loop": part_loop, "kernels": part_kernels,
          "attention": part_attention, "verify": part_verify}
 
 

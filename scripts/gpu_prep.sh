@@ -19,7 +19,7 @@ echo "working tree that travels: $((tree_mb / 1048576)) MiB; parts: $(du -m $dir
 cat <<'TXT'
 
 Call 1 (run, timeout_s 600, carry [".device-model/part-a", ".device-model/wheels", ".device-model/SHA256", ".device-model/data", ".device-model/REVISION"]):
-  mkdir -p /root/model && cp .device-model/part-a /root/model/ && bash bench/run_gpu.sh env build stepcost kernels verify pool
+  mkdir -p /root/model && cp .device-model/part-a /root/model/ && bash bench/run_gpu.sh env build stepcost kernels verify pool profile
 Call 2, at once after it (the machine stays warm 30 s) (carry [".device-model/part-b", ".device-model/wheels", ".device-model/SHA256", ".device-model/data", ".device-model/REVISION"]):
   bash bench/run_gpu.sh build model e2e batch batchbf16 gputests ktests
 Each call's $OUT: summary.md, results.tar.gz, run.log (and e2e-gpu-<device>.json from call 2).
