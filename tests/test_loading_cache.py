@@ -32,12 +32,13 @@ def write_tiny_gguf(path, seed=0, hidden=32, inter=64, layers=2, heads=4, kv=2):
     w.add_head_count_kv(kv)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(VOCAB)
-    tokens = ["<unk>", "<s>", "</s>", "ab"] + [chr(ord("a") + i) for i in range(26)] + \
+    tokens = ["<unk>", "<s>", "</s>", "ab", "bc"] + [chr(ord("a") + i) for i in range(26)] + \
              [chr(ord("A") + i) for i in range(26)]
     tokens += [f"<t{i}>" for i in range(len(tokens), VOCAB)]
     w.add_tokenizer_model("gpt2")
     w.add_token_list(tokens)
-    w.add_token_merges(["a b"])
+    # Two merges, not one: transformers 5.17 (the GPU machines') reads a one-element array as its element.
+    w.add_token_merges(["a b", "b c"])
     w.add_token_types([3 if i < 3 else 1 for i in range(VOCAB)])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
