@@ -436,11 +436,13 @@ def window_pays(costs: StepCosts, window_tokens: int, tree_tokens: int, batch_si
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """What a generate call runs: the step shape, the tree's sources and, in automatic mode, the planner."""
+    """What a generate call runs: the step shape, the tree's sources and, in automatic mode, the planner; and
+    the parts its steps pack the same every time (:func:`lookahead.step.build_step`'s ``constants``)."""
 
     shape: object  # lookahead.config.StepShape
     sources: tuple
     planner: StepPlanner | None
+    step_constants: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 
 def make_plan(config, model, batch_size: int = 1) -> Plan:

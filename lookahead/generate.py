@@ -668,7 +668,8 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
     lens = [_start(r) for r in batch]
     window_tokens = stack_step_tokens([None if r.emitter.done else r.window for r in batch], [r.x for r in batch],
                                       levels * W)
-    step = build_step(lens, window_tokens, levels, W, drafts, "cpu" if runner is not None else device)
+    step = build_step(lens, window_tokens, levels, W, drafts, "cpu" if runner is not None else device,
+                      plan.step_constants)
     step_shape = StepShape(W, levels, size)
     successors = active[0].drafts.successors
     if runner is None:  # the eager loop verifies as deep as this step's trees go, and tops only computed rows

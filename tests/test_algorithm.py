@@ -188,6 +188,25 @@ def test_build_step_batch_has_a_tree_per_row():
     assert step.logits_tokens.tolist() == [[5, 30, 31, 32], [6, 40, 41, 0]]
 
 
+def test_build_step_reuses_a_shape_s_constant_parts_unchanged():
+    # The parts every step of a shape packs the same (rows read back, the window's offsets) are kept in the
+    # caller's dict: later steps of that shape pack the same as without it, and nothing writes them.
+    constants = {}
+    for p, levels, window in ((100, 2, 3), (140, 2, 3), (7, 1, 1), (9, 1, 1)):
+        trees = [DraftTree(torch.tensor([30, 31, 40, 41]), TreeShape.linear(2, 2), 4, [-1, 0, -1, 2], [[]] * 4, 2)]
+        tokens = torch.arange(levels * window)[None] + 5
+        kept = build_step([p], tokens, levels, window, trees, "cpu", constants)
+        fresh = build_step([p], tokens, levels, window, trees, "cpu")
+        for field in ("tokens", "positions", "logits_rows", "logits_tokens", "num_nodes"):
+            assert torch.equal(getattr(kept, field), getattr(fresh, field)), field
+    assert len(constants) == 2  # one entry a shape
+    from lookahead.step import constant_parts
+
+    for key, (rows, head) in constants.items():
+        want_rows, want_head = constant_parts(*key)
+        assert torch.equal(rows, want_rows) and torch.equal(head, want_head)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_upload_moves_a_step_s_inputs_in_one_block(device):
     from lookahead.step import upload
