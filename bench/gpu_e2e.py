@@ -14,7 +14,7 @@ In float32 the output is ``e2e-gpu-<device>.json`` (top-level ``device`` and ``r
 "tokens_per_s", "identical", ...}``, the file other code reads) plus ``.md``; in another dtype
 ``e2e-gpu-<device>-<dtype>.{json,md}``: the bf16 identity counts.
 
-    python bench/gpu_e2e.py --limit 8 --out-dir $OUT/work                  # fp32: speed and identity
+    python bench/gpu_e2e.py --limit 16 --hf-limit 6 --out-dir $OUT/work    # fp32: speed and identity
     python bench/gpu_e2e.py --dtype bfloat16 --limit 10 --max-new-tokens 64 --systems ours-plain ours-lookahead hf-greedy
     python bench/gpu_e2e.py --dry-run --out-dir /tmp/x                     # CPU, 2 prompts, 8 tokens
 """
@@ -50,21 +50,23 @@ def first_diff(seq: torch.Tensor, ref: torch.Tensor, prompt_len: int) -> int | N
 
 
 def aggregate(per_prompt: list[dict], systems: list[str]) -> list[dict]:
-    """Rows per (set, system) over the prompts every system has finished."""
+    """Rows per (set, system) over the prompts that system has finished; ``vs_ours_plain`` compares it with
+    ours-plain on the same prompts (transformers' systems may run on fewer: ``--hf-limit``)."""
     rows = []
     for name in dict.fromkeys(p["set"] for p in per_prompt):
-        plain_rate = None
+        plain = {p["prompt"]: p for p in per_prompt if p["set"] == name and p["system"] == "ours-plain"}
         for system in systems:
             res = [p for p in per_prompt if p["set"] == name and p["system"] == system]
             if not res:
                 continue
             total_new, total_s = sum(r["new_tokens"] for r in res), sum(r["seconds"] for r in res)
             rate = total_new / total_s if total_s > 0 else 0.0
-            if system == "ours-plain":
-                plain_rate = rate
+            same = [plain[r["prompt"]] for r in res if r["prompt"] in plain]
+            plain_s = sum(p["seconds"] for p in same)
+            plain_rate = sum(p["new_tokens"] for p in same) / plain_s if plain_s > 0 else None
             rows.append({"set": name, "system": system, "tokens_per_s": rate,
                          "median_tokens_per_s": statistics.median(r["new_tokens"] / r["seconds"] for r in res),
-                         "vs_ours_plain": rate / plain_rate if plain_rate else None,
+                         "vs_ours_plain": rate / plain_rate if plain_rate and len(same) == len(res) else None,
                          "compression": statistics.mean(r["compression"] for r in res),
                          "identical": sum(bool(r["identical"]) for r in res), "prompts": len(res)})
             if all(r.get("steps") for r in res):  # ours: host work outside the forward, per step
@@ -76,8 +78,10 @@ def render(result: dict) -> str:
     m = result["machine"]
     lines = [f"# SmolLM2-135M-Instruct end to end, {result['dtype']}", "",
              f"Device: {result['device']}; torch {m['torch']}, triton {m['triton']}, CUDA {m['cuda']}; git {m['git']}.",
-             f"Greedy, {result['max_new_tokens']} new tokens, first {result['limit']} prompts of each set; wall clock "
-             "with the device synchronised around each call (prefill included).",
+             f"Greedy, {result['max_new_tokens']} new tokens, first {result['limit']} prompts of each set"
+             + (f" (transformers' systems: the first {result['hf_limit']}, and their `vs ours-plain` is on those)"
+                if result.get("hf_limit") else "")
+             + "; wall clock with the device synchronised around each call (prefill included).",
              f"Command: `{result['command']}`", "",
              "Host ms / step: `stats.host_seconds` per step, the lookahead steps' host work outside the forward, "
              "verification and read-back (plain steps have none).", "",
@@ -103,6 +107,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--limit", type=int, default=8, help="first N prompts of each set (0: all)")
+    ap.add_argument("--hf-limit", type=int, default=None,
+                    help="transformers' systems on the first N of those only (default: all of them; at ~35 tokens/s "
+                         "they take most of the run)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, 2 prompts per set, 8 new tokens")
     ap.add_argument("--device", help="default: cuda, or cpu with --dry-run")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
@@ -110,8 +117,9 @@ def main(argv=None) -> int:
     device = pick_device(args.dry_run, args.device)
     dtype = parse_dtype(args.dtype)
     limit, max_new = (args.limit or None), args.max_new_tokens
+    hf_limit = args.hf_limit
     if args.dry_run:
-        limit, max_new = 2, 8
+        limit, max_new, hf_limit = 2, 8, 1
     systems = ["ours-plain"] + [s for s in args.systems if s != "ours-plain"]  # the reference runs first
 
     from transformers import AutoModelForCausalLM
@@ -123,7 +131,7 @@ def main(argv=None) -> int:
 
     head = header(device, sys.argv[1:] if argv is None else argv, __file__)
     dname = str(dtype).replace("torch.", "")
-    head.update(model="SmolLM2-135M-Instruct", dtype=dname, max_new_tokens=max_new, limit=limit,
+    head.update(model="SmolLM2-135M-Instruct", dtype=dname, max_new_tokens=max_new, limit=limit, hf_limit=hf_limit,
                 dry_run=args.dry_run, systems=systems, per_prompt=[])
     stem = f"e2e-gpu-{head['device_slug']}" + ("" if dtype == torch.float32 else f"-{dname}") \
         + ("-dry-run" if args.dry_run else "")
@@ -157,6 +165,8 @@ def main(argv=None) -> int:
         for name, i, ids in order:
             ref = None
             for system, run in runners.items():
+                if system.startswith("hf-") and hf_limit is not None and i >= hf_limit:
+                    continue
                 seq, seconds, comp = run(ids)
                 if system == "ours-plain":
                     ref = seq

@@ -144,7 +144,8 @@ wants model && part model 90 env PYTHON="$PY" bash scripts/gpu_model_setup.sh
 if [ $DRY = 1 ]; then
   wants e2e && part e2e 600 $PY bench/gpu_e2e.py --dry-run --sets "${SETS[@]}" --out-dir "$WORK"
 else
-  wants e2e && part e2e 190 $PY bench/gpu_e2e.py --limit "${E2E_LIMIT:-6}" --sets "${SETS[@]}" --out-dir "$WORK" \
+  wants e2e && part e2e 190 $PY bench/gpu_e2e.py --limit "${E2E_LIMIT:-16}" --hf-limit 6 --sets "${SETS[@]}" \
+    --out-dir "$WORK" \
     --systems ours-plain ours-lookahead ours-fixed-15-5-15 hf-greedy hf-prompt-lookup
 fi
 if [ $DRY = 0 ]; then  # issue 12's GPU figure: lookahead against plain at 1, 4 and 16 rows (graphs on)

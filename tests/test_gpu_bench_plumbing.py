@@ -61,3 +61,14 @@ def test_e2e_rows_have_the_fields_other_code_reads():
               "per_prompt": per_prompt, "notes": [], "complete": True}
     md = bench.render(result)
     assert "| humaneval | ours-lookahead | 20.0 |" in md and "humaneval prompt 1 ours-lookahead: at 3" in md
+
+
+def test_e2e_compares_a_system_run_on_fewer_prompts_with_ours_plain_on_those():
+    bench = load("gpu_e2e")
+    per_prompt = [{"set": "mt_bench", "prompt": i, "system": "ours-plain", "new_tokens": 10, "seconds": s,
+                   "compression": 1.0, "identical": True, "first_diff": None} for i, s in enumerate((1.0, 4.0))]
+    per_prompt.append({"set": "mt_bench", "prompt": 0, "system": "hf-greedy", "new_tokens": 10, "seconds": 5.0,
+                       "compression": 1.0, "identical": True, "first_diff": None})  # --hf-limit 1
+    rows = {r["system"]: r for r in bench.aggregate(per_prompt, ["ours-plain", "hf-greedy"])}
+    assert rows["ours-plain"]["prompts"] == 2 and rows["hf-greedy"]["prompts"] == 1
+    assert rows["hf-greedy"]["tokens_per_s"] == 2.0 and rows["hf-greedy"]["vs_ours_plain"] == 0.2  # vs prompt 0: 10/s
