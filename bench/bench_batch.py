@@ -36,11 +36,10 @@ from _common import (DEFAULT_SETS, command_line, device_label, machine_info, pyp
                      write_results)  # noqa: E402
 
 from lookahead import LookaheadConfig, load_default  # noqa: E402
-from lookahead.cli import read_prompts  # noqa: E402
+from lookahead.cli import DTYPES, read_prompts  # noqa: E402
 from lookahead.controller import make_plan  # noqa: E402
 
 MODES = {"plain": None, "lookahead": LookaheadConfig()}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def run_paired(model, prompts: list, batch_size: int, max_new_tokens: int, repeats: int) -> dict:

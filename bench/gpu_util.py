@@ -23,6 +23,8 @@ for _p in (ROOT, HERE):
 
 from _common import device_slug, machine_info  # noqa: E402
 
+from lookahead.cli import DTYPES  # noqa: E402
+
 # name -> ModelConfig keyword arguments. Positions reach 32k here, past Llama-2's trained 4k: the weights are
 # random, so only the shapes (and hence the speed) matter.
 MODEL_SHAPES = {
@@ -39,8 +41,6 @@ MODEL_SHAPES = {
                      num_kv_heads=2, head_dim=64, max_position_embeddings=4096),
 }
 DRY_MODELS = {"llama2-7b": "tiny-mha", "llama3-8b": "tiny-gqa"}
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def parse_dtype(name: str) -> torch.dtype:

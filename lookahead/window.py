@@ -41,17 +41,15 @@ class LookaheadWindow:
     def warm(self) -> bool:
         return self.levels == self.max_levels
 
-    def _draw(self, source, rows: int, cols: int) -> torch.Tensor:
-        """``[rows, cols]`` tokens drawn uniformly from ``source`` (a non-empty list of ints or 1-D tensor)."""
+    def _draw(self, source: list, rows: int, cols: int) -> torch.Tensor:
+        """``[rows, cols]`` tokens drawn uniformly from ``source`` (a non-empty list of ints: a decoding row's
+        committed sequence is one, and indexing it beats keeping a tensor copy of it up to date)."""
         idx = torch.randint(len(source), (rows, cols), generator=self.generator)
-        if isinstance(source, torch.Tensor):
-            return source[idx]
-        # A decoding row's committed sequence is a list: indexing it beats keeping a tensor copy of it up to date.
         return torch.tensor([source[i] for i in idx.reshape(-1).tolist()], dtype=torch.long).reshape(rows, cols)
 
     def reset(self, source: torch.Tensor) -> None:
         """Start warm-up: one level of tokens drawn from ``source`` (the prompt)."""
-        self.tokens = self._draw(source.reshape(-1).cpu(), 1, self.window)
+        self.tokens = self._draw(source.reshape(-1).tolist(), 1, self.window)
 
     def advance(self, x: int, outputs: torch.Tensor, accepted: int, source) -> torch.Tensor | None:
         """Slide after a step and return the step's n-grams.
@@ -76,7 +74,7 @@ class LookaheadWindow:
         missing = self.window - kept.shape[1]
         if missing > 0:
             if isinstance(source, torch.Tensor):
-                source = source.reshape(-1).cpu()
+                source = source.reshape(-1).tolist()
             kept = torch.cat([kept, self._draw(source, kept.shape[0], missing)], dim=1)
         self.tokens = kept
         return ngrams
