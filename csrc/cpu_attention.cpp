@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "cpu_ops.h"
@@ -32,10 +33,10 @@ namespace cpu_attention {
 namespace {
 
 using cpu_vec::exp_nonpositive;
-using cpu_vec::load16;
-using cpu_vec::v16sf;
-constexpr int kRows = 16;  // query rows per task: one vector lane each while scoring
-constexpr int kKeys = 8;   // keys scored at once: independent accumulators hide the FMA latency
+using cpu_vec::load;
+using cpu_vec::splat;
+using cpu_vec::store;
+constexpr int64_t kMaxRows = 16;  // query rows per task at most: one vector lane each while scoring
 
 struct Args {
   const float* q;
@@ -52,96 +53,125 @@ struct Args {
   float scale;
 };
 
-// One task: up to 16 query rows of sequence b that share the KV head kv; row r of the group is token r / G,
-// query head kv * G + r % G. Scores and probabilities are [keys, 16 rows] (rows in vector lanes); the output is
-// accumulated row by row over D in vectors. NV = D / 16.
-template <int NV>
-__attribute__((always_inline)) inline void group_task(const Args& a, int64_t b, int64_t kv, int64_t r0, float* scores, float* qt) {
-  constexpr int64_t D = NV * 16;
+// One task: up to L query rows of sequence b that share the KV head kv, L the lanes of the vector type V; row r of
+// the group is token r / G, query head kv * G + r % G. Scores and probabilities are [keys, L rows] (rows in vector
+// lanes); the output is accumulated row by row over D in vectors (NV = D / L of them). KEYS keys are scored at once
+// (independent accumulators hide the FMA latency); the output holds CHUNK vectors of accumulators: CHUNK / NV rows
+// at a time, or, where one row's NV exceed CHUNK, one row and CHUNK of its vectors at a time. Both are sized to
+// the registers of the instruction set V is compiled for.
+template <typename V, int NV, int KEYS, int CHUNK>
+__attribute__((always_inline)) inline void group_task(const Args& a, int64_t b, int64_t kv, int64_t r0, float* scores,
+                                                      float* qt) {
+  constexpr int L = cpu_vec::Traits<V>::lanes;
+  constexpr int64_t D = NV * L;
   const int64_t G = a.Hq / a.Hkv, T = a.T, n = a.cache_len[b], keys = n + T;
-  const int64_t rows = std::min<int64_t>(kRows, G * T - r0);
+  const int64_t rows = std::min<int64_t>(L, G * T - r0);
   const float* kb = a.k + b * a.k_sb + kv * a.k_sh;
   const float* vb = a.v + b * a.v_sb + kv * a.v_sh;
   const bool* vis = a.visible + b * a.vis_sb;
-  // qt [D, 16]: the rows' queries, transposed and scaled (unused lanes zero).
-  std::fill(qt, qt + D * kRows, 0.f);
+  // qt [D, L]: the rows' queries, transposed and scaled (unused lanes zero).
+  std::fill(qt, qt + D * L, 0.f);
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t r = r0 + i, t = r / G, h = kv * G + r % G;
     const float* qr = a.q + b * a.q_sb + t * a.q_st + h * a.q_sh;
-    for (int64_t d = 0; d < D; ++d) qt[d * kRows + i] = qr[d] * a.scale;
+    for (int64_t d = 0; d < D; ++d) qt[d * L + i] = qr[d] * a.scale;
   }
-  // Scores, kKeys keys at a time.
+  // Scores, KEYS keys at a time.
   int64_t j = 0;
-  for (; j + kKeys <= keys; j += kKeys) {
-    v16sf acc[kKeys] = {};
+  for (; j + KEYS <= keys; j += KEYS) {
+    V acc[KEYS] = {};
     for (int64_t d = 0; d < D; ++d) {
-      const v16sf qd = load16(qt + d * kRows);
-      for (int u = 0; u < kKeys; ++u) acc[u] += kb[(j + u) * a.k_ss + d] * qd;
+      const V qd = load<V>(qt + d * L);
+      for (int u = 0; u < KEYS; ++u) acc[u] += splat<V>(kb[(j + u) * a.k_ss + d]) * qd;
     }
-    for (int u = 0; u < kKeys; ++u) std::memcpy(scores + (j + u) * kRows, &acc[u], sizeof(v16sf));
+    for (int u = 0; u < KEYS; ++u) store(scores + (j + u) * L, acc[u]);
   }
   for (; j < keys; ++j) {
-    v16sf acc = {};
-    for (int64_t d = 0; d < D; ++d) acc += kb[j * a.k_ss + d] * load16(qt + d * kRows);
-    std::memcpy(scores + j * kRows, &acc, sizeof(v16sf));
+    V acc = {};
+    for (int64_t d = 0; d < D; ++d) acc += splat<V>(kb[j * a.k_ss + d]) * load<V>(qt + d * L);
+    store(scores + j * L, acc);
   }
   // The step's own keys: hidden ones get -inf.
   const float neg_inf = -INFINITY;
   for (int64_t i = 0; i < rows; ++i) {
     const bool* row_vis = vis + ((r0 + i) / G) * T;
     for (int64_t s = 0; s < T; ++s)
-      if (!row_vis[s]) scores[(n + s) * kRows + i] = neg_inf;
+      if (!row_vis[s]) scores[(n + s) * L + i] = neg_inf;
   }
   // Softmax per lane: max, exp, sum. A lane that sees nothing keeps max -inf: its weights are all zero.
-  v16sf m = v16sf{} + neg_inf;
+  V m = splat<V>(neg_inf);
   for (int64_t s = 0; s < keys; ++s) {
-    const v16sf x = load16(scores + s * kRows);
+    const V x = load<V>(scores + s * L);
     m = x > m ? x : m;
   }
-  const v16sf shift = m == neg_inf ? v16sf{} : m;
-  v16sf l = {};
+  const V shift = m == neg_inf ? V{} : m;
+  V l = {};
   for (int64_t s = 0; s < keys; ++s) {
-    const v16sf x = load16(scores + s * kRows);
-    v16sf p = exp_nonpositive(x - shift);
-    p = x == neg_inf ? v16sf{} : p;
+    const V x = load<V>(scores + s * L);
+    V p = exp_nonpositive(x - shift);
+    p = x == neg_inf ? V{} : p;
     l += p;
-    std::memcpy(scores + s * kRows, &p, sizeof(v16sf));
+    store(scores + s * L, p);
   }
-  float inv[kRows];
-  for (int i = 0; i < kRows; ++i) inv[i] = l[i] > 0.f ? 1.f / l[i] : 0.f;
-  // Output: rows in chunks whose accumulators fill at most 16 registers.
-  constexpr int kChunk = NV >= 16 ? 1 : 16 / NV;
+  float inv[L];
+  for (int i = 0; i < L; ++i) inv[i] = l[i] > 0.f ? 1.f / l[i] : 0.f;
+  // Output: kChunk rows of WB vectors each per pass over the keys.
+  constexpr int kChunk = NV >= CHUNK ? 1 : CHUNK / NV;
+  constexpr int WB = NV >= CHUNK ? CHUNK : NV;
   for (int64_t c0 = 0; c0 < rows; c0 += kChunk) {
     const int64_t cn = std::min<int64_t>(kChunk, rows - c0);
-    v16sf o[kChunk][NV] = {};
-    for (int64_t s = 0; s < keys; ++s) {
-      const float* vr = vb + s * a.v_ss;
-      const float* p = scores + s * kRows + c0;
-      v16sf vv[NV];
-      for (int w = 0; w < NV; ++w) vv[w] = load16(vr + w * 16);
-      for (int i = 0; i < kChunk; ++i)
-        for (int w = 0; w < NV; ++w) o[i][w] += p[i] * vv[w];  // lanes past `rows` hold zeros: harmless
-    }
-    for (int64_t i = 0; i < cn; ++i) {
-      const int64_t r = r0 + c0 + i, t = r / G, h = kv * G + r % G;
-      float* dst = a.out + ((b * T + t) * a.Hq + h) * D;
-      for (int w = 0; w < NV; ++w) {
-        const v16sf y = o[i][w] * inv[c0 + i];
-        std::memcpy(dst + w * 16, &y, sizeof(y));
+    for (int w0 = 0; w0 < NV; w0 += WB) {
+      V o[kChunk][WB] = {};
+      for (int64_t s = 0; s < keys; ++s) {
+        const float* vr = vb + s * a.v_ss + w0 * L;
+        const float* p = scores + s * L + c0;
+        for (int i = 0; i < kChunk; ++i) {  // lanes past `rows` hold zeros: harmless
+          const V ps = splat<V>(p[i]);
+          for (int w = 0; w < WB; ++w) o[i][w] += ps * load<V>(vr + w * L);
+        }
+      }
+      for (int64_t i = 0; i < cn; ++i) {
+        const int64_t r = r0 + c0 + i, t = r / G, h = kv * G + r % G;
+        float* dst = a.out + ((b * T + t) * a.Hq + h) * D + w0 * L;
+        for (int w = 0; w < WB; ++w) store(dst + w * L, o[i][w] * inv[c0 + i]);
       }
     }
   }
 }
 
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void run_task(const Args& a, int64_t b, int64_t kv, int64_t r0, float* scores, float* qt) {
-  switch (a.D) {
-    case 16: group_task<1>(a, b, kv, r0, scores, qt); break;
-    case 32: group_task<2>(a, b, kv, r0, scores, qt); break;
-    case 64: group_task<4>(a, b, kv, r0, scores, qt); break;
-    case 128: group_task<8>(a, b, kv, r0, scores, qt); break;
-    default: group_task<16>(a, b, kv, r0, scores, qt); break;  // 256; checked by the caller
+using TaskFn = void (*)(const Args&, int64_t, int64_t, int64_t, float*, float*);
+
+// D = 16, 32, 64, 128 or 256 (checked by the caller), in vectors of L lanes.
+#define CPU_ATTENTION_TASK(NAME, V, KEYS, CHUNK)                                                           \
+  void NAME(const Args& a, int64_t b, int64_t kv, int64_t r0, float* scores, float* qt) {                 \
+    constexpr int L = cpu_vec::Traits<V>::lanes;                                                            \
+    switch (a.D) {                                                                                          \
+      case 16: group_task<V, 16 / L, KEYS, CHUNK>(a, b, kv, r0, scores, qt); break;                         \
+      case 32: group_task<V, 32 / L, KEYS, CHUNK>(a, b, kv, r0, scores, qt); break;                         \
+      case 64: group_task<V, 64 / L, KEYS, CHUNK>(a, b, kv, r0, scores, qt); break;                         \
+      case 128: group_task<V, 128 / L, KEYS, CHUNK>(a, b, kv, r0, scores, qt); break;                       \
+      default: group_task<V, 256 / L, KEYS, CHUNK>(a, b, kv, r0, scores, qt); break;                        \
+    }                                                                                                       \
   }
+
+// One build per instruction set, each with the vectors one of its registers holds (16 lanes with AVX-512, 8 with
+// AVX2; cpu_vec.h says why) and blocking that fits its 32 or 16 registers; chosen at run time as the GEMM chooses
+// (tests force narrower ones). Before, one source of 16-lane vectors compiled by target_clones for "avx2" (no
+// FMA) spent 0.43-0.6 ms a layer at T=1 on a Zen 1 EPYC (bench/results/forward-cpu-avx2.md).
+__attribute__((target("avx512f,fma"))) CPU_ATTENTION_TASK(task_avx512, cpu_vec::v16sf, 8, 16)
+__attribute__((target("avx2,fma"))) CPU_ATTENTION_TASK(task_avx2, cpu_vec::v8sf, 8, 8)
+CPU_ATTENTION_TASK(task_scalar, cpu_vec::v8sf, 4, 4)
+
+struct Task {
+  TaskFn run;
+  int64_t rows;  // query rows per task: the vectors' lanes
+};
+
+Task pick_task() {
+  const std::string isa = small_gemm::current_isa();
+  if (isa == "avx512") return {task_avx512, 16};
+  if (isa == "avx2") return {task_avx2, 8};
+  return {task_scalar, 8};
 }
 
 }  // namespace
@@ -185,15 +215,16 @@ at::Tensor step_attention(const at::Tensor& q, const at::Tensor& k_cache, const 
          vis.data_ptr<bool>(), B, T, Hq, Hkv, D, q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0),
          k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
          vis.size(0) == 1 ? 0 : T * T, static_cast<float>(scale)};
-  const int64_t G = Hq / Hkv, chunks = (G * T + kRows - 1) / kRows;
+  const Task task = pick_task();
+  const int64_t G = Hq / Hkv, chunks = (G * T + task.rows - 1) / task.rows;
   // Small steps run on the calling thread: a plain step's few tasks take microseconds, about what waking the
   // other threads would cost.
-  const int64_t work_per_task = kRows * (longest + T) * D;
+  const int64_t work_per_task = task.rows * (longest + T) * D;
   const int64_t grain = std::max<int64_t>(1, (1 << 18) / std::max<int64_t>(work_per_task, 1));
   at::parallel_for(0, B * Hkv * chunks, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores((longest + T) * kRows), qt(D * kRows);
+    std::vector<float> scores((longest + T) * kMaxRows), qt(D * kMaxRows);
     for (int64_t i = begin; i < end; ++i)
-      run_task(a, i / (Hkv * chunks), (i / chunks) % Hkv, (i % chunks) * kRows, scores.data(), qt.data());
+      task.run(a, i / (Hkv * chunks), (i / chunks) % Hkv, (i % chunks) * task.rows, scores.data(), qt.data());
   });
   return out;
 }

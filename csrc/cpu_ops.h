@@ -3,9 +3,13 @@
 
 #include <ATen/ATen.h>
 
+#include <string>
+
 namespace small_gemm {
 // y [M, n] = x [M, K] @ W^T (+ bias), W packed by lookahead_gemm::pack; csrc/small_gemm.cpp.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias);
+// "avx512", "avx2" or "scalar": the instruction set the CPU ops run (the CPU's best, or what a test forced).
+std::string current_isa();
 }  // namespace small_gemm
 
 namespace cpu_attention {

@@ -15,11 +15,14 @@
 //   pack(Tensor weight) -> Tensor                                      weight [N, K] -> [ceil(N/32), K, 32]
 //   linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor     x [M, K] -> y [M, n]
 //   isa() -> str                                                       "avx512", "avx2" or "scalar"
-//   force_isa(str isa) -> ()            tests: run as "avx2" or "scalar" even where the CPU has more; "" undoes
+//   force_isa(str isa) -> ()            tests: run this GEMM and the step attention as "avx2" or "scalar" even
+//                                       where the CPU has more; "" undoes
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cstring>
@@ -111,9 +114,58 @@ inline void store_rows(const float* buf, int64_t M, float* y, int64_t n, int64_t
 SMALL_GEMM_KERNEL(k512, 16, 12)
 #pragma GCC pop_options
 
+// AVX2 in intrinsics: 16 ymm registers hold the 12 accumulators of 3 rows, 3 of the 4 weight vectors and the
+// broadcast (the 4th weight vector is an FMA's memory operand). Written as SMALL_GEMM_KERNEL above, GCC kept
+// the accumulators on the stack and reloaded the weights through 128-bit spills: 20 GFLOP/s at M=64 on a Zen 1
+// EPYC (2 threads), where this reaches 57-66, the cores' FMA peak (bench/results/forward-cpu-avx2.md).
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
-SMALL_GEMM_KERNEL(k256, 8, 3)
+template <int R>
+static void k256_block(const float* x, int64_t K, int64_t kn, const float* w, float* buf, bool first,
+                       const char* pf) {
+  __m256 acc[R][4];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) acc[r][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(buf + r * kCols + 8 * j);
+  for (int64_t k = 0; k < kn; ++k) {
+    __builtin_prefetch(pf + k * kCols * 4, 0, 2);
+    __builtin_prefetch(pf + k * kCols * 4 + 64, 0, 2);
+    const float* wk = w + k * kCols;
+    const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8), w2 = _mm256_loadu_ps(wk + 16);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256 s = _mm256_broadcast_ss(x + r * K + k);
+      acc[r][0] = _mm256_fmadd_ps(w0, s, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(w1, s, acc[r][1]);
+      acc[r][2] = _mm256_fmadd_ps(w2, s, acc[r][2]);
+      acc[r][3] = _mm256_fmadd_ps(_mm256_loadu_ps(wk + 24), s, acc[r][3]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(buf + r * kCols + 8 * j, acc[r][j]);
+}
+
+static void k256_groups(const float* x, int64_t M, int64_t K, const float* w, int64_t g0, int64_t g1, float* buf,
+                        int64_t rows_per, float* y, int64_t n, const float* bias) {
+  using Fn = void (*)(const float*, int64_t, int64_t, const float*, float*, bool, const char*);
+  static constexpr Fn table[] = {k256_block<1>, k256_block<2>, k256_block<3>};
+  for (int64_t g = g0; g < g1; ++g) {
+    const float* wg = w + g * K * kCols;
+    for (int64_t k0 = 0; k0 < K; k0 += kKB) {
+      const int64_t kn = std::min(kKB, K - k0);
+      const float* wb = wg + k0 * kCols;
+      const char* pf = reinterpret_cast<const char*>(wb + kn * kCols);  // the next block, contiguous
+      for (int64_t m0 = 0; m0 < M; m0 += rows_per) {
+        const int r = static_cast<int>(std::min(rows_per, M - m0));
+        table[r - 1](x + m0 * K + k0, K, kn, wb, buf + m0 * kCols, k0 == 0, pf);
+      }
+    }
+    store_rows(buf, M, y, n, g * kCols, bias);
+  }
+}
 #pragma GCC pop_options
 
 using GroupsFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, float*, int64_t, float*,
@@ -143,7 +195,7 @@ std::string& isa_override() {
   return isa;
 }
 
-std::string current_isa() {
+std::string isa_in_use() {
   static const std::string cpu = isa_name();
   const std::string& forced = isa_override();
   if (forced == "scalar" || (forced == "avx2" && cpu != "scalar")) return forced;
@@ -151,7 +203,7 @@ std::string current_isa() {
 }
 
 GroupsFn pick(int64_t* max_rows) {
-  const std::string isa = current_isa();
+  const std::string isa = isa_in_use();
   if (isa == "avx512") { *max_rows = 12; return k512_groups; }
   if (isa == "avx2") { *max_rows = 3; return k256_groups; }
   *max_rows = 1;
@@ -179,6 +231,8 @@ at::Tensor pack(const at::Tensor& weight) {
 }
 
 }  // namespace
+
+std::string current_isa() { return isa_in_use(); }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),

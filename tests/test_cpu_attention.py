@@ -24,6 +24,21 @@ def ops():
         pytest.skip(f"the CPU ops did not build: {cpu_ops_error()}")
 
 
+@pytest.fixture(params=["avx512", "avx2", "scalar"])
+def isa(request):
+    """The op compiled for each instruction set (16-lane vectors, 8-lane, and the plain build), forced as the
+    GEMM's tests force it; skipped where the CPU lacks the set."""
+    ops = torch.ops.lookahead_gemm
+    ops.force_isa("")
+    if request.param == "avx512" and ops.isa() != "avx512" or request.param == "avx2" and ops.isa() == "scalar":
+        pytest.skip(f"this CPU runs {ops.isa()}")
+    ops.force_isa("" if request.param == "avx512" else request.param)
+    try:
+        yield request.param
+    finally:
+        ops.force_isa("")
+
+
 CASES = [
     # (layout, cache_len, Hkv, G, D)
     (StepLayout(1, 1), 300, 3, 3, 64),                       # a plain decode step, SmolLM2's heads
@@ -37,7 +52,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("layout,cache_len,hkv,group,d", CASES)
-def test_matches_oracle(layout, cache_len, hkv, group, d):
+def test_matches_oracle(layout, cache_len, hkv, group, d, isa):
     q, k, v, lens = make_inputs(layout, cache_len, hkv, group, d, torch.float32, "cpu")
     out = cpu_attention.attention_cpu(q, k, v, cache_len=lens, layout=layout)
     check(out, attention_dense_reference(q, k, v, cache_len=lens, layout=layout), torch.float32)
@@ -48,7 +63,7 @@ def test_matches_oracle(layout, cache_len, hkv, group, d):
     (("bushy", "linear"), 33, True, [120, 1]),
 ])
 @pytest.mark.parametrize("window,levels", [(1, 1), (4, 2)])
-def test_trees_match_oracle(window, levels, kinds, V, per_seq, cache_len):
+def test_trees_match_oracle(window, levels, kinds, V, per_seq, cache_len, isa):
     batch = len(cache_len) if isinstance(cache_len, list) else 1
     layout, _ = tree_layout(window, levels, kinds, V, batch=batch if per_seq else None, seed=V)
     q, k, v, lens = make_inputs(layout, cache_len, 3, 3, 64, torch.float32, "cpu", seed=V)
