@@ -135,9 +135,11 @@ def _cpu_linear_path(model) -> str:
 
         if not gemm_available():
             return "onednn"  # the fallback "packed" takes without our GEMM
-        # The instruction set the GEMM runs (its speed differs severalfold between them, and hypervisors often
-        # name every CPU "AMD EPYC"); "-2": the AVX2 kernel in intrinsics, 2-3x the speed of the one before.
-        return f"gemm-{torch.ops.lookahead_gemm.isa()}-2"
+        from lookahead_kernels.cpu_ops import sources_digest
+
+        # The instruction set the ops run (their speed differs severalfold between sets, and hypervisors often
+        # name every CPU "AMD EPYC") and the sources they were built from (a kernel 3x faster makes a table stale).
+        return f"ops-{torch.ops.lookahead_gemm.isa()}-{sources_digest()}"
     return mode
 
 

@@ -14,6 +14,7 @@ whatever ``torch.set_num_threads`` says (measured: the vocabulary projection at 
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import threading
 from pathlib import Path
@@ -99,3 +100,16 @@ def cpu_ops_available(build: bool = True) -> bool:
 def cpu_ops_error() -> str | None:
     """Why :func:`cpu_ops_available` said no (None if it was not tried or worked)."""
     return _state.get("error")
+
+
+def sources_digest() -> str:
+    """12 hex digits of the SHA-256 of the library's sources and headers: what a cache of timings measured on
+    these ops is keyed by, so that a change to any kernel measures again."""
+    digest = _state.get("digest")
+    if digest is None:
+        h = hashlib.sha256()
+        for name in _SOURCES + _HEADERS:
+            h.update(name.encode())
+            h.update((_CSRC / name).read_bytes())
+        digest = _state["digest"] = h.hexdigest()[:12]
+    return digest

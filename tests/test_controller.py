@@ -80,6 +80,20 @@ def test_default_generate_is_automatic_and_costs_are_cached(tmp_path, monkeypatc
     assert ours.generate(ids, max_new_tokens=20, lookahead=None).stats.fed_tokens == 20
 
 
+def test_cost_key_names_the_cpu_ops_instruction_set_and_sources():
+    from lookahead.controller import cost_key
+    from lookahead.cpu_linear import gemm_available
+    from lookahead_kernels.cpu_ops import sources_digest
+
+    ours = LlamaForCausalLM.from_hf(tiny_hf_model())
+    if not gemm_available():
+        pytest.skip("no CPU GEMM: the key names the oneDNN fallback")
+    # Timings taken with other kernels, or with the same ones on another instruction set, must not be reused.
+    digest = sources_digest()
+    assert len(digest) == 12 and int(digest, 16) >= 0
+    assert f"linear=ops-{torch.ops.lookahead_gemm.isa()}-{digest}" in cost_key(ours).split("|")
+
+
 def test_host_cost_fits_rows_and_nodes():
     from lookahead.controller import HostCost
 
