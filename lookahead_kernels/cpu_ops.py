@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from .build_lock import exclusive_build
+
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 _NAME = "lookahead_cpu_ops"
 _SOURCES = ("small_gemm.cpp", "cpu_attention.cpp", "cpu_layer.cpp", "draft_tree.cpp", "row_topk.cpp")
@@ -68,8 +70,9 @@ def load_cpu_ops(verbose: bool = False) -> None:
             print(f"lookahead: building the CPU ops extension {_NAME} (first use only; takes 10-60 s)...",
                   file=sys.stderr, flush=True)
         try:
-            cpp_extension.load(name=_NAME, sources=[str(s) for s in sources], extra_cflags=["-O3", "-fopenmp"],
-                               extra_ldflags=["-fopenmp"], is_python_module=False, verbose=verbose)
+            with exclusive_build(_NAME):
+                cpp_extension.load(name=_NAME, sources=[str(s) for s in sources], extra_cflags=["-O3", "-fopenmp"],
+                                   extra_ldflags=["-fopenmp"], is_python_module=False, verbose=verbose)
         except Exception as exc:  # compiler, linker or loader failure: one clear error
             raise CpuOpsError(f"building the CPU ops extension {_NAME!r} from {', '.join(_SOURCES)} failed "
                               f"(torch {torch.__version__}):\n{exc}") from exc

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from .build_lock import exclusive_build
+
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 _CPU_NAME = "lookahead_pool_cpu"
 _CUDA_NAME = "lookahead_pool_cuda"
@@ -67,7 +69,8 @@ def _build(name: str, sources: list[Path], cuda: bool, verbose: bool) -> None:
         kwargs["extra_cuda_cflags"] = ["-O3"]
     _announce_build(name, sources, cpp_extension)
     try:
-        cpp_extension.load(**kwargs)
+        with exclusive_build(name):
+            cpp_extension.load(**kwargs)
     except Exception as exc:  # compiler, linker or loader failure: hand the caller one clear error
         raise PoolExtensionError(
             f"building the n-gram pool extension {name!r} from {', '.join(s.name for s in sources)} failed "

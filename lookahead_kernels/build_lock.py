@@ -1,0 +1,47 @@
+"""One build of a just-in-time extension at a time, and never a wait on a build that died.
+
+torch's ``cpp_extension.load`` guards its build directory with a plain file, ``<build dir>/lock``, and waits
+(forever, polling) while that file exists. A build that is killed (a timeout, an interrupted session) leaves the
+file behind, and every later load of that extension on the machine then hangs; CI once sat out its whole 90
+minutes so. Here each of our loads first takes an OS lock (``flock``) on a file beside it: the kernel releases
+that lock when its holder dies, so whoever holds it knows no live lookahead build holds torch's file, and removes
+a leftover one before calling torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no flock, so torch's own lock is left as it is
+    fcntl = None
+
+_FLOCK_FILE = "lookahead-build.flock"
+
+
+@contextlib.contextmanager
+def exclusive_build(name: str):
+    """Held around ``cpp_extension.load(name=name, ...)`` (default build directory): waits for any other
+    lookahead process building or loading ``name``, then removes the torch lock file a killed build left."""
+    from torch.utils import cpp_extension
+
+    build_dir = cpp_extension._get_build_directory(name, False)
+    if fcntl is None:
+        yield
+        return
+    os.makedirs(build_dir, exist_ok=True)
+    with open(os.path.join(build_dir, _FLOCK_FILE), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            leftover = os.path.join(build_dir, "lock")
+            if os.path.exists(leftover):
+                print(f"lookahead: removing {leftover}, left by a build of {name} that was interrupted",
+                      file=sys.stderr, flush=True)
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(leftover)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
