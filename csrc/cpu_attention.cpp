@@ -36,7 +36,6 @@ using cpu_vec::exp_nonpositive;
 using cpu_vec::load;
 using cpu_vec::splat;
 using cpu_vec::store;
-constexpr int64_t kMaxRows = 16;  // query rows per task at most: one vector lane each while scoring
 
 struct Args {
   const float* q;
@@ -222,7 +221,7 @@ at::Tensor step_attention(const at::Tensor& q, const at::Tensor& k_cache, const 
   const int64_t work_per_task = task.rows * (longest + T) * D;
   const int64_t grain = std::max<int64_t>(1, (1 << 18) / std::max<int64_t>(work_per_task, 1));
   at::parallel_for(0, B * Hkv * chunks, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores((longest + T) * kMaxRows), qt(D * kMaxRows);
+    std::vector<float> scores((longest + T) * task.rows), qt(D * task.rows);
     for (int64_t i = begin; i < end; ++i)
       task.run(a, i / (Hkv * chunks), (i / chunks) % Hkv, (i % chunks) * task.rows, scores.data(), qt.data());
   });

@@ -35,8 +35,8 @@ namespace cpu_layer {
 namespace {
 
 using cpu_vec::exp_nonpositive;
-using cpu_vec::load16;
-using cpu_vec::store16;
+using cpu_vec::load;
+using cpu_vec::store;
 using cpu_vec::v16sf;
 
 // Rows of work below which a loop stays on the calling thread (waking the others costs about as much).
@@ -53,7 +53,7 @@ void rms_norm_rows(const float* x, const float* w, float* y, int64_t r0, int64_t
     v16sf acc = {};
     int64_t d = 0;
     for (; d + 16 <= n; d += 16) {
-      const v16sf v = load16(xr + d);
+      const v16sf v = load<v16sf>(xr + d);
       acc += v * v;
     }
     float ss = 0.f;
@@ -93,11 +93,11 @@ void silu_mul_rows(const float* gu, float* out, int64_t r0, int64_t r1, int64_t 
     float* o = out + r * n;
     int64_t d = 0;
     for (; d + 16 <= n; d += 16) {
-      const v16sf gv = load16(g + d);
+      const v16sf gv = load<v16sf>(g + d);
       const v16sf neg_abs = gv > 0.f ? -gv : gv;
       const v16sf e = exp_nonpositive(neg_abs);
       const v16sf sig = (gv > 0.f ? v16sf{} + 1.0f : e) / (1.0f + e);
-      store16(o + d, gv * sig * load16(u + d));
+      store(o + d, gv * sig * load<v16sf>(u + d));
     }
     for (; d < n; ++d) {
       const float e = std::exp(-std::fabs(g[d]));

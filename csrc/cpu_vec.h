@@ -34,9 +34,6 @@ __attribute__((always_inline)) inline void store(float* p, V x) { std::memcpy(p,
 template <typename V>
 __attribute__((always_inline)) inline V splat(float s) { return V{} + s; }
 
-__attribute__((always_inline)) inline v16sf load16(const float* p) { return load<v16sf>(p); }
-__attribute__((always_inline)) inline void store16(float* p, v16sf x) { store(p, x); }
-
 // exp(x) for x <= 0, Cephes' float polynomial on x - n ln2 (relative error ~1e-7); n rounded with the
 // 1.5 * 2^23 trick, as vector types have no floor. Below -87 the result is clamped to exp(-87) (about 1.6e-38,
 // where float turns denormal): a caller that needs an exact zero there sets it.

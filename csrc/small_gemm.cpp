@@ -25,6 +25,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -71,28 +72,13 @@ constexpr int64_t kKB = SMALL_GEMM_KB;  // k rows per block: 64 * 32 floats = 8 
         std::memcpy(buf + r * kCols + j * (VW), &acc[r][j], sizeof(NAME##_vf));                                 \
   }                                                                                                             \
   template <int... Rs>                                                                                          \
-  static void NAME##_dispatch(int r, const float* x, int64_t K, int64_t kn, const float* w, float* buf,       \
-                              bool first, const char* pf, std::integer_sequence<int, Rs...>) {                  \
-    using Fn = void (*)(const float*, int64_t, int64_t, const float*, float*, bool, const char*);              \
-    static constexpr Fn table[] = {NAME##_block<Rs + 1>...};                                                    \
-    table[r - 1](x, K, kn, w, buf, first, pf);                                                                  \
+  static constexpr std::array<BlockFn, sizeof...(Rs)> NAME##_table(std::integer_sequence<int, Rs...>) {         \
+    return {NAME##_block<Rs + 1>...};                                                                           \
   }                                                                                                             \
   static void NAME##_groups(const float* x, int64_t M, int64_t K, const float* w, int64_t g0, int64_t g1,      \
                             float* buf, int64_t rows_per, float* y, int64_t n, const float* bias) {            \
-    for (int64_t g = g0; g < g1; ++g) {                                                                         \
-      const float* wg = w + g * K * kCols;                                                                      \
-      for (int64_t k0 = 0; k0 < K; k0 += kKB) {                                                                 \
-        const int64_t kn = std::min(kKB, K - k0);                                                               \
-        const float* wb = wg + k0 * kCols;                                                                      \
-        const char* pf = reinterpret_cast<const char*>(wb + kn * kCols); /* the next block, contiguous */      \
-        for (int64_t m0 = 0; m0 < M; m0 += rows_per) {                                                          \
-          const int r = static_cast<int>(std::min(rows_per, M - m0));                                           \
-          NAME##_dispatch(r, x + m0 * K + k0, K, kn, wb, buf + m0 * kCols, k0 == 0, pf,                         \
-                          std::make_integer_sequence<int, MAXR>{});                                             \
-        }                                                                                                       \
-      }                                                                                                         \
-      store_rows(buf, M, y, n, g * kCols, bias);                                                                \
-    }                                                                                                           \
+    static constexpr auto blocks = NAME##_table(std::make_integer_sequence<int, MAXR>{});                       \
+    run_groups(blocks.data(), x, M, K, w, g0, g1, buf, rows_per, y, n, bias);                                    \
   }
 
 // Copies buf [M, 32] to y's columns c0 .. c0+31 (those < n), adding bias.
@@ -106,6 +92,28 @@ inline void store_rows(const float* buf, int64_t M, float* y, int64_t n, int64_t
     } else {
       for (int64_t c = 0; c < width; ++c) dst[c] = src[c] + bias[c0 + c];
     }
+  }
+}
+
+// One block of R rows (R = 1 .. the kernel's most): as SMALL_GEMM_KERNEL's NAME##_block says.
+using BlockFn = void (*)(const float*, int64_t, int64_t, const float*, float*, bool, const char*);
+
+// Groups [g0, g1) of the packed weight: each K block is read by every pass of rows_per rows (blocks[r - 1] runs a
+// pass of r rows) before the next block, and each group's sums are stored once its last block is done.
+void run_groups(const BlockFn* blocks, const float* x, int64_t M, int64_t K, const float* w, int64_t g0, int64_t g1,
+                float* buf, int64_t rows_per, float* y, int64_t n, const float* bias) {
+  for (int64_t g = g0; g < g1; ++g) {
+    const float* wg = w + g * K * kCols;
+    for (int64_t k0 = 0; k0 < K; k0 += kKB) {
+      const int64_t kn = std::min(kKB, K - k0);
+      const float* wb = wg + k0 * kCols;
+      const char* pf = reinterpret_cast<const char*>(wb + kn * kCols);  // the next block, contiguous
+      for (int64_t m0 = 0; m0 < M; m0 += rows_per) {
+        const int r = static_cast<int>(std::min(rows_per, M - m0));
+        blocks[r - 1](x + m0 * K + k0, K, kn, wb, buf + m0 * kCols, k0 == 0, pf);
+      }
+    }
+    store_rows(buf, M, y, n, g * kCols, bias);
   }
 }
 
@@ -150,21 +158,8 @@ static void k256_block(const float* x, int64_t K, int64_t kn, const float* w, fl
 
 static void k256_groups(const float* x, int64_t M, int64_t K, const float* w, int64_t g0, int64_t g1, float* buf,
                         int64_t rows_per, float* y, int64_t n, const float* bias) {
-  using Fn = void (*)(const float*, int64_t, int64_t, const float*, float*, bool, const char*);
-  static constexpr Fn table[] = {k256_block<1>, k256_block<2>, k256_block<3>};
-  for (int64_t g = g0; g < g1; ++g) {
-    const float* wg = w + g * K * kCols;
-    for (int64_t k0 = 0; k0 < K; k0 += kKB) {
-      const int64_t kn = std::min(kKB, K - k0);
-      const float* wb = wg + k0 * kCols;
-      const char* pf = reinterpret_cast<const char*>(wb + kn * kCols);  // the next block, contiguous
-      for (int64_t m0 = 0; m0 < M; m0 += rows_per) {
-        const int r = static_cast<int>(std::min(rows_per, M - m0));
-        table[r - 1](x + m0 * K + k0, K, kn, wb, buf + m0 * kCols, k0 == 0, pf);
-      }
-    }
-    store_rows(buf, M, y, n, g * kCols, bias);
-  }
+  static constexpr BlockFn blocks[] = {k256_block<1>, k256_block<2>, k256_block<3>};
+  run_groups(blocks, x, M, K, w, g0, g1, buf, rows_per, y, n, bias);
 }
 #pragma GCC pop_options
 
@@ -195,15 +190,8 @@ std::string& isa_override() {
   return isa;
 }
 
-std::string isa_in_use() {
-  static const std::string cpu = isa_name();
-  const std::string& forced = isa_override();
-  if (forced == "scalar" || (forced == "avx2" && cpu != "scalar")) return forced;
-  return cpu;
-}
-
 GroupsFn pick(int64_t* max_rows) {
-  const std::string isa = isa_in_use();
+  const std::string isa = current_isa();
   if (isa == "avx512") { *max_rows = 12; return k512_groups; }
   if (isa == "avx2") { *max_rows = 3; return k256_groups; }
   *max_rows = 1;
@@ -232,7 +220,12 @@ at::Tensor pack(const at::Tensor& weight) {
 
 }  // namespace
 
-std::string current_isa() { return isa_in_use(); }
+std::string current_isa() {
+  static const std::string cpu = isa_name();
+  const std::string& forced = isa_override();
+  if (forced == "scalar" || (forced == "avx2" && cpu != "scalar")) return forced;
+  return cpu;
+}
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),

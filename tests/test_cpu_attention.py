@@ -11,6 +11,7 @@ import torch
 
 from lookahead_kernels.attention_ref import attention_dense_reference, attention_torch
 from lookahead_kernels.layout import StepLayout
+from tests.cpu_isa import forced_isa
 from tests.test_attention import check, make_inputs, tree_layout
 
 cpu_attention = pytest.importorskip("lookahead_kernels.cpu_attention")
@@ -26,17 +27,9 @@ def ops():
 
 @pytest.fixture(params=["avx512", "avx2", "scalar"])
 def isa(request):
-    """The op compiled for each instruction set (16-lane vectors, 8-lane, and the plain build), forced as the
-    GEMM's tests force it; skipped where the CPU lacks the set."""
-    ops = torch.ops.lookahead_gemm
-    ops.force_isa("")
-    if request.param == "avx512" and ops.isa() != "avx512" or request.param == "avx2" and ops.isa() == "scalar":
-        pytest.skip(f"this CPU runs {ops.isa()}")
-    ops.force_isa("" if request.param == "avx512" else request.param)
-    try:
+    """The op's build for each instruction set (16-lane vectors, 8-lane, and the plain build)."""
+    with forced_isa(request.param):
         yield request.param
-    finally:
-        ops.force_isa("")
 
 
 CASES = [

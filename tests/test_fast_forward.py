@@ -14,6 +14,7 @@ from lookahead.cpu_linear import CpuLinear, PackedWeight
 from lookahead.model import LlamaForCausalLM, ModelConfig
 from lookahead_kernels import StepLayout, attention_torch
 from lookahead_kernels.attention_ref import StepAttention
+from tests.cpu_isa import forced_isa
 
 needs_onednn = pytest.mark.skipif(not cpu_linear.onednn_linear_available(), reason="torch built without oneDNN")
 
@@ -28,17 +29,8 @@ def packed_mode(request):
         return
     if not cpu_linear.gemm_available():
         pytest.skip(f"no CPU GEMM: {cpu_linear.gemm_error()}")
-    gemm = torch.ops.lookahead_gemm
-    gemm.force_isa("")
-    cpu_isa = gemm.isa()
-    if request.param == "avx512" and cpu_isa != "avx512" or request.param == "avx2" and cpu_isa == "scalar":
-        pytest.skip(f"this CPU runs {cpu_isa}")
-    gemm.force_isa("" if request.param == "avx512" else request.param)
-    assert gemm.isa() == request.param
-    try:
+    with forced_isa(request.param):
         yield "packed"
-    finally:
-        gemm.force_isa("")
 
 
 def ref_linear(x, w, b):
