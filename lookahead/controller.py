@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -162,9 +163,10 @@ def _greedy_finish(shape):
 
 
 @torch.inference_mode()
-def measure_step_costs(model, menu=None, runs: int = 2, static: bool | None = None) -> StepCosts:
+def measure_step_costs(model, menu=None, runs: int = 5, static: bool | None = None) -> StepCosts:
     """Time one forward pass of ``model`` at each step size of ``menu`` (default: by device) at a context of
-    256 tokens; the fastest of ``runs`` runs after a warm-up, about half a second in all on a CPU.
+    256 tokens; the fastest of ``runs`` rounds (each times every size once) after a warm-up, 2-3 s in all on a
+    CPU.
 
     ``static`` (default: on CUDA) times each size as ``generate`` runs it there: a step of a
     :class:`lookahead.runner.StepRunner`, replaying its CUDA graph on CUDA (a chain tree of ``T - 1`` nodes, the
@@ -187,37 +189,42 @@ def measure_step_costs(model, menu=None, runs: int = 2, static: bool | None = No
         runner = StepRunner(model, cache, [StepShape(1, 1, T - 1) for T in menu], graphs=device.type == "cuda")
 
     def timed(step) -> float:
-        best = float("inf")
-        for run in range(runs + 1):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if run:  # the first run warms up (and captures)
-                best = min(best, time.perf_counter() - start)
-        return best
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
 
-    pairs = []
+    steps = []
     for T in menu:
         ids = torch.zeros(1, T, dtype=torch.long, device=device)
         pos = torch.arange(context, context + T, device=device)[None]
-        seconds = None
+        step = None
         if runner is not None:
             shape = runner.menu[menu.index(T)]
             tree = TreeShape.from_parents(list(range(-1, T - 2)), device=device) if T > 1 else None
             finish = _greedy_finish(shape)
+            step = functools.partial(runner.run, shape, ids, pos, context, tree, None, None, finish)
             try:
-                seconds = timed(lambda: runner.run(shape, ids, pos, context, tree, None, None, finish))
+                timed(step)  # warms up and captures
             except RuntimeError:  # a capture that fails here fails in generate too, which says so
-                seconds = None
-        if seconds is None:
+                step = None
+        if step is None:
             # A causal block of T tokens: the same cost as a tree of T - 1 nodes after x.
-            layout = StepLayout.prefill(T)
-            rows = torch.arange(T, device=device)
-            seconds = timed(lambda: model(ids, pos, cache, context, layout, rows))
-        pairs.append((T, seconds))
+            step = functools.partial(model, ids, pos, cache, context, StepLayout.prefill(T),
+                                     torch.arange(T, device=device))
+            timed(step)
+        steps.append(step)
+    # Every size once a round, the rounds one after another: a slow spell of a busy machine (another process, a
+    # frequency change) then slows every size alike instead of inflating one, whose table would then steer every
+    # later call (a table of 2 back-to-back runs a size once read t(16)/t(1) = 3.6 against 2.6).
+    best = [float("inf")] * len(menu)
+    for _ in range(runs):
+        for i, step in enumerate(steps):
+            best[i] = min(best[i], timed(step))
+    pairs = list(zip(menu, best))
     return StepCosts.from_pairs(pairs)
 
 
@@ -274,7 +281,7 @@ def batch_step_costs(model, base: StepCosts, tokens: int, cache_to_disk: bool = 
     menu = CPU_BATCH_MENU if model.device.type != "cuda" else GPU_BATCH_MENU
     if tokens <= base.max_tokens or menu[0] <= base.max_tokens:
         return base
-    extra = _cached_costs(model, cost_key(model) + "|batch", lambda: measure_step_costs(model, menu, runs=1),
+    extra = _cached_costs(model, cost_key(model) + "|batch", lambda: measure_step_costs(model, menu, runs=2),
                           cache_to_disk)
     pairs = dict(zip(base.tokens, base.seconds))
     pairs.update((t, s) for t, s in zip(extra.tokens, extra.seconds) if t > base.max_tokens)

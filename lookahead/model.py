@@ -683,6 +683,14 @@ class LlamaForCausalLM(nn.Module):
         Returns:
             FloatTensor ``[B, R or T, vocab_size]`` (float32).
         """
+        return self.logits(self.hidden(input_ids, positions, cache, cache_len, layout, logits_rows,
+                                       attention=attention))
+
+    def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+               cache_len: int | torch.Tensor, layout: StepLayout, logits_rows: torch.Tensor | None = None,
+               *, attention: AttentionFn | None = None) -> torch.Tensor:
+        """:meth:`forward` up to the final norm: the last layer's output ``[B, R or T, hidden_size]`` (model
+        dtype), whose :meth:`logits` are :meth:`forward`'s. Kept where the projection may never be needed."""
         self._check_inputs(input_ids, positions, cache, layout, logits_rows)
         cache_len = _as_row_starts(cache_len, input_ids.shape[0], input_ids.device, "cache_len")
         _check_row_range(cache_len, layout.T, cache.max_len, "cache_len")
@@ -695,12 +703,15 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary(positions)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache, i, cache_len, layout, attention)
-        if logits_rows is not None:
-            x = x[:, logits_rows]
+        return x if logits_rows is None else x[:, logits_rows]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm and vocabulary projection of :meth:`hidden`'s rows ``[..., hidden_size]``: float32
+        ``[..., vocab_size]``."""
         if self.lm_head is not None:
-            return self.lm_head(self.norm(x)).float()
+            return self.lm_head(self.norm(hidden)).float()
         pack = self._tied_head_pack if self._cpu_linear_mode != "torch" else None
-        return cpu_linear.linear(self.norm(x), self.embed.weight, None, pack).float()
+        return cpu_linear.linear(self.norm(hidden), self.embed.weight, None, pack).float()
 
     def generate(self, input_ids=None, max_new_tokens: int | None = None, **kwargs):
         """Decode with lookahead decoding (automatic step size unless ``lookahead=`` says otherwise; ``None``:

@@ -219,6 +219,19 @@ def test_step_costs_through_the_static_runner(tmp_path):
     assert costs.tokens == (1, 4, 9) and all(s > 0 for s in costs.seconds)
 
 
+def test_step_costs_time_every_size_once_a_round(monkeypatch):
+    """A warm-up of each size, then rounds that each time every size once (a slow spell slows all sizes alike)."""
+    from lookahead.controller import measure_step_costs
+
+    model = LlamaForCausalLM.from_hf(tiny_hf_model())
+    sizes = []
+    forward = type(model).forward
+    monkeypatch.setattr(type(model), "forward", lambda self, ids, *a, **k: sizes.append(ids.shape[1]) or
+                        forward(self, ids, *a, **k))
+    costs = measure_step_costs(model, menu=(1, 4, 9), runs=3, static=False)
+    assert sizes == [1, 4, 9] * 4 and costs.tokens == (1, 4, 9) and all(s > 0 for s in costs.seconds)
+
+
 def test_step_costs_time_a_step_with_its_verification():
     """The static path times what generate's graphs hold: the forward and the greedy finish of that shape (the
     plain step's argmax; a tree's verifier up to its size, with successor tops of every row it computes)."""
