@@ -203,15 +203,13 @@ class _Row:
         self.seeds = None  # (tokens [R], hidden [R, H]): prompt rows whose successors are not yet in the table
 
     def start_lookahead(self, la: LookaheadConfig, plan, vocab_size: int, device, prompt: torch.Tensor,
-                        prompt_rows, native: bool | None) -> None:
+                        native: bool | None) -> None:
         shape = plan.shape
         self.window = LookaheadWindow(shape.window, shape.ngram, torch.Generator().manual_seed(la.seed))
         self.window.reset(prompt)
         # The planner cuts the trees of the whole batch at once (_lookahead_step), not each builder alone.
         self.drafts = DraftBuilder(la, vocab_size, device, shape=shape, sources=plan.sources, native=native)
         self.drafts.start(prompt)
-        if prompt_rows is not None:
-            self.drafts.successors.update(*prompt_rows)
 
     def commit(self, tokens: list[int], fed: int) -> int:
         """Count a step that fed ``fed`` tokens for this row and emit ``tokens``; returns how many were taken."""
@@ -332,7 +330,6 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     successors = plan is not None and "successors" in plan.sources and max_new_tokens > 1 and not deferred
     # Prefill row by row, each into its own cache row: the prompts' lengths differ and a step has no padding
     # mask, and doing what batch 1 does keeps every row's numbers (and so its greedy output) its own. It runs once.
-    lazy_seeds = B > 1
     for b, (row, prompt) in enumerate(zip(rows, prompts)):
         prefill_started = time.perf_counter()
         n = row.cache_len
@@ -346,20 +343,18 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
         if n > 0:  # prefill: the prompt's last token is the first step's x
             hidden = model.hidden(prompt[None, :-1].to(device), torch.arange(n, device=device)[None],
                                   cache.sequence(b), 0, StepLayout.prefill(n), seeds.to(device))[0]
-        seed_rows = (prompt[seeds.to(prompt.device)], hidden) if seeds.numel() else None
-        if seed_rows is not None and not lazy_seeds:
-            seed_rows = (seed_rows[0], model.logits(seed_rows[1]))
+        row.seeds = (prompt[seeds.to(prompt.device)], hidden) if seeds.numel() else None
         row.stats.prefill_seconds = time.perf_counter() - prefill_started
         if plan is not None and not deferred:
-            row.start_lookahead(lookahead, plan, cfg.vocab_size, device, prompt,
-                                None if lazy_seeds else seed_rows, _native_draft)
-            # A batch projects its rows' seeds when it first takes a tree (_seed_successors): one whose trees never
+            row.start_lookahead(lookahead, plan, cfg.vocab_size, device, prompt, _native_draft)
+            # A batch projects its rows' seeds when it first takes a tree (_lookahead_step): one whose trees never
             # pay (prose at 4 CPU rows) spent 2-3% of its time on them for nothing, and HumanEval's 4-row batches
             # took as few steps deferred as eager (395 and 406 of plain's 512; MT-Bench 511 and 510).
-            row.seeds = seed_rows if lazy_seeds else None
+            if B == 1:  # its steps all learn and take trees from the start: projected now, as the prefill's
+                row.stats.prefill_seconds += _seed_successors(model, [row])
 
     def start_late(row: _Row) -> None:  # a deferred row, when its batch first takes a lookahead step
-        row.start_lookahead(lookahead, plan, cfg.vocab_size, device, torch.tensor(row.emitter.sequence), None,
+        row.start_lookahead(lookahead, plan, cfg.vocab_size, device, torch.tensor(row.emitter.sequence),
                             _native_draft)
 
     pad = lookahead is not None and (lookahead.pad_tree if lookahead.pad_tree is not None else
