@@ -200,7 +200,6 @@ class _Row:
         self.x = emitter.sequence[-1]
         self.window = None
         self.drafts = None
-        self.seeds = None  # (tokens [R], hidden [R, H]): prompt rows whose successors are not yet in the table
 
     def start_lookahead(self, la: LookaheadConfig, plan, vocab_size: int, device, prompt: torch.Tensor,
                         native: bool | None) -> None:
@@ -327,7 +326,10 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     # vocabulary projection per prompt row) cost 64 HumanEval rows 0.79x plain decoding when they steered nothing.
     deferred = plan is not None and B > 1 and plan.planner is not None and plan.shape.window == 1 and \
         plan.planner.reach(B, plan.shape.max_tokens - 1) == 0
-    successors = plan is not None and "successors" in plan.sources and max_new_tokens > 1 and not deferred
+    # Only batch 1 seeds its successor table from the prompt's rows (a vocabulary projection each). In batches of
+    # 4 the seeds changed no step count (16 prompts: MT-Bench 511 steps seeded, 512 not; HumanEval 411 and 411)
+    # and cost 1-2.4% of the time; of 2, they saved 6-9% of the steps and took as long as those steps.
+    successors = plan is not None and B == 1 and "successors" in plan.sources and max_new_tokens > 1
     # Prefill row by row, each into its own cache row: the prompts' lengths differ and a step has no padding
     # mask, and doing what batch 1 does keeps every row's numbers (and so its greedy output) its own. It runs once.
     for b, (row, prompt) in enumerate(zip(rows, prompts)):
@@ -336,22 +338,16 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
         # The successor table starts from what the model predicts after the prompt's last tokens: the prefill
         # keeps their final hidden states too (the last PROMPT_SUCCESSOR_ROWS rows, to bound the cost of long
         # prompts; of a token seen twice only its last row, which the table would keep).
-        # A batch seeds PROMPT_SUCCESSOR_ROWS rows in all, shared by its prompts: the projections cost as much as
-        # that many tokens' decoding would, and a batch's steps take fewer candidates per row to pay them back.
-        seeds = _seed_positions(prompt, n, min(n, max(1, PROMPT_SUCCESSOR_ROWS // B)) if successors else 0)
+        seeds = _seed_positions(prompt, n, min(n, PROMPT_SUCCESSOR_ROWS) if successors else 0)
         hidden = None
         if n > 0:  # prefill: the prompt's last token is the first step's x
             hidden = model.hidden(prompt[None, :-1].to(device), torch.arange(n, device=device)[None],
                                   cache.sequence(b), 0, StepLayout.prefill(n), seeds.to(device))[0]
-        row.seeds = (prompt[seeds.to(prompt.device)], hidden) if seeds.numel() else None
-        row.stats.prefill_seconds = time.perf_counter() - prefill_started
         if plan is not None and not deferred:
             row.start_lookahead(lookahead, plan, cfg.vocab_size, device, prompt, _native_draft)
-            # A batch projects its rows' seeds when it first takes a tree (_lookahead_step): one whose trees never
-            # pay (prose at 4 CPU rows) spent 2-3% of its time on them for nothing, and HumanEval's 4-row batches
-            # took as few steps deferred as eager (395 and 406 of plain's 512; MT-Bench 511 and 510).
-            if B == 1:  # its steps all learn and take trees from the start: projected now, as the prefill's
-                row.stats.prefill_seconds += _seed_successors(model, [row])
+            if seeds.numel():
+                row.drafts.successors.update(prompt[seeds.to(prompt.device)], model.logits(hidden))
+        row.stats.prefill_seconds = time.perf_counter() - prefill_started
 
     def start_late(row: _Row) -> None:  # a deferred row, when its batch first takes a lookahead step
         row.start_lookahead(lookahead, plan, cfg.vocab_size, device, torch.tensor(row.emitter.sequence),
@@ -388,23 +384,6 @@ def _seed_positions(prompt: torch.Tensor, n: int, rows: int) -> torch.Tensor:
     window = prompt[n - rows: n].tolist()
     last = {t: i for i, t in enumerate(window)}
     return torch.tensor(sorted(n - rows + i for i in last.values()), dtype=torch.long)
-
-
-def _seed_successors(model, rows: list[_Row]) -> float:
-    """Project the rows' pending prompt seeds (one vocabulary projection for the batch) into their tables;
-    returns the seconds it took."""
-    pending = [r for r in rows if r.seeds is not None]
-    if not pending:
-        return 0.0
-    started = time.perf_counter()
-    logits = model.logits(torch.cat([r.seeds[1] for r in pending]))
-    start = 0
-    for r in pending:
-        tokens = r.seeds[0]
-        r.drafts.successors.update(tokens, logits[start: start + tokens.numel()])
-        start += tokens.numel()
-        r.seeds = None
-    return time.perf_counter() - started
 
 
 def _sequences(rows, padding, pad_id: int, device) -> torch.Tensor:
@@ -686,9 +665,6 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
             return _plain_step(model, cache, runner, batch, sampler, device)
         if backoff is not None and keep > 0:
             backoff.hit()
-    # The seeds' projection is the prompt's work, not this step's: kept out of the host time the planner learns
-    # from (counted there, one step's 256-row projection made every later batch step plain).
-    seed_seconds = _seed_successors(model, active) if keep > 0 else 0.0
     picks, active_row = [], 0  # per batch row its row of proposals (active rows in order), -1 when parked (padding)
     for r in batch:
         picks.append(-1 if r.emitter.done else active_row)
@@ -746,7 +722,7 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
         pick = slice(None) if len(recorded) == len(batch) else torch.tensor(recorded)
         record_step([batch[b].drafts.successors for b in recorded], step.logits_tokens[pick],
                     back.successor_ids[pick], back.successor_probs[pick], computed, last)
-    host_seconds = (forward_started - host_started) + (time.perf_counter() - forward_done) - seed_seconds
+    host_seconds = (forward_started - host_started) + (time.perf_counter() - forward_done)
     host.seconds += host_seconds
     if plan.planner is not None and size and len(active) > 1:  # how far the batch's estimates came true
         verified = [proposals.scores[i][:k] for i, k in zip(picks, keeps) if i >= 0]

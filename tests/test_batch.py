@@ -295,33 +295,3 @@ def test_seeding_only_the_last_row_of_each_token_gives_the_same_table(tiny):
     seen = every.count > 0
     assert torch.equal(every.ids[seen], deduplicated.ids[seen])
     assert torch.equal(every.probs[seen], deduplicated.probs[seen])
-
-
-def test_a_batch_projects_its_seeds_at_its_first_tree(tiny):
-    """A batch keeps its prompt rows' hidden states and projects them (as the prefill would have) into each row's
-    table only when it first takes a tree; their time is not the step's host time."""
-    from lookahead.generate import _Row, _seed_successors
-    from lookahead.successors import SuccessorTable
-    from lookahead_kernels import StepLayout
-
-    prompt = torch.tensor([4, 8, 15, 16, 23, 42, 8])
-    n = prompt.numel() - 1
-    cache = tiny.new_cache(1, n)
-    hidden = tiny.hidden(prompt[None, :-1], torch.arange(n)[None], cache, 0, StepLayout.prefill(n))[0]
-    logits = tiny(prompt[None, :-1], torch.arange(n)[None], tiny.new_cache(1, n), 0, StepLayout.prefill(n))[0]
-    assert torch.allclose(tiny.logits(hidden), logits, rtol=1e-5, atol=1e-5)
-
-    class Drafts:
-        def __init__(self):
-            self.successors = SuccessorTable(tiny.config.vocab_size, 4)
-
-    row = _Row.__new__(_Row)
-    row.drafts, row.seeds = Drafts(), (prompt[1:4], hidden[1:4])
-    other = _Row.__new__(_Row)
-    other.drafts, other.seeds = Drafts(), None
-    assert _seed_successors(tiny, [row, other]) > 0 and row.seeds is None
-    eager = SuccessorTable(tiny.config.vocab_size, 4)
-    eager.update(prompt[1:4], logits[1:4])
-    assert torch.equal(row.drafts.successors.count, eager.count) and _seed_successors(tiny, [row]) == 0.0
-    seen = eager.count > 0
-    assert torch.equal(row.drafts.successors.ids[seen], eager.ids[seen])
