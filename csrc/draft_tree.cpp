@@ -148,6 +148,7 @@ struct Workspace {
   Trie trie;
   std::vector<Entry> heap;
   std::vector<int32_t> chosen, list_index;  // list_index: trie node -> index in `chosen` (-1: not chosen)
+  std::vector<int32_t> siblings;  // one node's children, best estimate first
 };
 
 // Every row's chosen nodes, one after another (one allocation per output for the batch, not per row).
@@ -198,9 +199,25 @@ void propose_row(int64_t root, const int64_t*& suffix_tokens, const int64_t*& su
       if (static_cast<int64_t>(chosen.size()) >= budget) break;
     }
     expand(node);
+    // At most one child is accepted: their estimates are capped to sum to 1, the best first (ties in the order
+    // proposed), each at what those above it leave (lookahead/draft.py's _exclusive_conds).
     const double s = trie.nodes_[node].score;
+    std::vector<int32_t>& siblings = ws.siblings;
+    siblings.clear();
+    for (int32_t c = trie.nodes_[node].first_child; c >= 0; c = trie.nodes_[c].next_sibling) siblings.push_back(c);
+    for (size_t i = 1; i < siblings.size(); ++i) {  // a stable insertion sort: a few children, no allocation
+      const int32_t c = siblings[i];
+      size_t j = i;
+      for (; j > 0 && trie.nodes_[siblings[j - 1]].cond < trie.nodes_[c].cond; --j) siblings[j] = siblings[j - 1];
+      siblings[j] = c;
+    }
+    double left = 1.0;
+    for (const int32_t c : siblings) {
+      const double cond = siblings.size() < 2 ? trie.nodes_[c].cond : std::min(trie.nodes_[c].cond, left);
+      left -= cond;
+      trie.nodes_[c].score = s * cond;
+    }
     for (int32_t c = trie.nodes_[node].first_child; c >= 0; c = trie.nodes_[c].next_sibling) {
-      trie.nodes_[c].score = s * trie.nodes_[c].cond;
       heap.emplace_back(trie.nodes_[c].score, counter++, c);
       std::push_heap(heap.begin(), heap.end(), Worse{});
     }

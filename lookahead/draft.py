@@ -276,6 +276,21 @@ class DraftTree:
         return self._row[2].shape[-1] if self._shape is None else self._shape.size
 
 
+def _exclusive_conds(children: list) -> list[float]:
+    """The children's chances of acceptance once their parent is, capped so that they sum to at most 1: at most
+    one child of a node is accepted, so estimates that sum higher (three suffix candidates at a prior of 0.5 each,
+    counted as 1.5 tokens) overstate what the step gains. The best first (ties in the order proposed), each capped
+    at what those above it leave; the C++ builder does the same, double for double."""
+    conds = [c.cond for c in children]
+    if len(conds) < 2:
+        return conds
+    left = 1.0
+    for i in sorted(range(len(conds)), key=lambda i: -conds[i]):
+        conds[i] = min(conds[i], left)
+        left -= conds[i]
+    return conds
+
+
 class _Node:
     __slots__ = ("token", "parent", "cond", "keys", "children", "depth", "index", "score")
 
@@ -426,8 +441,9 @@ class DraftBuilder:
                 if len(chosen) >= budget:
                     break
             self._expand_successors(node, rates)
-            for child in node.children.values():
-                child.score = node.score * child.cond
+            children = list(node.children.values())
+            for child, cond in zip(children, _exclusive_conds(children)):
+                child.score = node.score * cond
                 heapq.heappush(heap, (-child.score, counter, child))
                 counter += 1
             if not heap or budget == 0:

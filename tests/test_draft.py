@@ -137,6 +137,22 @@ def test_builder_takes_the_likelier_nodes_first():
     assert tree.tokens.tolist() == [2, 4, 3] and tree.parents == [-1, 0, -1]
 
 
+def test_a_node_s_children_are_expected_to_add_at_most_one_token():
+    """At most one child of a node is accepted, so their estimates are capped to sum to 1, the likeliest first
+    (ties in the order proposed): three suffix candidates at the prior 0.5 are worth 0.5, 0.5 and 0, not 1.5."""
+    for native in (False, True):
+        b = builder(sources=("suffix",))
+        b.native = native and b.native
+        prompt = [9, 1, 9, 2, 9, 3, 9]  # after 9 came 1, then 2, then 3
+        b.start(torch.tensor(prompt))
+        p = b.propose(prompt, 20)
+        parents = p.parents.tolist()
+        first = {int(p.tokens[i]): p.scores[i] for i in range(len(p)) if parents[i] == -1}
+        assert first == {3: 0.5, 2: 0.5, 1: 0.0}  # the latest occurrence is proposed first
+        for i in range(-1, len(p)):
+            assert sum(s for s, q in zip(p.scores, parents) if q == i) <= (1.0 if i < 0 else p.scores[i])
+
+
 def test_observe_counts_only_tested_nodes():
     b = builder(sources=("successors",))
     b.successors = SuccessorTable(50, k=1)  # one successor per token: the tree is a chain

@@ -56,6 +56,10 @@ def test_native_proposal_equals_the_reference(seed):
         assert native.scores == ref.scores  # the same doubles, multiplied in the same order
         assert torch.equal(native.codes, ref.codes) and torch.equal(native.code_offsets, ref.code_offsets)
         assert all(-1 <= p < i for i, p in enumerate(native.parents.tolist()))
+        parents = native.parents.tolist()
+        for i in range(-1, len(native)):  # at most one child is accepted: their estimates sum to at most 1
+            children = sum(s for s, q in zip(native.scores, parents) if q == i)
+            assert children <= (1.0 if i < 0 else native.scores[i]) * (1 + 1e-12)
 
 
 @pytest.mark.parametrize("seed", range(20))
