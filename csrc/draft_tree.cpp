@@ -213,7 +213,7 @@ void propose_row(int64_t root, const int64_t*& suffix_tokens, const int64_t*& su
     }
     double left = 1.0;
     for (const int32_t c : siblings) {
-      const double cond = siblings.size() < 2 ? trie.nodes_[c].cond : std::min(trie.nodes_[c].cond, left);
+      const double cond = std::min(trie.nodes_[c].cond, left);  // an estimate is at most 1: one child keeps it
       left -= cond;
       trie.nodes_[c].score = s * cond;
     }

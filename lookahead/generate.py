@@ -322,8 +322,8 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     started += time.perf_counter() - setup_started
     clock = _CallClock(started, runner)
     # A batch too big for any tree at the start decodes plainly, its rows' lookahead state (window, drafts) made
-    # only if the batch shrinks enough for trees to pay (_decode): building it and seeding the successor table (a
-    # vocabulary projection per prompt row) cost 64 HumanEval rows 0.79x plain decoding when they steered nothing.
+    # only if the batch shrinks enough for trees to pay (_decode): building it (then with seeds for the successor
+    # table) cost 64 HumanEval rows 0.79x plain decoding when it steered nothing.
     deferred = plan is not None and B > 1 and plan.planner is not None and plan.shape.window == 1 and \
         plan.planner.reach(B, plan.shape.max_tokens - 1) == 0
     # Only batch 1 seeds its successor table from the prompt's rows (a vocabulary projection each). In batches of

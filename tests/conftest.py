@@ -11,20 +11,22 @@ every later ``generate`` and benchmark of the user's.
 
 import importlib.util
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
-os.environ.setdefault("LOOKAHEAD_CACHE_DIR", str(
-    Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "lookahead-tests"))
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     # Triton 3.6's interpreter breaks under NumPy >= 2.4 on loops with run-time bounds; compiled code is unaffected.
     from lookahead_kernels.interpreter_compat import patch_interpreter_index
 
     patch_interpreter_index()
+
+from lookahead.loading import CACHE_DIR_ENV, cache_dir  # noqa: E402  (after TRITON_INTERPRET: it defines kernels)
+
+if CACHE_DIR_ENV not in os.environ:
+    os.environ[CACHE_DIR_ENV] = str(cache_dir().parent / "lookahead-tests")
 
 
 @pytest.fixture(scope="session")
