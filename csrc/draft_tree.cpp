@@ -7,15 +7,17 @@
 // same double-precision scores, and tests/test_draft_native.py checks that they agree exactly.
 //
 // Acceptance keys are small integer codes (lookahead/draft.py documents them): pool depth d -> min(d, 63);
-// suffix depth d -> 64 + min(d, 8); a successor of probability bucket b at depth d -> 73 + 4 b + min(d, 4) - 1.
+// a suffix match of match class c (lengths 1, 2-3, 4-7, 8+) at depth d -> 64 + 8 c + min(d, 8) - 1; a successor of
+// probability bucket b at depth d -> 96 + 4 b + min(d, 4) - 1.
 //
 // Ops (namespace lookahead_draft, CPU). Each takes every row of a batch in one call: a call from Python costs
 // microseconds, which a 16-row batch paid per row and per op in every step.
-//   propose(int[] roots, int[] suffix_tokens, int[] suffix_lens, int[] suffix_counts, Tensor[] pool,
-//           Tensor[] rates, Tensor[] succ_ids, Tensor[] succ_probs, Tensor[] succ_count, int budget)
+//   propose(int[] roots, int[] suffix_tokens, int[] suffix_lens, int[] suffix_matches, int[] suffix_counts,
+//           Tensor[] pool, Tensor[] rates, Tensor[] succ_ids, Tensor[] succ_probs, Tensor[] succ_count, int budget)
 //       -> (Tensor tokens, Tensor parents, Tensor scores, Tensor codes, Tensor code_offsets, Tensor counts)
 //     Row i grows a trie from roots[i] with its candidate continuations: suffix_counts[i] suffix matches
-//     (flattened: each continuation's length in suffix_lens, its tokens in suffix_tokens, rows in order), then
+//     (flattened: each continuation's length in suffix_lens, the length of the match it follows (>= 1) in
+//     suffix_matches, its tokens in suffix_tokens, rows in order), then
 //     pool[i] int64 [Cp, Lp] (each row read until its first negative entry); rates[i] float64 [kCodes]: its
 //     conditional acceptance per code; succ_ids[i] int32 [V, k], succ_probs[i] float32 [V, k], succ_count[i]
 //     int32 [V]: its recorded successors, most likely first (succ_count[i] empty: no successor source). It
@@ -52,15 +54,22 @@
 namespace draft_tree {
 namespace {
 
-constexpr int64_t kCodes = 121;
+constexpr int64_t kCodes = 144;
 constexpr int64_t kMaxPoolDepthCode = 63;
 constexpr int64_t kSuffixBase = 64;
 constexpr int64_t kMaxSuffixDepth = 8;
-constexpr int64_t kSuccessorBase = 73;
+constexpr int64_t kSuccessorBase = 96;
 constexpr int64_t kMaxSuccessorDepth = 4;
 // Upper bounds of the successor probability buckets (lookahead/draft.py's _PROB_BUCKETS).
 constexpr double kBuckets[] = {0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.01};
 constexpr int64_t kNumBuckets = sizeof(kBuckets) / sizeof(kBuckets[0]);
+
+// A node `depth` tokens into the continuation of a suffix match of `match` tokens, learned per class of match
+// length (lookahead/draft.py's _MATCH_CLASSES: 1, 2-3, 4-7, 8 or more).
+int64_t suffix_code(int64_t match, int64_t depth) {
+  const int64_t match_class = match >= 8 ? 3 : match >= 4 ? 2 : match >= 2 ? 1 : 0;
+  return kSuffixBase + kMaxSuffixDepth * match_class + std::min(depth, kMaxSuffixDepth) - 1;
+}
 
 int64_t bucket_of(double p) {  // Python's bisect_right(_PROB_BUCKETS, p), clamped to the last bucket
   int64_t b = 0;
@@ -115,14 +124,15 @@ class Trie {
     if (r > n.cond) n.cond = r;
   }
 
-  // One continuation of the root, read until its first negative token or `len`.
-  void add_continuation(const int64_t* tokens, int64_t len, bool suffix) {
+  // One continuation of the root, read until its first negative token or `len`: a suffix match's of `match`
+  // tokens, or (match 0) a pool row.
+  void add_continuation(const int64_t* tokens, int64_t len, int64_t match) {
     int32_t node = 0;
     for (int64_t d = 1; d <= len; ++d) {
       const int64_t t = tokens[d - 1];
       if (t < 0) break;
       node = child(node, t);
-      propose(node, suffix ? kSuffixBase + std::min(d, kMaxSuffixDepth) : std::min(d, kMaxPoolDepthCode));
+      propose(node, match > 0 ? suffix_code(match, d) : std::min(d, kMaxPoolDepthCode));
     }
   }
 
@@ -158,19 +168,20 @@ struct Proposals {
 };
 
 // One row's best-first walk, appended to `out`: `suffix_count` continuations of `suffix_lens[c]` tokens each,
-// flattened in `suffix_tokens` (both left pointing past this row's); the pool's rows; the row's rates and
-// successor table (scount null: none).
-void propose_row(int64_t root, const int64_t*& suffix_tokens, const int64_t*& suffix_lens, int64_t suffix_count,
-                 const at::Tensor& pool, const double* rate, const int32_t* sids, const float* sprobs,
-                 const int32_t* scount, int64_t vocab, int64_t k, int64_t budget, Workspace& ws, Proposals& out) {
+// following matches of `suffix_matches[c]` tokens, flattened in `suffix_tokens` (all three left pointing past this
+// row's); the pool's rows; the row's rates and successor table (scount null: none).
+void propose_row(int64_t root, const int64_t*& suffix_tokens, const int64_t*& suffix_lens,
+                 const int64_t*& suffix_matches, int64_t suffix_count, const at::Tensor& pool, const double* rate,
+                 const int32_t* sids, const float* sprobs, const int32_t* scount, int64_t vocab, int64_t k,
+                 int64_t budget, Workspace& ws, Proposals& out) {
   Trie& trie = ws.trie;
   trie.reset(root, rate);
   for (int64_t c = 0; c < suffix_count; ++c) {
-    trie.add_continuation(suffix_tokens, *suffix_lens, true);
+    trie.add_continuation(suffix_tokens, *suffix_lens, *suffix_matches++);
     suffix_tokens += *suffix_lens++;
   }
   for (int64_t c = 0; c < pool.size(0); ++c) trie.add_continuation(pool.data_ptr<int64_t>() + c * pool.size(1),
-                                                                    pool.size(1), false);
+                                                                    pool.size(1), 0);
 
   const bool successors = scount != nullptr;
   auto expand = [&](int32_t node) {
@@ -240,9 +251,9 @@ void propose_row(int64_t root, const int64_t*& suffix_tokens, const int64_t*& su
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> propose(
-    at::IntArrayRef roots, at::IntArrayRef suffix_tokens, at::IntArrayRef suffix_lens, at::IntArrayRef suffix_counts,
-    at::TensorList pool, at::TensorList rates, at::TensorList succ_ids, at::TensorList succ_probs,
-    at::TensorList succ_count, int64_t budget) {
+    at::IntArrayRef roots, at::IntArrayRef suffix_tokens, at::IntArrayRef suffix_lens,
+    at::IntArrayRef suffix_matches, at::IntArrayRef suffix_counts, at::TensorList pool, at::TensorList rates,
+    at::TensorList succ_ids, at::TensorList succ_probs, at::TensorList succ_count, int64_t budget) {
   const int64_t n = static_cast<int64_t>(roots.size());
   TORCH_CHECK(static_cast<int64_t>(suffix_counts.size()) == n && static_cast<int64_t>(pool.size()) == n &&
                   static_cast<int64_t>(rates.size()) == n && static_cast<int64_t>(succ_ids.size()) == n &&
@@ -256,8 +267,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   }
   TORCH_CHECK(spans == static_cast<int64_t>(suffix_lens.size()),
               "lookahead_draft.propose: suffix_counts sums to ", spans, " but suffix_lens has ", suffix_lens.size());
+  TORCH_CHECK(spans == static_cast<int64_t>(suffix_matches.size()), "lookahead_draft.propose: suffix_counts sums to ",
+              spans, " but suffix_matches has ", suffix_matches.size());
   for (int64_t c = 0; c < spans; ++c) {
     TORCH_CHECK(suffix_lens[c] >= 0, "lookahead_draft.propose: suffix_lens must be >= 0");
+    TORCH_CHECK(suffix_matches[c] >= 1, "lookahead_draft.propose: suffix_matches must be >= 1");
     listed += suffix_lens[c];
   }
   TORCH_CHECK(listed == static_cast<int64_t>(suffix_tokens.size()), "lookahead_draft.propose: suffix_lens sums to ",
@@ -266,6 +280,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   Workspace ws;
   const int64_t* span_tokens = suffix_tokens.data();
   const int64_t* span_lens = suffix_lens.data();
+  const int64_t* span_matches = suffix_matches.data();
   for (int64_t i = 0; i < n; ++i) {
     const at::Tensor& p = pool[i];
     TORCH_CHECK(p.device().is_cpu() && p.scalar_type() == at::kLong && p.dim() == 2 && p.is_contiguous(),
@@ -285,7 +300,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
                   "lookahead_draft.propose: the successor table must be int32 ids [V, k], float32 probs [V, k] and "
                   "int32 counts [V], contiguous, on the CPU");
     const size_t before = out.tokens.size();
-    propose_row(roots[i], span_tokens, span_lens, suffix_counts[i], p, r.data_ptr<double>(),
+    propose_row(roots[i], span_tokens, span_lens, span_matches, suffix_counts[i], p, r.data_ptr<double>(),
                 successors ? ids.data_ptr<int32_t>() : nullptr, successors ? probs.data_ptr<float>() : nullptr,
                 successors ? count.data_ptr<int32_t>() : nullptr, successors ? ids.size(0) : 0,
                 successors ? ids.size(1) : 0, budget, ws, out);
@@ -446,8 +461,8 @@ void record_successors(at::TensorList succ_ids, at::TensorList succ_probs, at::T
 }  // namespace draft_tree
 
 TORCH_LIBRARY(lookahead_draft, m) {
-  m.def("propose(int[] roots, int[] suffix_tokens, int[] suffix_lens, int[] suffix_counts, Tensor[] pool, "
-        "Tensor[] rates, Tensor[] succ_ids, Tensor[] succ_probs, Tensor[] succ_count, int budget) -> "
+  m.def("propose(int[] roots, int[] suffix_tokens, int[] suffix_lens, int[] suffix_matches, int[] suffix_counts, "
+        "Tensor[] pool, Tensor[] rates, Tensor[] succ_ids, Tensor[] succ_probs, Tensor[] succ_count, int budget) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("encode(Tensor parents, Tensor tokens, int[] starts, int[] keep, int size) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");

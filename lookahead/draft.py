@@ -47,10 +47,21 @@ def _prob_bucket(p: float) -> int:
     return min(bisect.bisect_right(_PROB_BUCKETS, p), len(_PROB_BUCKETS) - 1)
 
 
+# A suffix match's length says how far its continuation is to be trusted: on the dev sets a one-token match's
+# first token was the model's in 16-23% of steps, an eight-token match's in 92-94% (bench/results/suffix-match-
+# cpu.md). Acceptance is learned per class of match length: 1, 2-3, 4-7, 8 or more (each class's shortest).
+_MATCH_CLASSES = (1, 2, 4, 8)
+
+
+def _match_class(match: int) -> int:
+    return bisect.bisect_right(_MATCH_CLASSES, match) - 1
+
+
 # Acceptance keys as small integer codes, shared with the C++ builder (csrc/draft_tree.cpp): pool depth d ->
-# min(d, 63); suffix depth d -> 64 + min(d, 8); successor of bucket b at depth d -> 73 + 4 b + min(d, 4) - 1.
+# min(d, 63); suffix match class c at depth d -> 64 + 8 c + min(d, 8) - 1; successor of bucket b at depth d ->
+# 96 + 4 b + min(d, 4) - 1.
 _SUFFIX_BASE = _MAX_POOL_DEPTH_KEY + 1
-_SUCCESSOR_BASE = _SUFFIX_BASE + _MAX_DEPTH_KEY + 1
+_SUCCESSOR_BASE = _SUFFIX_BASE + len(_MATCH_CLASSES) * _MAX_DEPTH_KEY
 NUM_CODES = _SUCCESSOR_BASE + _MAX_SUCCESSOR_DEPTH * len(_PROB_BUCKETS)
 
 
@@ -58,8 +69,9 @@ def pool_code(depth: int) -> int:
     return min(depth, _MAX_POOL_DEPTH_KEY)
 
 
-def suffix_code(depth: int) -> int:
-    return _SUFFIX_BASE + min(depth, _MAX_DEPTH_KEY)
+def suffix_code(match: int, depth: int) -> int:
+    """A node ``depth`` tokens into the continuation of a suffix match of ``match`` tokens."""
+    return _SUFFIX_BASE + _MAX_DEPTH_KEY * _match_class(match) + min(depth, _MAX_DEPTH_KEY) - 1
 
 
 def successor_code(bucket: int, depth: int) -> int:
@@ -67,12 +79,13 @@ def successor_code(bucket: int, depth: int) -> int:
 
 
 def code_key(code: int) -> tuple:
-    """The readable key of a code: ``("pool", depth)``, ``("suffix", depth)`` or ``("successors", bucket,
-    depth)``."""
+    """The readable key of a code: ``("pool", depth)``, ``("suffix", match, depth)`` (``match``: the shortest
+    match of its class, 1, 2, 4 or 8) or ``("successors", bucket, depth)``."""
     if code < _SUFFIX_BASE:
         return ("pool", code)
     if code < _SUCCESSOR_BASE:
-        return ("suffix", code - _SUFFIX_BASE)
+        match_class, depth = divmod(code - _SUFFIX_BASE, _MAX_DEPTH_KEY)
+        return ("suffix", _MATCH_CLASSES[match_class], depth + 1)
     bucket, depth = divmod(code - _SUCCESSOR_BASE, _MAX_SUCCESSOR_DEPTH)
     return ("successors", bucket, depth + 1)
 
@@ -82,8 +95,13 @@ def key_code(key: tuple) -> int:
     if key[0] == "pool":
         return pool_code(key[1])
     if key[0] == "suffix":
-        return suffix_code(key[1])
+        return suffix_code(key[1], key[2])
     return successor_code(key[1], key[2])
+
+
+# Per match class, the prior of a suffix continuation's first token and of those after it (rounded down from the
+# dev sets' rates: a prior is only where learning starts).
+_SUFFIX_PRIORS = {1: (0.2, 0.45), 2: (0.45, 0.65), 4: (0.65, 0.75), 8: (0.85, 0.9)}
 
 
 def _prior(code: int) -> float:
@@ -91,13 +109,15 @@ def _prior(code: int) -> float:
     if key[0] == "pool":
         return 0.3
     if key[0] == "suffix":
-        return 0.5
+        first, later = _SUFFIX_PRIORS[key[1]]
+        return first if key[2] == 1 else later
     return _PROB_BUCKETS[key[1]] * 0.8  # successors: about the model's own probability, a little less
 
 
 class AcceptanceStats:
-    """Running conditional acceptance per key: ``(source, depth)``, or ``("successors", probability bucket,
-    depth)`` where the bucket is that of the probability the model gave the successor when it was recorded.
+    """Running conditional acceptance per key: ``("pool", depth)``, ``("suffix", match class, depth)``, or
+    ``("successors", probability bucket, depth)`` where the bucket is that of the probability the model gave the
+    successor when it was recorded.
 
     Kept per key code (:func:`key_code`); ``rates`` (float64 ``[NUM_CODES]``) is what the C++ builder reads."""
 
@@ -374,13 +394,14 @@ class DraftBuilder:
         return self.encode(proposal, keep, budget if pad else keep)
 
     def _candidates(self, sequence: list[int], budget: int) -> tuple[list[tuple], torch.Tensor]:
-        """The suffix matches' continuations of ``x`` (tuples of tokens, best first) and the pool's (int64
-        ``[C, L]`` on the CPU, a row read until its first negative entry)."""
+        """The suffix matches of ``x``, best first, as ``(continuation, match length)`` (the continuation a tuple
+        of tokens), and the pool's continuations (int64 ``[C, L]`` on the CPU, a row read until its first negative
+        entry)."""
         if budget == 0:
             return [], _NO_ROWS
         suffix = []
         if self.suffix is not None:
-            suffix = [c for c, _match in self.suffix.matches(sequence, _SUFFIX_CANDIDATES)]
+            suffix = self.suffix.matches(sequence, _SUFFIX_CANDIDATES)
         pool = _NO_ROWS
         if self.pool is not None:
             if hasattr(self.pool, "lookup_padded"):  # rows past the count are -1 already: no count read
@@ -400,15 +421,15 @@ class DraftBuilder:
     def _propose_reference(self, root_token: int, suffix: list[tuple], pool: torch.Tensor, budget: int) -> Proposal:
         root = _Node(root_token, None, 0)
         rates = self.stats.rates.tolist()  # indexed per proposal: a list, not the tensor
-        for rows, code_of in ((suffix, suffix_code), (pool.tolist(), pool_code)):
-            for cont in rows:
-                node = root
-                for d, t in enumerate(cont, start=1):
-                    if t < 0:
-                        break
-                    node = node.child(t)
-                    code = code_of(d)
-                    node.propose(code, rates[code])
+        continuations = [(cont, [suffix_code(match, d) for d in range(1, len(cont) + 1)]) for cont, match in suffix]
+        continuations += [(cont, [pool_code(d) for d in range(1, len(cont) + 1)]) for cont in pool.tolist()]
+        for cont, codes in continuations:
+            node = root
+            for t, code in zip(cont, codes):
+                if t < 0:
+                    break
+                node = node.child(t)
+                node.propose(code, rates[code])
         chosen = self._best_first(root, budget, rates)
         for i, n in enumerate(chosen):
             n.index = i
@@ -500,15 +521,17 @@ def propose_rows(builders: list[DraftBuilder], sequences: list[list[int]], budge
     if not all(b.native for b in builders):  # the reference makes the same proposals (tests/test_draft_native.py)
         return Proposals.concat([b._propose_reference(seq[-1], *c, budget)
                                  for b, seq, c in zip(builders, sequences, candidates)])
-    span_tokens, span_lens, span_counts = [], [], []
+    span_tokens, span_lens, span_matches, span_counts = [], [], [], []
     for suffix, _pool in candidates:
         span_counts.append(len(suffix))
-        for cont in suffix:
+        for cont, match in suffix:
             span_lens.append(len(cont))
+            span_matches.append(match)
             span_tokens.extend(cont)
     tables = [b.successors for b in builders]
     tokens, parents, scores, codes, offsets, counts = torch.ops.lookahead_draft.propose(
-        [seq[-1] for seq in sequences], span_tokens, span_lens, span_counts, [pool for _s, pool in candidates],
+        [seq[-1] for seq in sequences], span_tokens, span_lens, span_matches, span_counts,
+        [pool for _s, pool in candidates],
         [b.stats.rates for b in builders], [_NONE_I32 if t is None else t.ids for t in tables],
         [_NONE_F32 if t is None else t.probs for t in tables], [_NONE_I32 if t is None else t.count for t in tables],
         budget)

@@ -139,18 +139,41 @@ def test_builder_takes_the_likelier_nodes_first():
 
 def test_a_node_s_children_are_expected_to_add_at_most_one_token():
     """At most one child of a node is accepted, so their estimates are capped to sum to 1, the likeliest first
-    (ties in the order proposed): three suffix candidates at the prior 0.5 are worth 0.5, 0.5 and 0, not 1.5."""
+    (ties in the order proposed): three continuations of eight-token suffix matches, each at the prior 0.85, are
+    worth 0.85, 0.15 and 0, not 2.55."""
+    context = list(range(10, 18))
+    prompt = context + [1] + context + [2] + context + [3] + context  # after the context came 1, then 2, then 3
     for native in (False, True):
         b = builder(sources=("suffix",))
         b.native = native and b.native
-        prompt = [9, 1, 9, 2, 9, 3, 9]  # after 9 came 1, then 2, then 3
         b.start(torch.tensor(prompt))
-        p = b.propose(prompt, 20)
+        p = b.propose(prompt, 200)  # every node: the third continuation's is worth 0
         parents = p.parents.tolist()
         first = {int(p.tokens[i]): p.scores[i] for i in range(len(p)) if parents[i] == -1}
-        assert first == {3: 0.5, 2: 0.5, 1: 0.0}  # the latest occurrence is proposed first
+        assert first == pytest.approx({3: 0.85, 2: 0.15, 1: 0.0})  # the latest occurrence is proposed first
         for i in range(-1, len(p)):
             assert sum(s for s, q in zip(p.scores, parents) if q == i) <= (1.0 if i < 0 else p.scores[i])
+
+
+def test_a_longer_suffix_match_is_trusted_further():
+    """A suffix continuation's acceptance is learned per class of match length (1, 2-3, 4-7, 8+) and depth: the
+    continuation of a one-token match starts at a lower prior than that of a long one, and observing a step
+    teaches only its own class."""
+    # x = 5: after (..., 3, 4, 5) came 6 earlier (a three-token match), after (9, 5) came 7 (one token)
+    seq = [1, 3, 4, 5, 6, 9, 5, 7, 8, 3, 4, 5]
+    for native in (False, True):
+        b = builder(sources=("suffix",))
+        b.native = native and b.native
+        tree = b.build(seq, 20)
+        first = {int(tree.tokens[i]): tree.keys[i] for i in range(tree.num_nodes) if tree.parents[i] == -1}
+        assert first == {6: [("suffix", 2, 1)], 7: [("suffix", 1, 1)]}
+        p = b.propose(seq, 20)
+        roots = {int(p.tokens[i]): p.scores[i] for i in range(len(p)) if int(p.parents[i]) == -1}
+        assert roots == pytest.approx({6: 0.45, 7: 0.2})  # the priors of the two classes' first tokens
+        six = [i for i in range(tree.num_nodes) if int(tree.tokens[i]) == 6 and tree.parents[i] == -1][0]
+        b.observe(tree, [six], None, seq + [6, 2], 2)
+        assert b.stats.accepted[("suffix", 2, 1)] == 1 and b.stats.accepted[("suffix", 1, 1)] == 0
+        assert ("suffix", 8, 1) not in b.stats.tested
 
 
 def test_observe_counts_only_tested_nodes():

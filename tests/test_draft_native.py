@@ -161,7 +161,7 @@ def test_a_step_s_successor_records_match_the_python_reference(n, R, j, shared):
 
 
 def test_key_codes_round_trip_and_stay_in_range():
-    keys = [("pool", d) for d in range(1, 64)] + [("suffix", d) for d in range(1, 9)] + \
+    keys = [("pool", d) for d in range(1, 64)] + [("suffix", m, d) for m in (1, 2, 4, 8) for d in range(1, 9)] + \
            [("successors", b, d) for b in range(12) for d in range(1, 5)]
     codes = [key_code(k) for k in keys]
     assert len(set(codes)) == len(keys) and max(codes) < NUM_CODES
@@ -174,13 +174,17 @@ def test_native_ops_reject_bad_inputs():
     e32, ef = torch.empty(0, dtype=torch.int32), torch.empty(0)
     propose = torch.ops.lookahead_draft.propose
     with pytest.raises(RuntimeError, match="rates"):
-        propose([1], [], [], [0], [none], [rates[:-1]], [e32], [ef], [e32], 4)
+        propose([1], [], [], [], [0], [none], [rates[:-1]], [e32], [ef], [e32], 4)
     with pytest.raises(RuntimeError, match="pool"):
-        propose([1], [], [], [0], [torch.zeros(2, dtype=torch.long)], [rates], [e32], [ef], [e32], 4)
+        propose([1], [], [], [], [0], [torch.zeros(2, dtype=torch.long)], [rates], [e32], [ef], [e32], 4)
     with pytest.raises(RuntimeError, match="suffix_lens"):
-        propose([1], [5, 6], [1], [1], [none], [rates], [e32], [ef], [e32], 4)
+        propose([1], [5, 6], [1], [1], [1], [none], [rates], [e32], [ef], [e32], 4)
+    with pytest.raises(RuntimeError, match="suffix_matches has"):
+        propose([1], [5], [1], [], [1], [none], [rates], [e32], [ef], [e32], 4)
+    with pytest.raises(RuntimeError, match="suffix_matches must be"):
+        propose([1], [5], [1], [0], [1], [none], [rates], [e32], [ef], [e32], 4)
     with pytest.raises(RuntimeError, match="one root"):
-        propose([1, 2], [], [], [0, 0], [none], [rates], [e32], [ef], [e32], 4)
+        propose([1, 2], [], [], [], [0, 0], [none], [rates], [e32], [ef], [e32], 4)
     with pytest.raises(RuntimeError, match="parent of node 0"):
         torch.ops.lookahead_draft.encode(torch.tensor([0]), torch.tensor([5]), [0], [1], 1)
     with pytest.raises(RuntimeError, match="keep"):
