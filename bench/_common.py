@@ -102,6 +102,15 @@ def read_results(path: str) -> tuple[dict, str]:
         return json.load(f), os.path.splitext(path)[0]
 
 
+def render(path: str, markdown, plot) -> None:
+    """``--render``: re-writes a results file's markdown (``markdown(result)``, a string) and plot (``plot(result,
+    png_path)``) beside it, from its JSON alone."""
+    result, base = read_results(path)
+    with open(base + ".md", "w") as f:
+        f.write(markdown(result))
+    plot(result, base + ".png")
+
+
 def write_results(out_dir: str, stem: str, result: dict, markdown: str) -> str:
     """Writes ``out_dir/stem.json`` and ``out_dir/stem.md``; returns ``out_dir/stem``."""
     os.makedirs(out_dir, exist_ok=True)

@@ -32,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from _common import (DEFAULT_SETS, command_line, device_label, machine_info, pyplot, read_results, set_name,  # noqa: E402
+from _common import (DEFAULT_SETS, command_line, device_label, machine_info, pyplot, render, set_name,  # noqa: E402
                      write_results)  # noqa: E402
 
 from lookahead import LookaheadConfig, load_default  # noqa: E402
@@ -99,10 +99,7 @@ def main(argv=None) -> int:
     ap.add_argument("--render", metavar="JSON", help="only re-write the markdown and plot of a results file")
     args = ap.parse_args(argv)
     if args.render:
-        result, base = read_results(args.render)
-        with open(base + ".md", "w") as f:
-            f.write(markdown(result))
-        plot(result, base + ".png")
+        render(args.render, markdown, plot)
         return 0
     if any(b < 1 for b in args.batch_sizes):
         ap.error(f"--batch-sizes must be >= 1, got {args.batch_sizes}")
