@@ -33,10 +33,11 @@ from _common import (DEFAULT_SETS, command_line, machine_info, pyplot, render, s
 
 from lookahead import LookaheadConfig, load_default  # noqa: E402
 from lookahead.cli import read_prompts  # noqa: E402
-from lookahead.draft import _SUFFIX_CANDIDATES  # noqa: E402
+from lookahead.draft import SUFFIX_CANDIDATES  # noqa: E402
 from lookahead.suffix import SuffixIndex  # noqa: E402
 
 MAX_DEPTH = 8  # the builder's deepest depth key: deeper nodes share its rate
+MAX_MATCH = SuffixIndex().max_match  # the longest match measured: longer ones count as this
 
 
 def tally(sequence: list[int], prompt_len: int) -> tuple[collections.Counter, collections.Counter]:
@@ -44,7 +45,7 @@ def tally(sequence: list[int], prompt_len: int) -> tuple[collections.Counter, co
     tested, accepted = collections.Counter(), collections.Counter()
     index = SuffixIndex()
     for p in range(prompt_len - 1, len(sequence) - 1):
-        for cont, match in index.matches(sequence[: p + 1], _SUFFIX_CANDIDATES):
+        for cont, match in index.matches(sequence[: p + 1], SUFFIX_CANDIDATES):
             agree = 0  # leading tokens of the continuation that the model wrote next
             while agree < len(cont) and p + 1 + agree < len(sequence) and cont[agree] == sequence[p + 1 + agree]:
                 agree += 1
@@ -69,10 +70,10 @@ def markdown(result: dict) -> str:
                   "| match | " + " | ".join(f"d{d}" for d in range(1, MAX_DEPTH + 1)) + " |",
                   "|---|" + "---|" * MAX_DEPTH]
         cells = {(c["match"], c["depth"]): c for c in s["cells"]}
-        for m in range(1, SuffixIndex().max_match + 1):
+        for m in range(1, MAX_MATCH + 1):
             row = [f"{cells[(m, d)]['accepted'] / cells[(m, d)]['tested']:.2f} ({cells[(m, d)]['tested']})"
                    if (m, d) in cells else "" for d in range(1, MAX_DEPTH + 1)]
-            lines.append(f"| {m}{'+' if m == SuffixIndex().max_match else ''} | " + " | ".join(row) + " |")
+            lines.append(f"| {m}{'+' if m == MAX_MATCH else ''} | " + " | ".join(row) + " |")
         pooled = []
         for d in range(1, MAX_DEPTH + 1):
             t = sum(c["tested"] for c in s["cells"] if c["depth"] == d)
@@ -89,7 +90,7 @@ def plot(result: dict, path: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for s, style in zip(result["sets"], ("-o", "--s")):
         cells = {(c["match"], c["depth"]): c for c in s["cells"]}
-        matches = [m for m in range(1, SuffixIndex().max_match + 1) if (m, 1) in cells]
+        matches = [m for m in range(1, MAX_MATCH + 1) if (m, 1) in cells]
         ax.plot(matches, [cells[(m, 1)]["accepted"] / cells[(m, 1)]["tested"] for m in matches], style,
                 label=s["set"])
     ax.set_xlabel("suffix match length (tokens; the last: 8 or more)")

@@ -31,7 +31,7 @@ from .suffix import SuffixIndex
 
 # Prior acceptance estimates and their weight in pseudo-trials: what a source is trusted with before any step.
 _PRIOR_WEIGHT = 4.0
-_SUFFIX_CANDIDATES = 4
+SUFFIX_CANDIDATES = 4
 SUCCESSORS_PER_NODE = 8
 _MAX_DEPTH_KEY = 8
 _MAX_SUCCESSOR_DEPTH = 4
@@ -401,7 +401,7 @@ class DraftBuilder:
             return [], _NO_ROWS
         suffix = []
         if self.suffix is not None:
-            suffix = self.suffix.matches(sequence, _SUFFIX_CANDIDATES)
+            suffix = self.suffix.matches(sequence, SUFFIX_CANDIDATES)
         pool = _NO_ROWS
         if self.pool is not None:
             if hasattr(self.pool, "lookup_padded"):  # rows past the count are -1 already: no count read

@@ -22,6 +22,10 @@ def random_builder(seed: int, vocab: int, sources=("pool", "suffix", "successors
     b = DraftBuilder(cfg, vocab, "cpu", native=True)
     # Few distinct tokens: sources propose the same tokens, tries share prefixes, scores tie.
     prompt = torch.randint(0, min(vocab, 12), (rng.randint(2, 80),), generator=gen)
+    if seed % 2:  # a motif repeated with a few changes: suffix matches of every length class (up to 8+)
+        motif = torch.randint(0, min(vocab, 12), (rng.randint(3, 12),), generator=gen)
+        prompt = motif.repeat(rng.randint(2, 8))
+        prompt[torch.randint(0, len(prompt), (rng.randint(0, 4),), generator=gen)] = rng.randrange(min(vocab, 12))
     b.start(prompt)
     if b.successors is not None:
         rows = rng.randint(0, 3 * vocab)
@@ -158,6 +162,15 @@ def test_a_step_s_successor_records_match_the_python_reference(n, R, j, shared):
     for a, b in zip(native, ref):
         assert torch.equal(a.ids, b.ids) and torch.equal(a.probs, b.probs) and torch.equal(a.count, b.count)
     assert sum(int((t.count > 0).sum()) for t in native) > 0
+
+
+def test_the_random_proposals_cover_every_suffix_match_class():
+    """The agreement tests above see suffix continuations of every class of match length (1, 2-3, 4-7, 8+)."""
+    seen = set()
+    for seed in range(40):
+        b, seq = random_builder(seed, [7, 50, 300][seed % 3], ("suffix",))
+        seen.update(code_key(c)[1] for c in b.propose(seq, 255).codes.tolist())
+    assert seen == {1, 2, 4, 8}
 
 
 def test_key_codes_round_trip_and_stay_in_range():
