@@ -479,6 +479,17 @@ def _step_shape(plan, levels: int, batch_size: int) -> StepShape:
     return StepShape(shape.window, levels, budget)
 
 
+def _level_budget(plan, runner: StepRunner | None, levels: int, batch_size: int) -> int:
+    """A lookahead step's tree budget at this window level. On the static path, the largest the runner's menu
+    holds there: the menu was made when the call began and is fixed for it, while the planner's reach (which
+    bounds a batch's budget) moves as it learns the host cost; a budget off the menu would have no buffers (or
+    graph) to run in. Eagerly, the reach of now (:func:`_step_shape`)."""
+    if runner is None:
+        return _step_shape(plan, levels, batch_size).tree_budget
+    W = plan.shape.window
+    return max(s.tree_budget for s in runner.menu if s.window == W and s.levels == levels)
+
+
 def _tree_sizes(plan, budget: int) -> list[int]:
     """The tree sizes a padded step of this budget can take, ascending: the budget alone for a fixed config; in
     automatic mode the budget halved down to ``SMALLEST_PADDED_TREE`` nodes (and 0 beside a window: a step
@@ -497,8 +508,8 @@ def _static_menu(plan, batch_size: int) -> list[StepShape]:
     """Every step shape a call on the static path can take: the plain step (also the end of a batch near the
     model's last positions), and at each level the window passes through while warming up, the plan's shape
     with each of its padded tree sizes (each captured once per model with the runner kept on it). A batch keeps
-    its size to the end (finished rows are parked), so the planner's reach, and with it each level's tree
-    budget, is fixed."""
+    its size to the end (finished rows are parked); each level's tree budget is the planner's reach now, and stays
+    the call's (:func:`_level_budget`)."""
     if plan is None:
         return [PLAIN]
     menu = [PLAIN]
@@ -643,10 +654,13 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
     active = [r for r in batch if not r.emitter.done]
     W = plan.shape.window
     levels = active[0].window.levels  # the rows started together: their windows warm up in step
-    shape = _step_shape(plan, levels, len(batch))
-    budget = shape.tree_budget
+    budget = _level_budget(plan, runner, levels, len(batch))
     wanted = budget
-    if pad and plan.planner is not None and len(batch) == 1:
+    if runner is not None and plan.planner is not None and len(batch) > 1:
+        # The menu's budget is the planner's reach when the call began; the host cost it has learned since may
+        # have lowered it (a batch builds no more than could pay now, and pads to a size the menu holds).
+        wanted = plan.planner.reach(len(batch), budget)
+    elif pad and plan.planner is not None and len(batch) == 1:
         # Where a step's cost hardly grows with its size (a GPU) the host's work on the tree bounds it: build only
         # what the planner could take of the best possible chain at the host cost measured so far (a batch's
         # budget is bounded so already, _step_shape). At least the smallest padded size, so that it keeps

@@ -10,6 +10,7 @@ import torch
 
 from lookahead import LlamaForCausalLM, LookaheadConfig
 from lookahead.config import StepShape
+from lookahead.controller import HostCost, StepCosts, cost_key
 from lookahead.runner import RunnerCache, StepRunner
 
 from .test_batch import CPU_LIKE, alone, check_rows, mixed_prompts, rows_stopping_apart
@@ -72,6 +73,40 @@ def test_mixed_batch_rows_equal_their_own_greedy_output(tiny, mode):
     for row in stats.rows:  # a parked row's steps are not its own
         assert row.steps == len(row.accepted) and sum(row.accepted) == row.new_tokens
     assert min(r.steps for r in stats.rows) < stats.steps
+
+
+class RisingHostCost(HostCost):
+    """A learned host cost that grows each time the planner reads it, as a slow spell of the host would make it:
+    a batch's reach falls during the call."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    @property
+    def coefficients(self):
+        self.reads += 1
+        return 0.0, 2e-6 * self.reads  # seconds per row, per node
+
+
+def test_a_batch_s_step_shapes_stay_on_the_menu_while_its_reach_falls():
+    """The runner's menu is made from the planner's reach when the call begins; the reach then moves with the host
+    cost learned (a measured cost table). Every later step must still take a shape the menu holds, and the trees
+    shrink with the reach."""
+    model = LlamaForCausalLM.from_hf(tiny_hf_model(max_position_embeddings=512))
+    key = cost_key(model)
+    model.step_costs_cache = {key: StepCosts.from_pairs(GPU_LIKE)}  # as if measured: the planner learns
+    host = model.host_costs_cache = {key: RisingHostCost()}
+    prompts = mixed_prompts()
+    eos, refs = rows_stopping_apart(model, prompts)
+    out = model.generate(prompts, max_new_tokens=24, lookahead=LookaheadConfig(), eos_token_id=eos, pad_token_id=0,
+                         trace=True, **STATIC)
+    check_rows(out, refs, prompts, pad_id=0)
+    assert host[key].reads > 10
+    (runner,) = model.step_runners.runners()
+    menu_budget = max(s.tree_budget for s in runner.menu)
+    nodes = [len(t.tokens) for r in out.stats.rows for t in r.trace]
+    assert menu_budget > 0 and max(nodes) > 0 and nodes[-1] < menu_budget, (menu_budget, nodes)
 
 
 def test_a_batch_near_the_last_position_finishes_plainly(tiny):
