@@ -89,13 +89,14 @@ class RisingHostCost(HostCost):
         return 0.0, 2e-6 * self.reads  # seconds per row, per node
 
 
-def test_a_batch_s_step_shapes_stay_on_the_menu_while_its_reach_falls():
+@pytest.mark.parametrize("table", [GPU_LIKE, GPU_LIKE[:2] + ((32, 0.0102),)], ids=["window", "no-window"])
+def test_a_batch_s_step_shapes_stay_on_the_menu_while_its_reach_falls(table):
     """The runner's menu is made from the planner's reach when the call begins; the reach then moves with the host
     cost learned (a measured cost table). Every later step must still take a shape the menu holds, and the trees
-    shrink with the reach."""
+    shrink with the reach. (A step of 32 tokens leaves no room for the 15 x 4 window: trees alone.)"""
     model = LlamaForCausalLM.from_hf(tiny_hf_model(max_position_embeddings=512))
     key = cost_key(model)
-    model.step_costs_cache = {key: StepCosts.from_pairs(GPU_LIKE)}  # as if measured: the planner learns
+    model.step_costs_cache = {key: StepCosts.from_pairs(table)}  # as if measured: the planner learns
     host = model.host_costs_cache = {key: RisingHostCost()}
     prompts = mixed_prompts()
     eos, refs = rows_stopping_apart(model, prompts)
