@@ -1,11 +1,13 @@
-"""One decoder layer of the CPU forward in float32 as one C++ op, ``lookahead_cpu::decoder_layer``
-(``csrc/cpu_layer.cpp``): RMSNorm, the fused q/k/v projection, rotary embedding, the KV cache write, the step
+"""The decoder layers of the CPU forward in float32 as one C++ op, ``lookahead_cpu::decoder_stack``
+(``csrc/cpu_layer.cpp``), each layer: RMSNorm, the fused q/k/v projection, rotary embedding, the KV cache write, the step
 attention, the o projection, RMSNorm, the fused gate/up projection, SwiGLU, the down projection and both residual
 adds. Its reference is the model's own layer in plain torch (``lookahead.model.DecoderLayer`` on ``F.linear`` and
 :func:`~lookahead_kernels.attention_torch`).
 
 Why one op: at a step's few rows, the parts between the matrix products are microseconds of arithmetic but cost
-10-20 us each as torch ops called from Python, ~4 ms of a 19 ms SmolLM2 forward on a 2-core CPU (measured).
+10-20 us each as torch ops called from Python, ~4 ms of a 19 ms SmolLM2 forward on a 2-core CPU (measured); and
+calling even one op a layer cost ~90 us a layer (the module, the dispatcher's 23 arguments, the weights' check):
+2.7 ms of a 28 ms forward.
 """
 
 from __future__ import annotations
@@ -17,32 +19,31 @@ import torch
 from .cpu_attention import CpuStepAttention
 
 
-def decoder_layer_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, layer: int, attend: CpuStepAttention, *, num_heads: int, num_kv_heads: int,
-                      intermediate_size: int, eps: float, attn_norm: torch.Tensor, qkv: torch.Tensor,
-                      qkv_bias: torch.Tensor | None, o: torch.Tensor, o_bias: torch.Tensor | None,
-                      mlp_norm: torch.Tensor, gate_up: torch.Tensor, gate_up_bias: torch.Tensor | None,
-                      down: torch.Tensor, down_bias: torch.Tensor | None) -> torch.Tensor:
-    """One Llama decoder layer, float32 on the CPU; writes the step's keys and values into the cache.
+def decoder_stack_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, attend: CpuStepAttention, *, num_heads: int, num_kv_heads: int,
+                      intermediate_size: int, eps: float, attn_norm: list, qkv: list, qkv_bias: list, o: list,
+                      o_bias: list, mlp_norm: list, gate_up: list, gate_up_bias: list, down: list,
+                      down_bias: list) -> torch.Tensor:
+    """Every Llama decoder layer of a model, float32 on the CPU, in one call; writes the step's keys and values
+    into each layer's cache.
 
     Args:
-        x: ``[B, T, hidden]``, the layer's input.
+        x: ``[B, T, hidden]``, the first layer's input.
         cos, sin: ``[B, T, D]``, the step's rotary tables (``LlamaForCausalLM.rotary``).
-        k_cache, v_cache: ``[L, B, S, Hkv, D]``, the whole KV cache (last dimension contiguous); layer
-            ``layer``'s rows ``cache_len[b] .. cache_len[b] + T - 1`` are written.
-        layer: which layer of the cache this is.
+        k_cache, v_cache: ``[L, B, S, Hkv, D]``, the whole KV cache (last dimension contiguous); layer ``i``'s
+            rows ``cache_len[b] .. cache_len[b] + T - 1`` are written.
         attend: the step's :class:`CpuStepAttention` (its ``cache_len [B]`` and ``visible [1 or B, T, T]``).
         num_heads, num_kv_heads, intermediate_size, eps: the model's shape and RMSNorm epsilon.
-        attn_norm, mlp_norm: ``[hidden]`` RMSNorm weights.
-        qkv, o, gate_up, down: weights packed by ``torch.ops.lookahead_gemm.pack`` from ``[(Hq + 2 Hkv) D,
-            hidden]``, ``[hidden, Hq D]``, ``[2 intermediate, hidden]`` (gate rows, then up rows) and ``[hidden,
-            intermediate]``; each bias ``[n]`` float32 or None.
+        attn_norm, mlp_norm: per layer (``L`` entries, as every list below), the ``[hidden]`` RMSNorm weights.
+        qkv, o, gate_up, down: per layer, weights packed by ``torch.ops.lookahead_gemm.pack`` from ``[(Hq + 2 Hkv)
+            D, hidden]``, ``[hidden, Hq D]``, ``[2 intermediate, hidden]`` (gate rows, then up) and ``[hidden,
+            intermediate]``; each bias (``qkv_bias``, ...) ``[n]`` float32 or None.
     Returns:
-        ``[B, T, hidden]`` float32, the layer's output.
+        ``[B, T, hidden]`` float32, the last layer's output.
     Raises:
-        ValueError: on shapes, dtypes or a ``cache_len`` that do not fit (the op's checks).
+        ValueError: on shapes, dtypes, list lengths or a ``cache_len`` that do not fit (the op's checks).
     """
-    return torch.ops.lookahead_cpu.decoder_layer(
-        x, cos, sin, k_cache, v_cache, layer, attend.cache_len, attend.visible, 1.0 / math.sqrt(cos.shape[-1]), eps,
+    return torch.ops.lookahead_cpu.decoder_stack(
+        x, cos, sin, k_cache, v_cache, attend.cache_len, attend.visible, 1.0 / math.sqrt(cos.shape[-1]), eps,
         num_heads, num_kv_heads, intermediate_size, attn_norm, qkv, qkv_bias, o, o_bias, mlp_norm, gate_up,
         gate_up_bias, down, down_bias)

@@ -1,6 +1,7 @@
 """Just-in-time build of the host's C++ ops: the CPU forward's small-M GEMM (``csrc/small_gemm.cpp``, namespace
-``torch.ops.lookahead_gemm``), step attention (``csrc/cpu_attention.cpp``, ``torch.ops.lookahead_cpu``) and whole
-decoder layer (``csrc/cpu_layer.cpp``, the two before plus everything between them, same namespace), and the
+``torch.ops.lookahead_gemm``), step attention (``csrc/cpu_attention.cpp``, ``torch.ops.lookahead_cpu``) and the whole
+decoder stack (``csrc/cpu_layer.cpp``, every layer: the two before plus everything between them, same namespace),
+and the
 draft builder's best-first walk and tree encoding (``csrc/draft_tree.cpp``, ``torch.ops.lookahead_draft``), which
 serve the GPU path too: the draft is built on the host, and the successor table's top-k of a CPU step's logits
 (``csrc/row_topk.cpp``, same namespace).
@@ -38,7 +39,7 @@ class CpuOpsError(RuntimeError):
 def _registered() -> bool:
     try:
         return torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_cpu::step_attention", "CPU") and \
-            torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_cpu::decoder_layer", "CPU") and \
+            torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_cpu::decoder_stack", "CPU") and \
             torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_gemm::linear", "CPU") and \
             torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_draft::propose", "CPU") and \
             torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_draft::top_successors", "CPU")

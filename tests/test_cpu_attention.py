@@ -9,7 +9,7 @@ supported head size, MHA and GQA.
 import pytest
 import torch
 
-from lookahead_kernels.attention_ref import attention_dense_reference, attention_torch
+from lookahead_kernels.attention_ref import attention_dense_reference, attention_torch, step_block, step_block_by_rule
 from lookahead_kernels.layout import StepLayout
 from tests.cpu_isa import forced_isa
 from tests.test_attention import check, make_inputs, tree_layout
@@ -62,6 +62,18 @@ def test_trees_match_oracle(window, levels, kinds, V, per_seq, cache_len, isa):
     q, k, v, lens = make_inputs(layout, cache_len, 3, 3, 64, torch.float32, "cpu", seed=V)
     out = cpu_attention.attention_cpu(q, k, v, cache_len=lens, layout=layout)
     check(out, attention_dense_reference(q, k, v, cache_len=lens, layout=layout), torch.float32)
+
+
+@pytest.mark.parametrize("kinds,V,per_seq", [
+    ("chain", 1, False), ("star", 6, False), (("deep", "bushy", "padded"), 20, True), (("bushy", "linear"), 33, True),
+])
+def test_the_step_block_of_x_and_a_tree_follows_the_layout_s_rule(kinds, V, per_seq):
+    """The direct build of a window-less step's visibility equals the general rule, plain steps included."""
+    assert torch.equal(step_block(StepLayout(1, 1), 3, "cpu"), step_block_by_rule(StepLayout(1, 1), 3, "cpu"))
+    layout, _ = tree_layout(1, 1, kinds, V, batch=3 if per_seq else None, seed=V)
+    block = step_block(layout, 3, "cpu")
+    assert block.shape == ((3,) if per_seq else ()) + (layout.T, layout.T)
+    assert torch.equal(block, step_block_by_rule(layout, 3, "cpu"))
 
 
 def test_strided_queries_and_caches():

@@ -132,6 +132,11 @@ def test_a_weight_changed_in_place_or_replaced_is_repacked():
     assert close_to_plain()
     model.layers[0].mlp.gate_up_proj.weight.data = torch.randn(model.layers[0].mlp.gate_up_proj.weight.shape)
     assert close_to_plain()
+    # Norm weights and biases are not packed: the op reads the current ones each step.
+    model.layers[1].mlp_norm.weight = torch.nn.Parameter(torch.rand(64) + 0.5)
+    with torch.no_grad():
+        model.layers[0].attn.qkv_proj.bias.add_(1.0)
+    assert close_to_plain()
     twin = copy.deepcopy(model)  # a copy starts without packed weights (no second copy of them in memory)
     assert all(layer._packed.packed is None for layer in twin.layers)
 
@@ -147,31 +152,36 @@ def test_the_python_layer_serves_where_the_op_does_not_apply():
     assert all(layer._packed.packed is not None for layer in model.layers)
 
 
-def _op_args(T=2, cache_len=3, norm=64):
-    model = random_model(64, 96, 4, 2, 16, False, layers=1)
-    layer = model.layers[0]
+def _op_args(T=2, cache_len=3, norm=64, layers=2):
+    model = random_model(64, 96, 4, 2, 16, False, layers=layers)
     x = torch.randn(1, T, 64)
     cos, sin = model.rotary(torch.arange(T)[None])
     cache = model.new_cache(1, 8)
     with torch.inference_mode():
-        packed = [lin.pack.get(lin.weight)[1] for lin in layer._linears]
-    return (x, cos, sin, cache.k, cache.v, 0, torch.tensor([cache_len]), torch.ones(1, T, T, dtype=torch.bool),
-            0.25, 1e-6, 4, 2, 96, torch.ones(norm), packed[0], None, packed[1], None, torch.ones(64), packed[2],
-            None, packed[3], None)
+        packed = [[lin.pack.get(lin.weight)[1] for lin in layer._linears] for layer in model.layers]
+    norms = [torch.ones(norm)] + [torch.ones(64)] * (layers - 1)
+    none = [None] * layers
+    return (x, cos, sin, cache.k, cache.v, torch.tensor([cache_len]), torch.ones(1, T, T, dtype=torch.bool), 0.25,
+            1e-6, 4, 2, 96, norms, [p[0] for p in packed], none, [p[1] for p in packed], none,
+            [torch.ones(64)] * layers, [p[2] for p in packed], none, [p[3] for p in packed], none)
 
 
 def test_op_checks_its_arguments():
-    op = torch.ops.lookahead_cpu.decoder_layer
+    op = torch.ops.lookahead_cpu.decoder_stack
     with pytest.raises(ValueError, match="within the cache"):
         op(*_op_args(cache_len=7))
     with pytest.raises(ValueError, match="attn_norm must be a float32 CPU tensor"):
         op(*_op_args(norm=63))
     args = list(_op_args())
-    args[5] = 1  # a layer the one-layer cache does not have
-    with pytest.raises(ValueError, match="layer in"):
+    args[12] = args[12][:1]  # one attn_norm for a cache of two layers
+    with pytest.raises(ValueError, match="one attn_norm per layer"):
+        op(*args)
+    args = list(_op_args())
+    args[13] = args[13][:1]  # one qkv weight for two layers
+    with pytest.raises(ValueError, match="every per-layer list must hold 2"):
         op(*args)
 
 
 def test_opcheck():
-    torch.library.opcheck(torch.ops.lookahead_cpu.decoder_layer, _op_args(), test_utils=("test_schema",
+    torch.library.opcheck(torch.ops.lookahead_cpu.decoder_stack, _op_args(), test_utils=("test_schema",
                                                                                          "test_autograd_registration"))
