@@ -12,6 +12,7 @@ token.
     python bench/bench_batch.py --threads 2                        # both dev sets, B = 1 4 16 64, 128 tokens
     python bench/bench_batch.py --batch-sizes 1 4 --prompts 4 --max-new-tokens 16 --tag cpu-smoke
     python bench/bench_batch.py --device cuda --dtype bfloat16 --batch-sizes 1 16 --prompts 16 --max-new-tokens 64
+    python bench/bench_batch.py --dry-run --prompts 4 --batch-sizes 1 4 --max-new-tokens 8 --out-dir /tmp/x
 
 In a dtype below float32, steps of different shapes round differently, so ``identical`` counts rows rather than
 being expected to equal the prompts (float32: identical everywhere).
@@ -40,12 +41,18 @@ from lookahead.cli import DTYPES, read_prompts  # noqa: E402
 from lookahead.controller import make_plan  # noqa: E402
 
 MODES = {"plain": None, "lookahead": LookaheadConfig()}
+# --dry-run: the shape of an H100's step costs (SmolLM2 float32, session 5) ten times slower, given as if measured so
+# that the planner learns the host's cost as it does on a GPU. Slower, because a CPU step's host work includes its
+# verification (a GPU's graph holds it): beside the H100's own times it would turn every batch's trees off, and the
+# dry run would not pass through them. Capped at 64 tokens a row (256 a batch step): the CPU's steps stay short.
+H100_LIKE = ((1, 0.0215), (16, 0.0329), (64, 0.0351))
+H100_LIKE_BATCH = ((256, 0.0505),)
 
 
-def run_paired(model, prompts: list, batch_size: int, max_new_tokens: int, repeats: int) -> dict:
+def run_paired(model, prompts: list, batch_size: int, max_new_tokens: int, repeats: int, **generate_kwargs) -> dict:
     """Decode ``prompts`` (1-D tensors) in batches of ``batch_size`` in every mode, the modes of one batch back to
     back (their order alternating from batch to batch), ``repeats`` times over, after the first batch once in each
-    mode, untimed. Returns per mode its outputs (each
+    mode, untimed (``generate_kwargs`` go to every call). Returns per mode its outputs (each
     prompt's new tokens, from the first pass) and totals, tokens/s being the median over the passes; and per pass
     the ratio of each mode's tokens/s to plain's (side by side, so a drift of the machine's speed cancels)."""
     per_mode = {mode: {"outputs": [], "passes": []} for mode in MODES}
@@ -53,13 +60,13 @@ def run_paired(model, prompts: list, batch_size: int, max_new_tokens: int, repea
     # Untimed, the first batch once in each mode: on CUDA that builds this batch size's runners and captures their
     # graphs (kept on the model), which a timed pass would otherwise pay for once, lookahead's menu more than plain.
     for mode in MODES:
-        model.generate(batches[0], max_new_tokens=max_new_tokens, lookahead=MODES[mode])
+        model.generate(batches[0], max_new_tokens=max_new_tokens, lookahead=MODES[mode], **generate_kwargs)
     for rep in range(repeats):
         totals = {mode: dict(new=0, seconds=0.0, steps=0, fed=0) for mode in MODES}
         for i, batch in enumerate(batches):
             order = list(MODES) if (i + rep) % 2 == 0 else list(reversed(MODES))
             for mode in order:
-                out = model.generate(batch, max_new_tokens=max_new_tokens, lookahead=MODES[mode])
+                out = model.generate(batch, max_new_tokens=max_new_tokens, lookahead=MODES[mode], **generate_kwargs)
                 if rep == 0:
                     L = max(p.numel() for p in batch)
                     per_mode[mode]["outputs"] += [out.sequences[b, L: L + row.new_tokens].tolist()
@@ -97,6 +104,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tag", default=None, help="result file tag (default: the device)")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     ap.add_argument("--render", metavar="JSON", help="only re-write the markdown and plot of a results file")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="the GPU run's loop on the CPU, for plumbing only: static steps run eagerly, an H100's step "
+                         "costs given as if measured (the planner learns the host cost, as on a GPU)")
     args = ap.parse_args(argv)
     if args.render:
         render(args.render, markdown, plot)
@@ -105,9 +115,19 @@ def main(argv=None) -> int:
         ap.error(f"--batch-sizes must be >= 1, got {args.batch_sizes}")
     from tqdm.auto import tqdm
 
+    if args.dry_run:
+        args.device = "cpu"
     torch.set_num_threads(args.threads)
     machine = machine_info(args.device)  # at the start: the revision that runs, whatever is committed meanwhile
     model, tokenizer = load_default(dtype=DTYPES[args.dtype], device=args.device)
+    generate_kwargs = {}
+    if args.dry_run:  # the model's own memo of measured costs (lookahead.controller), filled before any call
+        from lookahead.controller import StepCosts, cost_key
+
+        key = cost_key(model)
+        model.step_costs_cache = {key: StepCosts.from_pairs(H100_LIKE),
+                                  key + "|batch": StepCosts.from_pairs(H100_LIKE_BATCH)}
+        generate_kwargs = dict(cuda_graphs=False, _static_steps=True)
     rows = []
     with torch.inference_mode():
         for set_path in args.sets:
@@ -116,15 +136,15 @@ def main(argv=None) -> int:
             for B in args.batch_sizes:  # the controller's cost measurement for this batch, outside the timings
                 make_plan(MODES["lookahead"], model, min(B, len(prompts)))
             for config in MODES.values():  # warm-up: packing, caches, allocator
-                model.generate(prompts[:2], max_new_tokens=4, lookahead=config)
+                model.generate(prompts[:2], max_new_tokens=4, lookahead=config, **generate_kwargs)
             reference = None
             if 1 not in args.batch_sizes:  # each prompt's batch-1 plain output, untimed, for the identity counts
                 reference = [model.generate(p, max_new_tokens=args.max_new_tokens, lookahead=None)
                              .sequences[0, p.numel():].tolist()
                              for p in tqdm(prompts, desc=f"{name} batch-1 reference")]
             for B in tqdm(sorted(args.batch_sizes), desc=name):
-                for mode, (outputs, totals) in run_paired(model, prompts, B, args.max_new_tokens,
-                                                          args.repeats).items():
+                for mode, (outputs, totals) in run_paired(model, prompts, B, args.max_new_tokens, args.repeats,
+                                                          **generate_kwargs).items():
                     if reference is None:  # batch 1, plain: the first run
                         reference = outputs
                     identical = sum(o == r for o, r in zip(outputs, reference))
@@ -136,7 +156,7 @@ def main(argv=None) -> int:
         r["vs_plain"] = r["paired_vs_plain"]
     machine["load_average_end"] = machine_info(args.device)["load_average"]
     tag = args.tag or ("cpu" if args.device == "cpu" else device_label(machine).lower().replace(" ", "-")) \
-        + ("" if args.dtype == "float32" else f"-{args.dtype}")
+        + ("" if args.dtype == "float32" else f"-{args.dtype}") + ("-dry-run" if args.dry_run else "")
     result = {"machine": machine, "command": command_line(__file__, sys.argv[1:] if argv is None else argv),
               "model": f"SmolLM2-135M-Instruct ({args.dtype})", "dtype": args.dtype,
               "max_new_tokens": args.max_new_tokens,

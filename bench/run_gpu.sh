@@ -148,7 +148,10 @@ else
     --out-dir "$WORK" \
     --systems ours-plain ours-lookahead ours-fixed-15-5-15 hf-greedy hf-prompt-lookup
 fi
-if [ $DRY = 0 ]; then  # issue 12's GPU figure: lookahead against plain at 1, 4 and 16 rows (graphs on)
+if [ $DRY = 1 ]; then  # the batches' loop as a GPU runs it (static steps, a planner that learns), on the CPU
+  wants batch && part batch 150 $PY bench/bench_batch.py --dry-run --prompts 4 --batch-sizes 1 4 --max-new-tokens 8 \
+    --sets "${SETS[@]}" --out-dir "$WORK"
+else  # issue 12's GPU figure: lookahead against plain at 1, 4 and 16 rows (graphs on)
   wants batch && part batch 150 $PY bench/bench_batch.py --device cuda --prompts 16 --batch-sizes 1 4 16 \
     --repeats 1 --max-new-tokens 64 --sets "${SETS[@]}" --out-dir "$WORK"
   wants batchbf16 && part batchbf16 90 $PY bench/bench_batch.py --device cuda --dtype bfloat16 --prompts 16 \
