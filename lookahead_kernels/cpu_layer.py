@@ -1,7 +1,7 @@
 """The decoder layers of the CPU forward in float32 as one C++ op, ``lookahead_cpu::decoder_stack``
-(``csrc/cpu_layer.cpp``), each layer: RMSNorm, the fused q/k/v projection, rotary embedding, the KV cache write, the step
-attention, the o projection, RMSNorm, the fused gate/up projection, SwiGLU, the down projection and both residual
-adds. Its reference is the model's own layer in plain torch (``lookahead.model.DecoderLayer`` on ``F.linear`` and
+(``csrc/cpu_layer.cpp``), each layer: RMSNorm, the fused q/k/v projection, rotary embedding, the KV cache write, the
+step attention, the o projection, RMSNorm, the fused gate/up projection, SwiGLU, the down projection and both
+residual adds. Its reference is the model's own layer in plain torch (``lookahead.model.DecoderLayer`` on ``F.linear`` and
 :func:`~lookahead_kernels.attention_torch`).
 
 Why one op: at a step's few rows, the parts between the matrix products are microseconds of arithmetic but cost
