@@ -1,8 +1,8 @@
 """The decoder layers of the CPU forward in float32 as one C++ op, ``lookahead_cpu::decoder_stack``
 (``csrc/cpu_layer.cpp``), each layer: RMSNorm, the fused q/k/v projection, rotary embedding, the KV cache write, the
 step attention, the o projection, RMSNorm, the fused gate/up projection, SwiGLU, the down projection and both
-residual adds. Its reference is the model's own layer in plain torch (``lookahead.model.DecoderLayer`` on ``F.linear`` and
-:func:`~lookahead_kernels.attention_torch`).
+residual adds. Its reference is the model's own layer in plain torch (``lookahead.model.DecoderLayer`` on
+``F.linear`` and :func:`~lookahead_kernels.attention_torch`).
 
 Why one op: at a step's few rows, the parts between the matrix products are microseconds of arithmetic but cost
 10-20 us each as torch ops called from Python, ~4 ms of a 19 ms SmolLM2 forward on a 2-core CPU (measured); and
