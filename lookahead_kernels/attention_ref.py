@@ -74,36 +74,35 @@ def step_block(layout: StepLayout, batch_size: int, device) -> torch.Tensor:
     """BoolTensor ``[T, T]`` (``[B, T, T]`` with a tree per sequence): whether step token ``q`` sees step token
     ``k`` under the layout's rule (the committed prefix, visible to all, is not part of it).
 
-    A step of ``x`` and a tree only (every CPU step, and every plain one) is built directly: ``x`` sees itself, a
-    node sees ``x`` and its own ancestors. The general rule took 220-440 us a forward at such steps' few tokens (a
-    1% of a CPU step); the tests hold both to the same answer."""
-    if layout.lookahead_len == 1:
-        if layout.T == 1:
-            return torch.ones(1, 1, dtype=torch.bool, device=device)
-        from .tree import ancestor_matrix
+    Built by parts: the lookahead branch by the rule's index arithmetic, ``x`` seen by every token, and each tree
+    node seeing its own ancestors (the tree's ancestor matrix). The rule evaluated over all ``[T, T]`` pairs took
+    220-440 us a forward at a CPU step's few tokens (1% of the step); :func:`step_block_by_rule` is that
+    evaluation, kept as the tests' oracle."""
+    T, la, V = layout.T, layout.lookahead_len, layout.tree_size
+    if T == 1:
+        return torch.ones(1, 1, dtype=torch.bool, device=device)
+    if V == 0:  # the lookahead branch alone: the rule's index arithmetic is all there is
+        return step_block_by_rule(layout, batch_size, device)
+    from .tree import ancestor_matrix
 
-        end = layout.tree.end if layout.tree.batched else layout.tree.end[None]
-        anc = ancestor_matrix(end.to(device))  # [B or 1, V, V]: [j, i] says j is i or an ancestor of i
-        block = torch.zeros(anc.shape[0], layout.T, layout.T, dtype=torch.bool, device=device)
-        block[:, :, 0] = True
-        block[:, 1:, 1:] = anc.transpose(-1, -2)
-        return block if layout.tree.batched else block[0]
-    return step_block_by_rule(layout, batch_size, device)
+    batched = layout.tree.batched
+    end = layout.tree.end.to(device)
+    block = torch.zeros(end.shape[0] if batched else 1, T, T, dtype=torch.bool, device=device)
+    if la > 1:  # the rule's lookahead part alone (a layout without the tree: no tree lookups)
+        block[:, :la, :la] = step_block_by_rule(StepLayout(layout.window, layout.levels), batch_size, device)
+    block[:, :, 0] = True
+    # [B or 1, V, V]: [j, i] says node j is node i or one of its ancestors; a query row i sees those j.
+    block[:, la:, la:] = ancestor_matrix(end if batched else end[None]).transpose(-1, -2)
+    return block if batched else block[0]
 
 
 def step_block_by_rule(layout: StepLayout, batch_size: int, device) -> torch.Tensor:
-    """:func:`step_block` from :meth:`StepLayout.visible`, for any layout."""
-    T = layout.T
-    idx = torch.arange(T, device=device)
-    block = layout.visible(idx[:, None], idx[None, :])  # [T, T]
+    """:func:`step_block` by :meth:`StepLayout.visible` over every pair of step tokens (per sequence with a tree
+    per sequence)."""
+    idx = torch.arange(layout.T, device=device)
     if layout.tree is not None and layout.tree.batched and layout.tree_size:
-        # A tree per sequence: the tree-to-tree block differs by row ([B, T, T]); the rest is shared.
-        from .tree import ancestor_matrix
-
-        la = layout.lookahead_len
-        block = block.expand(batch_size, T, T).clone()
-        block[:, la:, la:] = ancestor_matrix(layout.tree.end.to(device)).transpose(-1, -2)
-    return block
+        return torch.stack([layout.visible(idx[:, None], idx[None, :], b) for b in range(batch_size)])
+    return layout.visible(idx[:, None], idx[None, :])
 
 
 class StepAttention:

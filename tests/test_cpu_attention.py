@@ -67,10 +67,13 @@ def test_trees_match_oracle(window, levels, kinds, V, per_seq, cache_len, isa):
 @pytest.mark.parametrize("kinds,V,per_seq", [
     ("chain", 1, False), ("star", 6, False), (("deep", "bushy", "padded"), 20, True), (("bushy", "linear"), 33, True),
 ])
-def test_the_step_block_of_x_and_a_tree_follows_the_layout_s_rule(kinds, V, per_seq):
-    """The direct build of a window-less step's visibility equals the general rule, plain steps included."""
-    assert torch.equal(step_block(StepLayout(1, 1), 3, "cpu"), step_block_by_rule(StepLayout(1, 1), 3, "cpu"))
-    layout, _ = tree_layout(1, 1, kinds, V, batch=3 if per_seq else None, seed=V)
+@pytest.mark.parametrize("window,levels", [(1, 1), (4, 2), (3, 3)])
+def test_the_step_block_follows_the_layout_s_rule(window, levels, kinds, V, per_seq):
+    """The visibility built by parts equals the rule evaluated over every pair, plain steps and lookahead branches
+    without a tree included."""
+    for bare in (StepLayout(1, 1), StepLayout(window, levels), StepLayout.prefill(5)):
+        assert torch.equal(step_block(bare, 3, "cpu"), step_block_by_rule(bare, 3, "cpu"))
+    layout, _ = tree_layout(window, levels, kinds, V, batch=3 if per_seq else None, seed=V)
     block = step_block(layout, 3, "cpu")
     assert block.shape == ((3,) if per_seq else ()) + (layout.T, layout.T)
     assert torch.equal(block, step_block_by_rule(layout, 3, "cpu"))
