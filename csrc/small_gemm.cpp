@@ -10,9 +10,23 @@
 // Partial sums live in a small per-thread buffer [M, 32] between blocks; every output is one fp32 sum over
 // k in order.
 //
+// Quantised checkpoints (the default model is a Q4_1 GGUF) hold weights that are exactly d * q + m for 4-bit q, or
+// d * q for 8-bit q, per block of 32 along K with a half-precision d: their float32 copies waste 6.4x or 3.8x the
+// bytes a step must read. pack finds such weights (every block must reproduce every float's bits, else the plain
+// float32 layout is kept) and stores them as those integers; the GEMM expands each 64 x 32 block into an L1 buffer
+// just before its FMAs, to the very floats the float32 layout holds, so every format gives identical results.
+//   f32: float32 [G, K, 32]
+//   q4:  uint8 [G, K/32, 768]: per 32 x 32 block, d[32] and m[32] as float32 (one per column), then for each of
+//        the 32 k 16 bytes, column c's q in the low nibble of byte c (c < 16) or the high nibble of byte c - 16
+//   q8:  uint8 [G, K/32, 1152]: per block, d[32] as float32, then for each k the 32 columns' q as int8
+// d * q is exact in float32 (d has 11 significant bits, q at most 8), so d * q + m rounds once however it is
+// computed (FMA or not): pack's check and the GEMM's expansion agree bit for bit.
+//
 // One source, two instruction sets chosen at run time (AVX-512 where the CPU has it, else AVX2+FMA), plus a
 // plain loop for other CPUs. Ops (namespace lookahead_gemm):
-//   pack(Tensor weight) -> Tensor                                      weight [N, K] -> [ceil(N/32), K, 32]
+//   pack(Tensor weight, str format="auto") -> Tensor   weight [N, K] float32 -> one of the layouts above; "auto":
+//                                                      the smallest that holds it exactly (q4, q8, else f32)
+//   packed_format(Tensor packed) -> str                "f32", "q4" or "q8"
 //   linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor     x [M, K] -> y [M, n]
 //   isa() -> str                                                       "avx512", "avx2" or "scalar"
 //   force_isa(str isa) -> ()            tests: run this GEMM and the step attention as "avx2" or "scalar" even
@@ -24,8 +38,12 @@
 
 #include <immintrin.h>
 
+#include <c10/util/Half.h>
+
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -41,6 +59,30 @@ constexpr int64_t kCols = 32;  // output columns per packed group
 #define SMALL_GEMM_KB 64
 #endif
 constexpr int64_t kKB = SMALL_GEMM_KB;  // k rows per block: 64 * 32 floats = 8 KB (measured best of 64/128/256)
+static_assert(kKB % 32 == 0, "a GEMM block holds whole quantised blocks");
+// Up to this many rows a quantised weight is expanded in registers in one pass (AVX2); beyond, once per block into
+// L1, which every pass then reads. Measured on a Zen 1 EPYC, SmolLM2 forwards of 5 rows: 41.9 against 43.9 ms; of
+// 6: 49.3 against 48.1 (a second pass costs a second expansion: 8 rows 67.8 against 58.7).
+constexpr int64_t kFusedRows = 5;
+
+enum Format : int { kF32 = 0, kQ4 = 1, kQ8 = 2 };
+constexpr int64_t kQK = 32;                           // k per quantised block
+constexpr int64_t kQ4Bytes = 2 * kCols * 4 + kQK * 16;  // d, m, then 32 k of 16 bytes
+constexpr int64_t kQ8Bytes = kCols * 4 + kQK * kCols;   // d, then 32 k of 32 bytes
+
+// Expands `blocks` quantised blocks of 32 x 32 weights at `src` into out [32 * blocks, 32] floats.
+using ExpandFn = void (*)(const uint8_t* src, int64_t blocks, float* out);
+
+// A packed weight as linear reads it: the float32 layout, or the quantised blocks of one of the formats and the
+// expansion that runs on this instruction set.
+struct Packed {
+  Format format;
+  int64_t K;
+  const float* f32;
+  const uint8_t* q;
+  int64_t block_bytes;
+  ExpandFn expand;
+};
 
 // MR rows of one group over k in [0, kn) of a block: acc (from / to buf, row stride 32) += x[:, k] * w[k, :].
 // x points at column k0 of row 0 (row stride K); w at row k0 of the group; pf at the next block (prefetched).
@@ -75,10 +117,10 @@ constexpr int64_t kKB = SMALL_GEMM_KB;  // k rows per block: 64 * 32 floats = 8 
   static constexpr std::array<BlockFn, sizeof...(Rs)> NAME##_table(std::integer_sequence<int, Rs...>) {         \
     return {NAME##_block<Rs + 1>...};                                                                           \
   }                                                                                                             \
-  static void NAME##_groups(const float* x, int64_t M, int64_t K, const float* w, int64_t g0, int64_t g1,      \
-                            float* buf, int64_t rows_per, float* y, int64_t n, const float* bias) {            \
+  static void NAME##_groups(const float* x, int64_t M, const Packed& w, int64_t g0, int64_t g1, float* buf,     \
+                            float* scratch, int64_t rows_per, float* y, int64_t n, const float* bias) {        \
     static constexpr auto blocks = NAME##_table(std::make_integer_sequence<int, MAXR>{});                       \
-    run_groups(blocks.data(), x, M, K, w, g0, g1, buf, rows_per, y, n, bias);                                    \
+    run_groups(blocks.data(), x, M, w, g0, g1, buf, scratch, rows_per, y, n, bias);                              \
   }
 
 // Copies buf [M, 32] to y's columns c0 .. c0+31 (those < n), adding bias.
@@ -98,16 +140,54 @@ inline void store_rows(const float* buf, int64_t M, float* y, int64_t n, int64_t
 // One block of R rows (R = 1 .. the kernel's most): as SMALL_GEMM_KERNEL's NAME##_block says.
 using BlockFn = void (*)(const float*, int64_t, int64_t, const float*, float*, bool, const char*);
 
+// ExpandFn in plain loops (other instruction sets than AVX2).
+__attribute__((target_clones("avx512f", "default")))
+void expand_q4(const uint8_t* src, int64_t blocks, float* out) {
+  for (int64_t b = 0; b < blocks; ++b, src += kQ4Bytes, out += kQK * kCols) {
+    float d[kCols], m[kCols];
+    std::memcpy(d, src, sizeof d);
+    std::memcpy(m, src + sizeof d, sizeof m);
+    const uint8_t* q = src + sizeof d + sizeof m;
+    for (int64_t k = 0; k < kQK; ++k) {
+      float* o = out + k * kCols;
+      const uint8_t* qk = q + k * 16;
+      for (int c = 0; c < 16; ++c) o[c] = d[c] * static_cast<float>(qk[c] & 15) + m[c];
+      for (int c = 0; c < 16; ++c) o[16 + c] = d[16 + c] * static_cast<float>(qk[c] >> 4) + m[16 + c];
+    }
+  }
+}
+
+__attribute__((target_clones("avx512f", "default")))
+void expand_q8(const uint8_t* src, int64_t blocks, float* out) {
+  for (int64_t b = 0; b < blocks; ++b, src += kQ8Bytes, out += kQK * kCols) {
+    float d[kCols];
+    std::memcpy(d, src, sizeof d);
+    const int8_t* q = reinterpret_cast<const int8_t*>(src + sizeof d);
+    for (int64_t k = 0; k < kQK; ++k)
+      for (int c = 0; c < kCols; ++c) out[k * kCols + c] = d[c] * static_cast<float>(q[k * kCols + c]);
+  }
+}
+
 // Groups [g0, g1) of the packed weight: each K block is read by every pass of rows_per rows (blocks[r - 1] runs a
-// pass of r rows) before the next block, and each group's sums are stored once its last block is done.
-void run_groups(const BlockFn* blocks, const float* x, int64_t M, int64_t K, const float* w, int64_t g0, int64_t g1,
-                float* buf, int64_t rows_per, float* y, int64_t n, const float* bias) {
+// pass of r rows) before the next block, and each group's sums are stored once its last block is done. A quantised
+// block is expanded into `scratch` [kKB, 32] first; the passes then read it from L1.
+void run_groups(const BlockFn* blocks, const float* x, int64_t M, const Packed& w, int64_t g0, int64_t g1,
+                float* buf, float* scratch, int64_t rows_per, float* y, int64_t n, const float* bias) {
+  const int64_t K = w.K;
   for (int64_t g = g0; g < g1; ++g) {
-    const float* wg = w + g * K * kCols;
     for (int64_t k0 = 0; k0 < K; k0 += kKB) {
       const int64_t kn = std::min(kKB, K - k0);
-      const float* wb = wg + k0 * kCols;
-      const char* pf = reinterpret_cast<const char*>(wb + kn * kCols);  // the next block, contiguous
+      const float* wb;
+      const char* pf;  // the next block, contiguous
+      if (w.format == kF32) {
+        wb = w.f32 + (g * K + k0) * kCols;
+        pf = reinterpret_cast<const char*>(wb + kn * kCols);
+      } else {
+        const uint8_t* src = w.q + (g * (K / kQK) + k0 / kQK) * w.block_bytes;
+        w.expand(src, kn / kQK, scratch);
+        wb = scratch;
+        pf = reinterpret_cast<const char*>(src + kn / kQK * w.block_bytes);
+      }
       for (int64_t m0 = 0; m0 < M; m0 += rows_per) {
         const int r = static_cast<int>(std::min(rows_per, M - m0));
         blocks[r - 1](x + m0 * K + k0, K, kn, wb, buf + m0 * kCols, k0 == 0, pf);
@@ -156,26 +236,134 @@ static void k256_block(const float* x, int64_t K, int64_t kn, const float* w, fl
     for (int j = 0; j < 4; ++j) _mm256_storeu_ps(buf + r * kCols + 8 * j, acc[r][j]);
 }
 
-static void k256_groups(const float* x, int64_t M, int64_t K, const float* w, int64_t g0, int64_t g1, float* buf,
-                        int64_t rows_per, float* y, int64_t n, const float* bias) {
+// ExpandFn in AVX2: a k row's 32 q (16 bytes of nibbles, or 32 int8) widened to 4 x 8 floats, then d * q + m.
+static void expand_q4_avx2(const uint8_t* src, int64_t blocks, float* out) {
+  const __m128i low = _mm_set1_epi8(15);
+  for (int64_t b = 0; b < blocks; ++b, src += kQ4Bytes, out += kQK * kCols) {
+    const float* d = reinterpret_cast<const float*>(src);  // 4-byte aligned: blocks are 768 bytes
+    const float* m = d + kCols;
+    const __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8), d2 = _mm256_loadu_ps(d + 16),
+                 d3 = _mm256_loadu_ps(d + 24);
+    const __m256 m0 = _mm256_loadu_ps(m), m1 = _mm256_loadu_ps(m + 8), m2 = _mm256_loadu_ps(m + 16),
+                 m3 = _mm256_loadu_ps(m + 24);
+    const uint8_t* q = src + 2 * kCols * 4;
+    for (int64_t k = 0; k < kQK; ++k) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * 16));
+      const __m128i lo = _mm_and_si128(bytes, low), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+      float* o = out + k * kCols;
+      _mm256_storeu_ps(o, _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), m0));
+      _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), m1));
+      _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(d2, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), m2));
+      _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(d3, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), m3));
+    }
+  }
+}
+
+static void expand_q8_avx2(const uint8_t* src, int64_t blocks, float* out) {
+  for (int64_t b = 0; b < blocks; ++b, src += kQ8Bytes, out += kQK * kCols) {
+    const float* d = reinterpret_cast<const float*>(src);
+    const __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8), d2 = _mm256_loadu_ps(d + 16),
+                 d3 = _mm256_loadu_ps(d + 24);
+    const uint8_t* q = src + kCols * 4;
+    for (int64_t k = 0; k < kQK; ++k) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * kCols));
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * kCols + 16));
+      float* o = out + k * kCols;
+      _mm256_storeu_ps(o, _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a))));
+      _mm256_storeu_ps(o + 8, _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8)))));
+      _mm256_storeu_ps(o + 16, _mm256_mul_ps(d2, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c))));
+      _mm256_storeu_ps(o + 24, _mm256_mul_ps(d3, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8)))));
+    }
+  }
+}
+
+// A quantised group for one pass of R <= kFusedRows rows, in two halves of 16 columns (so that 2 R accumulators and the
+// weights fit the 16 registers): each k row of a half is expanded into registers and used at once (no round trip
+// through L1), the accumulators kept over all of K. The same FMAs in the same order as k256_block on the expanded
+// floats: identical sums.
+template <int R, Format F>
+static void k256_quantised_group(const float* x, int64_t K, const uint8_t* group, float* buf) {
+  constexpr int64_t bytes = F == kQ4 ? kQ4Bytes : kQ8Bytes;
+  const __m128i low = _mm_set1_epi8(15);
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[R][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const uint8_t* src = group;
+    for (int64_t b = 0; b < K / kQK; ++b, src += bytes) {
+      __builtin_prefetch(src + 8 * bytes, 0, 2);  // the hardware prefetcher misses the first lines of a stream
+      const float* d = reinterpret_cast<const float*>(src) + 16 * half;
+      const float* m = d + kCols;
+      const __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8);
+      const float* xb = x + b * kQK;
+      for (int64_t k = 0; k < kQK; ++k) {
+        __m256 w0, w1;
+        if constexpr (F == kQ4) {  // half 0: the low nibbles of the 16 bytes, half 1: the high ones
+          const __m128i by = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * kCols * 4 + k * 16));
+          const __m128i v = _mm_and_si128(half == 0 ? by : _mm_srli_epi16(by, 4), low);
+          w0 = _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), _mm256_loadu_ps(m));
+          w1 = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))),
+                               _mm256_loadu_ps(m + 8));
+        } else {
+          const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + kCols * 4 + k * kCols + 16 * half));
+          w0 = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)));
+          w1 = _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))));
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m256 s = _mm256_broadcast_ss(xb + r * K + k);
+          acc[r][0] = _mm256_fmadd_ps(w0, s, acc[r][0]);
+          acc[r][1] = _mm256_fmadd_ps(w1, s, acc[r][1]);
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(buf + r * kCols + 16 * half, acc[r][0]);
+      _mm256_storeu_ps(buf + r * kCols + 16 * half + 8, acc[r][1]);
+    }
+  }
+}
+
+static void k256_groups(const float* x, int64_t M, const Packed& w, int64_t g0, int64_t g1, float* buf,
+                        float* scratch, int64_t rows_per, float* y, int64_t n, const float* bias) {
   static constexpr BlockFn blocks[] = {k256_block<1>, k256_block<2>, k256_block<3>};
-  run_groups(blocks, x, M, K, w, g0, g1, buf, rows_per, y, n, bias);
+  if (w.format == kF32 || M > kFusedRows) {
+    run_groups(blocks, x, M, w, g0, g1, buf, scratch, rows_per, y, n, bias);
+    return;
+  }
+  using GroupFn = void (*)(const float*, int64_t, const uint8_t*, float*);
+  static constexpr GroupFn q4[] = {k256_quantised_group<1, kQ4>, k256_quantised_group<2, kQ4>,
+                                   k256_quantised_group<3, kQ4>, k256_quantised_group<4, kQ4>,
+                                   k256_quantised_group<5, kQ4>};
+  static constexpr GroupFn q8[] = {k256_quantised_group<1, kQ8>, k256_quantised_group<2, kQ8>,
+                                   k256_quantised_group<3, kQ8>, k256_quantised_group<4, kQ8>,
+                                   k256_quantised_group<5, kQ8>};
+  static_assert(sizeof q4 / sizeof q4[0] == kFusedRows, "one kernel per row count");
+  const GroupFn group = (w.format == kQ4 ? q4 : q8)[M - 1];
+  for (int64_t g = g0; g < g1; ++g) {
+    group(x, w.K, w.q + g * (w.K / kQK) * w.block_bytes, buf);
+    store_rows(buf, M, y, n, g * kCols, bias);
+  }
 }
 #pragma GCC pop_options
 
-using GroupsFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, float*, int64_t, float*,
+using GroupsFn = void (*)(const float*, int64_t, const Packed&, int64_t, int64_t, float*, float*, int64_t, float*,
                           int64_t, const float*);
 
-// Other CPUs: a plain loop, one sum per output over k in order.
-void groups_scalar(const float* x, int64_t M, int64_t K, const float* w, int64_t g0, int64_t g1, float*,
-                   int64_t, float* y, int64_t n, const float* bias) {
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t c = g0 * kCols; c < std::min(g1 * kCols, n); ++c) {
-      const float* wp = w + (c / kCols) * K * kCols + (c % kCols);
-      float s = 0.f;
-      for (int64_t k = 0; k < K; ++k) s += x[m * K + k] * wp[k * kCols];
-      y[m * n + c] = bias == nullptr ? s : s + bias[c];
-    }
+// Other CPUs: one row at a time, a plain loop per output column over k in order.
+static void scalar_block(const float* x, int64_t, int64_t kn, const float* w, float* buf, bool first, const char*) {
+  for (int64_t c = 0; c < kCols; ++c) {
+    float s = first ? 0.f : buf[c];
+    for (int64_t k = 0; k < kn; ++k) s += x[k] * w[k * kCols + c];
+    buf[c] = s;
+  }
+}
+
+void groups_scalar(const float* x, int64_t M, const Packed& w, int64_t g0, int64_t g1, float* buf, float* scratch,
+                   int64_t rows_per, float* y, int64_t n, const float* bias) {
+  static constexpr BlockFn blocks[] = {scalar_block};
+  run_groups(blocks, x, M, w, g0, g1, buf, scratch, rows_per, y, n, bias);
 }
 
 const char* isa_name() {
@@ -198,14 +386,131 @@ GroupsFn pick(int64_t* max_rows) {
   return groups_scalar;
 }
 
-at::Tensor pack(const at::Tensor& weight) {
-  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
-                    "lookahead_gemm.pack: weight must be a float32 CPU tensor [N, K], got ", weight.scalar_type(),
-                    " ", weight.sizes());
-  const int64_t N = weight.size(0), K = weight.size(1);
+bool same_bits(float a, float b) {
+  uint32_t x, y;
+  std::memcpy(&x, &a, 4);
+  std::memcpy(&y, &b, 4);
+  return x == y;
+}
+
+// The half-precision value nearest `v` and the next one up and down: the scales a quantiser may have stored.
+std::array<float, 3> half_scales(float v) {
+  const c10::Half h(v);
+  const c10::Half up(static_cast<uint16_t>(h.x + 1), c10::Half::from_bits());
+  const c10::Half down(static_cast<uint16_t>(h.x - 1), c10::Half::from_bits());
+  return {static_cast<float>(h), static_cast<float>(up), static_cast<float>(down)};
+}
+
+// v[0..32) as d * q + m with q in [0, 15] and d a positive half, every float's bits reproduced: d, m, q or false.
+bool fit_q4(const float* v, float* d, float* m, uint8_t* q) {
+  float lo = v[0], hi = v[0];
+  for (int64_t i = 0; i < kQK; ++i) {
+    if (!std::isfinite(v[i])) return false;
+    lo = std::min(lo, v[i]);
+    hi = std::max(hi, v[i]);
+  }
+  *m = lo;
+  if (hi == lo) {  // one value: q = 0 everywhere (d * 0 + m is m, though +0 for a -0 block: checked)
+    *d = 0.f;
+    std::fill(q, q + kQK, 0);
+    for (int64_t i = 0; i < kQK; ++i)
+      if (!same_bits(0.f * 0.f + lo, v[i])) return false;
+    return true;
+  }
+  // The largest value's q: 15 from a min-max quantiser (llama.cpp's), smaller where the block's top was unused.
+  for (int top = 15; top >= 1; --top)
+    for (const float s : half_scales((hi - lo) / static_cast<float>(top))) {
+      if (!(s > 0.f) || !std::isfinite(s)) continue;
+      bool ok = true;
+      for (int64_t i = 0; i < kQK && ok; ++i) {
+        const float r = std::nearbyint((v[i] - lo) / s);
+        ok = r >= 0.f && r <= 15.f && same_bits(s * r + lo, v[i]);
+        q[i] = static_cast<uint8_t>(r);
+      }
+      if (ok) {
+        *d = s;
+        return true;
+      }
+    }
+  return false;
+}
+
+// v[0..32) as d * q with q in [-128, 127] and d a positive half (or all +0), every float's bits reproduced.
+bool fit_q8(const float* v, float* d, int8_t* q) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < kQK; ++i) {
+    if (!std::isfinite(v[i])) return false;
+    amax = std::max(amax, std::fabs(v[i]));
+  }
+  if (amax == 0.f) {
+    *d = 0.f;
+    std::fill(q, q + kQK, 0);
+    for (int64_t i = 0; i < kQK; ++i)
+      if (!same_bits(0.f, v[i])) return false;
+    return true;
+  }
+  // The largest magnitude's |q|: 127 from a max-abs quantiser (llama.cpp's), 128 for a -128, less where unused.
+  for (int top = 128; top >= 1; --top)
+    for (const float s : half_scales(amax / static_cast<float>(top))) {
+      if (!(s > 0.f) || !std::isfinite(s)) continue;
+      bool ok = true;
+      for (int64_t i = 0; i < kQK && ok; ++i) {
+        const float r = std::nearbyint(v[i] / s);
+        ok = r >= -128.f && r <= 127.f && same_bits(s * r, v[i]);
+        q[i] = static_cast<int8_t>(r);
+      }
+      if (ok) {
+        *d = s;
+        return true;
+      }
+    }
+  return false;
+}
+
+// Packs `src` [N, K] into the quantised layout `format` (K a multiple of 32); false (and `out` unfinished) if some
+// block is not of that form. Groups run in parallel; the first failure stops the others at their next block.
+bool pack_quantised(const float* src, int64_t N, int64_t K, Format format, uint8_t* out) {
+  const int64_t groups = (N + kCols - 1) / kCols, blocks = K / kQK;
+  const int64_t bytes = format == kQ4 ? kQ4Bytes : kQ8Bytes;
+  std::atomic<bool> failed{false};
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    float d[kCols], m[kCols];
+    uint8_t q4[kQK];
+    int8_t q8[kQK];
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < blocks; ++b) {
+        if (failed.load(std::memory_order_relaxed)) return;
+        uint8_t* dst = out + (g * blocks + b) * bytes;
+        std::fill(d, d + kCols, 0.f);  // padded columns: d = m = 0, q = 0, the weight 0 the f32 layout pads with
+        std::fill(m, m + kCols, 0.f);
+        for (int64_t c = 0; c < kCols && g * kCols + c < N; ++c) {
+          const float* v = src + (g * kCols + c) * K + b * kQK;
+          if (format == kQ4) {
+            if (!fit_q4(v, &d[c], &m[c], q4)) {
+              failed = true;
+              return;
+            }
+            for (int64_t k = 0; k < kQK; ++k)
+              dst[2 * kCols * 4 + k * 16 + (c & 15)] |= static_cast<uint8_t>(q4[k] << (c < 16 ? 0 : 4));
+          } else {
+            if (!fit_q8(v, &d[c], q8)) {
+              failed = true;
+              return;
+            }
+            for (int64_t k = 0; k < kQK; ++k) dst[kCols * 4 + k * kCols + c] = static_cast<uint8_t>(q8[k]);
+          }
+        }
+        std::memcpy(dst, d, sizeof d);
+        if (format == kQ4) std::memcpy(dst + sizeof d, m, sizeof m);
+      }
+  });
+  return !failed.load();
+}
+
+at::Tensor pack_f32(const at::Tensor& w) {
+  const int64_t N = w.size(0), K = w.size(1);
   const int64_t groups = (N + kCols - 1) / kCols;  // the last one zero-padded
-  at::Tensor packed = at::zeros({groups, K, kCols}, weight.options());
-  const at::Tensor w = weight.contiguous();
+  at::Tensor packed = at::zeros({groups, K, kCols}, w.options());
   const float* src = w.data_ptr<float>();
   float* dst = packed.data_ptr<float>();
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
@@ -216,6 +521,45 @@ at::Tensor pack(const at::Tensor& weight) {
       }
   });
   return packed;
+}
+
+at::Tensor pack(const at::Tensor& weight, c10::string_view format) {
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
+                    "lookahead_gemm.pack: weight must be a float32 CPU tensor [N, K], got ", weight.scalar_type(),
+                    " ", weight.sizes());
+  TORCH_CHECK_VALUE(format == "auto" || format == "f32" || format == "q4" || format == "q8",
+                    "lookahead_gemm.pack: format must be 'auto', 'f32', 'q4' or 'q8', got '", format, "'");
+  const at::Tensor w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1);
+  const int64_t groups = (N + kCols - 1) / kCols;
+  for (const Format f : {kQ4, kQ8}) {
+    const char* name = f == kQ4 ? "q4" : "q8";
+    if (format != "auto" && format != name) continue;
+    const bool fits = K % kQK == 0 && N > 0 && K > 0;
+    if (fits) {
+      at::Tensor packed = at::zeros({groups, K / kQK, f == kQ4 ? kQ4Bytes : kQ8Bytes}, w.options().dtype(at::kByte));
+      if (pack_quantised(w.data_ptr<float>(), N, K, f, packed.data_ptr<uint8_t>())) return packed;
+    }
+    TORCH_CHECK_VALUE(format == "auto", "lookahead_gemm.pack: the weight is not exactly ", name, " (",
+                      f == kQ4 ? "d * q + m, q in [0, 15]" : "d * q, q in [-128, 127]",
+                      ", a half-precision d per 32 along K, K a multiple of 32)");
+  }
+  return pack_f32(w);
+}
+
+// The packed weight's layout, checked: what linear reads.
+Packed view(const at::Tensor& packed, const char* op) {
+  TORCH_CHECK_VALUE(packed.dim() == 3 && packed.is_contiguous() && packed.device().is_cpu() &&
+                        ((packed.scalar_type() == at::kFloat && packed.size(2) == kCols) ||
+                         (packed.scalar_type() == at::kByte &&
+                          (packed.size(2) == kQ4Bytes || packed.size(2) == kQ8Bytes))),
+                    op, ": packed must come from lookahead_gemm.pack, got ", packed.scalar_type(), " ",
+                    packed.sizes());
+  if (packed.scalar_type() == at::kFloat) return {kF32, packed.size(1), packed.data_ptr<float>(), nullptr, 0, nullptr};
+  const Format f = packed.size(2) == kQ4Bytes ? kQ4 : kQ8;
+  const bool avx2 = current_isa() == "avx2";
+  const ExpandFn expand = f == kQ4 ? (avx2 ? expand_q4_avx2 : expand_q4) : (avx2 ? expand_q8_avx2 : expand_q8);
+  return {f, packed.size(1) * kQK, nullptr, packed.data_ptr<uint8_t>(), packed.size(2), expand};
 }
 
 }  // namespace
@@ -231,12 +575,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, cons
   TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
                     "lookahead_gemm.linear: x must be a float32 CPU tensor [M, K], got ", x.scalar_type(), " ",
                     x.sizes());
-  TORCH_CHECK_VALUE(packed.dim() == 3 && packed.scalar_type() == at::kFloat && packed.size(2) == kCols &&
-                        packed.is_contiguous(),
-                    "lookahead_gemm.linear: packed must come from lookahead_gemm.pack, got ", packed.sizes());
+  const Packed w = view(packed, "lookahead_gemm.linear");
   const int64_t M = x.size(0), K = x.size(1), groups = packed.size(0);
-  TORCH_CHECK_VALUE(packed.size(1) == K, "lookahead_gemm.linear: x has K=", K, " but the weight has K=",
-                    packed.size(1));
+  TORCH_CHECK_VALUE(w.K == K, "lookahead_gemm.linear: x has K=", K, " but the weight has K=", w.K);
   TORCH_CHECK_VALUE(n > (groups - 1) * kCols && n <= groups * kCols, "lookahead_gemm.linear: n=", n,
                     " does not match the packed weight's ", groups, " groups of ", kCols, " columns");
   const float* b = nullptr;
@@ -255,14 +596,18 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, cons
   const int64_t passes = (M + max_rows - 1) / max_rows;
   const int64_t rows_per = (M + passes - 1) / passes;  // balanced passes
   const float* xp = xc.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   // Each thread takes a contiguous range of groups: the weight is split, never a row's sum.
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    std::vector<float> buf(M * kCols);
-    run(xp, M, K, wp, g0, g1, buf.data(), rows_per, yp, n, b);
+    std::vector<float> buf(M * kCols + (w.format == kF32 ? 0 : kKB * kCols));
+    run(xp, M, w, g0, g1, buf.data(), buf.data() + M * kCols, rows_per, yp, n, b);
   });
   return y;
+}
+
+std::string packed_format(const at::Tensor& packed) {
+  const Format f = view(packed, "lookahead_gemm.packed_format").format;
+  return f == kF32 ? "f32" : f == kQ4 ? "q4" : "q8";
 }
 
 namespace {
@@ -279,7 +624,8 @@ void force_isa(const std::string& isa) {
 }  // namespace small_gemm
 
 TORCH_LIBRARY(lookahead_gemm, m) {
-  m.def("pack(Tensor weight) -> Tensor");
+  m.def("pack(Tensor weight, str format=\"auto\") -> Tensor");
+  m.def("packed_format(Tensor packed) -> str");
   m.def("linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("isa() -> str", &small_gemm::isa);
   m.def("force_isa(str isa) -> ()", &small_gemm::force_isa);
@@ -287,5 +633,6 @@ TORCH_LIBRARY(lookahead_gemm, m) {
 
 TORCH_LIBRARY_IMPL(lookahead_gemm, CPU, m) {
   m.impl("pack", &small_gemm::pack);
+  m.impl("packed_format", &small_gemm::packed_format);
   m.impl("linear", &small_gemm::linear);
 }

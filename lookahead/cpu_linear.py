@@ -3,12 +3,16 @@
 A decoding step on a CPU reads every weight once whatever the number of rows (a few dozen at most), so what
 matters is how fast each weight streams through the cores and whether the step's few FLOPs per weight hide
 behind that stream. Two packed paths, both on a copy made at first use (the parameters are left as they are, so
-``state_dict()`` and loading are unchanged; the copy doubles the memory the weights take):
+``state_dict()`` and loading are unchanged):
 
 * ``"packed"`` (default): our small-M GEMM (``csrc/small_gemm.cpp``, AVX-512 or AVX2, on all of torch's threads;
   built just in time with ninja by :mod:`lookahead_kernels.cpu_ops`). Weights in groups of 32 columns, K cut
   into 8 KB blocks that all rows go over before the next is read, the next block prefetched meanwhile: a step of
-  16 rows costs little more than one (measured in ``bench/results/forward-cpu.md``). Where it cannot be built
+  16 rows costs little more than one (measured in ``bench/results/forward-cpu.md``). A weight that a quantised
+  checkpoint dequantised (exactly ``d * q + m`` with 4-bit ``q``, or ``d * q`` with 8-bit ``q``, per block of 32,
+  as GGUF's Q4_1 and Q8_0 give it) is packed as those integers, 0.19x or 0.28x the float32 bytes, and expanded
+  in the GEMM to the very same floats: the results are the float32 layout's, bit for bit, for fewer bytes read.
+  Other weights are packed as float32 (the copy then doubles the memory they take). Where it cannot be built
   (no compiler, ``LOOKAHEAD_CPU_GEMM=0``) this falls back to ``"onednn"``.
 * ``"onednn"``: torch's oneDNN (mkldnn) linear on a weight reordered once into its blocked layout.
 

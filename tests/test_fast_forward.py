@@ -189,3 +189,81 @@ def test_step_attention_matches_attention_torch_per_sequence_lengths():
     assert torch.allclose(out, ref, atol=1e-6)
     with pytest.raises(ValueError, match="layout"):
         StepAttention(layout, lens, B, q.device)(q, k, v, layout=StepLayout.prefill(T))
+
+
+# Quantised checkpoints: weights that are exactly d * q + m (4-bit q) or d * q (8-bit q) per block of 32 along K,
+# with a half-precision d, are packed as those integers and expanded in the GEMM to the very same floats.
+def quantised_weight(N, K, fmt, g, full_range=True):
+    """``[N, K]`` float32 as a Q4_1 (``fmt="q4"``) or Q8_0 (``"q8"``) checkpoint dequantises: with ``full_range``
+    every block holds its format's extreme q (as llama.cpp's quantiser makes them), else blocks use less."""
+    blocks = (N, K // 32, 32)
+    d = (torch.rand(N, K // 32, 1, generator=g) * 0.02 + 1e-4).half().float()
+    if fmt == "q4":
+        top = 16 if full_range else 12
+        q = torch.randint(0, top, blocks, generator=g).float()
+        if full_range:
+            q[..., 0], q[..., 1] = 0, 15
+        m = (torch.randn(N, K // 32, 1, generator=g) * 0.1).half().float()
+        return (d * q + m).reshape(N, K)
+    top = 128 if full_range else 90
+    q = torch.randint(-top + 1, top, blocks, generator=g).float()
+    if full_range:
+        q[..., 3] = -127
+    return (d * q).reshape(N, K)
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("N,K", [(37, 64), (130, 96), (64, 576), (33, 32)])
+def test_quantised_packing_gives_the_float32_layout_s_results(N, K, fmt, isa):
+    if not cpu_linear.gemm_available():
+        pytest.skip(f"no CPU GEMM: {cpu_linear.gemm_error()}")
+    gemm = torch.ops.lookahead_gemm
+    g = torch.Generator().manual_seed(N * 7 + K)
+    for full_range in (True, False):
+        w = quantised_weight(N, K, fmt, g, full_range)
+        b = torch.randn(N, generator=g)
+        with forced_isa(isa):
+            packed, plain = gemm.pack(w), gemm.pack(w, "f32")
+            assert gemm.packed_format(packed) == fmt and gemm.packed_format(plain) == "f32"
+            assert packed.nbytes < plain.nbytes / 3
+            # 1-5 rows expand in registers, more through an L1 block: both must give the float32 layout's bits.
+            for M in (1, 2, 3, 4, 5, 6, 7, 13, 33):
+                buf = torch.full((M, K + 3), float("nan"))
+                buf[:, 1:K + 1] = torch.randn(M, K, generator=g)
+                x = buf[:, 1:K + 1]  # a strided view into NaN: a read outside it shows up
+                y = gemm.linear(x, packed, N, b)
+                assert torch.isfinite(y).all()
+                assert torch.equal(y, gemm.linear(x, plain, N, b))
+                ref = ref_linear(x, w, b)
+                assert (y.double() - ref).abs().max() <= 1e-5 * (1 + ref.abs().max())
+
+
+def test_pack_keeps_float32_unless_every_float_is_reproduced():
+    if not cpu_linear.gemm_available():
+        pytest.skip(f"no CPU GEMM: {cpu_linear.gemm_error()}")
+    gemm = torch.ops.lookahead_gemm
+    g = torch.Generator().manual_seed(3)
+    w4, w8 = quantised_weight(40, 64, "q4", g), quantised_weight(40, 64, "q8", g)
+    assert gemm.packed_format(gemm.pack(w4)) == "q4"
+    assert gemm.packed_format(gemm.pack(w8)) == "q8"  # 8-bit values are no 4-bit block
+    assert gemm.packed_format(gemm.pack(torch.randn(40, 64))) == "f32"
+    assert gemm.packed_format(gemm.pack(w4[:, :48])) == "f32"  # K not a multiple of 32
+    for bad in (w4.nextafter(torch.tensor(1.0)),  # every float one ulp off
+                w4.clone().index_put_((torch.tensor([39]), torch.tensor([63])), torch.tensor(float("nan")))):
+        assert gemm.packed_format(gemm.pack(bad)) == "f32"
+    one = w4.clone()
+    one[17, 5] = one[17, 5].nextafter(torch.tensor(1.0))  # a single float off: the whole weight stays float32
+    assert gemm.packed_format(gemm.pack(one)) == "f32"
+    zeros = torch.zeros(40, 64)
+    zeros[3, 7] = -0.0  # -0.0 would come back as +0.0: not reproduced
+    assert gemm.packed_format(gemm.pack(zeros)) == "f32"
+    assert gemm.packed_format(gemm.pack(torch.zeros(40, 64))) == "q4"
+    with pytest.raises(ValueError, match="not exactly q4"):
+        gemm.pack(w8, "q4")
+    with pytest.raises(ValueError, match="format"):
+        gemm.pack(w4, "q5")
+    with pytest.raises(ValueError, match="lookahead_gemm.pack"):
+        gemm.linear(torch.randn(2, 64), torch.zeros(2, 2, 700, dtype=torch.uint8), 40, None)
+    with pytest.raises(ValueError, match="K="):
+        gemm.linear(torch.randn(2, 32), gemm.pack(w4), 40, None)
