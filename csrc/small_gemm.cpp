@@ -17,20 +17,22 @@
 // layout holds and runs the same FMAs in the same order, so every format gives identical results: for up to
 // kFusedRows rows (AVX2) each k row of weights is expanded into registers and used at once; otherwise each 64 x 32
 // block is expanded into an L1 buffer that every pass of rows then reads. On a Zen 1 EPYC (2 threads) a SmolLM2
-// forward of one token took 23.8 ms instead of 31.0 (the expansion, not memory, now bounds it); from about 8 rows
-// on, where the FMAs bound a step, both layouts cost the same.
+// forward of one token took 24.3 ms instead of 33.7 (the expansion, not memory, now bounds it).
 //   f32: float32 [G, K, 32]
-//   q4:  uint8 [G, K/32, 768]: per 32 x 32 block, d[32] and m[32] as float32 (one per column), then for each of
+//   q4:  per group and 32 x 32 block (768 bytes), d[32] and m[32] as float32 (one per column), then for each of
 //        the 32 k 16 bytes, column c's q in the low nibble of byte c (c < 16) or the high nibble of byte c - 16
-//   q8:  uint8 [G, K/32, 1152]: per block, d[32] as float32, then for each k the 32 columns' q as int8
+//   q8:  per group and block (1152 bytes), d[32] as float32, then for each k the 32 columns' q as int8
+// A quantised weight is one uint8 tensor: a 64-byte header (Header), the blocks [G, K/32], and, for "q4+f32" and
+// "q8+f32" (what "auto" packs), the f32 layout after them: steps of more than kFusedRows rows read that instead,
+// where expanding costs FMAs the step needs (SmolLM2 on a Zen 1 EPYC, 16 rows: 98.0 ms from blocks, 90.4 from f32).
 // d * q is exact in float32 (d has 11 significant bits, q at most 8), so d * q + m rounds once however it is
 // computed (FMA or not): pack's check and the GEMM's expansion agree bit for bit.
 //
 // One source, two instruction sets chosen at run time (AVX-512 where the CPU has it, else AVX2+FMA), plus a
 // plain loop for other CPUs. Ops (namespace lookahead_gemm):
 //   pack(Tensor weight, str format="auto") -> Tensor   weight [N, K] float32 -> one of the layouts above; "auto":
-//                                                      the smallest that holds it exactly (q4, q8, else f32)
-//   packed_format(Tensor packed) -> str                "f32", "q4" or "q8"
+//                                                      q4+f32 or q8+f32 where the weight is exactly one, else f32
+//   packed_format(Tensor packed) -> str                "f32", "q4", "q8", "q4+f32" or "q8+f32"
 //   linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor     x [M, K] -> y [M, n]
 //   isa() -> str                                                       "avx512", "avx2" or "scalar"
 //   force_isa(str isa) -> ()            tests: run this GEMM and the step attention as "avx2" or "scalar" even
@@ -77,8 +79,8 @@ constexpr int64_t kQ8Bytes = kCols * 4 + kQK * kCols;   // d, then 32 k of 32 by
 // Expands `blocks` quantised blocks of 32 x 32 weights at `src` into out [32 * blocks, 32] floats.
 using ExpandFn = void (*)(const uint8_t* src, int64_t blocks, float* out);
 
-// A packed weight as linear reads it: the float32 layout, or the quantised blocks of one of the formats and the
-// expansion that runs on this instruction set.
+// A packed weight as linear reads it: the float32 layout, the quantised blocks of one of the formats (with the
+// expansion that runs on this instruction set), or both (format the blocks', f32 not null).
 struct Packed {
   Format format;
   int64_t K;
@@ -511,12 +513,9 @@ bool pack_quantised(const float* src, int64_t N, int64_t K, Format format, uint8
   return !failed.load();
 }
 
-at::Tensor pack_f32(const at::Tensor& w) {
-  const int64_t N = w.size(0), K = w.size(1);
-  const int64_t groups = (N + kCols - 1) / kCols;  // the last one zero-padded
-  at::Tensor packed = at::zeros({groups, K, kCols}, w.options());
-  const float* src = w.data_ptr<float>();
-  float* dst = packed.data_ptr<float>();
+// Writes src [N, K] into dst [ceil(N/32), K, 32], the padding columns left as they are (zero).
+void pack_f32_into(const float* src, int64_t N, int64_t K, float* dst) {
+  const int64_t groups = (N + kCols - 1) / kCols;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t c = 0; c < kCols && g * kCols + c < N; ++c) {
@@ -524,46 +523,86 @@ at::Tensor pack_f32(const at::Tensor& w) {
         for (int64_t k = 0; k < K; ++k) dst[(g * K + k) * kCols + c] = row[k];
       }
   });
-  return packed;
 }
+
+// The start of a quantised packed tensor. The magic number and the sizes are checked against the tensor's length,
+// so that another uint8 tensor is refused rather than read out of bounds.
+struct Header {
+  int64_t magic, format, K, groups, f32_offset;  // f32_offset: bytes from the start to the f32 layout, or 0
+};
+constexpr int64_t kMagic = 0x3151'4d45'4747'414c;  // "LAGGEMQ1"
+constexpr int64_t kHeaderBytes = 64;               // the blocks start 64-byte aligned, as torch allocates
+static_assert(sizeof(Header) <= kHeaderBytes, "the header fits");
+
+int64_t block_bytes(Format f) { return f == kQ4 ? kQ4Bytes : kQ8Bytes; }
 
 at::Tensor pack(const at::Tensor& weight, c10::string_view format) {
   TORCH_CHECK_VALUE(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
                     "lookahead_gemm.pack: weight must be a float32 CPU tensor [N, K], got ", weight.scalar_type(),
                     " ", weight.sizes());
-  TORCH_CHECK_VALUE(format == "auto" || format == "f32" || format == "q4" || format == "q8",
-                    "lookahead_gemm.pack: format must be 'auto', 'f32', 'q4' or 'q8', got '", format, "'");
+  TORCH_CHECK_VALUE(format == "auto" || format == "f32" || format == "q4" || format == "q8" ||
+                        format == "q4+f32" || format == "q8+f32",
+                    "lookahead_gemm.pack: format must be 'auto', 'f32', 'q4', 'q8', 'q4+f32' or 'q8+f32', got '",
+                    format, "'");
   const at::Tensor w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1);
-  const int64_t groups = (N + kCols - 1) / kCols;
+  const int64_t groups = (N + kCols - 1) / kCols;  // the last one zero-padded
   for (const Format f : {kQ4, kQ8}) {
-    const char* name = f == kQ4 ? "q4" : "q8";
-    if (format != "auto" && format != name) continue;
-    const bool fits = K % kQK == 0 && N > 0 && K > 0;
-    if (fits) {
-      at::Tensor packed = at::zeros({groups, K / kQK, f == kQ4 ? kQ4Bytes : kQ8Bytes}, w.options().dtype(at::kByte));
-      if (pack_quantised(w.data_ptr<float>(), N, K, f, packed.data_ptr<uint8_t>())) return packed;
+    const std::string name = f == kQ4 ? "q4" : "q8";
+    const bool with_f32 = format == "auto" || format == name + "+f32";
+    if (format != "auto" && format != name && !with_f32) continue;
+    if (K % kQK == 0 && N > 0 && K > 0) {
+      const int64_t q_bytes = groups * (K / kQK) * block_bytes(f);  // a multiple of 64
+      const int64_t f32_bytes = with_f32 ? groups * K * kCols * 4 : 0;
+      at::Tensor packed = at::zeros({kHeaderBytes + q_bytes + f32_bytes}, w.options().dtype(at::kByte));
+      uint8_t* base = packed.data_ptr<uint8_t>();
+      if (pack_quantised(w.data_ptr<float>(), N, K, f, base + kHeaderBytes)) {
+        const Header h{kMagic, f, K, groups, with_f32 ? kHeaderBytes + q_bytes : 0};
+        std::memcpy(base, &h, sizeof h);
+        if (with_f32) pack_f32_into(w.data_ptr<float>(), N, K, reinterpret_cast<float*>(base + h.f32_offset));
+        return packed;
+      }
     }
     TORCH_CHECK_VALUE(format == "auto", "lookahead_gemm.pack: the weight is not exactly ", name, " (",
                       f == kQ4 ? "d * q + m, q in [0, 15]" : "d * q, q in [-128, 127]",
                       ", a half-precision d per 32 along K, K a multiple of 32)");
   }
-  return pack_f32(w);
+  at::Tensor packed = at::zeros({groups, K, kCols}, w.options());
+  pack_f32_into(w.data_ptr<float>(), N, K, packed.data_ptr<float>());
+  return packed;
 }
 
 // The packed weight's layout, checked: what linear reads.
 Packed view(const at::Tensor& packed, const char* op) {
-  TORCH_CHECK_VALUE(packed.dim() == 3 && packed.is_contiguous() && packed.device().is_cpu() &&
-                        ((packed.scalar_type() == at::kFloat && packed.size(2) == kCols) ||
-                         (packed.scalar_type() == at::kByte &&
-                          (packed.size(2) == kQ4Bytes || packed.size(2) == kQ8Bytes))),
+  TORCH_CHECK_VALUE(packed.is_contiguous() && packed.device().is_cpu() &&
+                        ((packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.size(2) == kCols) ||
+                         (packed.scalar_type() == at::kByte && packed.dim() == 1 && packed.numel() >= kHeaderBytes)),
                     op, ": packed must come from lookahead_gemm.pack, got ", packed.scalar_type(), " ",
                     packed.sizes());
   if (packed.scalar_type() == at::kFloat) return {kF32, packed.size(1), packed.data_ptr<float>(), nullptr, 0, nullptr};
-  const Format f = packed.size(2) == kQ4Bytes ? kQ4 : kQ8;
+  const uint8_t* base = packed.data_ptr<uint8_t>();
+  Header h;
+  std::memcpy(&h, base, sizeof h);
+  const bool known = h.magic == kMagic && (h.format == kQ4 || h.format == kQ8) && h.K > 0 && h.K % kQK == 0 &&
+                     h.groups > 0;
+  const Format f = static_cast<Format>(known ? h.format : kQ4);
+  const int64_t q_end = known ? kHeaderBytes + h.groups * (h.K / kQK) * block_bytes(f) : -1;
+  TORCH_CHECK_VALUE(known && (h.f32_offset == 0 ? packed.numel() == q_end
+                                                : h.f32_offset == q_end &&
+                                                      packed.numel() == q_end + h.groups * h.K * kCols * 4),
+                    op, ": packed must come from lookahead_gemm.pack (a uint8 tensor of ", packed.numel(),
+                    " bytes without its header)");
   const bool avx2 = current_isa() == "avx2";
   const ExpandFn expand = f == kQ4 ? (avx2 ? expand_q4_avx2 : expand_q4) : (avx2 ? expand_q8_avx2 : expand_q8);
-  return {f, packed.size(1) * kQK, nullptr, packed.data_ptr<uint8_t>(), packed.size(2), expand};
+  const float* f32 = h.f32_offset ? reinterpret_cast<const float*>(base + h.f32_offset) : nullptr;
+  return {f, h.K, f32, base + kHeaderBytes, block_bytes(f), expand};
+}
+
+int64_t groups_of(const at::Tensor& packed) {
+  if (packed.scalar_type() == at::kFloat) return packed.size(0);
+  Header h;
+  std::memcpy(&h, packed.data_ptr<uint8_t>(), sizeof h);
+  return h.groups;
 }
 
 }  // namespace
@@ -579,8 +618,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, cons
   TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
                     "lookahead_gemm.linear: x must be a float32 CPU tensor [M, K], got ", x.scalar_type(), " ",
                     x.sizes());
-  const Packed w = view(packed, "lookahead_gemm.linear");
-  const int64_t M = x.size(0), K = x.size(1), groups = packed.size(0);
+  Packed w = view(packed, "lookahead_gemm.linear");
+  const int64_t M = x.size(0), K = x.size(1), groups = groups_of(packed);
+  if (w.format != kF32 && w.f32 != nullptr && M > kFusedRows) w = {kF32, w.K, w.f32, nullptr, 0, nullptr};
   TORCH_CHECK_VALUE(w.K == K, "lookahead_gemm.linear: x has K=", K, " but the weight has K=", w.K);
   TORCH_CHECK_VALUE(n > (groups - 1) * kCols && n <= groups * kCols, "lookahead_gemm.linear: n=", n,
                     " does not match the packed weight's ", groups, " groups of ", kCols, " columns");
@@ -610,8 +650,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, cons
 }
 
 std::string packed_format(const at::Tensor& packed) {
-  const Format f = view(packed, "lookahead_gemm.packed_format").format;
-  return f == kF32 ? "f32" : f == kQ4 ? "q4" : "q8";
+  const Packed w = view(packed, "lookahead_gemm.packed_format");
+  if (w.format == kF32) return "f32";
+  return std::string(w.format == kQ4 ? "q4" : "q8") + (w.f32 != nullptr ? "+f32" : "");
 }
 
 namespace {

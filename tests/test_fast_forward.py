@@ -224,17 +224,20 @@ def test_quantised_packing_gives_the_float32_layout_s_results(N, K, fmt, isa):
         w = quantised_weight(N, K, fmt, g, full_range)
         b = torch.randn(N, generator=g)
         with forced_isa(isa):
-            packed, plain = gemm.pack(w), gemm.pack(w, "f32")
-            assert gemm.packed_format(packed) == fmt and gemm.packed_format(plain) == "f32"
-            assert packed.nbytes < plain.nbytes / 3
-            # 1-5 rows expand in registers, more through an L1 block: both must give the float32 layout's bits.
+            both, blocks, plain = gemm.pack(w), gemm.pack(w, fmt), gemm.pack(w, "f32")
+            assert gemm.packed_format(both) == fmt + "+f32" and gemm.packed_format(blocks) == fmt
+            assert gemm.packed_format(plain) == "f32"
+            assert blocks.nbytes < plain.nbytes / 3 and both.nbytes < 1.3 * plain.nbytes
+            # Up to 5 rows expand in registers (AVX2), more through an L1 block (blocks alone) or read the f32
+            # layout (both): every way must give the float32 layout's bits.
             for M in (1, 2, 3, 4, 5, 6, 7, 13, 33):
                 buf = torch.full((M, K + 3), float("nan"))
                 buf[:, 1:K + 1] = torch.randn(M, K, generator=g)
                 x = buf[:, 1:K + 1]  # a strided view into NaN: a read outside it shows up
-                y = gemm.linear(x, packed, N, b)
+                y = gemm.linear(x, blocks, N, b)
                 assert torch.isfinite(y).all()
                 assert torch.equal(y, gemm.linear(x, plain, N, b))
+                assert torch.equal(y, gemm.linear(x, both, N, b))
                 ref = ref_linear(x, w, b)
                 assert (y.double() - ref).abs().max() <= 1e-5 * (1 + ref.abs().max())
 
@@ -245,8 +248,8 @@ def test_pack_keeps_float32_unless_every_float_is_reproduced():
     gemm = torch.ops.lookahead_gemm
     g = torch.Generator().manual_seed(3)
     w4, w8 = quantised_weight(40, 64, "q4", g), quantised_weight(40, 64, "q8", g)
-    assert gemm.packed_format(gemm.pack(w4)) == "q4"
-    assert gemm.packed_format(gemm.pack(w8)) == "q8"  # 8-bit values are no 4-bit block
+    assert gemm.packed_format(gemm.pack(w4)) == "q4+f32"
+    assert gemm.packed_format(gemm.pack(w8)) == "q8+f32"  # 8-bit values are no 4-bit block
     assert gemm.packed_format(gemm.pack(torch.randn(40, 64))) == "f32"
     assert gemm.packed_format(gemm.pack(w4[:, :48])) == "f32"  # K not a multiple of 32
     for bad in (w4.nextafter(torch.tensor(1.0)),  # every float one ulp off
@@ -258,12 +261,20 @@ def test_pack_keeps_float32_unless_every_float_is_reproduced():
     zeros = torch.zeros(40, 64)
     zeros[3, 7] = -0.0  # -0.0 would come back as +0.0: not reproduced
     assert gemm.packed_format(gemm.pack(zeros)) == "f32"
-    assert gemm.packed_format(gemm.pack(torch.zeros(40, 64))) == "q4"
+    assert gemm.packed_format(gemm.pack(torch.zeros(40, 64))) == "q4+f32"
     with pytest.raises(ValueError, match="not exactly q4"):
-        gemm.pack(w8, "q4")
+        gemm.pack(w8, "q4+f32")
     with pytest.raises(ValueError, match="format"):
         gemm.pack(w4, "q5")
-    with pytest.raises(ValueError, match="lookahead_gemm.pack"):
-        gemm.linear(torch.randn(2, 64), torch.zeros(2, 2, 700, dtype=torch.uint8), 40, None)
+    # Another uint8 tensor, or a packed one cut short or with its header damaged, is refused, not read.
+    packed = gemm.pack(w4)
+    damaged = packed.clone()
+    damaged[0] ^= 1
+    for bad in (torch.zeros(2, 2, 700, dtype=torch.uint8), torch.zeros(5000, dtype=torch.uint8), packed[:-64].clone(),
+                damaged):
+        with pytest.raises(ValueError, match="must come from lookahead_gemm.pack"):
+            gemm.linear(torch.randn(2, 64), bad, 40, None)
     with pytest.raises(ValueError, match="K="):
-        gemm.linear(torch.randn(2, 32), gemm.pack(w4), 40, None)
+        gemm.linear(torch.randn(2, 32), packed, 40, None)
+    with pytest.raises(ValueError, match="n="):
+        gemm.linear(torch.randn(2, 64), packed, 70, None)
