@@ -66,10 +66,11 @@ constexpr int64_t kCols = 32;  // output columns per packed group
 #endif
 constexpr int64_t kKB = SMALL_GEMM_KB;  // k rows per block: 64 * 32 floats = 8 KB (measured best of 64/128/256)
 static_assert(kKB % 32 == 0, "a GEMM block holds whole quantised blocks");
-// Up to this many rows a quantised weight is expanded in registers in one pass (AVX2); beyond, once per block into
-// L1, which every pass then reads. Measured on a Zen 1 EPYC, SmolLM2 forwards of 5 rows: 41.9 against 43.9 ms; of
-// 6: 49.3 against 48.1 (a second pass costs a second expansion: 8 rows 67.8 against 58.7).
-constexpr int64_t kFusedRows = 5;
+// Up to this many rows a quantised weight is expanded in registers in one pass (AVX2); beyond, a step reads the f32
+// layout where the packed weight has it (pack's "auto"), else expands each block once into L1 for every pass.
+// Measured on a Zen 1 EPYC, SmolLM2's linear layers (minimum of 15 rounds): 3 rows 26.3 ms in registers against
+// 29.0 from f32; 4 rows 30.0 against 35.0; 5 rows 34.3 against 32.4.
+constexpr int64_t kFusedRows = 4;
 
 enum Format : int { kF32 = 0, kQ4 = 1, kQ8 = 2 };
 constexpr int64_t kQK = 32;                           // k per quantised block
@@ -340,11 +341,9 @@ static void k256_groups(const float* x, int64_t M, const Packed& w, int64_t g0, 
   }
   using GroupFn = void (*)(const float*, int64_t, const uint8_t*, float*);
   static constexpr GroupFn q4[] = {k256_quantised_group<1, kQ4>, k256_quantised_group<2, kQ4>,
-                                   k256_quantised_group<3, kQ4>, k256_quantised_group<4, kQ4>,
-                                   k256_quantised_group<5, kQ4>};
+                                   k256_quantised_group<3, kQ4>, k256_quantised_group<4, kQ4>};
   static constexpr GroupFn q8[] = {k256_quantised_group<1, kQ8>, k256_quantised_group<2, kQ8>,
-                                   k256_quantised_group<3, kQ8>, k256_quantised_group<4, kQ8>,
-                                   k256_quantised_group<5, kQ8>};
+                                   k256_quantised_group<3, kQ8>, k256_quantised_group<4, kQ8>};
   static_assert(sizeof q4 / sizeof q4[0] == kFusedRows, "one kernel per row count");
   const GroupFn group = (w.format == kQ4 ? q4 : q8)[M - 1];
   for (int64_t g = g0; g < g1; ++g) {

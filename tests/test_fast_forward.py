@@ -228,7 +228,7 @@ def test_quantised_packing_gives_the_float32_layout_s_results(N, K, fmt, isa):
             assert gemm.packed_format(both) == fmt + "+f32" and gemm.packed_format(blocks) == fmt
             assert gemm.packed_format(plain) == "f32"
             assert blocks.nbytes < plain.nbytes / 3 and both.nbytes < 1.3 * plain.nbytes
-            # Up to 5 rows expand in registers (AVX2), more through an L1 block (blocks alone) or read the f32
+            # Up to 4 rows expand in registers (AVX2), more through an L1 block (blocks alone) or read the f32
             # layout (both): every way must give the float32 layout's bits.
             for M in (1, 2, 3, 4, 5, 6, 7, 13, 33):
                 buf = torch.full((M, K + 3), float("nan"))
