@@ -429,8 +429,9 @@ bool fit_q4(const float* v, float* d, float* m, uint8_t* q) {
       bool ok = true;
       for (int64_t i = 0; i < kQK && ok; ++i) {
         const float r = std::nearbyint((v[i] - lo) / s);
-        ok = r >= 0.f && r <= 15.f && same_bits(s * r + lo, v[i]);
-        q[i] = static_cast<uint8_t>(r);
+        ok = r >= 0.f && r <= 15.f;
+        q[i] = ok ? static_cast<uint8_t>(r) : 0;
+        ok = ok && same_bits(s * static_cast<float>(q[i]) + lo, v[i]);  // what the GEMM computes from q
       }
       if (ok) {
         *d = s;
@@ -461,8 +462,9 @@ bool fit_q8(const float* v, float* d, int8_t* q) {
       bool ok = true;
       for (int64_t i = 0; i < kQK && ok; ++i) {
         const float r = std::nearbyint(v[i] / s);
-        ok = r >= -128.f && r <= 127.f && same_bits(s * r, v[i]);
-        q[i] = static_cast<int8_t>(r);
+        ok = r >= -128.f && r <= 127.f;
+        q[i] = ok ? static_cast<int8_t>(r) : 0;
+        ok = ok && same_bits(s * static_cast<float>(q[i]), v[i]);  // from the integer: a -0.0 is no q of 0
       }
       if (ok) {
         *d = s;

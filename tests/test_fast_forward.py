@@ -262,6 +262,9 @@ def test_pack_keeps_float32_unless_every_float_is_reproduced():
     zeros[3, 7] = -0.0  # -0.0 would come back as +0.0: not reproduced
     assert gemm.packed_format(gemm.pack(zeros)) == "f32"
     assert gemm.packed_format(gemm.pack(torch.zeros(40, 64))) == "q4+f32"
+    signed = w8.clone()
+    signed[5, 9] = -0.0  # d * q with q = 0 is +0.0 whatever the sign d * -0.0 would have
+    assert gemm.packed_format(gemm.pack(signed)) == "f32"
     with pytest.raises(ValueError, match="not exactly q4"):
         gemm.pack(w8, "q4+f32")
     with pytest.raises(ValueError, match="format"):
