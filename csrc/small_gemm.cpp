@@ -10,14 +10,15 @@
 // Partial sums live in a small per-thread buffer [M, 32] between blocks; every output is one fp32 sum over
 // k in order.
 //
-// Quantised checkpoints (the default model is a Q4_1 GGUF) hold weights that are exactly d * q + m for 4-bit q, or
-// d * q for 8-bit q, per block of 32 along K with a half-precision d: their float32 copies waste 6.4x or 3.8x the
-// bytes a step must read. pack finds such weights (every block must reproduce every float's bits, else the plain
-// float32 layout is kept) and stores them as those integers. The GEMM expands them to the very floats the float32
-// layout holds and runs the same FMAs in the same order, so every format gives identical results: for up to
-// kFusedRows rows each k row of weights is expanded into registers and used at once (AVX2), or each 64 x 32 block
-// into an L1 buffer that the row passes then read (other instruction sets). On a Zen 1 EPYC (2 threads) a SmolLM2
-// forward of one token took 23.1 ms instead of 33.7 (the expansion, not memory, now bounds it).
+// Quantised checkpoints (the default model is a Q4_1 GGUF) hold weights that are exactly d * q + m for 4-bit q, or d *
+// q for 8-bit q, per block of 32 along K with a half-precision d (Q4_K, the usual 4-bit GGUF type: d a half times a
+// 6-bit scale): their float32 copies waste 6.4x or 3.8x the bytes a step must read. pack finds such weights (every
+// block must reproduce every float's bits, else the plain float32 layout is kept) and stores them as those integers.
+// The GEMM expands them to the very floats the float32 layout holds and runs the same FMAs in the same order, so every
+// format gives identical results: for up to kFusedRows rows each k row of weights is expanded into registers and used
+// at once (AVX2), or each 64 x 32 block into an L1 buffer that the row passes then read (other instruction sets). On a
+// Zen 1 EPYC (2 threads) a SmolLM2 forward of one token took 23.1 ms instead of 33.7 (the expansion, not memory, now
+// bounds it).
 //   f32: float32 [G, K, 32]
 //   q4:  per group and 32 x 32 block (768 bytes), d[32] and m[32] as float32 (one per column), then for each of
 //        the 32 k 16 bytes, column c's q in the low nibble of byte c (c < 16) or the high nibble of byte c - 16
@@ -430,6 +431,88 @@ bool fit_q8(const float* v, float* d, int8_t* q) {
   return false;
 }
 
+// The distance from finite x to the next float up (or down), in double: from its bits, without libm's nextafter.
+double float_gap(float x, bool up) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  if ((b & 0x7fffffffu) == 0) return 0x1p-149;  // +-0: the smallest subnormal either way
+  const bool away = up == !(b >> 31);            // moving away from zero: the magnitude's bits grow
+  const uint32_t nb = away ? b + 1 : b - 1;
+  float y;
+  std::memcpy(&y, &nb, 4);
+  return std::fabs(static_cast<double>(y) - x);  // inf where x is the largest float: no constraint
+}
+
+// v[0..32) as fma(A, q, m) with q in [0, 15], A a positive half times an integer in [1, 63] and m any float, every
+// float's bits reproduced: d (= A), m, q or false. This is what GGUF's Q4_K (the "Q4_K_M" files most quantised
+// models ship as) dequantises to: per 32 weights along K, (d * sc) * q - dmin * mn with a half d and dmin per 256
+// and 6-bit sc and mn, each product exact in float32, so the one rounding is the subtraction's (the FMA's). A has at
+// most 17 significant bits, so A * q is exact and the expansion rounds once, FMA or not. fit_q4 misses these: A is
+// no half, and the block's smallest value need not have q = 0 (a block of positive weights gets mn = 0).
+bool fit_q4_scaled(const float* v, float* d, float* m, uint8_t* q) {
+  float lo = v[0], hi = v[0];
+  for (int64_t i = 0; i < kQK; ++i) {
+    if (!std::isfinite(v[i])) return false;
+    lo = std::min(lo, v[i]);
+    hi = std::max(hi, v[i]);
+  }
+  if (hi == lo) return false;  // one value: fit_q4's case
+  // hi - lo is A * span moved by the rounding of hi and lo: at most half a gap to the next float of each.
+  const double slack = float_gap(hi, true) + float_gap(lo, false);
+  double rest[kQK], below[kQK], above[kQK];  // v_i - A q_i, and v_i's rounding interval around it
+  for (int span = 15; span >= 1; --span) {  // the largest q minus the smallest
+    const double a_est = (static_cast<double>(hi) - lo) / span;
+    for (int sc = 1; sc <= 63; ++sc) {
+      // The half nearest a_est / sc (11 significant bits; subnormal halves in steps of 2^-24): A is h * sc only
+      // where that lands within the estimate's slack, which for a Q4_K block is about one sc in 60.
+      const double h0 = a_est / sc;
+      if (!(h0 > 0.) || h0 > 65504.) continue;
+      double hr;
+      if (h0 >= 0x1p-14) {  // a normal half: h0 rounded to 11 significant bits (Veltkamp's split, no libm call)
+        const double c = h0 * (0x1p42 + 1.0);
+        hr = c - (c - h0);
+      } else {
+        hr = std::nearbyint(h0 * 0x1p24) * 0x1p-24;
+      }
+      const float h = static_cast<float>(hr);
+      const float a = h * static_cast<float>(sc);  // exact: 11 significant bits times 6
+      if (!(h > 0.f) || std::fabs(a - a_est) * span > slack) continue;
+      // q_i - q_min from the spacing, then the m that puts every fma(a, q_i, m) in v_i's rounding interval (the
+      // intervals' intersection, exact in double); the smallest value's q shifts that interval by a each.
+      const double inv = 1.0 / a;
+      double m_lo = -INFINITY, m_hi = INFINITY;
+      int top = 0;
+      for (int64_t i = 0; i < kQK; ++i) {
+        const int n = static_cast<int>((static_cast<double>(v[i]) - lo) * inv + 0.5);  // >= 0: no libm rounding
+        top = std::max(top, n);
+        q[i] = static_cast<uint8_t>(std::min(std::max(n, 0), 15));
+        rest[i] = static_cast<double>(v[i]) - static_cast<double>(a) * q[i];
+        below[i] = float_gap(v[i], false) / 2;
+        above[i] = float_gap(v[i], true) / 2;
+        m_lo = std::max(m_lo, rest[i] - below[i]);
+        m_hi = std::min(m_hi, rest[i] + above[i]);
+      }
+      if (top > 15 || m_lo > m_hi) continue;
+      for (int q0 = 0; q0 + top <= 15; ++q0) {  // the smallest value's q
+        const double shift = static_cast<double>(a) * q0;
+        const float mid = static_cast<float>((m_lo + m_hi) / 2 - shift);
+        for (const float mc : {mid, std::nextafter(mid, -INFINITY), std::nextafter(mid, INFINITY)}) {
+          bool fits = true;
+          for (int64_t i = 0; i < kQK && fits; ++i)
+            fits = same_bits(std::fma(a, static_cast<float>(q[i] + q0), mc), v[i]);
+          if (fits) {
+            for (int64_t i = 0; i < kQK; ++i) q[i] = static_cast<uint8_t>(q[i] + q0);
+            *d = a;
+            *m = mc;
+            return true;
+          }
+        }
+      }
+    }
+  }
+  return false;
+}
+
 // Packs `src` [N, K] into the quantised layout `format` (K a multiple of 32); false (and `out` unfinished) if some
 // block is not of that form. Groups run in parallel; the first failure stops the others at their next block.
 bool pack_quantised(const float* src, int64_t N, int64_t K, Format format, uint8_t* out) {
@@ -440,6 +523,7 @@ bool pack_quantised(const float* src, int64_t N, int64_t K, Format format, uint8
     float d[kCols], m[kCols];
     uint8_t q4[kQK];
     int8_t q8[kQK];
+    bool scaled = false;  // whether the last 4-bit block was Q4_K's form: a weight's blocks are all of one kind
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t b = 0; b < blocks; ++b) {
         if (failed.load(std::memory_order_relaxed)) return;
@@ -449,7 +533,11 @@ bool pack_quantised(const float* src, int64_t N, int64_t K, Format format, uint8
         for (int64_t c = 0; c < kCols && g * kCols + c < N; ++c) {
           const float* v = src + (g * kCols + c) * K + b * kQK;
           if (format == kQ4) {
-            if (!fit_q4(v, &d[c], &m[c], q4)) {
+            // The form that fitted the last block first: trying the other first cost Q4_K weights 40% more time.
+            bool fit = scaled ? fit_q4_scaled(v, &d[c], &m[c], q4) : fit_q4(v, &d[c], &m[c], q4);
+            if (!fit && (fit = scaled ? fit_q4(v, &d[c], &m[c], q4) : fit_q4_scaled(v, &d[c], &m[c], q4)))
+              scaled = !scaled;
+            if (!fit) {
               failed = true;
               return;
             }
@@ -518,8 +606,9 @@ at::Tensor pack(const at::Tensor& weight, c10::string_view format) {
       }
     }
     TORCH_CHECK_VALUE(format == "auto", "lookahead_gemm.pack: the weight is not exactly ", name, " (",
-                      f == kQ4 ? "d * q + m, q in [0, 15]" : "d * q, q in [-128, 127]",
-                      ", a half-precision d per 32 along K, K a multiple of 32)");
+                      f == kQ4 ? "d * q + m, q in [0, 15], d a half or a half times an integer below 64"
+                               : "d * q, q in [-128, 127], d a half",
+                      ", per 32 along K, K a multiple of 32)");
   }
   at::Tensor packed = at::zeros({groups, K, kCols}, w.options());
   pack_f32_into(w.data_ptr<float>(), N, K, packed.data_ptr<float>());

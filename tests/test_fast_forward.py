@@ -192,7 +192,8 @@ def test_step_attention_matches_attention_torch_per_sequence_lengths():
 
 
 # Quantised checkpoints: weights that are exactly d * q + m (4-bit q) or d * q (8-bit q) per block of 32 along K,
-# with a half-precision d, are packed as those integers and expanded in the GEMM to the very same floats.
+# with a half-precision d (or, 4-bit, a half times a 6-bit scale: GGUF's Q4_K), are packed as those integers and
+# expanded in the GEMM to the very same floats.
 def quantised_weight(N, K, fmt, g, full_range=True):
     """``[N, K]`` float32 as a Q4_1 (``fmt="q4"``) or Q8_0 (``"q8"``) checkpoint dequantises: with ``full_range``
     every block holds its format's extreme q (as llama.cpp's quantiser makes them), else blocks use less."""
@@ -241,6 +242,81 @@ def test_quantised_packing_gives_the_float32_layout_s_results(N, K, fmt, isa):
                 assert torch.equal(y, gemm.linear(x, plain, N, b))
                 ref = ref_linear(x, w, b)
                 assert (y.double() - ref).abs().max() <= 1e-5 * (1 + ref.abs().max())
+
+
+def gguf_q4_k_weight(N, K, g, positive_blocks=False):
+    """``[N, K]`` float32 as transformers loads a GGUF Q4_K tensor: random blocks (a half ``d`` and ``dmin`` per 256
+    weights, 6-bit scales and mins and 4-bit q per 32) packed into GGUF's bytes and dequantised by gguf-py, the
+    code transformers calls. Some sub-blocks have scale 0 (constant) or min 0, and with ``positive_blocks`` every
+    min is 0 and q starts above 0 (a block of positive weights: its smallest value has no q of 0)."""
+    np = pytest.importorskip("numpy")
+    gguf = pytest.importorskip("gguf")
+    n = N * K // 256
+    rng = np.random.default_rng(int(torch.randint(0, 2**31, (1,), generator=g)))
+    d = (rng.random(n) * 1e-3 + 1e-5).astype(np.float16)
+    dmin = (rng.random(n) * 1e-2 + 1e-5).astype(np.float16)
+    sc = rng.integers(1, 64, (n, 8))
+    mn = rng.integers(0, 64, (n, 8))
+    sc[::7, 3] = 0
+    mn[::5, 1] = 0
+    q = rng.integers(0, 16, (n, 8, 32))
+    if positive_blocks:
+        mn[:] = 0
+        q = rng.integers(3, 14, (n, 8, 32))
+    scales = np.zeros((n, 12), np.uint8)
+    for j in range(4):  # gguf-py's get_scale_min, inverted
+        scales[:, j] = (sc[:, j] & 63) | ((sc[:, 4 + j] >> 4) << 6)
+        scales[:, 4 + j] = (mn[:, j] & 63) | ((mn[:, 4 + j] >> 4) << 6)
+        scales[:, 8 + j] = (sc[:, 4 + j] & 15) | ((mn[:, 4 + j] & 15) << 4)
+    qs = q.reshape(n, 4, 2, 32)  # per 64 weights: the first 32 in the low nibbles, the next in the high ones
+    nibbles = (qs[:, :, 0] | (qs[:, :, 1] << 4)).astype(np.uint8).reshape(n, 128)
+    raw = np.concatenate([d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2), scales, nibbles], 1)
+    w = gguf.dequantize(raw.reshape(N, -1), gguf.GGMLQuantizationType.Q4_K)
+    return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).reshape(N, K)
+
+
+@pytest.mark.parametrize("N,K,positive", [(40, 256, False), (33, 512, False), (64, 256, True)])
+def test_gguf_q4_k_packs_as_q4_and_gives_the_float32_layout_s_results(N, K, positive):
+    if not cpu_linear.gemm_available():
+        pytest.skip(f"no CPU GEMM: {cpu_linear.gemm_error()}")
+    gemm = torch.ops.lookahead_gemm
+    g = torch.Generator().manual_seed(N + K)
+    w = gguf_q4_k_weight(N, K, g, positive)
+    packed, plain = gemm.pack(w), gemm.pack(w, "f32")
+    assert gemm.packed_format(packed) == "q4"
+    for M in (1, 3, 4, 6):
+        x = torch.randn(M, K, generator=g)
+        y = gemm.linear(x, packed, N, None)
+        assert torch.equal(y, gemm.linear(x, plain, N, None))
+        ref = ref_linear(x, w, None)
+        assert (y.double() - ref).abs().max() <= 1e-5 * (1 + ref.abs().max())
+    one = w.clone()
+    one[N // 2, 77] = one[N // 2, 77].nextafter(torch.tensor(1.0))  # one float off: no longer a Q4_K weight
+    assert gemm.packed_format(gemm.pack(one)) == "f32"
+
+
+def test_gguf_q4_0_packs_as_q4_unless_it_holds_negative_zeros():
+    """Q4_0 dequantises to ``d * (q - 8)``: with ``d > 0`` that is ``d * q + m``; llama.cpp gives a block a
+    negative ``d`` when its largest magnitude is positive, and then ``q = 8`` dequantises to -0.0, which no
+    ``fma(d, q, m)`` gives back (it yields +0.0): such a weight stays float32 rather than change a zero's sign."""
+    np = pytest.importorskip("numpy")
+    gguf = pytest.importorskip("gguf")
+    if not cpu_linear.gemm_available():
+        pytest.skip(f"no CPU GEMM: {cpu_linear.gemm_error()}")
+    gemm = torch.ops.lookahead_gemm
+    rng = np.random.default_rng(5)
+    n = 48 * 96 // 32
+    for sign, want in ((1, "q4"), (-1, "f32")):
+        d = (sign * (rng.random(n) * 0.02 + 1e-4)).astype(np.float16)
+        q = rng.integers(0, 16, (n, 32)).astype(np.uint8)
+        q[:, 5] = 8
+        raw = np.concatenate([d.view(np.uint8).reshape(n, 2), q[:, :16] | (q[:, 16:] << 4)], 1)
+        w = torch.from_numpy(np.ascontiguousarray(
+            gguf.dequantize(raw.reshape(48, -1), gguf.GGMLQuantizationType.Q4_0), dtype=np.float32)).reshape(48, 96)
+        packed = gemm.pack(w)
+        assert gemm.packed_format(packed) == want
+        x = torch.randn(2, 96)
+        assert torch.equal(gemm.linear(x, packed, 48, None), gemm.linear(x, gemm.pack(w, "f32"), 48, None))
 
 
 def test_pack_keeps_float32_unless_every_float_is_reproduced():
