@@ -244,13 +244,12 @@ def test_quantised_packing_gives_the_float32_layout_s_results(N, K, fmt, isa):
                 assert (y.double() - ref).abs().max() <= 1e-5 * (1 + ref.abs().max())
 
 
-def gguf_q4_k_weight(N, K, g, positive_blocks=False):
-    """``[N, K]`` float32 as transformers loads a GGUF Q4_K tensor: random blocks (a half ``d`` and ``dmin`` per 256
-    weights, 6-bit scales and mins and 4-bit q per 32) packed into GGUF's bytes and dequantised by gguf-py, the
-    code transformers calls. Some sub-blocks have scale 0 (constant) or min 0, and with ``positive_blocks`` every
-    min is 0 and q starts above 0 (a block of positive weights: its smallest value has no q of 0)."""
+def gguf_q4_k_blocks(N, K, g, positive_blocks=False):
+    """An ``[N, K]`` GGUF Q4_K tensor's bytes, uint8 ``[N, K / 256 * 144]``: random blocks (a half ``d`` and ``dmin``
+    per 256 weights, 6-bit scales and mins and 4-bit q per 32). Some sub-blocks have scale 0 (constant) or min 0,
+    and with ``positive_blocks`` every min is 0 and q starts above 0 (a block of positive weights: its smallest
+    value has no q of 0)."""
     np = pytest.importorskip("numpy")
-    gguf = pytest.importorskip("gguf")
     n = N * K // 256
     rng = np.random.default_rng(int(torch.randint(0, 2**31, (1,), generator=g)))
     d = (rng.random(n) * 1e-3 + 1e-5).astype(np.float16)
@@ -271,7 +270,14 @@ def gguf_q4_k_weight(N, K, g, positive_blocks=False):
     qs = q.reshape(n, 4, 2, 32)  # per 64 weights: the first 32 in the low nibbles, the next in the high ones
     nibbles = (qs[:, :, 0] | (qs[:, :, 1] << 4)).astype(np.uint8).reshape(n, 128)
     raw = np.concatenate([d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2), scales, nibbles], 1)
-    w = gguf.dequantize(raw.reshape(N, -1), gguf.GGMLQuantizationType.Q4_K)
+    return raw.reshape(N, -1)
+
+
+def gguf_q4_k_weight(N, K, g, positive_blocks=False):
+    """:func:`gguf_q4_k_blocks` as transformers loads them: dequantised by gguf-py (the code it calls), float32."""
+    np = pytest.importorskip("numpy")
+    gguf = pytest.importorskip("gguf")
+    w = gguf.dequantize(gguf_q4_k_blocks(N, K, g, positive_blocks), gguf.GGMLQuantizationType.Q4_K)
     return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).reshape(N, K)
 
 

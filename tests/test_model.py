@@ -418,6 +418,67 @@ def test_load_default_and_from_pretrained_gguf(smollm2_transformers):
     assert torch.equal(half.embed.weight, model.embed.weight.to(torch.bfloat16))
 
 
+def write_q4_k_llama_gguf(path, hidden=256, inter=512, layers=2, heads=4, kv_heads=2, vocab=320):
+    """A small Llama GGUF whose linear layers are Q4_K (random blocks), as llama.cpp ships most models (K a
+    multiple of 256, Q4_K's super-block); embeddings and norms float32, the head tied."""
+    np = pytest.importorskip("numpy")
+    gguf = pytest.importorskip("gguf")
+    from tests.test_fast_forward import gguf_q4_k_blocks
+
+    g = torch.Generator().manual_seed(0)
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(512)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(vocab)
+    w.add_tokenizer_model("gpt2")  # transformers reads a vocabulary from every GGUF
+    w.add_token_list([f"t{i}" for i in range(vocab)])
+    w.add_token_types([1] * vocab)
+    w.add_token_merges([])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_tensor("token_embd.weight", (rng.standard_normal((vocab, hidden)) * 0.5).astype(np.float32))
+    shapes = {"attn_q": (heads * 64, hidden), "attn_k": (kv_heads * 64, hidden), "attn_v": (kv_heads * 64, hidden),
+              "attn_output": (hidden, heads * 64), "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden),
+              "ffn_down": (hidden, inter)}
+    for i in range(layers):
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+        for name, (N, K) in shapes.items():
+            w.add_tensor(f"blk.{i}.{name}.weight", gguf_q4_k_blocks(N, K, g),
+                         raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_q4_k_gguf_packs_as_q4_matches_transformers_and_decodes_exactly(tmp_path):
+    """The usual published GGUF (Q4_K linear layers) end to end: transformers dequantises it, our model's layers
+    pack as the q4 blocks (read as integers, bit for bit the float32 results), its logits match transformers', and
+    greedy lookahead gives plain greedy's tokens."""
+    path = tmp_path / "tiny-q4_k.gguf"
+    write_q4_k_llama_gguf(path)
+    model = from_pretrained(path)
+    ids = [5, 17, 33, 8, 100, 201, 7, 64, 9, 12]
+    _, logits = prefill(model, torch.tensor([ids]))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
+    assert rel_err(logits[0], hf_logits(hf, ids)) < TOL
+    if cpu_linear.gemm_available():
+        formats = {torch.ops.lookahead_gemm.packed_format(p) for layer in model.layers for p in layer._packed.packed}
+        assert formats == {"q4"}
+    plain = model.generate(torch.tensor([ids]), max_new_tokens=24, lookahead=None)
+    ahead = model.generate(torch.tensor([ids]), max_new_tokens=24)
+    assert torch.equal(plain.sequences, ahead.sequences)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # GPU: the Triton attention path inside the model
 # ---------------------------------------------------------------------------------------------------------------
