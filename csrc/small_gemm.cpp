@@ -13,7 +13,8 @@
 // Quantised checkpoints (the default model is a Q4_1 GGUF) hold weights that are exactly d * q + m for 4-bit q, or d *
 // q for 8-bit q, per block of 32 along K with a half-precision d (Q4_K, the usual 4-bit GGUF type: d a half times a
 // 6-bit scale): their float32 copies waste 6.4x or 3.8x the bytes a step must read. pack finds such weights (every
-// block must reproduce every float's bits, else the plain float32 layout is kept) and stores them as those integers.
+// block must reproduce every float's bits, a -0.0 as +0.0 aside (same_weight), else the plain float32 layout is kept)
+// and stores them as those integers.
 // The GEMM expands them to the very floats the float32 layout holds and runs the same FMAs in the same order, so every
 // format gives identical results: for up to kFusedRows rows each k row of weights is expanded into registers and used
 // at once (AVX2), or each 64 x 32 block into an L1 buffer that the row passes then read (other instruction sets). On a
@@ -26,8 +27,8 @@
 // A quantised weight is one uint8 tensor: a 64-byte header (Header), the blocks [G, K/32], then the f32 layout:
 // steps of more than kFusedRows rows read that instead, where expanding costs FMAs the step needs (SmolLM2 on a
 // Zen 1 EPYC, 16 rows: 98.0 ms from the blocks, 90.4 from f32).
-// d * q is exact in float32 (d has 11 significant bits, q at most 8), so d * q + m rounds once however it is
-// computed (FMA or not): pack's check and the GEMM's expansion agree bit for bit.
+// d * q is exact in float32 (d has 11 significant bits, or 17 for Q4_K's, q at most 8 or 4), so d * q + m rounds once
+// however it is computed (FMA or not): pack's check and the GEMM's expansion agree bit for bit.
 //
 // One source, two instruction sets chosen at run time (AVX-512 where the CPU has it, else AVX2+FMA), plus a
 // plain loop for other CPUs. Ops (namespace lookahead_gemm):
@@ -355,6 +356,14 @@ bool same_bits(float a, float b) {
   return x == y;
 }
 
+// Whether a block may hold `got` where the weight is `want`: the same bits, or both zeros of either sign. Why a
+// -0.0 weight may be expanded as +0.0 (GGUF's Q4_0 and Q5_0 dequantise q = 8 or 16 under a negative scale to -0.0,
+// which no fma(d, q, m) gives): every kernel starts its sums at +0.0, and a sum that is +0.0 or nonzero stays so
+// when a product of either zero is added (+0 + -0 is +0; x + -0 is x), so the outputs are the same bits. The one
+// way a sum could be -0.0 is a negative product below the smallest float (2^-149) rounding to it, then only the
+// sign of that zero output could differ: nothing downstream reads it (argmax, norms and exp treat both alike).
+bool same_weight(float got, float want) { return same_bits(got, want) || (got == 0.f && want == 0.f); }
+
 // The half-precision value nearest `v` and the next one up and down: the scales a quantiser may have stored.
 std::array<float, 3> half_scales(float v) {
   const c10::Half h(v);
@@ -363,7 +372,8 @@ std::array<float, 3> half_scales(float v) {
   return {static_cast<float>(h), static_cast<float>(up), static_cast<float>(down)};
 }
 
-// v[0..32) as d * q + m with q in [0, 15] and d a positive half, every float's bits reproduced: d, m, q or false.
+// v[0..32) as d * q + m with q in [0, 15] and d a positive half, every float reproduced (same_weight): d, m, q or
+// false.
 bool fit_q4(const float* v, float* d, float* m, uint8_t* q) {
   float lo = v[0], hi = v[0];
   for (int64_t i = 0; i < kQK; ++i) {
@@ -376,7 +386,7 @@ bool fit_q4(const float* v, float* d, float* m, uint8_t* q) {
     *d = 0.f;
     std::fill(q, q + kQK, 0);
     for (int64_t i = 0; i < kQK; ++i)
-      if (!same_bits(0.f * 0.f + lo, v[i])) return false;
+      if (!same_weight(0.f * 0.f + lo, v[i])) return false;
     return true;
   }
   // The largest value's q: 15 from a min-max quantiser (llama.cpp's), smaller where the block's top was unused.
@@ -388,7 +398,7 @@ bool fit_q4(const float* v, float* d, float* m, uint8_t* q) {
         const float r = std::nearbyint((v[i] - lo) / s);
         ok = r >= 0.f && r <= 15.f;
         q[i] = ok ? static_cast<uint8_t>(r) : 0;
-        ok = ok && same_bits(s * static_cast<float>(q[i]) + lo, v[i]);  // what the GEMM computes from q
+        ok = ok && same_weight(s * static_cast<float>(q[i]) + lo, v[i]);  // what the GEMM computes from q
       }
       if (ok) {
         *d = s;
@@ -398,7 +408,7 @@ bool fit_q4(const float* v, float* d, float* m, uint8_t* q) {
   return false;
 }
 
-// v[0..32) as d * q with q in [-128, 127] and d a positive half (or all +0), every float's bits reproduced.
+// v[0..32) as d * q with q in [-128, 127] and d a positive half (or all zeros), every float reproduced (same_weight).
 bool fit_q8(const float* v, float* d, int8_t* q) {
   float amax = 0.f;
   for (int64_t i = 0; i < kQK; ++i) {
@@ -409,7 +419,7 @@ bool fit_q8(const float* v, float* d, int8_t* q) {
     *d = 0.f;
     std::fill(q, q + kQK, 0);
     for (int64_t i = 0; i < kQK; ++i)
-      if (!same_bits(0.f, v[i])) return false;
+      if (!same_weight(0.f, v[i])) return false;
     return true;
   }
   // The largest magnitude's |q|: 127 from a max-abs quantiser (llama.cpp's), 128 for a -128, less where unused.
@@ -421,7 +431,7 @@ bool fit_q8(const float* v, float* d, int8_t* q) {
         const float r = std::nearbyint(v[i] / s);
         ok = r >= -128.f && r <= 127.f;
         q[i] = ok ? static_cast<int8_t>(r) : 0;
-        ok = ok && same_bits(s * static_cast<float>(q[i]), v[i]);  // from the integer: a -0.0 is no q of 0
+        ok = ok && same_weight(s * static_cast<float>(q[i]), v[i]);  // what the GEMM computes from q
       }
       if (ok) {
         *d = s;
@@ -444,7 +454,7 @@ double float_gap(float x, bool up) {
 }
 
 // v[0..32) as fma(A, q, m) with q in [0, 15], A a positive half times an integer in [1, 63] and m any float, every
-// float's bits reproduced: d (= A), m, q or false. This is what GGUF's Q4_K (the "Q4_K_M" files most quantised
+// float reproduced (same_weight): d (= A), m, q or false. This is what GGUF's Q4_K (the "Q4_K_M" files most quantised
 // models ship as) dequantises to: per 32 weights along K, (d * sc) * q - dmin * mn with a half d and dmin per 256
 // and 6-bit sc and mn, each product exact in float32, so the one rounding is the subtraction's (the FMA's). A has at
 // most 17 significant bits, so A * q is exact and the expansion rounds once, FMA or not. fit_q4 misses these: A is
@@ -499,7 +509,7 @@ bool fit_q4_scaled(const float* v, float* d, float* m, uint8_t* q) {
         for (const float mc : {mid, std::nextafter(mid, -INFINITY), std::nextafter(mid, INFINITY)}) {
           bool fits = true;
           for (int64_t i = 0; i < kQK && fits; ++i)
-            fits = same_bits(std::fma(a, static_cast<float>(q[i] + q0), mc), v[i]);
+            fits = same_weight(std::fma(a, static_cast<float>(q[i] + q0), mc), v[i]);
           if (fits) {
             for (int64_t i = 0; i < kQK; ++i) q[i] = static_cast<uint8_t>(q[i] + q0);
             *d = a;

@@ -301,28 +301,45 @@ def test_gguf_q4_k_packs_as_q4_and_gives_the_float32_layout_s_results(N, K, posi
     assert gemm.packed_format(gemm.pack(one)) == "f32"
 
 
-def test_gguf_q4_0_packs_as_q4_unless_it_holds_negative_zeros():
-    """Q4_0 dequantises to ``d * (q - 8)``: with ``d > 0`` that is ``d * q + m``; llama.cpp gives a block a
-    negative ``d`` when its largest magnitude is positive, and then ``q = 8`` dequantises to -0.0, which no
-    ``fma(d, q, m)`` gives back (it yields +0.0): such a weight stays float32 rather than change a zero's sign."""
+def gguf_dequantised(raw, qtype: str, N: int, K: int) -> torch.Tensor:
     np = pytest.importorskip("numpy")
     gguf = pytest.importorskip("gguf")
+    w = gguf.dequantize(raw.reshape(N, -1), getattr(gguf.GGMLQuantizationType, qtype))
+    return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).reshape(N, K)
+
+
+@pytest.mark.parametrize("qtype,bits,want", [("Q4_0", 4, "q4"), ("Q5_0", 5, "q8")])
+def test_gguf_q4_0_and_q5_0_pack_with_either_sign_of_scale(qtype, bits, want):
+    """Q4_0 and Q5_0 dequantise to ``d * (q - 8)`` and ``d * (q - 16)``: ``|d| * q' + m`` and ``|d| * q'``. llama.cpp
+    gives a block a negative ``d`` when its largest magnitude is positive; then ``q = 8`` (``16``) dequantises to
+    -0.0, which the blocks give back as +0.0: the GEMM's results are the same bits (``same_weight`` in
+    ``csrc/small_gemm.cpp``), checked here with inputs that hold exact zeros of both signs too."""
+    np = pytest.importorskip("numpy")
     if not cpu_linear.gemm_available():
         pytest.skip(f"no CPU GEMM: {cpu_linear.gemm_error()}")
     gemm = torch.ops.lookahead_gemm
-    rng = np.random.default_rng(5)
-    n = 48 * 96 // 32
-    for sign, want in ((1, "q4"), (-1, "f32")):
-        d = (sign * (rng.random(n) * 0.02 + 1e-4)).astype(np.float16)
-        q = rng.integers(0, 16, (n, 32)).astype(np.uint8)
-        q[:, 5] = 8
-        raw = np.concatenate([d.view(np.uint8).reshape(n, 2), q[:, :16] | (q[:, 16:] << 4)], 1)
-        w = torch.from_numpy(np.ascontiguousarray(
-            gguf.dequantize(raw.reshape(48, -1), gguf.GGMLQuantizationType.Q4_0), dtype=np.float32)).reshape(48, 96)
-        packed = gemm.pack(w)
-        assert gemm.packed_format(packed) == want
-        x = torch.randn(2, 96)
-        assert torch.equal(gemm.linear(x, packed, 48, None), gemm.linear(x, gemm.pack(w, "f32"), 48, None))
+    rng = np.random.default_rng(bits)
+    N, K = 48, 96
+    n = N * K // 32
+    d = ((rng.random(n) * 0.02 + 1e-4) * rng.choice([-1, 1], n)).astype(np.float16)
+    q = rng.integers(0, 2 ** bits, (n, 32)).astype(np.uint32)
+    q[:, 5] = 2 ** (bits - 1)  # dequantises to zero: -0.0 under a negative d
+    nibbles = (q[:, :16] & 15) | ((q[:, 16:] & 15) << 4)
+    parts = [d.view(np.uint8).reshape(n, 2)]
+    if bits == 5:  # Q5_0: each weight's fifth bit, 32 of them in 4 bytes, then the nibbles
+        high = ((q >> 4) & 1) << np.arange(32, dtype=np.uint32)
+        parts.append(high.sum(1, dtype=np.uint32).astype("<u4").view(np.uint8).reshape(n, 4))
+    raw = np.concatenate(parts + [nibbles.astype(np.uint8)], 1)
+    w = gguf_dequantised(raw, qtype, N, K)
+    assert (w == 0).any() and torch.signbit(w[w == 0]).any()  # the -0.0 weights are there
+    packed, plain = gemm.pack(w), gemm.pack(w, "f32")
+    assert gemm.packed_format(packed) == want
+    for M in (1, 3, 6):
+        x = torch.randn(M, K)
+        x[0, :40] = 0.0  # exact zeros of both signs: products of zeros
+        x[-1, 10:30] = -0.0
+        y = gemm.linear(x, packed, N, None)
+        assert torch.equal(y.view(torch.int32), gemm.linear(x, plain, N, None).view(torch.int32))  # the bits
 
 
 def test_pack_keeps_float32_unless_every_float_is_reproduced():
@@ -342,12 +359,15 @@ def test_pack_keeps_float32_unless_every_float_is_reproduced():
     one[17, 5] = one[17, 5].nextafter(torch.tensor(1.0))  # a single float off: the whole weight stays float32
     assert gemm.packed_format(gemm.pack(one)) == "f32"
     zeros = torch.zeros(40, 64)
-    zeros[3, 7] = -0.0  # -0.0 would come back as +0.0: not reproduced
-    assert gemm.packed_format(gemm.pack(zeros)) == "f32"
-    assert gemm.packed_format(gemm.pack(torch.zeros(40, 64))) == "q4"
+    zeros[3, 7] = -0.0  # comes back as +0.0, which gives every product the same bits (same_weight)
+    assert gemm.packed_format(gemm.pack(zeros)) == "q4"
     signed = w8.clone()
-    signed[5, 9] = -0.0  # d * q with q = 0 is +0.0 whatever the sign d * -0.0 would have
-    assert gemm.packed_format(gemm.pack(signed)) == "f32"
+    signed[5, 9] = -0.0
+    assert gemm.packed_format(gemm.pack(signed)) == "q8"
+    x = torch.randn(3, 64)
+    x[1, :9] = 0.0
+    assert torch.equal(gemm.linear(x, gemm.pack(signed), 40, None).view(torch.int32),
+                       gemm.linear(x, gemm.pack(signed, "f32"), 40, None).view(torch.int32))
     with pytest.raises(ValueError, match="not exactly q4"):
         gemm.pack(w8, "q4")
     with pytest.raises(ValueError, match="format"):
