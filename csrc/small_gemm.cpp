@@ -372,15 +372,22 @@ std::array<float, 3> half_scales(float v) {
   return {static_cast<float>(h), static_cast<float>(up), static_cast<float>(down)};
 }
 
+// The smallest and largest of v[0..32); false if one is not finite.
+bool finite_range(const float* v, float* lo, float* hi) {
+  *lo = *hi = v[0];
+  for (int64_t i = 0; i < kQK; ++i) {
+    if (!std::isfinite(v[i])) return false;
+    *lo = std::min(*lo, v[i]);
+    *hi = std::max(*hi, v[i]);
+  }
+  return true;
+}
+
 // v[0..32) as d * q + m with q in [0, 15] and d a positive half, every float reproduced (same_weight): d, m, q or
 // false.
 bool fit_q4(const float* v, float* d, float* m, uint8_t* q) {
-  float lo = v[0], hi = v[0];
-  for (int64_t i = 0; i < kQK; ++i) {
-    if (!std::isfinite(v[i])) return false;
-    lo = std::min(lo, v[i]);
-    hi = std::max(hi, v[i]);
-  }
+  float lo, hi;
+  if (!finite_range(v, &lo, &hi)) return false;
   *m = lo;
   if (hi == lo) {  // one value: q = 0 everywhere (d * 0 + m is m, though +0 for a -0 block: checked)
     *d = 0.f;
@@ -460,12 +467,8 @@ double float_gap(float x, bool up) {
 // most 17 significant bits, so A * q is exact and the expansion rounds once, FMA or not. fit_q4 misses these: A is
 // no half, and the block's smallest value need not have q = 0 (a block of positive weights gets mn = 0).
 bool fit_q4_scaled(const float* v, float* d, float* m, uint8_t* q) {
-  float lo = v[0], hi = v[0];
-  for (int64_t i = 0; i < kQK; ++i) {
-    if (!std::isfinite(v[i])) return false;
-    lo = std::min(lo, v[i]);
-    hi = std::max(hi, v[i]);
-  }
+  float lo, hi;
+  if (!finite_range(v, &lo, &hi)) return false;
   if (hi == lo) return false;  // one value: fit_q4's case
   // hi - lo is A * span moved by the rounding of hi and lo: at most half a gap to the next float of each.
   const double slack = float_gap(hi, true) + float_gap(lo, false);
