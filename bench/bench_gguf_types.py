@@ -1,11 +1,11 @@
-"""The CPU GEMM on weights as GGUF's 4-bit types dequantise them: read from the integer blocks against the float32
-layout, and what packing them costs.
+"""The CPU GEMM on weights as GGUF's quantised types dequantise them: read from the integer blocks against the
+float32 layout, and what packing them costs.
 
-For each type (Q4_1, the default model's; Q4_K, most published GGUF files'), ``--layers`` decoder layers of random
-weights in shapes like SmolLM2's with K a multiple of 256 (Q4_K's super-block), far more bytes than the caches hold
-(as in a model's forward, where each weight is read once a step): one product of every weight at M rows, from the
-packed blocks and from the float32 layout, interleaved, the fastest of ``--reps`` rounds. Every result is checked
-bit-equal between the two layouts.
+For each type (Q4_1, the default model's; Q4_K and Q6_K, what most published GGUF files hold), ``--layers``
+decoder layers of random weights in shapes like SmolLM2's with K a multiple of 256 (the k-quants' super-block), far
+more bytes than the caches hold (as in a model's forward, where each weight is read once a step): one product of
+every weight at M rows, from the packed blocks and from the float32 layout, interleaved, the fastest of ``--reps``
+rounds. Every result is checked bit-equal between the two layouts.
 
     python bench/bench_gguf_types.py --threads 2
 
@@ -28,13 +28,17 @@ sys.path.insert(0, os.path.dirname(HERE))
 from _common import command_line, machine_info, write_results  # noqa: E402
 
 from lookahead import cpu_linear  # noqa: E402
-from tests.test_fast_forward import gguf_q4_k_weight, quantised_weight  # noqa: E402
+from tests.test_fast_forward import (gguf_dequantised, gguf_q4_k_weight, gguf_q6_k_blocks,  # noqa: E402
+                                     quantised_weight)
 
 SHAPES = ((3072, 512), (512, 1536), (768, 512), (512, 512))  # gate/up, down, q/k/v, o
 
 
 def weights(kind: str, layers: int, g: torch.Generator) -> list[torch.Tensor]:
-    make = gguf_q4_k_weight if kind == "Q4_K" else lambda N, K, g: quantised_weight(N, K, "q4", g)
+    make = {"Q4_1": lambda N, K, g: quantised_weight(N, K, "q4", g), "Q4_K": gguf_q4_k_weight,
+            "Q6_K": lambda N, K, g: gguf_dequantised(gguf_q6_k_blocks(N, K, int(torch.randint(0, 2**31, (1,),
+                                                                                                generator=g))),
+                                                     "Q6_K", N, K)}[kind]
     return [make(N, K, g) for _ in range(layers) for N, K in SHAPES]
 
 
@@ -62,7 +66,7 @@ def main(argv=None) -> int:
     machine = machine_info("cpu")
     g = torch.Generator().manual_seed(0)
     rows = []
-    for kind in ("Q4_1", "Q4_K"):
+    for kind in ("Q4_1", "Q4_K", "Q6_K"):
         ws = weights(kind, args.layers, g)
         started = time.perf_counter()
         blocks = [gemm.pack(w) for w in ws]
@@ -91,12 +95,13 @@ def main(argv=None) -> int:
 
 def markdown(result: dict) -> str:
     m = result["machine"]
-    lines = [f"# The CPU GEMM on GGUF 4-bit types: integer blocks against the float32 layout", "",
+    lines = [f"# The CPU GEMM on GGUF quantised types: integer blocks against the float32 layout", "",
              f"`{result['command']}`", "",
              f"{m.get('cpu', 'cpu')}, {result['threads']} threads, torch {m.get('torch')}, git {m.get('git')}. "
              f"{result['layers']} layers of random weights of shapes {list(map(tuple, result['shapes']))} per type; "
              "one product of every weight at M rows, the fastest of the rounds.", "",
-             "| type | packed as | M | from the blocks ms | from float32 ms | float32 / blocks | identical | pack ns a weight |",
+             "| type | packed as | M | from the blocks ms | from float32 ms | float32 / blocks | identical "
+             "| pack ns a weight |",
              "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         lines.append(f"| {r['type']} | {r['packed_as']} | {r['rows']} | {r['ms_blocks']:.2f} | {r['ms_f32']:.2f} | "

@@ -24,6 +24,8 @@
 //   q4:  per group and 32 x 32 block (768 bytes), d[32] and m[32] as float32 (one per column), then for each of
 //        the 32 k 16 bytes, column c's q in the low nibble of byte c (c < 16) or the high nibble of byte c - 16
 //   q8:  per group and block (1152 bytes), d[32] as float32, then for each k the 32 columns' q as int8
+//   q8h: as q8 with a d per 16 along K (1280 bytes): d[32] for k 0..15, d[32] for k 16..31, then the q (GGUF's Q6_K:
+//        a half per 256 weights times an 8-bit scale per 16, q in [-32, 31])
 // A quantised weight is one uint8 tensor: a 64-byte header (Header), the blocks [G, K/32], then the f32 layout:
 // steps of more than kFusedRows rows read that instead, where expanding costs FMAs the step needs (SmolLM2 on a
 // Zen 1 EPYC, 16 rows: 98.0 ms from the blocks, 90.4 from f32).
@@ -33,8 +35,8 @@
 // One source, two instruction sets chosen at run time (AVX-512 where the CPU has it, else AVX2+FMA), plus a
 // plain loop for other CPUs. Ops (namespace lookahead_gemm):
 //   pack(Tensor weight, str format="auto") -> Tensor   weight [N, K] float32 -> one of the layouts above; "auto":
-//                                                      q4 or q8 where the weight is exactly one, else f32
-//   packed_format(Tensor packed) -> str                "f32", "q4" or "q8"
+//                                                      q4, q8 or q8h where the weight is exactly one, else f32
+//   packed_format(Tensor packed) -> str                "f32", "q4", "q8" or "q8h"
 //   linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor     x [M, K] -> y [M, n]
 //   isa() -> str                                                       "avx512", "avx2" or "scalar"
 //   force_isa(str isa) -> ()            tests: run this GEMM and the step attention as "avx2" or "scalar" even
@@ -74,12 +76,14 @@ static_assert(kKB % 32 == 0, "a GEMM block holds whole quantised blocks");
 // 29.0 from f32; 4 rows 30.0 against 35.0; 5 rows 34.3 against 32.4.
 constexpr int64_t kFusedRows = 4;
 
-enum Format : int { kF32 = 0, kQ4 = 1, kQ8 = 2 };
+enum Format : int { kF32 = 0, kQ4 = 1, kQ8 = 2, kQ8H = 3 };
 constexpr int64_t kQK = 32;                           // k per quantised block
 constexpr int64_t kQ4Bytes = 2 * kCols * 4 + kQK * 16;  // d, m, then 32 k of 16 bytes
 constexpr int64_t kQ8Bytes = kCols * 4 + kQK * kCols;   // d, then 32 k of 32 bytes
+constexpr int64_t kQ8HBytes = 2 * kCols * 4 + kQK * kCols;  // d for k 0..15 and for k 16..31, then as q8
 
-constexpr int64_t block_bytes(Format f) { return f == kQ4 ? kQ4Bytes : kQ8Bytes; }
+constexpr int64_t block_bytes(Format f) { return f == kQ4 ? kQ4Bytes : f == kQ8 ? kQ8Bytes : kQ8HBytes; }
+constexpr const char* format_name(Format f) { return f == kF32 ? "f32" : f == kQ4 ? "q4" : f == kQ8 ? "q8" : "q8h"; }
 
 // A packed weight as linear reads it: its float32 layout and, for a quantised weight, its blocks (q not null).
 struct Packed {
@@ -173,6 +177,17 @@ void expand_q8(const uint8_t* src, int64_t blocks, float* out) {
   }
 }
 
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void expand_q8h(const uint8_t* src, int64_t blocks, float* out) {
+  for (int64_t b = 0; b < blocks; ++b, src += kQ8HBytes, out += kQK * kCols) {
+    float d[2][kCols];
+    std::memcpy(d, src, sizeof d);
+    const int8_t* q = reinterpret_cast<const int8_t*>(src + sizeof d);
+    for (int64_t k = 0; k < kQK; ++k)
+      for (int c = 0; c < kCols; ++c) out[k * kCols + c] = d[k >= 16][c] * static_cast<float>(q[k * kCols + c]);
+  }
+}
+
 // Groups [g0, g1) of the packed weight: each K block is read by every pass of rows_per rows (blocks[r - 1] runs a
 // pass of r rows) before the next block, and each group's sums are stored once its last block is done. A quantised
 // block is expanded into `scratch` [kKB, 32] first; the passes then read it from L1.
@@ -190,7 +205,7 @@ void run_groups(const BlockFn* blocks, const float* x, int64_t M, const Packed& 
       } else {
         const int64_t bytes = block_bytes(w.format);
         const uint8_t* src = w.q + (g * (K / kQK) + k0 / kQK) * bytes;
-        (w.format == kQ4 ? expand_q4 : expand_q8)(src, kn / kQK, scratch);
+        (w.format == kQ4 ? expand_q4 : w.format == kQ8 ? expand_q8 : expand_q8h)(src, kn / kQK, scratch);
         wb = scratch;
         pf = reinterpret_cast<const char*>(src + kn / kQK * bytes);
       }
@@ -259,9 +274,15 @@ static void k256_quantised_group(const float* x, int64_t K, const uint8_t* group
       __builtin_prefetch(src + 8 * bytes, 0, 2);  // the hardware prefetcher misses the first lines of a stream
       const float* d = reinterpret_cast<const float*>(src) + 16 * half;
       const float* m = d + kCols;
-      const __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8);
+      __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8);
       const float* xb = x + b * kQK;
       for (int64_t k = 0; k < kQK; ++k) {
+        if constexpr (F == kQ8H) {
+          if (k == 16) {  // the second half of the block has scales of its own
+            d0 = _mm256_loadu_ps(d + kCols);
+            d1 = _mm256_loadu_ps(d + kCols + 8);
+          }
+        }
         __m256 w0, w1;
         if constexpr (F == kQ4) {  // half 0: the low nibbles of the 16 bytes, half 1: the high ones
           const __m128i by = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * kCols * 4 + k * 16));
@@ -270,7 +291,8 @@ static void k256_quantised_group(const float* x, int64_t K, const uint8_t* group
           w1 = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))),
                                _mm256_loadu_ps(m + 8));
         } else {
-          const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + kCols * 4 + k * kCols + 16 * half));
+          constexpr int64_t scales = F == kQ8 ? kCols * 4 : 2 * kCols * 4;  // the bytes of d before the q
+          const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + scales + k * kCols + 16 * half));
           w0 = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)));
           w1 = _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))));
         }
@@ -302,8 +324,10 @@ static void k256_groups(const float* x, int64_t M, const Packed& w, int64_t g0, 
                                    k256_quantised_group<3, kQ4>, k256_quantised_group<4, kQ4>};
   static constexpr GroupFn q8[] = {k256_quantised_group<1, kQ8>, k256_quantised_group<2, kQ8>,
                                    k256_quantised_group<3, kQ8>, k256_quantised_group<4, kQ8>};
+  static constexpr GroupFn q8h[] = {k256_quantised_group<1, kQ8H>, k256_quantised_group<2, kQ8H>,
+                                    k256_quantised_group<3, kQ8H>, k256_quantised_group<4, kQ8H>};
   static_assert(sizeof q4 / sizeof q4[0] == kFusedRows, "one kernel per row count");
-  const GroupFn group = (w.format == kQ4 ? q4 : q8)[M - 1];
+  const GroupFn group = (w.format == kQ4 ? q4 : w.format == kQ8 ? q8 : q8h)[M - 1];
   for (int64_t g = g0; g < g1; ++g) {
     group(x, w.K, w.q + g * (w.K / kQK) * block_bytes(w.format), buf);
     store_rows(buf, M, y, n, g * kCols, bias);
@@ -415,26 +439,30 @@ bool fit_q4(const float* v, float* d, float* m, uint8_t* q) {
   return false;
 }
 
-// v[0..32) as d * q with q in [-128, 127] and d a positive half (or all zeros), every float reproduced (same_weight).
-bool fit_q8(const float* v, float* d, int8_t* q) {
+// v[0..n) as d * q with q in [-128, 127] and d positive (or all zeros), every float reproduced (same_weight): with
+// `half`, d a half-precision value (Q8_0's); without, any float (Q6_K's d times an 8-bit scale, which the largest
+// magnitude over its q gives exactly).
+bool fit_q8(const float* v, int64_t n, bool half, float* d, int8_t* q) {
   float amax = 0.f;
-  for (int64_t i = 0; i < kQK; ++i) {
+  for (int64_t i = 0; i < n; ++i) {
     if (!std::isfinite(v[i])) return false;
     amax = std::max(amax, std::fabs(v[i]));
   }
   if (amax == 0.f) {
     *d = 0.f;
-    std::fill(q, q + kQK, 0);
-    for (int64_t i = 0; i < kQK; ++i)
+    std::fill(q, q + n, 0);
+    for (int64_t i = 0; i < n; ++i)
       if (!same_weight(0.f, v[i])) return false;
     return true;
   }
   // The largest magnitude's |q|: 127 from a max-abs quantiser (llama.cpp's), 128 for a -128, less where unused.
-  for (int top = 128; top >= 1; --top)
-    for (const float s : half_scales(amax / static_cast<float>(top))) {
+  for (int top = 128; top >= 1; --top) {
+    const float est = amax / static_cast<float>(top);
+    const std::array<float, 3> scales = half ? half_scales(est) : std::array<float, 3>{est, 0.f, 0.f};
+    for (const float s : scales) {
       if (!(s > 0.f) || !std::isfinite(s)) continue;
       bool ok = true;
-      for (int64_t i = 0; i < kQK && ok; ++i) {
+      for (int64_t i = 0; i < n && ok; ++i) {
         const float r = std::nearbyint(v[i] / s);
         ok = r >= -128.f && r <= 127.f;
         q[i] = ok ? static_cast<int8_t>(r) : 0;
@@ -445,6 +473,7 @@ bool fit_q8(const float* v, float* d, int8_t* q) {
         return true;
       }
     }
+  }
   return false;
 }
 
@@ -557,15 +586,19 @@ bool pack_quantised(const float* src, int64_t N, int64_t K, Format format, uint8
             for (int64_t k = 0; k < kQK; ++k)
               dst[2 * kCols * 4 + k * 16 + (c & 15)] |= static_cast<uint8_t>(q4[k] << (c < 16 ? 0 : 4));
           } else {
-            if (!fit_q8(v, &d[c], q8)) {
+            // q8h: d[] scales k 0..15 and m[] (the second d) k 16..31
+            if (format == kQ8 ? !fit_q8(v, kQK, true, &d[c], q8)
+                              : !fit_q8(v, kQK / 2, false, &d[c], q8) ||
+                                    !fit_q8(v + kQK / 2, kQK / 2, false, &m[c], q8 + kQK / 2)) {
               failed = true;
               return;
             }
-            for (int64_t k = 0; k < kQK; ++k) dst[kCols * 4 + k * kCols + c] = static_cast<uint8_t>(q8[k]);
+            const int64_t scales = format == kQ8 ? kCols * 4 : 2 * kCols * 4;
+            for (int64_t k = 0; k < kQK; ++k) dst[scales + k * kCols + c] = static_cast<uint8_t>(q8[k]);
           }
         }
         std::memcpy(dst, d, sizeof d);
-        if (format == kQ4) std::memcpy(dst + sizeof d, m, sizeof m);
+        if (format != kQ8) std::memcpy(dst + sizeof d, m, sizeof m);
       }
   });
   return !failed.load();
@@ -600,13 +633,13 @@ at::Tensor pack(const at::Tensor& weight, c10::string_view format) {
   TORCH_CHECK_VALUE(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
                     "lookahead_gemm.pack: weight must be a float32 CPU tensor [N, K], got ", weight.scalar_type(),
                     " ", weight.sizes());
-  TORCH_CHECK_VALUE(format == "auto" || format == "f32" || format == "q4" || format == "q8",
-                    "lookahead_gemm.pack: format must be 'auto', 'f32', 'q4' or 'q8', got '", format, "'");
+  TORCH_CHECK_VALUE(format == "auto" || format == "f32" || format == "q4" || format == "q8" || format == "q8h",
+                    "lookahead_gemm.pack: format must be 'auto', 'f32', 'q4', 'q8' or 'q8h', got '", format, "'");
   const at::Tensor w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1);
   const int64_t groups = (N + kCols - 1) / kCols;  // the last one zero-padded
-  for (const Format f : {kQ4, kQ8}) {
-    const char* name = f == kQ4 ? "q4" : "q8";
+  for (const Format f : {kQ4, kQ8, kQ8H}) {
+    const char* name = format_name(f);
     if (format != "auto" && format != name) continue;
     if (K % kQK == 0 && N > 0 && K > 0) {
       at::Tensor packed = at::zeros({quantised_bytes(f, K, groups)}, w.options().dtype(at::kByte));
@@ -619,9 +652,10 @@ at::Tensor pack(const at::Tensor& weight, c10::string_view format) {
       }
     }
     TORCH_CHECK_VALUE(format == "auto", "lookahead_gemm.pack: the weight is not exactly ", name, " (",
-                      f == kQ4 ? "d * q + m, q in [0, 15], d a half or a half times an integer below 64"
-                               : "d * q, q in [-128, 127], d a half",
-                      ", per 32 along K, K a multiple of 32)");
+                      f == kQ4   ? "d * q + m, q in [0, 15], d a half or a half times an integer below 64, per 32"
+                      : f == kQ8 ? "d * q, q in [-128, 127], d a half, per 32"
+                                 : "d * q, q in [-128, 127], a d per 16",
+                      " along K, K a multiple of 32)");
   }
   at::Tensor packed = at::zeros({groups, K, kCols}, w.options());
   pack_f32_into(w.data_ptr<float>(), N, K, packed.data_ptr<float>());
@@ -640,7 +674,8 @@ Packed view(const at::Tensor& packed, const char* op) {
   const uint8_t* base = packed.data_ptr<uint8_t>();
   Header h;
   std::memcpy(&h, base, sizeof h);
-  const bool known = h.magic == kMagic && (h.format == kQ4 || h.format == kQ8) && h.K > 0 && h.K % kQK == 0 &&
+  const bool known = h.magic == kMagic && (h.format == kQ4 || h.format == kQ8 || h.format == kQ8H) && h.K > 0 &&
+                     h.K % kQK == 0 &&
                      h.groups > 0;
   const Format f = static_cast<Format>(known ? h.format : kQ4);
   TORCH_CHECK_VALUE(known && packed.numel() == quantised_bytes(f, h.K, h.groups), op,
@@ -696,7 +731,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, cons
 
 std::string packed_format(const at::Tensor& packed) {
   const Format f = view(packed, "lookahead_gemm.packed_format").format;
-  return f == kF32 ? "f32" : f == kQ4 ? "q4" : "q8";
+  return format_name(f);
 }
 
 namespace {

@@ -195,8 +195,9 @@ def test_step_attention_matches_attention_torch_per_sequence_lengths():
 # with a half-precision d (or, 4-bit, a half times a 6-bit scale: GGUF's Q4_K), are packed as those integers and
 # expanded in the GEMM to the very same floats.
 def quantised_weight(N, K, fmt, g, full_range=True):
-    """``[N, K]`` float32 as a Q4_1 (``fmt="q4"``) or Q8_0 (``"q8"``) checkpoint dequantises: with ``full_range``
-    every block holds its format's extreme q (as llama.cpp's quantiser makes them), else blocks use less."""
+    """``[N, K]`` float32 as a Q4_1 (``fmt="q4"``), Q8_0 (``"q8"``) or Q6_K-like (``"q8h"``) checkpoint dequantises:
+    with ``full_range`` every block holds its format's extreme q (as llama.cpp's quantiser makes them), else blocks
+    use less."""
     blocks = (N, K // 32, 32)
     d = (torch.rand(N, K // 32, 1, generator=g) * 0.02 + 1e-4).half().float()
     if fmt == "q4":
@@ -206,6 +207,13 @@ def quantised_weight(N, K, fmt, g, full_range=True):
             q[..., 0], q[..., 1] = 0, 15
         m = (torch.randn(N, K // 32, 1, generator=g) * 0.1).half().float()
         return (d * q + m).reshape(N, K)
+    if fmt == "q8h":  # as Q6_K: a half per 256 weights times an 8-bit scale per 16, q in [-32, 31]
+        top = 32 if full_range else 20
+        q = torch.randint(-top, top, (N, K // 16, 16), generator=g).float()
+        if full_range:
+            q[..., 3] = -32
+        scale = torch.randint(-128, 128, (N, K // 16, 1), generator=g).float()
+        return (d.repeat_interleave(2, dim=1) * scale * q).reshape(N, K)
     top = 128 if full_range else 90
     q = torch.randint(-top + 1, top, blocks, generator=g).float()
     if full_range:
@@ -214,7 +222,7 @@ def quantised_weight(N, K, fmt, g, full_range=True):
 
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
-@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("fmt", ["q4", "q8", "q8h"])
 @pytest.mark.parametrize("N,K", [(37, 64), (130, 96), (64, 576), (33, 32)])
 def test_quantised_packing_gives_the_float32_layout_s_results(N, K, fmt, isa):
     if not cpu_linear.gemm_available():
@@ -342,6 +350,46 @@ def test_gguf_q4_0_and_q5_0_pack_with_either_sign_of_scale(qtype, bits, want):
         assert torch.equal(y.view(torch.int32), gemm.linear(x, plain, N, None).view(torch.int32))  # the bits
 
 
+def gguf_q6_k_blocks(N, K, seed):
+    """An ``[N, K]`` GGUF Q6_K tensor's bytes, uint8 ``[N, K / 256 * 210]``: per 256 weights the low 4 bits of
+    q + 32, their high 2 bits, 16 int8 scales and a half ``d`` (of either sign); every block holds a q of 0, which
+    a negative scale dequantises to -0.0."""
+    np = pytest.importorskip("numpy")
+    rng = np.random.default_rng(seed)
+    n = N * K // 256
+    u = rng.integers(0, 64, (n, 256))  # q + 32
+    u[:, 7] = 32
+    low, high = u & 15, u >> 4
+    ql = np.concatenate([low[:, 128 * c: 128 * c + 64] | (low[:, 128 * c + 64: 128 * c + 128] << 4)
+                         for c in range(2)], 1)
+    qh = np.concatenate([sum(high[:, 128 * c + 32 * t: 128 * c + 32 * t + 32] << (2 * t) for t in range(4))
+                         for c in range(2)], 1)
+    scales = rng.integers(-128, 128, (n, 16)).astype(np.int8)
+    d = ((rng.random(n) * 1e-3 + 1e-6) * rng.choice([-1, 1], n)).astype(np.float16)
+    raw = np.concatenate([ql.astype(np.uint8), qh.astype(np.uint8), scales.view(np.uint8),
+                          d.view(np.uint8).reshape(n, 2)], 1)
+    return raw.reshape(N, -1)
+
+
+def test_gguf_q6_k_packs_as_q8h_and_gives_the_float32_layout_s_results():
+    """Q6_K (the 6-bit type "Q4_K_M" files use for some layers and the head) dequantises to ``(d * sc) * q``: a half
+    ``d`` per 256 weights, an 8-bit ``sc`` per 16, q in [-32, 31]; exact products, so the q8h blocks (int8 q, a
+    scale per 16 along K) hold it."""
+    if not cpu_linear.gemm_available():
+        pytest.skip(f"no CPU GEMM: {cpu_linear.gemm_error()}")
+    gemm = torch.ops.lookahead_gemm
+    N, K = 40, 512
+    raw = gguf_q6_k_blocks(N, K, seed=6)
+    w = gguf_dequantised(raw, "Q6_K", N, K)
+    packed, plain = gemm.pack(w), gemm.pack(w, "f32")
+    assert gemm.packed_format(packed) == "q8h"
+    for M in (1, 2, 4, 5):
+        x = torch.randn(M, K)
+        x[0, :20] = 0.0
+        assert torch.equal(gemm.linear(x, packed, N, None).view(torch.int32),
+                           gemm.linear(x, plain, N, None).view(torch.int32))
+
+
 def test_pack_keeps_float32_unless_every_float_is_reproduced():
     if not cpu_linear.gemm_available():
         pytest.skip(f"no CPU GEMM: {cpu_linear.gemm_error()}")
@@ -372,6 +420,8 @@ def test_pack_keeps_float32_unless_every_float_is_reproduced():
         gemm.pack(w8, "q4")
     with pytest.raises(ValueError, match="format"):
         gemm.pack(w4, "q5")
+    with pytest.raises(ValueError, match="not exactly q8h"):
+        gemm.pack(torch.randn(40, 64), "q8h")
     # Another uint8 tensor, or a packed one cut short or with its header damaged, is refused, not read.
     packed = gemm.pack(w4)
     damaged = packed.clone()

@@ -419,11 +419,11 @@ def test_load_default_and_from_pretrained_gguf(smollm2_transformers):
 
 
 def write_q4_k_llama_gguf(path, hidden=256, inter=512, layers=2, heads=4, kv_heads=2, vocab=320):
-    """A small Llama GGUF whose linear layers are Q4_K (random blocks), as llama.cpp ships most models (K a
-    multiple of 256, Q4_K's super-block); embeddings and norms float32, the head tied."""
+    """A small Llama GGUF as llama.cpp's "Q4_K_M" lays one out (K a multiple of 256, the super-block): Q4_K linear
+    layers but for ``attn_v`` and ``ffn_down``, Q6_K (random blocks); embeddings and norms float32, the head tied."""
     np = pytest.importorskip("numpy")
     gguf = pytest.importorskip("gguf")
-    from tests.test_fast_forward import gguf_q4_k_blocks
+    from tests.test_fast_forward import gguf_q4_k_blocks, gguf_q6_k_blocks
 
     g = torch.Generator().manual_seed(0)
     rng = np.random.default_rng(0)
@@ -451,8 +451,9 @@ def write_q4_k_llama_gguf(path, hidden=256, inter=512, layers=2, heads=4, kv_hea
         for norm in ("attn_norm", "ffn_norm"):
             w.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
         for name, (N, K) in shapes.items():
-            w.add_tensor(f"blk.{i}.{name}.weight", gguf_q4_k_blocks(N, K, g),
-                         raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+            six = name in ("attn_v", "ffn_down")
+            w.add_tensor(f"blk.{i}.{name}.weight", gguf_q6_k_blocks(N, K, seed=i) if six else gguf_q4_k_blocks(N, K, g),
+                         raw_dtype=gguf.GGMLQuantizationType.Q6_K if six else gguf.GGMLQuantizationType.Q4_K)
     w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -460,10 +461,10 @@ def write_q4_k_llama_gguf(path, hidden=256, inter=512, layers=2, heads=4, kv_hea
     w.close()
 
 
-def test_a_q4_k_gguf_packs_as_q4_matches_transformers_and_decodes_exactly(tmp_path):
-    """The usual published GGUF (Q4_K linear layers) end to end: transformers dequantises it, our model's layers
-    pack as the q4 blocks (read as integers, bit for bit the float32 results), its logits match transformers', and
-    greedy lookahead gives plain greedy's tokens."""
+def test_a_q4_k_m_gguf_packs_as_integers_matches_transformers_and_decodes_exactly(tmp_path):
+    """The usual published GGUF ("Q4_K_M": Q4_K and Q6_K linear layers) end to end: transformers dequantises it, our
+    model's layers pack as integer blocks (q4 and q8h, bit for bit the float32 results), its logits match
+    transformers', and greedy lookahead gives plain greedy's tokens."""
     path = tmp_path / "tiny-q4_k.gguf"
     write_q4_k_llama_gguf(path)
     model = from_pretrained(path)
@@ -472,8 +473,9 @@ def test_a_q4_k_gguf_packs_as_q4_matches_transformers_and_decodes_exactly(tmp_pa
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
     assert rel_err(logits[0], hf_logits(hf, ids)) < TOL
     if cpu_linear.gemm_available():
-        formats = {torch.ops.lookahead_gemm.packed_format(p) for layer in model.layers for p in layer._packed.packed}
-        assert formats == {"q4"}
+        # q/k/v are one fused weight here: Q4_K rows beside Q6_K ones fit neither layout, so that one stays f32
+        formats = [[torch.ops.lookahead_gemm.packed_format(p) for p in layer._packed.packed] for layer in model.layers]
+        assert formats == [["f32", "q4", "q4", "q8h"]] * len(model.layers)
     plain = model.generate(torch.tensor([ids]), max_new_tokens=24, lookahead=None)
     ahead = model.generate(torch.tensor([ids]), max_new_tokens=24)
     assert torch.equal(plain.sequences, ahead.sequences)
