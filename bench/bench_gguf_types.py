@@ -1,7 +1,7 @@
 """The CPU GEMM on weights as GGUF's quantised types dequantise them: read from the integer blocks against the
 float32 layout, and what packing them costs.
 
-For each type (Q4_1, the default model's; Q4_K and Q6_K, what most published GGUF files hold), ``--layers``
+For each type (Q4_1, the default model's; Q4_K, Q5_K and Q6_K, what most published GGUF files hold), ``--layers``
 decoder layers of random weights in shapes like SmolLM2's with K a multiple of 256 (the k-quants' super-block), far
 more bytes than the caches hold (as in a model's forward, where each weight is read once a step): one product of
 every weight at M rows, from the packed blocks and from the float32 layout, interleaved, the fastest of ``--reps``
@@ -28,18 +28,20 @@ sys.path.insert(0, os.path.dirname(HERE))
 from _common import command_line, machine_info, write_results  # noqa: E402
 
 from lookahead import cpu_linear  # noqa: E402
-from tests.test_fast_forward import (gguf_dequantised, gguf_q4_k_weight, gguf_q6_k_blocks,  # noqa: E402
-                                     quantised_weight)
+from tests.test_fast_forward import (gguf_dequantised, gguf_q4_k_weight, gguf_q5_blocks,  # noqa: E402
+                                     gguf_q6_k_blocks, quantised_weight)
 
 SHAPES = ((3072, 512), (512, 1536), (768, 512), (512, 512))  # gate/up, down, q/k/v, o
 
 
 def weights(kind: str, layers: int, g: torch.Generator) -> list[torch.Tensor]:
-    make = {"Q4_1": lambda N, K, g: quantised_weight(N, K, "q4", g), "Q4_K": gguf_q4_k_weight,
-            "Q6_K": lambda N, K, g: gguf_dequantised(gguf_q6_k_blocks(N, K, int(torch.randint(0, 2**31, (1,),
-                                                                                                generator=g))),
-                                                     "Q6_K", N, K)}[kind]
-    return [make(N, K, g) for _ in range(layers) for N, K in SHAPES]
+    def seed() -> int:
+        return int(torch.randint(0, 2**31, (1,), generator=g))
+
+    make = {"Q4_1": lambda N, K: quantised_weight(N, K, "q4", g), "Q4_K": lambda N, K: gguf_q4_k_weight(N, K, g),
+            "Q5_K": lambda N, K: gguf_dequantised(gguf_q5_blocks("Q5_K", N, K, seed()), "Q5_K", N, K),
+            "Q6_K": lambda N, K: gguf_dequantised(gguf_q6_k_blocks(N, K, seed()), "Q6_K", N, K)}[kind]
+    return [make(N, K) for _ in range(layers) for N, K in SHAPES]
 
 
 def timed_products(ws, packs, xs) -> float:
@@ -66,7 +68,7 @@ def main(argv=None) -> int:
     machine = machine_info("cpu")
     g = torch.Generator().manual_seed(0)
     rows = []
-    for kind in ("Q4_1", "Q4_K", "Q6_K"):
+    for kind in ("Q4_1", "Q4_K", "Q5_K", "Q6_K"):
         ws = weights(kind, args.layers, g)
         started = time.perf_counter()
         blocks = [gemm.pack(w) for w in ws]

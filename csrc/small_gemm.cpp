@@ -26,6 +26,8 @@
 //   q8:  per group and block (1152 bytes), d[32] as float32, then for each k the 32 columns' q as int8
 //   q8h: as q8 with a d per 16 along K (1280 bytes): d[32] for k 0..15, d[32] for k 16..31, then the q (GGUF's Q6_K:
 //        a half per 256 weights times an 8-bit scale per 16, q in [-32, 31])
+//   q8m: as q4 with a byte a q (1280 bytes): d[32], m[32], then for each k the 32 columns' q as uint8 (GGUF's
+//        5-bit types with an offset, Q5_1 and Q5_K)
 // A quantised weight is one uint8 tensor: a 64-byte header (Header), the blocks [G, K/32], then the f32 layout:
 // steps of more than kFusedRows rows read that instead, where expanding costs FMAs the step needs (SmolLM2 on a
 // Zen 1 EPYC, 16 rows: 98.0 ms from the blocks, 90.4 from f32).
@@ -35,8 +37,9 @@
 // One source, two instruction sets chosen at run time (AVX-512 where the CPU has it, else AVX2+FMA), plus a
 // plain loop for other CPUs. Ops (namespace lookahead_gemm):
 //   pack(Tensor weight, str format="auto") -> Tensor   weight [N, K] float32 -> one of the layouts above; "auto":
-//                                                      q4, q8 or q8h where the weight is exactly one, else f32
-//   packed_format(Tensor packed) -> str                "f32", "q4", "q8" or "q8h"
+//                                                      q4, q8, q8h or q8m where the weight is exactly one,
+//                                                      else f32
+//   packed_format(Tensor packed) -> str                "f32", "q4", "q8", "q8h" or "q8m"
 //   linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor     x [M, K] -> y [M, n]
 //   isa() -> str                                                       "avx512", "avx2" or "scalar"
 //   force_isa(str isa) -> ()            tests: run this GEMM and the step attention as "avx2" or "scalar" even
@@ -76,14 +79,19 @@ static_assert(kKB % 32 == 0, "a GEMM block holds whole quantised blocks");
 // 29.0 from f32; 4 rows 30.0 against 35.0; 5 rows 34.3 against 32.4.
 constexpr int64_t kFusedRows = 4;
 
-enum Format : int { kF32 = 0, kQ4 = 1, kQ8 = 2, kQ8H = 3 };
+enum Format : int { kF32 = 0, kQ4 = 1, kQ8 = 2, kQ8H = 3, kQ8M = 4 };
 constexpr int64_t kQK = 32;                           // k per quantised block
 constexpr int64_t kQ4Bytes = 2 * kCols * 4 + kQK * 16;  // d, m, then 32 k of 16 bytes
 constexpr int64_t kQ8Bytes = kCols * 4 + kQK * kCols;   // d, then 32 k of 32 bytes
 constexpr int64_t kQ8HBytes = 2 * kCols * 4 + kQK * kCols;  // d for k 0..15 and for k 16..31, then as q8
+constexpr int64_t kQ8MBytes = 2 * kCols * 4 + kQK * kCols;  // d, m, then 32 k of 32 bytes (uint8 q)
 
-constexpr int64_t block_bytes(Format f) { return f == kQ4 ? kQ4Bytes : f == kQ8 ? kQ8Bytes : kQ8HBytes; }
-constexpr const char* format_name(Format f) { return f == kF32 ? "f32" : f == kQ4 ? "q4" : f == kQ8 ? "q8" : "q8h"; }
+constexpr int64_t block_bytes(Format f) {
+  return f == kQ4 ? kQ4Bytes : f == kQ8 ? kQ8Bytes : f == kQ8H ? kQ8HBytes : kQ8MBytes;
+}
+constexpr const char* format_name(Format f) {
+  return f == kF32 ? "f32" : f == kQ4 ? "q4" : f == kQ8 ? "q8" : f == kQ8H ? "q8h" : "q8m";
+}
 
 // A packed weight as linear reads it: its float32 layout and, for a quantised weight, its blocks (q not null).
 struct Packed {
@@ -188,6 +196,18 @@ void expand_q8h(const uint8_t* src, int64_t blocks, float* out) {
   }
 }
 
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void expand_q8m(const uint8_t* src, int64_t blocks, float* out) {
+  for (int64_t b = 0; b < blocks; ++b, src += kQ8MBytes, out += kQK * kCols) {
+    float d[kCols], m[kCols];
+    std::memcpy(d, src, sizeof d);
+    std::memcpy(m, src + sizeof d, sizeof m);
+    const uint8_t* q = src + sizeof d + sizeof m;
+    for (int64_t k = 0; k < kQK; ++k)
+      for (int c = 0; c < kCols; ++c) out[k * kCols + c] = d[c] * static_cast<float>(q[k * kCols + c]) + m[c];
+  }
+}
+
 // Groups [g0, g1) of the packed weight: each K block is read by every pass of rows_per rows (blocks[r - 1] runs a
 // pass of r rows) before the next block, and each group's sums are stored once its last block is done. A quantised
 // block is expanded into `scratch` [kKB, 32] first; the passes then read it from L1.
@@ -205,7 +225,8 @@ void run_groups(const BlockFn* blocks, const float* x, int64_t M, const Packed& 
       } else {
         const int64_t bytes = block_bytes(w.format);
         const uint8_t* src = w.q + (g * (K / kQK) + k0 / kQK) * bytes;
-        (w.format == kQ4 ? expand_q4 : w.format == kQ8 ? expand_q8 : expand_q8h)(src, kn / kQK, scratch);
+        (w.format == kQ4 ? expand_q4 : w.format == kQ8 ? expand_q8 : w.format == kQ8H ? expand_q8h : expand_q8m)(
+            src, kn / kQK, scratch);
         wb = scratch;
         pf = reinterpret_cast<const char*>(src + kn / kQK * bytes);
       }
@@ -290,6 +311,12 @@ static void k256_quantised_group(const float* x, int64_t K, const uint8_t* group
           w0 = _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), _mm256_loadu_ps(m));
           w1 = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))),
                                _mm256_loadu_ps(m + 8));
+        } else if constexpr (F == kQ8M) {  // as q4, a byte a q
+          const __m128i v =
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * kCols * 4 + k * kCols + 16 * half));
+          w0 = _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), _mm256_loadu_ps(m));
+          w1 = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))),
+                               _mm256_loadu_ps(m + 8));
         } else {
           constexpr int64_t scales = F == kQ8 ? kCols * 4 : 2 * kCols * 4;  // the bytes of d before the q
           const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + scales + k * kCols + 16 * half));
@@ -326,8 +353,10 @@ static void k256_groups(const float* x, int64_t M, const Packed& w, int64_t g0, 
                                    k256_quantised_group<3, kQ8>, k256_quantised_group<4, kQ8>};
   static constexpr GroupFn q8h[] = {k256_quantised_group<1, kQ8H>, k256_quantised_group<2, kQ8H>,
                                     k256_quantised_group<3, kQ8H>, k256_quantised_group<4, kQ8H>};
+  static constexpr GroupFn q8m[] = {k256_quantised_group<1, kQ8M>, k256_quantised_group<2, kQ8M>,
+                                    k256_quantised_group<3, kQ8M>, k256_quantised_group<4, kQ8M>};
   static_assert(sizeof q4 / sizeof q4[0] == kFusedRows, "one kernel per row count");
-  const GroupFn group = (w.format == kQ4 ? q4 : w.format == kQ8 ? q8 : q8h)[M - 1];
+  const GroupFn group = (w.format == kQ4 ? q4 : w.format == kQ8 ? q8 : w.format == kQ8H ? q8h : q8m)[M - 1];
   for (int64_t g = g0; g < g1; ++g) {
     group(x, w.K, w.q + g * (w.K / kQK) * block_bytes(w.format), buf);
     store_rows(buf, M, y, n, g * kCols, bias);
@@ -407,9 +436,9 @@ bool finite_range(const float* v, float* lo, float* hi) {
   return true;
 }
 
-// v[0..32) as d * q + m with q in [0, 15] and d a positive half, every float reproduced (same_weight): d, m, q or
+// v[0..32) as d * q + m with q in [0, qmax] and d a positive half, every float reproduced (same_weight): d, m, q or
 // false.
-bool fit_q4(const float* v, float* d, float* m, uint8_t* q) {
+bool fit_q4(const float* v, int qmax, float* d, float* m, uint8_t* q) {
   float lo, hi;
   if (!finite_range(v, &lo, &hi)) return false;
   *m = lo;
@@ -420,14 +449,14 @@ bool fit_q4(const float* v, float* d, float* m, uint8_t* q) {
       if (!same_weight(0.f * 0.f + lo, v[i])) return false;
     return true;
   }
-  // The largest value's q: 15 from a min-max quantiser (llama.cpp's), smaller where the block's top was unused.
-  for (int top = 15; top >= 1; --top)
+  // The largest value's q: qmax from a min-max quantiser (llama.cpp's), smaller where the block's top was unused.
+  for (int top = qmax; top >= 1; --top)
     for (const float s : half_scales((hi - lo) / static_cast<float>(top))) {
       if (!(s > 0.f) || !std::isfinite(s)) continue;
       bool ok = true;
       for (int64_t i = 0; i < kQK && ok; ++i) {
         const float r = std::nearbyint((v[i] - lo) / s);
-        ok = r >= 0.f && r <= 15.f;
+        ok = r >= 0.f && r <= static_cast<float>(qmax);
         q[i] = ok ? static_cast<uint8_t>(r) : 0;
         ok = ok && same_weight(s * static_cast<float>(q[i]) + lo, v[i]);  // what the GEMM computes from q
       }
@@ -489,20 +518,20 @@ double float_gap(float x, bool up) {
   return std::fabs(static_cast<double>(y) - x);  // inf where x is the largest float: no constraint
 }
 
-// v[0..32) as fma(A, q, m) with q in [0, 15], A a positive half times an integer in [1, 63] and m any float, every
+// v[0..32) as fma(A, q, m) with q in [0, qmax], A a positive half times an integer in [1, 63] and m any float, every
 // float reproduced (same_weight): d (= A), m, q or false. This is what GGUF's Q4_K (the "Q4_K_M" files most quantised
 // models ship as) dequantises to: per 32 weights along K, (d * sc) * q - dmin * mn with a half d and dmin per 256
 // and 6-bit sc and mn, each product exact in float32, so the one rounding is the subtraction's (the FMA's). A has at
 // most 17 significant bits, so A * q is exact and the expansion rounds once, FMA or not. fit_q4 misses these: A is
 // no half, and the block's smallest value need not have q = 0 (a block of positive weights gets mn = 0).
-bool fit_q4_scaled(const float* v, float* d, float* m, uint8_t* q) {
+bool fit_q4_scaled(const float* v, int qmax, float* d, float* m, uint8_t* q) {
   float lo, hi;
   if (!finite_range(v, &lo, &hi)) return false;
   if (hi == lo) return false;  // one value: fit_q4's case
   // hi - lo is A * span moved by the rounding of hi and lo: at most half a gap to the next float of each.
   const double slack = float_gap(hi, true) + float_gap(lo, false);
   double rest[kQK], below[kQK], above[kQK];  // v_i - A q_i, and v_i's rounding interval around it
-  for (int span = 15; span >= 1; --span) {  // the largest q minus the smallest
+  for (int span = qmax; span >= 1; --span) {  // the largest q minus the smallest
     const double a_est = (static_cast<double>(hi) - lo) / span;
     for (int sc = 1; sc <= 63; ++sc) {
       // The half nearest a_est / sc (11 significant bits; subnormal halves in steps of 2^-24): A is h * sc only
@@ -527,15 +556,15 @@ bool fit_q4_scaled(const float* v, float* d, float* m, uint8_t* q) {
       for (int64_t i = 0; i < kQK; ++i) {
         const int n = static_cast<int>((static_cast<double>(v[i]) - lo) * inv + 0.5);  // >= 0: no libm rounding
         top = std::max(top, n);
-        q[i] = static_cast<uint8_t>(std::min(std::max(n, 0), 15));
+        q[i] = static_cast<uint8_t>(std::min(std::max(n, 0), 255));
         rest[i] = static_cast<double>(v[i]) - static_cast<double>(a) * q[i];
         below[i] = float_gap(v[i], false) / 2;
         above[i] = float_gap(v[i], true) / 2;
         m_lo = std::max(m_lo, rest[i] - below[i]);
         m_hi = std::min(m_hi, rest[i] + above[i]);
       }
-      if (top > 15 || m_lo > m_hi) continue;
-      for (int q0 = 0; q0 + top <= 15; ++q0) {  // the smallest value's q
+      if (top > qmax || m_lo > m_hi) continue;
+      for (int q0 = 0; q0 + top <= qmax; ++q0) {  // the smallest value's q
         const double shift = static_cast<double>(a) * q0;
         const float mid = static_cast<float>((m_lo + m_hi) / 2 - shift);
         for (const float mc : {mid, std::nextafter(mid, -INFINITY), std::nextafter(mid, INFINITY)}) {
@@ -574,17 +603,23 @@ bool pack_quantised(const float* src, int64_t N, int64_t K, Format format, uint8
         std::fill(m, m + kCols, 0.f);
         for (int64_t c = 0; c < kCols && g * kCols + c < N; ++c) {
           const float* v = src + (g * kCols + c) * K + b * kQK;
-          if (format == kQ4) {
+          if (format == kQ4 || format == kQ8M) {
             // The form that fitted the last block first: trying the other first cost Q4_K weights 40% more time.
-            bool fit = scaled ? fit_q4_scaled(v, &d[c], &m[c], q4) : fit_q4(v, &d[c], &m[c], q4);
-            if (!fit && (fit = scaled ? fit_q4(v, &d[c], &m[c], q4) : fit_q4_scaled(v, &d[c], &m[c], q4)))
+            const int qmax = format == kQ4 ? 15 : 31;  // q8m: the 5-bit types (it could hold 8)
+            bool fit = scaled ? fit_q4_scaled(v, qmax, &d[c], &m[c], q4) : fit_q4(v, qmax, &d[c], &m[c], q4);
+            if (!fit && (fit = scaled ? fit_q4(v, qmax, &d[c], &m[c], q4)
+                                      : fit_q4_scaled(v, qmax, &d[c], &m[c], q4)))
               scaled = !scaled;
             if (!fit) {
               failed = true;
               return;
             }
-            for (int64_t k = 0; k < kQK; ++k)
-              dst[2 * kCols * 4 + k * 16 + (c & 15)] |= static_cast<uint8_t>(q4[k] << (c < 16 ? 0 : 4));
+            for (int64_t k = 0; k < kQK; ++k) {
+              if (format == kQ4)
+                dst[2 * kCols * 4 + k * 16 + (c & 15)] |= static_cast<uint8_t>(q4[k] << (c < 16 ? 0 : 4));
+              else
+                dst[2 * kCols * 4 + k * kCols + c] = q4[k];
+            }
           } else {
             // q8h: d[] scales k 0..15 and m[] (the second d) k 16..31
             if (format == kQ8 ? !fit_q8(v, kQK, true, &d[c], q8)
@@ -633,12 +668,14 @@ at::Tensor pack(const at::Tensor& weight, c10::string_view format) {
   TORCH_CHECK_VALUE(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
                     "lookahead_gemm.pack: weight must be a float32 CPU tensor [N, K], got ", weight.scalar_type(),
                     " ", weight.sizes());
-  TORCH_CHECK_VALUE(format == "auto" || format == "f32" || format == "q4" || format == "q8" || format == "q8h",
-                    "lookahead_gemm.pack: format must be 'auto', 'f32', 'q4', 'q8' or 'q8h', got '", format, "'");
+  TORCH_CHECK_VALUE(format == "auto" || format == "f32" || format == "q4" || format == "q8" || format == "q8h" ||
+                        format == "q8m",
+                    "lookahead_gemm.pack: format must be 'auto', 'f32', 'q4', 'q8', 'q8h' or 'q8m', got '", format,
+                    "'");
   const at::Tensor w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1);
   const int64_t groups = (N + kCols - 1) / kCols;  // the last one zero-padded
-  for (const Format f : {kQ4, kQ8, kQ8H}) {
+  for (const Format f : {kQ4, kQ8, kQ8H, kQ8M}) {
     const char* name = format_name(f);
     if (format != "auto" && format != name) continue;
     if (K % kQK == 0 && N > 0 && K > 0) {
@@ -653,8 +690,9 @@ at::Tensor pack(const at::Tensor& weight, c10::string_view format) {
     }
     TORCH_CHECK_VALUE(format == "auto", "lookahead_gemm.pack: the weight is not exactly ", name, " (",
                       f == kQ4   ? "d * q + m, q in [0, 15], d a half or a half times an integer below 64, per 32"
-                      : f == kQ8 ? "d * q, q in [-128, 127], d a half, per 32"
-                                 : "d * q, q in [-128, 127], a d per 16",
+                      : f == kQ8  ? "d * q, q in [-128, 127], d a half, per 32"
+                      : f == kQ8H ? "d * q, q in [-128, 127], a d per 16"
+                                  : "d * q + m, q in [0, 31], d a half or a half times an integer below 64, per 32",
                       " along K, K a multiple of 32)");
   }
   at::Tensor packed = at::zeros({groups, K, kCols}, w.options());
@@ -674,7 +712,7 @@ Packed view(const at::Tensor& packed, const char* op) {
   const uint8_t* base = packed.data_ptr<uint8_t>();
   Header h;
   std::memcpy(&h, base, sizeof h);
-  const bool known = h.magic == kMagic && (h.format == kQ4 || h.format == kQ8 || h.format == kQ8H) && h.K > 0 &&
+  const bool known = h.magic == kMagic && h.format >= kQ4 && h.format <= kQ8M && h.K > 0 &&
                      h.K % kQK == 0 &&
                      h.groups > 0;
   const Format f = static_cast<Format>(known ? h.format : kQ4);

@@ -195,7 +195,8 @@ def test_step_attention_matches_attention_torch_per_sequence_lengths():
 # with a half-precision d (or, 4-bit, a half times a 6-bit scale: GGUF's Q4_K), are packed as those integers and
 # expanded in the GEMM to the very same floats.
 def quantised_weight(N, K, fmt, g, full_range=True):
-    """``[N, K]`` float32 as a Q4_1 (``fmt="q4"``), Q8_0 (``"q8"``) or Q6_K-like (``"q8h"``) checkpoint dequantises:
+    """``[N, K]`` float32 as a Q4_1 (``fmt="q4"``), Q8_0 (``"q8"``), Q6_K-like (``"q8h"``) or Q5_1 (``"q8m"``)
+    checkpoint dequantises:
     with ``full_range`` every block holds its format's extreme q (as llama.cpp's quantiser makes them), else blocks
     use less."""
     blocks = (N, K // 32, 32)
@@ -205,6 +206,12 @@ def quantised_weight(N, K, fmt, g, full_range=True):
         q = torch.randint(0, top, blocks, generator=g).float()
         if full_range:
             q[..., 0], q[..., 1] = 0, 15
+        m = (torch.randn(N, K // 32, 1, generator=g) * 0.1).half().float()
+        return (d * q + m).reshape(N, K)
+    if fmt == "q8m":  # as Q5_1: d * q + m, 5-bit q
+        q = torch.randint(0, 32 if full_range else 24, blocks, generator=g).float()
+        if full_range:
+            q[..., 0], q[..., 1] = 0, 31
         m = (torch.randn(N, K // 32, 1, generator=g) * 0.1).half().float()
         return (d * q + m).reshape(N, K)
     if fmt == "q8h":  # as Q6_K: a half per 256 weights times an 8-bit scale per 16, q in [-32, 31]
@@ -222,7 +229,7 @@ def quantised_weight(N, K, fmt, g, full_range=True):
 
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
-@pytest.mark.parametrize("fmt", ["q4", "q8", "q8h"])
+@pytest.mark.parametrize("fmt", ["q4", "q8", "q8h", "q8m"])
 @pytest.mark.parametrize("N,K", [(37, 64), (130, 96), (64, 576), (33, 32)])
 def test_quantised_packing_gives_the_float32_layout_s_results(N, K, fmt, isa):
     if not cpu_linear.gemm_available():
@@ -252,6 +259,17 @@ def test_quantised_packing_gives_the_float32_layout_s_results(N, K, fmt, isa):
                 assert (y.double() - ref).abs().max() <= 1e-5 * (1 + ref.abs().max())
 
 
+def k_quant_scales(sc, mn):
+    """Q4_K's and Q5_K's 12 bytes of 6-bit scales and mins per 256 weights (gguf-py's get_scale_min, inverted)."""
+    np = pytest.importorskip("numpy")
+    scales = np.zeros((sc.shape[0], 12), np.uint8)
+    for j in range(4):
+        scales[:, j] = (sc[:, j] & 63) | ((sc[:, 4 + j] >> 4) << 6)
+        scales[:, 4 + j] = (mn[:, j] & 63) | ((mn[:, 4 + j] >> 4) << 6)
+        scales[:, 8 + j] = (sc[:, 4 + j] & 15) | ((mn[:, 4 + j] & 15) << 4)
+    return scales
+
+
 def gguf_q4_k_blocks(N, K, g, positive_blocks=False):
     """An ``[N, K]`` GGUF Q4_K tensor's bytes, uint8 ``[N, K / 256 * 144]``: random blocks (a half ``d`` and ``dmin``
     per 256 weights, 6-bit scales and mins and 4-bit q per 32). Some sub-blocks have scale 0 (constant) or min 0,
@@ -270,11 +288,7 @@ def gguf_q4_k_blocks(N, K, g, positive_blocks=False):
     if positive_blocks:
         mn[:] = 0
         q = rng.integers(3, 14, (n, 8, 32))
-    scales = np.zeros((n, 12), np.uint8)
-    for j in range(4):  # gguf-py's get_scale_min, inverted
-        scales[:, j] = (sc[:, j] & 63) | ((sc[:, 4 + j] >> 4) << 6)
-        scales[:, 4 + j] = (mn[:, j] & 63) | ((mn[:, 4 + j] >> 4) << 6)
-        scales[:, 8 + j] = (sc[:, 4 + j] & 15) | ((mn[:, 4 + j] & 15) << 4)
+    scales = k_quant_scales(sc, mn)
     qs = q.reshape(n, 4, 2, 32)  # per 64 weights: the first 32 in the low nibbles, the next in the high ones
     nibbles = (qs[:, :, 0] | (qs[:, :, 1] << 4)).astype(np.uint8).reshape(n, 128)
     raw = np.concatenate([d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2), scales, nibbles], 1)
@@ -384,6 +398,53 @@ def test_gguf_q6_k_packs_as_q8h_and_gives_the_float32_layout_s_results():
     packed, plain = gemm.pack(w), gemm.pack(w, "f32")
     assert gemm.packed_format(packed) == "q8h"
     for M in (1, 2, 4, 5):
+        x = torch.randn(M, K)
+        x[0, :20] = 0.0
+        assert torch.equal(gemm.linear(x, packed, N, None).view(torch.int32),
+                           gemm.linear(x, plain, N, None).view(torch.int32))
+
+
+def gguf_q5_blocks(qtype, N, K, seed):
+    """An ``[N, K]`` GGUF Q5_1 or Q5_K tensor's bytes: 5-bit q with a half scale and offset per 32 (Q5_1), or a half
+    ``d`` and ``dmin`` per 256 times 6-bit scales and mins per 32 (Q5_K, some mins 0)."""
+    np = pytest.importorskip("numpy")
+    rng = np.random.default_rng(seed)
+    if qtype == "Q5_1":
+        n = N * K // 32
+        u = rng.integers(0, 32, (n, 32))
+        d = (rng.random(n) * 0.02 + 1e-4).astype(np.float16)
+        m = (rng.standard_normal(n) * 0.1).astype(np.float16)
+        high = ((u >> 4) << np.arange(32)).sum(1).astype("<u4").view(np.uint8).reshape(n, 4)
+        low = (u[:, :16] & 15) | ((u[:, 16:] & 15) << 4)
+        raw = np.concatenate([d.view(np.uint8).reshape(n, 2), m.view(np.uint8).reshape(n, 2), high,
+                              low.astype(np.uint8)], 1)
+        return raw.reshape(N, -1)
+    n = N * K // 256
+    u = rng.integers(0, 32, (n, 256))
+    sc, mn = rng.integers(1, 64, (n, 8)), rng.integers(0, 64, (n, 8))
+    mn[::3, 2] = 0
+    d = (rng.random(n) * 1e-3 + 1e-5).astype(np.float16)
+    dmin = (rng.random(n) * 1e-2 + 1e-5).astype(np.float16)
+    low, high = u & 15, u >> 4
+    qs = np.concatenate([low[:, 64 * c: 64 * c + 32] | (low[:, 64 * c + 32: 64 * c + 64] << 4) for c in range(4)], 1)
+    qh = sum(high[:, 32 * t: 32 * t + 32] << t for t in range(8))
+    raw = np.concatenate([d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2), k_quant_scales(sc, mn),
+                          qh.astype(np.uint8), qs.astype(np.uint8)], 1)
+    return raw.reshape(N, -1)
+
+
+@pytest.mark.parametrize("qtype", ["Q5_1", "Q5_K"])
+def test_gguf_q5_1_and_q5_k_pack_as_q8m_and_give_the_float32_layout_s_results(qtype):
+    """The 5-bit types with an offset (Q5_K is "Q5_K_M" files' main type): q8m holds them, a byte a q, its scale
+    and offset per 32 along K as q4's."""
+    if not cpu_linear.gemm_available():
+        pytest.skip(f"no CPU GEMM: {cpu_linear.gemm_error()}")
+    gemm = torch.ops.lookahead_gemm
+    N, K = 40, 512
+    w = gguf_dequantised(gguf_q5_blocks(qtype, N, K, seed=len(qtype)), qtype, N, K)
+    packed, plain = gemm.pack(w), gemm.pack(w, "f32")
+    assert gemm.packed_format(packed) == "q8m"
+    for M in (1, 3, 4, 7):
         x = torch.randn(M, K)
         x[0, :20] = 0.0
         assert torch.equal(gemm.linear(x, packed, N, None).view(torch.int32),
