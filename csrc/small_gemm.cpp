@@ -28,6 +28,9 @@
 //        a half per 256 weights times an 8-bit scale per 16, q in [-32, 31])
 //   q8m: as q4 with a byte a q (1280 bytes): d[32], m[32], then for each k the 32 columns' q as uint8 (GGUF's
 //        5-bit types with an offset, Q5_1 and Q5_K)
+//   mixed: per group one of the above or none (a fused weight of tensors of several types): after the header a
+//        table of (format, byte offset) per group, then each group's blocks, then the f32 layout (which groups of
+//        no quantised form read at every step size)
 // A quantised weight is one uint8 tensor: a 64-byte header (Header), the blocks [G, K/32], then the f32 layout:
 // steps of more than kFusedRows rows read that instead, where expanding costs FMAs the step needs (SmolLM2 on a
 // Zen 1 EPYC, 16 rows: 98.0 ms from the blocks, 90.4 from f32).
@@ -38,8 +41,8 @@
 // plain loop for other CPUs. Ops (namespace lookahead_gemm):
 //   pack(Tensor weight, str format="auto") -> Tensor   weight [N, K] float32 -> one of the layouts above; "auto":
 //                                                      q4, q8, q8h or q8m where the weight is exactly one,
-//                                                      else f32
-//   packed_format(Tensor packed) -> str                "f32", "q4", "q8", "q8h" or "q8m"
+//                                                      else mixed where some group is, else f32
+//   packed_format(Tensor packed) -> str                "f32", "q4", "q8", "q8h", "q8m" or "mixed"
 //   linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor     x [M, K] -> y [M, n]
 //   isa() -> str                                                       "avx512", "avx2" or "scalar"
 //   force_isa(str isa) -> ()            tests: run this GEMM and the step attention as "avx2" or "scalar" even
@@ -79,7 +82,8 @@ static_assert(kKB % 32 == 0, "a GEMM block holds whole quantised blocks");
 // 29.0 from f32; 4 rows 30.0 against 35.0; 5 rows 34.3 against 32.4.
 constexpr int64_t kFusedRows = 4;
 
-enum Format : int { kF32 = 0, kQ4 = 1, kQ8 = 2, kQ8H = 3, kQ8M = 4 };
+// kMixed: each group of 32 columns in its own format (kF32: that group reads the f32 layout), from a table.
+enum Format : int { kF32 = 0, kQ4 = 1, kQ8 = 2, kQ8H = 3, kQ8M = 4, kMixed = 5 };
 constexpr int64_t kQK = 32;                           // k per quantised block
 constexpr int64_t kQ4Bytes = 2 * kCols * 4 + kQK * 16;  // d, m, then 32 k of 16 bytes
 constexpr int64_t kQ8Bytes = kCols * 4 + kQK * kCols;   // d, then 32 k of 32 bytes
@@ -90,7 +94,7 @@ constexpr int64_t block_bytes(Format f) {
   return f == kQ4 ? kQ4Bytes : f == kQ8 ? kQ8Bytes : f == kQ8H ? kQ8HBytes : kQ8MBytes;
 }
 constexpr const char* format_name(Format f) {
-  return f == kF32 ? "f32" : f == kQ4 ? "q4" : f == kQ8 ? "q8" : f == kQ8H ? "q8h" : "q8m";
+  return f == kF32 ? "f32" : f == kQ4 ? "q4" : f == kQ8 ? "q8" : f == kQ8H ? "q8h" : f == kQ8M ? "q8m" : "mixed";
 }
 
 // A packed weight as linear reads it: its float32 layout and, for a quantised weight, its blocks (q not null).
@@ -99,6 +103,17 @@ struct Packed {
   int64_t K, groups;
   const float* f32;
   const uint8_t* q;
+  const int64_t* table = nullptr;  // kMixed: per group its format and its blocks' byte offset from q
+
+  // Group g's format and first block (its format kF32: read the f32 layout).
+  const uint8_t* group(int64_t g, Format* f) const {
+    if (table != nullptr) {
+      *f = static_cast<Format>(table[2 * g]);
+      return q + table[2 * g + 1];
+    }
+    *f = format;
+    return format == kF32 ? nullptr : q + g * (K / kQK) * block_bytes(format);
+  }
 };
 
 // MR rows of one group over k in [0, kn) of a block: acc (from / to buf, row stride 32) += x[:, k] * w[k, :].
@@ -215,18 +230,19 @@ void run_groups(const BlockFn* blocks, const float* x, int64_t M, const Packed& 
                 float* buf, float* scratch, int64_t rows_per, float* y, int64_t n, const float* bias) {
   const int64_t K = w.K;
   for (int64_t g = g0; g < g1; ++g) {
+    Format f;
+    const uint8_t* blocks_of_g = w.group(g, &f);
     for (int64_t k0 = 0; k0 < K; k0 += kKB) {
       const int64_t kn = std::min(kKB, K - k0);
       const float* wb;
       const char* pf;  // the next block, contiguous
-      if (w.format == kF32) {
+      if (f == kF32) {
         wb = w.f32 + (g * K + k0) * kCols;
         pf = reinterpret_cast<const char*>(wb + kn * kCols);
       } else {
-        const int64_t bytes = block_bytes(w.format);
-        const uint8_t* src = w.q + (g * (K / kQK) + k0 / kQK) * bytes;
-        (w.format == kQ4 ? expand_q4 : w.format == kQ8 ? expand_q8 : w.format == kQ8H ? expand_q8h : expand_q8m)(
-            src, kn / kQK, scratch);
+        const int64_t bytes = block_bytes(f);
+        const uint8_t* src = blocks_of_g + k0 / kQK * bytes;
+        (f == kQ4 ? expand_q4 : f == kQ8 ? expand_q8 : f == kQ8H ? expand_q8h : expand_q8m)(src, kn / kQK, scratch);
         wb = scratch;
         pf = reinterpret_cast<const char*>(src + kn / kQK * bytes);
       }
@@ -356,9 +372,14 @@ static void k256_groups(const float* x, int64_t M, const Packed& w, int64_t g0, 
   static constexpr GroupFn q8m[] = {k256_quantised_group<1, kQ8M>, k256_quantised_group<2, kQ8M>,
                                     k256_quantised_group<3, kQ8M>, k256_quantised_group<4, kQ8M>};
   static_assert(sizeof q4 / sizeof q4[0] == kFusedRows, "one kernel per row count");
-  const GroupFn group = (w.format == kQ4 ? q4 : w.format == kQ8 ? q8 : w.format == kQ8H ? q8h : q8m)[M - 1];
   for (int64_t g = g0; g < g1; ++g) {
-    group(x, w.K, w.q + g * (w.K / kQK) * block_bytes(w.format), buf);
+    Format f;
+    const uint8_t* src = w.group(g, &f);
+    if (f == kF32) {  // a group of a mixed weight that is no quantised form: its float32 columns
+      run_groups(blocks, x, M, w, g, g + 1, buf, scratch, rows_per, y, n, bias);
+      continue;
+    }
+    (f == kQ4 ? q4 : f == kQ8 ? q8 : f == kQ8H ? q8h : q8m)[M - 1](x, w.K, src, buf);
     store_rows(buf, M, y, n, g * kCols, bias);
   }
 }
@@ -584,57 +605,56 @@ bool fit_q4_scaled(const float* v, int qmax, float* d, float* m, uint8_t* q) {
   return false;
 }
 
-// Packs `src` [N, K] into the quantised layout `format` (K a multiple of 32); false (and `out` unfinished) if some
-// block is not of that form. Groups run in parallel; the first failure stops the others at their next block.
-bool pack_quantised(const float* src, int64_t N, int64_t K, Format format, uint8_t* out) {
-  const int64_t groups = (N + kCols - 1) / kCols, blocks = K / kQK;
+// Packs group g of `src` [N, K] (columns 32 g .. 32 g + 31) into `format`'s blocks at dst (zeroed, K / 32 blocks);
+// false (dst unfinished) if a block is not of that form. `scaled` carries which 4-bit fit served the last block.
+bool pack_group(const float* src, int64_t N, int64_t K, Format format, int64_t g, uint8_t* dst, bool* scaled) {
   const int64_t bytes = block_bytes(format);
+  float d[kCols], m[kCols];
+  uint8_t q4[kQK];
+  int8_t q8[kQK];
+  for (int64_t b = 0; b < K / kQK; ++b, dst += bytes) {
+    std::fill(d, d + kCols, 0.f);  // padded columns: d = m = 0, q = 0, the weight 0 the f32 layout pads with
+    std::fill(m, m + kCols, 0.f);
+    for (int64_t c = 0; c < kCols && g * kCols + c < N; ++c) {
+      const float* v = src + (g * kCols + c) * K + b * kQK;
+      if (format == kQ4 || format == kQ8M) {
+        // The form that fitted the last block first: trying the other first cost Q4_K weights 40% more time.
+        const int qmax = format == kQ4 ? 15 : 31;  // q8m: the 5-bit types (it could hold 8)
+        bool fit = *scaled ? fit_q4_scaled(v, qmax, &d[c], &m[c], q4) : fit_q4(v, qmax, &d[c], &m[c], q4);
+        if (!fit && (fit = *scaled ? fit_q4(v, qmax, &d[c], &m[c], q4) : fit_q4_scaled(v, qmax, &d[c], &m[c], q4)))
+          *scaled = !*scaled;
+        if (!fit) return false;
+        for (int64_t k = 0; k < kQK; ++k) {
+          if (format == kQ4)
+            dst[2 * kCols * 4 + k * 16 + (c & 15)] |= static_cast<uint8_t>(q4[k] << (c < 16 ? 0 : 4));
+          else
+            dst[2 * kCols * 4 + k * kCols + c] = q4[k];
+        }
+      } else {
+        // q8h: d[] scales k 0..15 and m[] (the second d) k 16..31
+        if (format == kQ8 ? !fit_q8(v, kQK, true, &d[c], q8)
+                          : !fit_q8(v, kQK / 2, false, &d[c], q8) ||
+                                !fit_q8(v + kQK / 2, kQK / 2, false, &m[c], q8 + kQK / 2))
+          return false;
+        const int64_t scales = format == kQ8 ? kCols * 4 : 2 * kCols * 4;
+        for (int64_t k = 0; k < kQK; ++k) dst[scales + k * kCols + c] = static_cast<uint8_t>(q8[k]);
+      }
+    }
+    std::memcpy(dst, d, sizeof d);
+    if (format != kQ8) std::memcpy(dst + sizeof d, m, sizeof m);
+  }
+  return true;
+}
+
+// Packs `src` [N, K] into the quantised layout `format` (K a multiple of 32); false (and `out` unfinished) if some
+// block is not of that form. Groups run in parallel; the first failure stops the others at their next group.
+bool pack_quantised(const float* src, int64_t N, int64_t K, Format format, uint8_t* out) {
+  const int64_t groups = (N + kCols - 1) / kCols, group_bytes = K / kQK * block_bytes(format);
   std::atomic<bool> failed{false};
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    float d[kCols], m[kCols];
-    uint8_t q4[kQK];
-    int8_t q8[kQK];
-    bool scaled = false;  // whether the last 4-bit block was Q4_K's form: a weight's blocks are all of one kind
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t b = 0; b < blocks; ++b) {
-        if (failed.load(std::memory_order_relaxed)) return;
-        uint8_t* dst = out + (g * blocks + b) * bytes;
-        std::fill(d, d + kCols, 0.f);  // padded columns: d = m = 0, q = 0, the weight 0 the f32 layout pads with
-        std::fill(m, m + kCols, 0.f);
-        for (int64_t c = 0; c < kCols && g * kCols + c < N; ++c) {
-          const float* v = src + (g * kCols + c) * K + b * kQK;
-          if (format == kQ4 || format == kQ8M) {
-            // The form that fitted the last block first: trying the other first cost Q4_K weights 40% more time.
-            const int qmax = format == kQ4 ? 15 : 31;  // q8m: the 5-bit types (it could hold 8)
-            bool fit = scaled ? fit_q4_scaled(v, qmax, &d[c], &m[c], q4) : fit_q4(v, qmax, &d[c], &m[c], q4);
-            if (!fit && (fit = scaled ? fit_q4(v, qmax, &d[c], &m[c], q4)
-                                      : fit_q4_scaled(v, qmax, &d[c], &m[c], q4)))
-              scaled = !scaled;
-            if (!fit) {
-              failed = true;
-              return;
-            }
-            for (int64_t k = 0; k < kQK; ++k) {
-              if (format == kQ4)
-                dst[2 * kCols * 4 + k * 16 + (c & 15)] |= static_cast<uint8_t>(q4[k] << (c < 16 ? 0 : 4));
-              else
-                dst[2 * kCols * 4 + k * kCols + c] = q4[k];
-            }
-          } else {
-            // q8h: d[] scales k 0..15 and m[] (the second d) k 16..31
-            if (format == kQ8 ? !fit_q8(v, kQK, true, &d[c], q8)
-                              : !fit_q8(v, kQK / 2, false, &d[c], q8) ||
-                                    !fit_q8(v + kQK / 2, kQK / 2, false, &m[c], q8 + kQK / 2)) {
-              failed = true;
-              return;
-            }
-            const int64_t scales = format == kQ8 ? kCols * 4 : 2 * kCols * 4;
-            for (int64_t k = 0; k < kQK; ++k) dst[scales + k * kCols + c] = static_cast<uint8_t>(q8[k]);
-          }
-        }
-        std::memcpy(dst, d, sizeof d);
-        if (format != kQ8) std::memcpy(dst + sizeof d, m, sizeof m);
-      }
+    bool scaled = false;  // a weight's blocks are all of one kind: the last fit first
+    for (int64_t g = g0; g < g1 && !failed.load(std::memory_order_relaxed); ++g)
+      if (!pack_group(src, N, K, format, g, out + g * group_bytes, &scaled)) failed = true;
   });
   return !failed.load();
 }
@@ -655,6 +675,7 @@ void pack_f32_into(const float* src, int64_t N, int64_t K, float* dst) {
 // so that another uint8 tensor is refused rather than read out of bounds.
 struct Header {
   int64_t magic, format, K, groups;
+  int64_t f32_at;  // kMixed: the f32 layout's byte offset (the blocks' sizes vary by group)
 };
 constexpr int64_t kMagic = 0x3151'4d45'4747'414c;  // "LAGGEMQ1"
 constexpr int64_t kHeaderBytes = 64;               // the blocks start 64-byte aligned, as torch allocates
@@ -675,14 +696,20 @@ at::Tensor pack(const at::Tensor& weight, c10::string_view format) {
   const at::Tensor w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1);
   const int64_t groups = (N + kCols - 1) / kCols;  // the last one zero-padded
+  std::vector<uint8_t> first;  // group 0's blocks, tried before a whole packed tensor is allocated and zeroed
+  const auto first_group_fits = [&](Format f) {
+    first.assign(K / kQK * block_bytes(f), 0);
+    bool scaled = false;
+    return pack_group(w.data_ptr<float>(), N, K, f, 0, first.data(), &scaled);
+  };
   for (const Format f : {kQ4, kQ8, kQ8H, kQ8M}) {
     const char* name = format_name(f);
     if (format != "auto" && format != name) continue;
-    if (K % kQK == 0 && N > 0 && K > 0) {
+    if (K % kQK == 0 && N > 0 && K > 0 && first_group_fits(f)) {
       at::Tensor packed = at::zeros({quantised_bytes(f, K, groups)}, w.options().dtype(at::kByte));
       uint8_t* base = packed.data_ptr<uint8_t>();
       if (pack_quantised(w.data_ptr<float>(), N, K, f, base + kHeaderBytes)) {
-        const Header h{kMagic, f, K, groups};
+        const Header h{kMagic, f, K, groups, 0};
         std::memcpy(base, &h, sizeof h);
         pack_f32_into(w.data_ptr<float>(), N, K, reinterpret_cast<float*>(base + f32_offset(f, K, groups)));
         return packed;
@@ -694,6 +721,48 @@ at::Tensor pack(const at::Tensor& weight, c10::string_view format) {
                       : f == kQ8H ? "d * q, q in [-128, 127], a d per 16"
                                   : "d * q + m, q in [0, 31], d a half or a half times an integer below 64, per 32",
                       " along K, K a multiple of 32)");
+  }
+  if (format == "auto" && K % kQK == 0 && N > 0 && K > 0) {
+    // No one form fits every group (a fused weight of several GGUF tensors, as q/k/v with a Q6_K v beside Q4_K q
+    // and k): each group takes the first form that fits it, or reads the f32 layout.
+    std::vector<int64_t> form(groups, kF32);
+    std::vector<std::vector<uint8_t>> blocks(groups);
+    const auto fit_group = [&](int64_t g) {
+      for (const Format f : {kQ4, kQ8, kQ8H, kQ8M}) {
+        blocks[g].assign(K / kQK * block_bytes(f), 0);
+        bool scaled = false;
+        if (pack_group(w.data_ptr<float>(), N, K, f, g, blocks[g].data(), &scaled)) {
+          form[g] = f;
+          return;
+        }
+        blocks[g].clear();
+      }
+    };
+    // Only where the first group is of a quantised form: trying every group of a float weight cost its packing
+    // 3.5x the time (the failing fits), and a fused weight of GGUF tensors starts with one.
+    fit_group(0);
+    if (form[0] != kF32)
+      at::parallel_for(1, groups, 1, [&](int64_t g0, int64_t g1) {
+        for (int64_t g = g0; g < g1; ++g) fit_group(g);
+      });
+    if (std::any_of(form.begin(), form.end(), [](int64_t f) { return f != kF32; })) {
+      std::vector<int64_t> table(2 * groups, 0);  // per group: its format, its blocks' offset
+      int64_t at = kHeaderBytes + (16 * groups + 63) / 64 * 64;
+      for (int64_t g = 0; g < groups; ++g) {
+        table[2 * g] = form[g];
+        table[2 * g + 1] = form[g] == kF32 ? 0 : at;
+        at += static_cast<int64_t>(blocks[g].size());
+      }
+      const Header h{kMagic, kMixed, K, groups, (at + 63) / 64 * 64};
+      at::Tensor packed = at::zeros({h.f32_at + groups * K * kCols * 4}, w.options().dtype(at::kByte));
+      uint8_t* base = packed.data_ptr<uint8_t>();
+      std::memcpy(base, &h, sizeof h);
+      std::memcpy(base + kHeaderBytes, table.data(), table.size() * sizeof(int64_t));
+      for (int64_t g = 0; g < groups; ++g)
+        if (!blocks[g].empty()) std::memcpy(base + table[2 * g + 1], blocks[g].data(), blocks[g].size());
+      pack_f32_into(w.data_ptr<float>(), N, K, reinterpret_cast<float*>(base + h.f32_at));
+      return packed;
+    }
   }
   at::Tensor packed = at::zeros({groups, K, kCols}, w.options());
   pack_f32_into(w.data_ptr<float>(), N, K, packed.data_ptr<float>());
@@ -712,12 +781,25 @@ Packed view(const at::Tensor& packed, const char* op) {
   const uint8_t* base = packed.data_ptr<uint8_t>();
   Header h;
   std::memcpy(&h, base, sizeof h);
-  const bool known = h.magic == kMagic && h.format >= kQ4 && h.format <= kQ8M && h.K > 0 &&
-                     h.K % kQK == 0 &&
-                     h.groups > 0;
+  const bool known = h.magic == kMagic && h.format >= kQ4 && h.format <= kMixed && h.K > 0 && h.K % kQK == 0 &&
+                     h.groups > 0 && h.groups < (int64_t{1} << 40) && h.K < (int64_t{1} << 40);
+  const char* refused = ": packed must come from lookahead_gemm.pack (a uint8 tensor of ";
+  if (known && h.format == kMixed) {
+    // The table must place every group's blocks between it and the f32 layout, which must end the tensor.
+    const int64_t table_end = kHeaderBytes + 16 * h.groups;
+    bool ok = h.f32_at >= table_end && h.f32_at % 64 == 0 && packed.numel() >= table_end &&
+              packed.numel() - h.f32_at == h.groups * h.K * kCols * 4;
+    const int64_t* table = reinterpret_cast<const int64_t*>(base + kHeaderBytes);
+    for (int64_t g = 0; g < h.groups && ok; ++g) {
+      const int64_t f = table[2 * g], at = table[2 * g + 1];
+      ok = f == kF32 || (f >= kQ4 && f <= kQ8M && at >= table_end &&
+                         at + h.K / kQK * block_bytes(static_cast<Format>(f)) <= h.f32_at);
+    }
+    TORCH_CHECK_VALUE(ok, op, refused, packed.numel(), " bytes whose group table does not fit it)");
+    return {kMixed, h.K, h.groups, reinterpret_cast<const float*>(base + h.f32_at), base, table};
+  }
   const Format f = static_cast<Format>(known ? h.format : kQ4);
-  TORCH_CHECK_VALUE(known && packed.numel() == quantised_bytes(f, h.K, h.groups), op,
-                    ": packed must come from lookahead_gemm.pack (a uint8 tensor of ", packed.numel(),
+  TORCH_CHECK_VALUE(known && packed.numel() == quantised_bytes(f, h.K, h.groups), op, refused, packed.numel(),
                     " bytes without its header)");
   return {f, h.K, h.groups, reinterpret_cast<const float*>(base + f32_offset(f, h.K, h.groups)),
           base + kHeaderBytes};

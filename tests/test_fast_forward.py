@@ -319,8 +319,10 @@ def test_gguf_q4_k_packs_as_q4_and_gives_the_float32_layout_s_results(N, K, posi
         ref = ref_linear(x, w, None)
         assert (y.double() - ref).abs().max() <= 1e-5 * (1 + ref.abs().max())
     one = w.clone()
-    one[N // 2, 77] = one[N // 2, 77].nextafter(torch.tensor(1.0))  # one float off: no longer a Q4_K weight
-    assert gemm.packed_format(gemm.pack(one)) == "f32"
+    one[N - 1, 77] = one[N - 1, 77].nextafter(torch.tensor(1.0))  # one float off: its group reads float32
+    assert gemm.packed_format(gemm.pack(one)) == "mixed"
+    x = torch.randn(2, K, generator=g)
+    assert torch.equal(gemm.linear(x, gemm.pack(one), N, None), gemm.linear(x, gemm.pack(one, "f32"), N, None))
 
 
 def gguf_dequantised(raw, qtype: str, N: int, K: int) -> torch.Tensor:
@@ -451,6 +453,38 @@ def test_gguf_q5_1_and_q5_k_pack_as_q8m_and_give_the_float32_layout_s_results(qt
                            gemm.linear(x, plain, N, None).view(torch.int32))
 
 
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
+def test_a_weight_of_several_types_packs_each_group_in_its_own(isa):
+    """A fused weight of several GGUF tensors (q/k/v of a "Q4_K_M" layer: Q4_K q and k, a Q6_K v) fits no one
+    layout: each group of 32 columns takes its own, and groups of no quantised form read the f32 layout."""
+    if not cpu_linear.gemm_available():
+        pytest.skip(f"no CPU GEMM: {cpu_linear.gemm_error()}")
+    gemm = torch.ops.lookahead_gemm
+    g = torch.Generator().manual_seed(9)
+    K = 256
+    parts = [gguf_q4_k_weight(64, K, g), gguf_dequantised(gguf_q6_k_blocks(32, K, seed=9), "Q6_K", 32, K),
+             torch.randn(32, K, generator=g), quantised_weight(17, K, "q8", g)]  # the last group 17 columns wide
+    w = torch.cat(parts)
+    N = w.shape[0]
+    with forced_isa(isa):
+        packed, plain = gemm.pack(w), gemm.pack(w, "f32")
+        assert gemm.packed_format(packed) == "mixed"
+        for M in (1, 2, 3, 4, 5, 13):
+            buf = torch.full((M, K + 2), float("nan"))
+            buf[:, 1:K + 1] = torch.randn(M, K, generator=g)
+            x = buf[:, 1:K + 1]
+            b = torch.randn(N, generator=g)
+            y = gemm.linear(x, packed, N, b)
+            assert torch.equal(y.view(torch.int32), gemm.linear(x, plain, N, b).view(torch.int32))
+            ref = ref_linear(x, w, b)
+            assert (y.double() - ref).abs().max() <= 1e-5 * (1 + ref.abs().max())
+    assert gemm.packed_format(gemm.pack(torch.randn(40, 64))) == "f32"  # no group of a quantised form
+    damaged = packed.clone()
+    damaged[64 + 8: 64 + 16] = 255  # the first group's offset, far out of the tensor
+    with pytest.raises(ValueError, match="group table"):
+        gemm.linear(torch.randn(1, K), damaged, N, None)
+
+
 def test_pack_keeps_float32_unless_every_float_is_reproduced():
     if not cpu_linear.gemm_available():
         pytest.skip(f"no CPU GEMM: {cpu_linear.gemm_error()}")
@@ -461,12 +495,18 @@ def test_pack_keeps_float32_unless_every_float_is_reproduced():
     assert gemm.packed_format(gemm.pack(w8)) == "q8"  # 8-bit values are no 4-bit block
     assert gemm.packed_format(gemm.pack(torch.randn(40, 64))) == "f32"
     assert gemm.packed_format(gemm.pack(w4[:, :48])) == "f32"  # K not a multiple of 32
-    for bad in (w4.nextafter(torch.tensor(1.0)),  # every float one ulp off
+    assert gemm.packed_format(gemm.pack(w4.nextafter(torch.tensor(1.0)))) == "f32"  # every float one ulp off
+    # A single float off, or a NaN: that group of 32 columns reads the float32 layout, the others their blocks; but
+    # a weight whose first group is of no quantised form is taken for a float one (mixed is not tried).
+    off = w4.clone().index_put_((torch.tensor([17]), torch.tensor([5])), w4[17, 5].nextafter(torch.tensor(1.0)))
+    assert gemm.packed_format(gemm.pack(off)) == "f32"
+    for bad in (w4.clone().index_put_((torch.tensor([35]), torch.tensor([5])), w4[35, 5].nextafter(torch.tensor(1.0))),
                 w4.clone().index_put_((torch.tensor([39]), torch.tensor([63])), torch.tensor(float("nan")))):
-        assert gemm.packed_format(gemm.pack(bad)) == "f32"
-    one = w4.clone()
-    one[17, 5] = one[17, 5].nextafter(torch.tensor(1.0))  # a single float off: the whole weight stays float32
-    assert gemm.packed_format(gemm.pack(one)) == "f32"
+        packed = gemm.pack(bad)
+        assert gemm.packed_format(packed) == "mixed"
+        x = torch.randn(3, 64, generator=g)
+        y, want = gemm.linear(x, packed, 40, None), gemm.linear(x, gemm.pack(bad, "f32"), 40, None)
+        assert torch.equal(y.isnan(), want.isnan()) and torch.equal(y.nan_to_num(), want.nan_to_num())
     zeros = torch.zeros(40, 64)
     zeros[3, 7] = -0.0  # comes back as +0.0, which gives every product the same bits (same_weight)
     assert gemm.packed_format(gemm.pack(zeros)) == "q4"

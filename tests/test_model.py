@@ -463,7 +463,8 @@ def write_q4_k_llama_gguf(path, hidden=256, inter=512, layers=2, heads=4, kv_hea
 
 def test_a_q4_k_m_gguf_packs_as_integers_matches_transformers_and_decodes_exactly(tmp_path):
     """The usual published GGUF ("Q4_K_M": Q4_K and Q6_K linear layers) end to end: transformers dequantises it, our
-    model's layers pack as integer blocks (q4 and q8h, bit for bit the float32 results), its logits match
+    model's layers pack as integer blocks (q4, q8h and, for the fused q/k/v, both: bit for bit the float32 results),
+    its logits match
     transformers', and greedy lookahead gives plain greedy's tokens."""
     path = tmp_path / "tiny-q4_k.gguf"
     write_q4_k_llama_gguf(path)
@@ -473,9 +474,9 @@ def test_a_q4_k_m_gguf_packs_as_integers_matches_transformers_and_decodes_exactl
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
     assert rel_err(logits[0], hf_logits(hf, ids)) < TOL
     if cpu_linear.gemm_available():
-        # q/k/v are one fused weight here: Q4_K rows beside Q6_K ones fit neither layout, so that one stays f32
+        # q/k/v are one fused weight here, Q4_K rows beside Q6_K ones: each group of 32 rows in its own layout
         formats = [[torch.ops.lookahead_gemm.packed_format(p) for p in layer._packed.packed] for layer in model.layers]
-        assert formats == [["f32", "q4", "q4", "q8h"]] * len(model.layers)
+        assert formats == [["mixed", "q4", "q4", "q8h"]] * len(model.layers)
     plain = model.generate(torch.tensor([ids]), max_new_tokens=24, lookahead=None)
     ahead = model.generate(torch.tensor([ids]), max_new_tokens=24)
     assert torch.equal(plain.sequences, ahead.sequences)
