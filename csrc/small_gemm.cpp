@@ -172,22 +172,35 @@ inline void store_rows(const float* buf, int64_t M, float* y, int64_t n, int64_t
 // One block of R rows (R = 1 .. the kernel's most): as SMALL_GEMM_KERNEL's NAME##_block says.
 using BlockFn = void (*)(const float*, int64_t, int64_t, const float*, float*, bool, const char*);
 
-// Expands `blocks` quantised blocks of 32 x 32 weights at `src` into out [32 * blocks, 32] floats.
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void expand_q4(const uint8_t* src, int64_t blocks, float* out) {
-  for (int64_t b = 0; b < blocks; ++b, src += kQ4Bytes, out += kQK * kCols) {
+// Expands `blocks` quantised blocks of 32 x 32 weights at `src` into out [32 * blocks, 32] floats: q4 (kNibbles,
+// column c's q in byte c % 16) or q8m (a byte a q), both d * q + m.
+template <bool kNibbles>
+static inline void expand_affine(const uint8_t* src, int64_t blocks, float* out) {
+  constexpr int64_t bytes = kNibbles ? kQ4Bytes : kQ8MBytes;
+  for (int64_t b = 0; b < blocks; ++b, src += bytes, out += kQK * kCols) {
     float d[kCols], m[kCols];
     std::memcpy(d, src, sizeof d);
     std::memcpy(m, src + sizeof d, sizeof m);
     const uint8_t* q = src + sizeof d + sizeof m;
     for (int64_t k = 0; k < kQK; ++k) {
       float* o = out + k * kCols;
-      const uint8_t* qk = q + k * 16;
-      for (int c = 0; c < 16; ++c) o[c] = d[c] * static_cast<float>(qk[c] & 15) + m[c];
-      for (int c = 0; c < 16; ++c) o[16 + c] = d[16 + c] * static_cast<float>(qk[c] >> 4) + m[16 + c];
+      if constexpr (kNibbles) {  // two plain loops of 16: the low nibbles, then the high ones
+        const uint8_t* qk = q + k * 16;
+        for (int c = 0; c < 16; ++c) o[c] = d[c] * static_cast<float>(qk[c] & 15) + m[c];
+        for (int c = 0; c < 16; ++c) o[16 + c] = d[16 + c] * static_cast<float>(qk[c] >> 4) + m[16 + c];
+      } else {
+        const uint8_t* qk = q + k * kCols;
+        for (int c = 0; c < kCols; ++c) o[c] = d[c] * static_cast<float>(qk[c]) + m[c];
+      }
     }
   }
 }
+
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void expand_q4(const uint8_t* src, int64_t blocks, float* out) { expand_affine<true>(src, blocks, out); }
+
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void expand_q8m(const uint8_t* src, int64_t blocks, float* out) { expand_affine<false>(src, blocks, out); }
 
 __attribute__((target_clones("avx512f", "avx2", "default")))
 void expand_q8(const uint8_t* src, int64_t blocks, float* out) {
@@ -208,18 +221,6 @@ void expand_q8h(const uint8_t* src, int64_t blocks, float* out) {
     const int8_t* q = reinterpret_cast<const int8_t*>(src + sizeof d);
     for (int64_t k = 0; k < kQK; ++k)
       for (int c = 0; c < kCols; ++c) out[k * kCols + c] = d[k >= 16][c] * static_cast<float>(q[k * kCols + c]);
-  }
-}
-
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void expand_q8m(const uint8_t* src, int64_t blocks, float* out) {
-  for (int64_t b = 0; b < blocks; ++b, src += kQ8MBytes, out += kQK * kCols) {
-    float d[kCols], m[kCols];
-    std::memcpy(d, src, sizeof d);
-    std::memcpy(m, src + sizeof d, sizeof m);
-    const uint8_t* q = src + sizeof d + sizeof m;
-    for (int64_t k = 0; k < kQK; ++k)
-      for (int c = 0; c < kCols; ++c) out[k * kCols + c] = d[c] * static_cast<float>(q[k * kCols + c]) + m[c];
   }
 }
 

@@ -387,25 +387,6 @@ def gguf_q6_k_blocks(N, K, seed):
     return raw.reshape(N, -1)
 
 
-def test_gguf_q6_k_packs_as_q8h_and_gives_the_float32_layout_s_results():
-    """Q6_K (the 6-bit type "Q4_K_M" files use for some layers and the head) dequantises to ``(d * sc) * q``: a half
-    ``d`` per 256 weights, an 8-bit ``sc`` per 16, q in [-32, 31]; exact products, so the q8h blocks (int8 q, a
-    scale per 16 along K) hold it."""
-    if not cpu_linear.gemm_available():
-        pytest.skip(f"no CPU GEMM: {cpu_linear.gemm_error()}")
-    gemm = torch.ops.lookahead_gemm
-    N, K = 40, 512
-    raw = gguf_q6_k_blocks(N, K, seed=6)
-    w = gguf_dequantised(raw, "Q6_K", N, K)
-    packed, plain = gemm.pack(w), gemm.pack(w, "f32")
-    assert gemm.packed_format(packed) == "q8h"
-    for M in (1, 2, 4, 5):
-        x = torch.randn(M, K)
-        x[0, :20] = 0.0
-        assert torch.equal(gemm.linear(x, packed, N, None).view(torch.int32),
-                           gemm.linear(x, plain, N, None).view(torch.int32))
-
-
 def gguf_q5_blocks(qtype, N, K, seed):
     """An ``[N, K]`` GGUF Q5_1 or Q5_K tensor's bytes: 5-bit q with a half scale and offset per 32 (Q5_1), or a half
     ``d`` and ``dmin`` per 256 times 6-bit scales and mins per 32 (Q5_K, some mins 0)."""
@@ -435,54 +416,25 @@ def gguf_q5_blocks(qtype, N, K, seed):
     return raw.reshape(N, -1)
 
 
-@pytest.mark.parametrize("qtype", ["Q5_1", "Q5_K"])
-def test_gguf_q5_1_and_q5_k_pack_as_q8m_and_give_the_float32_layout_s_results(qtype):
-    """The 5-bit types with an offset (Q5_K is "Q5_K_M" files' main type): q8m holds them, a byte a q, its scale
-    and offset per 32 along K as q4's."""
+@pytest.mark.parametrize("qtype,layout", [("Q6_K", "q8h"), ("Q5_1", "q8m"), ("Q5_K", "q8m")])
+def test_gguf_q6_k_and_q5_pack_as_q8h_and_q8m_and_give_the_float32_layout_s_results(qtype, layout):
+    """Q6_K (the 6-bit type "Q4_K_M" files use for some layers and the head) dequantises to ``(d * sc) * q``: a half
+    ``d`` per 256 weights, an 8-bit ``sc`` per 16, q in [-32, 31]; exact products, so the q8h blocks (int8 q, a
+    scale per 16 along K) hold it. The 5-bit types with an offset (Q5_K is "Q5_K_M" files' main type) go to q8m:
+    q4's scale and offset per 32 along K, a byte a q."""
     if not cpu_linear.gemm_available():
         pytest.skip(f"no CPU GEMM: {cpu_linear.gemm_error()}")
     gemm = torch.ops.lookahead_gemm
     N, K = 40, 512
-    w = gguf_dequantised(gguf_q5_blocks(qtype, N, K, seed=len(qtype)), qtype, N, K)
+    raw = gguf_q6_k_blocks(N, K, seed=6) if qtype == "Q6_K" else gguf_q5_blocks(qtype, N, K, seed=len(qtype))
+    w = gguf_dequantised(raw, qtype, N, K)
     packed, plain = gemm.pack(w), gemm.pack(w, "f32")
-    assert gemm.packed_format(packed) == "q8m"
-    for M in (1, 3, 4, 7):
+    assert gemm.packed_format(packed) == layout
+    for M in (1, 2, 3, 4, 5, 7):
         x = torch.randn(M, K)
         x[0, :20] = 0.0
         assert torch.equal(gemm.linear(x, packed, N, None).view(torch.int32),
                            gemm.linear(x, plain, N, None).view(torch.int32))
-
-
-@pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
-def test_a_weight_of_several_types_packs_each_group_in_its_own(isa):
-    """A fused weight of several GGUF tensors (q/k/v of a "Q4_K_M" layer: Q4_K q and k, a Q6_K v) fits no one
-    layout: each group of 32 columns takes its own, and groups of no quantised form read the f32 layout."""
-    if not cpu_linear.gemm_available():
-        pytest.skip(f"no CPU GEMM: {cpu_linear.gemm_error()}")
-    gemm = torch.ops.lookahead_gemm
-    g = torch.Generator().manual_seed(9)
-    K = 256
-    parts = [gguf_q4_k_weight(64, K, g), gguf_dequantised(gguf_q6_k_blocks(32, K, seed=9), "Q6_K", 32, K),
-             torch.randn(32, K, generator=g), quantised_weight(17, K, "q8", g)]  # the last group 17 columns wide
-    w = torch.cat(parts)
-    N = w.shape[0]
-    with forced_isa(isa):
-        packed, plain = gemm.pack(w), gemm.pack(w, "f32")
-        assert gemm.packed_format(packed) == "mixed"
-        for M in (1, 2, 3, 4, 5, 13):
-            buf = torch.full((M, K + 2), float("nan"))
-            buf[:, 1:K + 1] = torch.randn(M, K, generator=g)
-            x = buf[:, 1:K + 1]
-            b = torch.randn(N, generator=g)
-            y = gemm.linear(x, packed, N, b)
-            assert torch.equal(y.view(torch.int32), gemm.linear(x, plain, N, b).view(torch.int32))
-            ref = ref_linear(x, w, b)
-            assert (y.double() - ref).abs().max() <= 1e-5 * (1 + ref.abs().max())
-    assert gemm.packed_format(gemm.pack(torch.randn(40, 64))) == "f32"  # no group of a quantised form
-    damaged = packed.clone()
-    damaged[64 + 8: 64 + 16] = 255  # the first group's offset, far out of the tensor
-    with pytest.raises(ValueError, match="group table"):
-        gemm.linear(torch.randn(1, K), damaged, N, None)
 
 
 def test_pack_keeps_float32_unless_every_float_is_reproduced():
