@@ -437,6 +437,38 @@ def test_gguf_q6_k_and_q5_pack_as_q8h_and_q8m_and_give_the_float32_layout_s_resu
                            gemm.linear(x, plain, N, None).view(torch.int32))
 
 
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
+def test_a_weight_of_several_types_packs_each_group_in_its_own(isa):
+    """A fused weight of several GGUF tensors (q/k/v of a "Q4_K_M" layer: Q4_K q and k, a Q6_K v) fits no one
+    layout: each group of 32 columns takes its own, and groups of no quantised form read the f32 layout."""
+    if not cpu_linear.gemm_available():
+        pytest.skip(f"no CPU GEMM: {cpu_linear.gemm_error()}")
+    gemm = torch.ops.lookahead_gemm
+    g = torch.Generator().manual_seed(9)
+    K = 256
+    parts = [gguf_q4_k_weight(64, K, g), gguf_dequantised(gguf_q6_k_blocks(32, K, seed=9), "Q6_K", 32, K),
+             torch.randn(32, K, generator=g), quantised_weight(17, K, "q8", g)]  # the last group 17 columns wide
+    w = torch.cat(parts)
+    N = w.shape[0]
+    with forced_isa(isa):
+        packed, plain = gemm.pack(w), gemm.pack(w, "f32")
+        assert gemm.packed_format(packed) == "mixed"
+        for M in (1, 2, 3, 4, 5, 13):
+            buf = torch.full((M, K + 2), float("nan"))
+            buf[:, 1:K + 1] = torch.randn(M, K, generator=g)
+            x = buf[:, 1:K + 1]
+            b = torch.randn(N, generator=g)
+            y = gemm.linear(x, packed, N, b)
+            assert torch.equal(y.view(torch.int32), gemm.linear(x, plain, N, b).view(torch.int32))
+            ref = ref_linear(x, w, b)
+            assert (y.double() - ref).abs().max() <= 1e-5 * (1 + ref.abs().max())
+    assert gemm.packed_format(gemm.pack(torch.randn(40, 64))) == "f32"  # no group of a quantised form
+    damaged = packed.clone()
+    damaged[64 + 8: 64 + 16] = 255  # the first group's offset, far out of the tensor
+    with pytest.raises(ValueError, match="group table"):
+        gemm.linear(torch.randn(1, K), damaged, N, None)
+
+
 def test_pack_keeps_float32_unless_every_float_is_reproduced():
     if not cpu_linear.gemm_available():
         pytest.skip(f"no CPU GEMM: {cpu_linear.gemm_error()}")
