@@ -1,7 +1,7 @@
 """The CPU GEMM on weights as GGUF's quantised types dequantise them: read from the integer blocks against the
 float32 layout, and what packing them costs.
 
-For each type (Q4_1, the default model's; Q4_K, Q5_K and Q6_K, what most published GGUF files hold; and weights
+For each type (Q4_1, the default model's; Q4_K, Q5_K, Q6_K and Q3_K, what most published GGUF files hold; and weights
 of Q4_K rows beside Q6_K ones, as a fused q/k/v of a "Q4_K_M" layer, packed as mixed), ``--layers``
 decoder layers of random weights in shapes like SmolLM2's with K a multiple of 256 (the k-quants' super-block), far
 more bytes than the caches hold (as in a model's forward, where each weight is read once a step): one product of
@@ -30,7 +30,7 @@ from _common import command_line, machine_info, write_results  # noqa: E402
 
 from lookahead import cpu_linear  # noqa: E402
 from tests.test_fast_forward import (gguf_dequantised, gguf_q4_k_weight, gguf_q5_blocks,  # noqa: E402
-                                     gguf_q6_k_blocks, quantised_weight)
+                                     gguf_q6_k_blocks, gguf_random_k_blocks, quantised_weight)
 
 SHAPES = ((3072, 512), (512, 1536), (768, 512), (512, 512))  # gate/up, down, q/k/v, o
 
@@ -45,6 +45,7 @@ def weights(kind: str, layers: int, g: torch.Generator) -> list[torch.Tensor]:
     make = {"Q4_1": lambda N, K: quantised_weight(N, K, "q4", g), "Q4_K": lambda N, K: gguf_q4_k_weight(N, K, g),
             "Q5_K": lambda N, K: gguf_dequantised(gguf_q5_blocks("Q5_K", N, K, seed()), "Q5_K", N, K),
             "Q6_K": q6_k,
+            "Q3_K": lambda N, K: gguf_dequantised(gguf_random_k_blocks("Q3_K", N, K, seed()), "Q3_K", N, K),
             # a fused weight of two types (q/k/v with a Q6_K v): its first three quarters Q4_K, the rest Q6_K
             "Q4_K+Q6_K": lambda N, K: torch.cat([gguf_q4_k_weight(N - N // 4, K, g), q6_k(N // 4, K)])}[kind]
     return [make(N, K) for _ in range(layers) for N, K in SHAPES]
@@ -74,7 +75,7 @@ def main(argv=None) -> int:
     machine = machine_info("cpu")
     g = torch.Generator().manual_seed(0)
     rows = []
-    for kind in ("Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q4_K+Q6_K"):
+    for kind in ("Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q4_K+Q6_K"):
         ws = weights(kind, args.layers, g)
         started = time.perf_counter()
         blocks = [gemm.pack(w) for w in ws]

@@ -25,7 +25,7 @@
 //        the 32 k 16 bytes, column c's q in the low nibble of byte c (c < 16) or the high nibble of byte c - 16
 //   q8:  per group and block (1152 bytes), d[32] as float32, then for each k the 32 columns' q as int8
 //   q8h: as q8 with a d per 16 along K (1280 bytes): d[32] for k 0..15, d[32] for k 16..31, then the q (GGUF's Q6_K:
-//        a half per 256 weights times an 8-bit scale per 16, q in [-32, 31])
+//        a half per 256 weights times an 8-bit scale per 16, q in [-32, 31]; Q3_K: times a 6-bit one, q in [-4, 3])
 //   q8m: as q4 with a byte a q (1280 bytes): d[32], m[32], then for each k the 32 columns' q as uint8 (GGUF's
 //        5-bit types with an offset, Q5_1 and Q5_K)
 //   mixed: per group one of the above or none (a fused weight of tensors of several types): after the header a
@@ -458,6 +458,33 @@ bool finite_range(const float* v, float* lo, float* hi) {
   return true;
 }
 
+// Whether each v[i], i < n (a multiple of 8), is s * r_i + off (same_weight) for r_i = (v[i] - off) / s rounded to
+// the nearest integer (ties to even, as std::nearbyint) in [qmin, qmax]; the r_i in qf. Eight weights at a time, in
+// vectors where the CPU has AVX2, with an exit after each eight (a wrong scale is usually caught by the first): a
+// scalar loop with a libm nearbyintf call per weight took 7-11 ns a weight.
+__attribute__((target_clones("avx2", "default")))
+bool scale_fits(const float* v, int64_t n, float s, float off, float qmin, float qmax, float* qf) {
+  typedef float f8 __attribute__((vector_size(32)));
+  typedef int32_t i8 __attribute__((vector_size(32)));
+  // x + 1.5 * 2^23 keeps no fraction for |x| < 2^22 and rounds it to even; larger or NaN x land outside any q range
+  // (float arithmetic is not reassociated here, so the two additions stay as written).
+  constexpr float kShift = 0x1.8p23f;
+  for (int64_t i = 0; i < n; i += 8) {
+    f8 x;
+    i8 xb, wb;
+    std::memcpy(&x, v + i, sizeof x);
+    const f8 r = ((x - off) / s + kShift) - kShift;
+    const f8 w = s * r + off;  // no FMA in either clone: what the GEMM computes from q, as s * q is exact
+    std::memcpy(&xb, &x, sizeof x);
+    std::memcpy(&wb, &w, sizeof w);
+    const i8 ok = (r >= qmin) & (r <= qmax) & ((wb == xb) | ((w == 0.f) & (x == 0.f)));  // same_weight
+    std::memcpy(qf + i, &r, sizeof r);
+    for (int j = 0; j < 8; ++j)
+      if (!ok[j]) return false;
+  }
+  return true;
+}
+
 // v[0..32) as d * q + m with q in [0, qmax] and d a positive half, every float reproduced (same_weight): d, m, q or
 // false.
 bool fit_q4(const float* v, int qmax, float* d, float* m, uint8_t* q) {
@@ -472,27 +499,20 @@ bool fit_q4(const float* v, int qmax, float* d, float* m, uint8_t* q) {
     return true;
   }
   // The largest value's q: qmax from a min-max quantiser (llama.cpp's), smaller where the block's top was unused.
+  float r[kQK];
   for (int top = qmax; top >= 1; --top)
     for (const float s : half_scales((hi - lo) / static_cast<float>(top))) {
-      if (!(s > 0.f) || !std::isfinite(s)) continue;
-      bool ok = true;
-      for (int64_t i = 0; i < kQK && ok; ++i) {
-        const float r = std::nearbyint((v[i] - lo) / s);
-        ok = r >= 0.f && r <= static_cast<float>(qmax);
-        q[i] = ok ? static_cast<uint8_t>(r) : 0;
-        ok = ok && same_weight(s * static_cast<float>(q[i]) + lo, v[i]);  // what the GEMM computes from q
-      }
-      if (ok) {
-        *d = s;
-        return true;
-      }
+      if (!(s > 0.f) || !std::isfinite(s) || !scale_fits(v, kQK, s, lo, 0.f, static_cast<float>(qmax), r)) continue;
+      for (int64_t i = 0; i < kQK; ++i) q[i] = static_cast<uint8_t>(r[i]);
+      *d = s;
+      return true;
     }
   return false;
 }
 
 // v[0..n) as d * q with q in [-128, 127] and d positive (or all zeros), every float reproduced (same_weight): with
 // `half`, d a half-precision value (Q8_0's); without, any float (Q6_K's d times an 8-bit scale, which the largest
-// magnitude over its q gives exactly).
+// magnitude over its q gives exactly). n: 16 or 32.
 bool fit_q8(const float* v, int64_t n, bool half, float* d, int8_t* q) {
   float amax = 0.f;
   for (int64_t i = 0; i < n; ++i) {
@@ -506,23 +526,36 @@ bool fit_q8(const float* v, int64_t n, bool half, float* d, int8_t* q) {
       if (!same_weight(0.f, v[i])) return false;
     return true;
   }
-  // The largest magnitude's |q|: 127 from a max-abs quantiser (llama.cpp's), 128 for a -128, less where unused.
-  for (int top = 128; top >= 1; --top) {
+  // The largest magnitude's |q|: first those llama.cpp's quantisers give it (Q8_0: 127; Q6_K: 32 or 31; Q3_K: 4 or
+  // 3; 128 for a -128), then every other in turn, down to 1 where a block's top was unused.
+  static const std::array<int, 128> tops = [] {
+    std::array<int, 128> t{127, 128, 32, 31, 4, 3};
+    int i = 6;
+    for (int top = 126; top >= 1; --top)
+      if (top != 32 && top != 31 && top != 4 && top != 3) t[i++] = top;
+    return t;
+  }();
+  // Two other weights as probes: q_j / top = v_j / amax, so a top for which that is no integer is skipped at the
+  // cost of two multiplications (a weight of one magnitude has none). Q6_K's blocks tried ~20-90 tops each.
+  double probe[2];
+  int probes = 0;
+  for (int64_t i = 0; i < n && probes < 2; ++i)
+    if (v[i] != 0.f && std::fabs(v[i]) != amax) probe[probes++] = static_cast<double>(v[i]) / amax;
+  float r[kQK];
+  for (const int top : tops) {
+    bool skip = false;
+    for (int j = 0; j < probes; ++j) {
+      const double x = probe[j] * top;
+      skip = skip || std::fabs(x - static_cast<double>(static_cast<int64_t>(x + (x < 0 ? -0.5 : 0.5)))) > 1e-3;
+    }
+    if (skip) continue;
     const float est = amax / static_cast<float>(top);
     const std::array<float, 3> scales = half ? half_scales(est) : std::array<float, 3>{est, 0.f, 0.f};
     for (const float s : scales) {
-      if (!(s > 0.f) || !std::isfinite(s)) continue;
-      bool ok = true;
-      for (int64_t i = 0; i < n && ok; ++i) {
-        const float r = std::nearbyint(v[i] / s);
-        ok = r >= -128.f && r <= 127.f;
-        q[i] = ok ? static_cast<int8_t>(r) : 0;
-        ok = ok && same_weight(s * static_cast<float>(q[i]), v[i]);  // what the GEMM computes from q
-      }
-      if (ok) {
-        *d = s;
-        return true;
-      }
+      if (!(s > 0.f) || !std::isfinite(s) || !scale_fits(v, n, s, 0.f, -128.f, 127.f, r)) continue;
+      for (int64_t j = 0; j < n; ++j) q[j] = static_cast<int8_t>(r[j]);
+      *d = s;
+      return true;
     }
   }
   return false;
@@ -546,13 +579,66 @@ double float_gap(float x, bool up) {
 // and 6-bit sc and mn, each product exact in float32, so the one rounding is the subtraction's (the FMA's). A has at
 // most 17 significant bits, so A * q is exact and the expansion rounds once, FMA or not. fit_q4 misses these: A is
 // no half, and the block's smallest value need not have q = 0 (a block of positive weights gets mn = 0).
-bool fit_q4_scaled(const float* v, int qmax, float* d, float* m, uint8_t* q) {
+bool fit_q4_scaled(const float* v, int qmax, float* d, float* m, uint8_t* q, float* hint) {
   float lo, hi;
   if (!finite_range(v, &lo, &hi)) return false;
   if (hi == lo) return false;  // one value: fit_q4's case
   // hi - lo is A * span moved by the rounding of hi and lo: at most half a gap to the next float of each.
   const double slack = float_gap(hi, true) + float_gap(lo, false);
-  double rest[kQK], below[kQK], above[kQK];  // v_i - A q_i, and v_i's rounding interval around it
+  double rest[kQK];  // v_i - A q_i
+  // Whether A = h * sc (h a half, sc in [1, 63]) fits the block with the largest q minus the smallest `span`.
+  const auto fits = [&](float h, int sc, int span) {
+    const float a = h * static_cast<float>(sc);  // exact: 11 significant bits times 6
+    if (!(h > 0.f) || std::fabs(a - (static_cast<double>(hi) - lo) / span) * span > slack) return false;
+    // q_i - q_min from the spacing, then the m that puts every fma(a, q_i, m) in v_i's rounding interval (the
+    // intervals' intersection, exact in double); the smallest value's q shifts that interval by a each.
+    const double inv = 1.0 / a;
+    double m_lo = -INFINITY, m_hi = INFINITY;
+    int top = 0;
+    for (int64_t i = 0; i < kQK; ++i) {
+      const int n = static_cast<int>((static_cast<double>(v[i]) - lo) * inv + 0.5);  // >= 0: no libm rounding
+      top = std::max(top, n);
+      q[i] = static_cast<uint8_t>(std::min(std::max(n, 0), 255));
+      rest[i] = static_cast<double>(v[i]) - static_cast<double>(a) * q[i];
+      m_lo = std::max(m_lo, rest[i] - float_gap(v[i], false) / 2);
+      m_hi = std::min(m_hi, rest[i] + float_gap(v[i], true) / 2);
+      if (top > qmax || m_lo > m_hi) return false;  // for good: the range only grows, the intersection shrinks
+    }
+    for (int q0 = 0; q0 + top <= qmax; ++q0) {  // the smallest value's q
+      const double shift = static_cast<double>(a) * q0;
+      const float mid = static_cast<float>((m_lo + m_hi) / 2 - shift);
+      for (const float mc : {mid, std::nextafter(mid, -INFINITY), std::nextafter(mid, INFINITY)}) {
+        bool ok = true;
+        for (int64_t i = 0; i < kQK && ok; ++i) ok = same_weight(std::fma(a, static_cast<float>(q[i] + q0), mc), v[i]);
+        if (ok) {
+          for (int64_t i = 0; i < kQK; ++i) q[i] = static_cast<uint8_t>(q[i] + q0);
+          *d = a;
+          *m = mc;
+          *hint = h;
+          return true;
+        }
+      }
+    }
+    return false;
+  };
+  // Q4_K's half d serves 8 blocks of 32 in a row, so the last block's half (or it times a power of two: A = h * sc
+  // factors several ways where sc is even) gives A's integer factor directly, (hi - lo) / span / h.
+  // With h, hi - lo is h * sc * span within the slack; where the slack is under h / 2, sc * span can only be the
+  // integer nearest (hi - lo) / h, and its factors are the candidates (else every span is tried).
+  if (*hint > 0.f)
+    for (const float p : {1.f, 0.5f, 2.f, 0.25f, 4.f, 0.125f, 8.f, 0.0625f, 16.f, 0.03125f, 32.f}) {
+      const float h = *hint * p;  // exact, bar the subnormal halves
+      const double per_span = (static_cast<double>(hi) - lo) / h;
+      const bool unique = slack < h / 2.0;
+      const int64_t product = static_cast<int64_t>(per_span + 0.5);
+      if (unique && (product < 1 || std::fabs(product * static_cast<double>(h) - (static_cast<double>(hi) - lo)) > slack))
+        continue;
+      for (int span = qmax; span >= 1; --span) {
+        if (unique && product % span != 0) continue;
+        const int sc = unique ? static_cast<int>(product / span) : static_cast<int>(per_span / span + 0.5);
+        if (sc >= 1 && sc <= 63 && fits(h, sc, span)) return true;
+      }
+    }
   for (int span = qmax; span >= 1; --span) {  // the largest q minus the smallest
     const double a_est = (static_cast<double>(hi) - lo) / span;
     for (int sc = 1; sc <= 63; ++sc) {
@@ -567,40 +653,7 @@ bool fit_q4_scaled(const float* v, int qmax, float* d, float* m, uint8_t* q) {
       } else {
         hr = std::nearbyint(h0 * 0x1p24) * 0x1p-24;
       }
-      const float h = static_cast<float>(hr);
-      const float a = h * static_cast<float>(sc);  // exact: 11 significant bits times 6
-      if (!(h > 0.f) || std::fabs(a - a_est) * span > slack) continue;
-      // q_i - q_min from the spacing, then the m that puts every fma(a, q_i, m) in v_i's rounding interval (the
-      // intervals' intersection, exact in double); the smallest value's q shifts that interval by a each.
-      const double inv = 1.0 / a;
-      double m_lo = -INFINITY, m_hi = INFINITY;
-      int top = 0;
-      for (int64_t i = 0; i < kQK; ++i) {
-        const int n = static_cast<int>((static_cast<double>(v[i]) - lo) * inv + 0.5);  // >= 0: no libm rounding
-        top = std::max(top, n);
-        q[i] = static_cast<uint8_t>(std::min(std::max(n, 0), 255));
-        rest[i] = static_cast<double>(v[i]) - static_cast<double>(a) * q[i];
-        below[i] = float_gap(v[i], false) / 2;
-        above[i] = float_gap(v[i], true) / 2;
-        m_lo = std::max(m_lo, rest[i] - below[i]);
-        m_hi = std::min(m_hi, rest[i] + above[i]);
-      }
-      if (top > qmax || m_lo > m_hi) continue;
-      for (int q0 = 0; q0 + top <= qmax; ++q0) {  // the smallest value's q
-        const double shift = static_cast<double>(a) * q0;
-        const float mid = static_cast<float>((m_lo + m_hi) / 2 - shift);
-        for (const float mc : {mid, std::nextafter(mid, -INFINITY), std::nextafter(mid, INFINITY)}) {
-          bool fits = true;
-          for (int64_t i = 0; i < kQK && fits; ++i)
-            fits = same_weight(std::fma(a, static_cast<float>(q[i] + q0), mc), v[i]);
-          if (fits) {
-            for (int64_t i = 0; i < kQK; ++i) q[i] = static_cast<uint8_t>(q[i] + q0);
-            *d = a;
-            *m = mc;
-            return true;
-          }
-        }
-      }
+      if (fits(static_cast<float>(hr), sc, span)) return true;
     }
   }
   return false;
@@ -611,6 +664,7 @@ bool fit_q4_scaled(const float* v, int qmax, float* d, float* m, uint8_t* q) {
 bool pack_group(const float* src, int64_t N, int64_t K, Format format, int64_t g, uint8_t* dst, bool* scaled) {
   const int64_t bytes = block_bytes(format);
   float d[kCols], m[kCols];
+  float hint[kCols] = {};  // per column, the half of its last block's scaled 4-bit fit (Q4_K's d serves 8 blocks)
   uint8_t q4[kQK];
   int8_t q8[kQK];
   for (int64_t b = 0; b < K / kQK; ++b, dst += bytes) {
@@ -621,8 +675,8 @@ bool pack_group(const float* src, int64_t N, int64_t K, Format format, int64_t g
       if (format == kQ4 || format == kQ8M) {
         // The form that fitted the last block first: trying the other first cost Q4_K weights 40% more time.
         const int qmax = format == kQ4 ? 15 : 31;  // q8m: the 5-bit types (it could hold 8)
-        bool fit = *scaled ? fit_q4_scaled(v, qmax, &d[c], &m[c], q4) : fit_q4(v, qmax, &d[c], &m[c], q4);
-        if (!fit && (fit = *scaled ? fit_q4(v, qmax, &d[c], &m[c], q4) : fit_q4_scaled(v, qmax, &d[c], &m[c], q4)))
+        bool fit = *scaled ? fit_q4_scaled(v, qmax, &d[c], &m[c], q4, &hint[c]) : fit_q4(v, qmax, &d[c], &m[c], q4);
+        if (!fit && (fit = *scaled ? fit_q4(v, qmax, &d[c], &m[c], q4) : fit_q4_scaled(v, qmax, &d[c], &m[c], q4, &hint[c])))
           *scaled = !*scaled;
         if (!fit) return false;
         for (int64_t k = 0; k < kQK; ++k) {
@@ -697,16 +751,11 @@ at::Tensor pack(const at::Tensor& weight, c10::string_view format) {
   const at::Tensor w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1);
   const int64_t groups = (N + kCols - 1) / kCols;  // the last one zero-padded
-  std::vector<uint8_t> first;  // group 0's blocks, tried before a whole packed tensor is allocated and zeroed
-  const auto first_group_fits = [&](Format f) {
-    first.assign(K / kQK * block_bytes(f), 0);
-    bool scaled = false;
-    return pack_group(w.data_ptr<float>(), N, K, f, 0, first.data(), &scaled);
-  };
-  for (const Format f : {kQ4, kQ8, kQ8H, kQ8M}) {
+  const bool blocks_possible = K % kQK == 0 && N > 0 && K > 0;
+  for (const Format f : {kQ4, kQ8, kQ8H, kQ8M}) {  // a format asked for by name: every group in it, or an error
     const char* name = format_name(f);
-    if (format != "auto" && format != name) continue;
-    if (K % kQK == 0 && N > 0 && K > 0 && first_group_fits(f)) {
+    if (format != name) continue;
+    if (blocks_possible) {
       at::Tensor packed = at::zeros({quantised_bytes(f, K, groups)}, w.options().dtype(at::kByte));
       uint8_t* base = packed.data_ptr<uint8_t>();
       if (pack_quantised(w.data_ptr<float>(), N, K, f, base + kHeaderBytes)) {
@@ -716,52 +765,83 @@ at::Tensor pack(const at::Tensor& weight, c10::string_view format) {
         return packed;
       }
     }
-    TORCH_CHECK_VALUE(format == "auto", "lookahead_gemm.pack: the weight is not exactly ", name, " (",
+    TORCH_CHECK_VALUE(false, "lookahead_gemm.pack: the weight is not exactly ", name, " (",
                       f == kQ4   ? "d * q + m, q in [0, 15], d a half or a half times an integer below 64, per 32"
                       : f == kQ8  ? "d * q, q in [-128, 127], d a half, per 32"
                       : f == kQ8H ? "d * q, q in [-128, 127], a d per 16"
                                   : "d * q + m, q in [0, 31], d a half or a half times an integer below 64, per 32",
                       " along K, K a multiple of 32)");
   }
-  if (format == "auto" && K % kQK == 0 && N > 0 && K > 0) {
-    // No one form fits every group (a fused weight of several GGUF tensors, as q/k/v with a Q6_K v beside Q4_K q
-    // and k): each group takes the first form that fits it, or reads the f32 layout.
+  if (format == "auto" && blocks_possible) {
+    // Each group takes the first form that fits it (the one its thread's last group took first), or reads the f32
+    // layout; one form for all is laid out as that form, several as mixed (a fused weight of several GGUF
+    // tensors, as q/k/v with a Q6_K v beside Q4_K q and k). Fitting each group once: trying one form on the whole
+    // weight first, then group by group, cost a mixed weight twice the time.
     std::vector<int64_t> form(groups, kF32);
     std::vector<std::vector<uint8_t>> blocks(groups);
-    const auto fit_group = [&](int64_t g) {
-      for (const Format f : {kQ4, kQ8, kQ8H, kQ8M}) {
+    const auto fit_group = [&](int64_t g, Format* last, bool* scaled) {
+      const std::array<Format, 5> order{*last, kQ4, kQ8, kQ8H, kQ8M};
+      for (size_t i = 0; i < order.size(); ++i) {
+        const Format f = order[i];
+        if (i > 0 && f == order[0]) continue;  // tried first
         blocks[g].assign(K / kQK * block_bytes(f), 0);
-        bool scaled = false;
-        if (pack_group(w.data_ptr<float>(), N, K, f, g, blocks[g].data(), &scaled)) {
-          form[g] = f;
+        if (pack_group(w.data_ptr<float>(), N, K, f, g, blocks[g].data(), scaled)) {
+          form[g] = *last = f;
           return;
         }
         blocks[g].clear();
       }
     };
+    Format last = kQ4;
+    bool scaled = false;
     // Only where the first group is of a quantised form: trying every group of a float weight cost its packing
     // 3.5x the time (the failing fits), and a fused weight of GGUF tensors starts with one.
-    fit_group(0);
-    if (form[0] != kF32)
+    fit_group(0, &last, &scaled);
+    if (form[0] != kF32) {
       at::parallel_for(1, groups, 1, [&](int64_t g0, int64_t g1) {
-        for (int64_t g = g0; g < g1; ++g) fit_group(g);
+        Format thread_last = static_cast<Format>(form[0]);
+        bool thread_scaled = scaled;
+        for (int64_t g = g0; g < g1; ++g) fit_group(g, &thread_last, &thread_scaled);
       });
-    if (std::any_of(form.begin(), form.end(), [](int64_t f) { return f != kF32; })) {
-      std::vector<int64_t> table(2 * groups, 0);  // per group: its format, its blocks' offset
-      int64_t at = kHeaderBytes + (16 * groups + 63) / 64 * 64;
+      bool uniform = std::all_of(form.begin(), form.end(), [&](int64_t f) { return f == form[0]; });
+      // Groups that fit several forms (Q3_K's fit q8 where no product is +128, q8h always) may have taken
+      // different ones: one form that every group fits is preferred to mixed.
+      for (const Format f : {kQ4, kQ8, kQ8H, kQ8M}) {
+        if (uniform || std::find(form.begin(), form.end(), f) == form.end()) continue;
+        std::vector<std::vector<uint8_t>> refit(groups);
+        std::atomic<bool> fits_all{true};
+        at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+          bool thread_scaled = scaled;
+          for (int64_t g = g0; g < g1 && fits_all.load(std::memory_order_relaxed); ++g) {
+            if (form[g] == f) continue;
+            refit[g].assign(K / kQK * block_bytes(f), 0);
+            if (!pack_group(w.data_ptr<float>(), N, K, f, g, refit[g].data(), &thread_scaled)) fits_all = false;
+          }
+        });
+        if (!fits_all.load()) continue;
+        for (int64_t g = 0; g < groups; ++g)
+          if (form[g] != f) {
+            blocks[g] = std::move(refit[g]);
+            form[g] = f;
+          }
+        uniform = true;
+      }
+      std::vector<int64_t> table(2 * groups, 0);  // mixed: per group its format and its blocks' offset
+      int64_t at = kHeaderBytes + (uniform ? 0 : (16 * groups + 63) / 64 * 64);
       for (int64_t g = 0; g < groups; ++g) {
         table[2 * g] = form[g];
         table[2 * g + 1] = form[g] == kF32 ? 0 : at;
         at += static_cast<int64_t>(blocks[g].size());
       }
-      const Header h{kMagic, kMixed, K, groups, (at + 63) / 64 * 64};
-      at::Tensor packed = at::zeros({h.f32_at + groups * K * kCols * 4}, w.options().dtype(at::kByte));
+      const Header h{kMagic, uniform ? form[0] : kMixed, K, groups, uniform ? 0 : (at + 63) / 64 * 64};
+      const int64_t f32_at = uniform ? f32_offset(static_cast<Format>(form[0]), K, groups) : h.f32_at;
+      at::Tensor packed = at::zeros({f32_at + groups * K * kCols * 4}, w.options().dtype(at::kByte));
       uint8_t* base = packed.data_ptr<uint8_t>();
       std::memcpy(base, &h, sizeof h);
-      std::memcpy(base + kHeaderBytes, table.data(), table.size() * sizeof(int64_t));
+      if (!uniform) std::memcpy(base + kHeaderBytes, table.data(), table.size() * sizeof(int64_t));
       for (int64_t g = 0; g < groups; ++g)
         if (!blocks[g].empty()) std::memcpy(base + table[2 * g + 1], blocks[g].data(), blocks[g].size());
-      pack_f32_into(w.data_ptr<float>(), N, K, reinterpret_cast<float*>(base + h.f32_at));
+      pack_f32_into(w.data_ptr<float>(), N, K, reinterpret_cast<float*>(base + f32_at));
       return packed;
     }
   }

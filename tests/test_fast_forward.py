@@ -416,17 +416,36 @@ def gguf_q5_blocks(qtype, N, K, seed):
     return raw.reshape(N, -1)
 
 
-@pytest.mark.parametrize("qtype,layout", [("Q6_K", "q8h"), ("Q5_1", "q8m"), ("Q5_K", "q8m")])
-def test_gguf_q6_k_and_q5_pack_as_q8h_and_q8m_and_give_the_float32_layout_s_results(qtype, layout):
+def gguf_random_k_blocks(qtype, N, K, seed):
+    """An ``[N, K]`` GGUF Q2_K or Q3_K tensor's bytes: random bytes (every pattern is a valid block: any q, scale
+    and mask bits) with each super-block's half scales (Q3_K: ``d``; Q2_K: ``d`` and ``dmin``, the block's last
+    bytes) set to finite values, ``d`` of either sign."""
+    np = pytest.importorskip("numpy")
+    rng = np.random.default_rng(seed)
+    size, halves = {"Q2_K": (84, 2), "Q3_K": (110, 1)}[qtype]
+    n = N * K // 256
+    raw = rng.integers(0, 256, (n, size)).astype(np.uint8)
+    scales = (rng.random((n, halves)) * 1e-3 + 1e-6).astype(np.float16)
+    scales[:, 0] *= rng.choice([-1, 1], n).astype(np.float16)
+    raw[:, size - 2 * halves:] = scales.view(np.uint8).reshape(n, 2 * halves)
+    return raw.reshape(N, -1)
+
+
+@pytest.mark.parametrize("qtype,layout", [("Q6_K", "q8h"), ("Q3_K", "q8h"), ("Q5_1", "q8m"), ("Q5_K", "q8m"),
+                                          ("Q2_K", "f32")])
+def test_gguf_k_quants_and_q5_pack_as_q8h_and_q8m_and_give_the_float32_layout_s_results(qtype, layout):
     """Q6_K (the 6-bit type "Q4_K_M" files use for some layers and the head) dequantises to ``(d * sc) * q``: a half
     ``d`` per 256 weights, an 8-bit ``sc`` per 16, q in [-32, 31]; exact products, so the q8h blocks (int8 q, a
-    scale per 16 along K) hold it. The 5-bit types with an offset (Q5_K is "Q5_K_M" files' main type) go to q8m:
-    q4's scale and offset per 32 along K, a byte a q."""
+    scale per 16 along K) hold it. So does Q3_K's ``(d * (sc - 32)) * q``, 6-bit ``sc`` per 16 and q in [-4, 3]
+    ("Q3_K_M" files' main type). The 5-bit types with an offset (Q5_K is "Q5_K_M" files' main type) go to q8m:
+    q4's scale and offset per 32 along K, a byte a q. Q2_K, whose offset changes every 16 weights, fits none and
+    stays float32 (correct, not faster)."""
     if not cpu_linear.gemm_available():
         pytest.skip(f"no CPU GEMM: {cpu_linear.gemm_error()}")
     gemm = torch.ops.lookahead_gemm
     N, K = 40, 512
-    raw = gguf_q6_k_blocks(N, K, seed=6) if qtype == "Q6_K" else gguf_q5_blocks(qtype, N, K, seed=len(qtype))
+    raw = gguf_q6_k_blocks(N, K, seed=6) if qtype == "Q6_K" else gguf_random_k_blocks(qtype, N, K, seed=3) \
+        if qtype in ("Q2_K", "Q3_K") else gguf_q5_blocks(qtype, N, K, seed=len(qtype))
     w = gguf_dequantised(raw, qtype, N, K)
     packed, plain = gemm.pack(w), gemm.pack(w, "f32")
     assert gemm.packed_format(packed) == layout
@@ -435,6 +454,22 @@ def test_gguf_q6_k_and_q5_pack_as_q8h_and_q8m_and_give_the_float32_layout_s_resu
         x[0, :20] = 0.0
         assert torch.equal(gemm.linear(x, packed, N, None).view(torch.int32),
                            gemm.linear(x, plain, N, None).view(torch.int32))
+
+
+def test_a_weight_whose_groups_fit_one_form_in_common_takes_it_not_mixed():
+    """Q3_K's blocks fit q8h and, where no product is +128, q8 too: group by group a weight could take both. Its
+    first group fitting q8 (a Q8_0-like group, which q8h holds as well) must not make it mixed: one form that
+    every group fits is preferred."""
+    if not cpu_linear.gemm_available():
+        pytest.skip(f"no CPU GEMM: {cpu_linear.gemm_error()}")
+    gemm = torch.ops.lookahead_gemm
+    g = torch.Generator().manual_seed(5)
+    K = 256
+    w = torch.cat([quantised_weight(32, K, "q8", g), quantised_weight(40, K, "q8h", g)])
+    packed, plain = gemm.pack(w), gemm.pack(w, "f32")
+    assert gemm.packed_format(packed) == "q8h"
+    x = torch.randn(3, K, generator=g)
+    assert torch.equal(gemm.linear(x, packed, w.shape[0], None), gemm.linear(x, plain, w.shape[0], None))
 
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
