@@ -61,6 +61,8 @@ class StepTrace:
         sources: per node, the names of the sources that proposed it.
         ngrams: the window's n-grams the step produced (``W`` tuples of ``N`` ids; empty while warming up).
         path: the accepted nodes, root first (the bonus token not counted).
+        expected: the tokens the tree was expected to add: the sum of its nodes' estimated chances of being
+            reached (``lookahead.draft``), which the planner weighed against the step's cost.
     """
 
     x_index: int
@@ -69,6 +71,7 @@ class StepTrace:
     sources: tuple
     ngrams: tuple
     path: tuple
+    expected: float = 0.0
 
     @property
     def accepted(self) -> int:
@@ -725,7 +728,7 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
             row.stats.trace.append(StepTrace(committed - 1, tuple(tree.tokens[: tree.num_nodes].tolist()),
                                              tuple(tree.parents), tuple(map(frozenset, tree.sources)),
                                              () if ngrams is None else tuple(map(tuple, ngrams.tolist())),
-                                             tuple(nodes)))
+                                             tuple(nodes), float(sum(proposals.scores[picks[b]][:keeps[b]]))))
         if successors is not None:  # every row computed but padding; x and the accepted path last, to win
             recorded.append(b)
             computed.append(first_node + tree.num_nodes)

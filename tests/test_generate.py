@@ -121,6 +121,8 @@ def test_trace_records_each_step(tiny):
         assert all(st.parents[b] == a for a, b in zip((-1,) + st.path, st.path))
         if st.ngrams:
             assert st.ngrams[0][0] == seq[st.x_index]  # column 0 of the window starts at x
+        # the expected tokens: each node's chance of being reached is at most 1, and a root's at least its share
+        assert 0.0 <= st.expected <= len(st.tokens) + 1e-9 and (st.expected > 0) == (len(st.tokens) > 0)
     assert [st.x_index for st in trace] == [ids.shape[1] - 1 + sum(out.stats.accepted[:i]) for i in range(len(trace))]
     with pytest.raises(ValueError, match="trace"):
         ours.generate(ids, max_new_tokens=3, lookahead=cfg, trace=1)
