@@ -13,6 +13,11 @@ token.
     python bench/bench_batch.py --batch-sizes 1 4 --prompts 4 --max-new-tokens 16 --tag cpu-smoke
     python bench/bench_batch.py --device cuda --dtype bfloat16 --batch-sizes 1 16 --prompts 16 --max-new-tokens 64
     python bench/bench_batch.py --dry-run --prompts 4 --batch-sizes 1 4 --max-new-tokens 8 --out-dir /tmp/x
+    python bench/bench_batch.py --batch-sizes 1 --temperature 0.7 --top-p 0.9 --tag cpu-sampled   # sampling
+
+With ``--temperature``, both modes sample (one seeded generator for the run): each output is a draw of the model's
+distribution (``tests/test_sampling_e2e.py`` checks that lookahead keeps it), so outputs are not compared and
+``identical`` is left blank.
 
 In a dtype below float32, steps of different shapes round differently, so ``identical`` counts rows rather than
 being expected to equal the prompts (float32: identical everywhere).
@@ -86,7 +91,8 @@ def run_paired(model, prompts: list, batch_size: int, max_new_tokens: int, repea
         result[mode] = (m["outputs"], {"new_tokens": passes[0]["new"], "seconds": statistics.median(p["seconds"] for p in passes),
                                        "tokens_per_s": statistics.median(tps), "tokens_per_s_passes": tps,
                                        "vs_plain_passes": ratios, "paired_vs_plain": statistics.median(ratios),
-                                       "fed_per_row_step": passes[0]["fed"] / passes[0]["steps"]})
+                                       "fed_per_row_step": passes[0]["fed"] / passes[0]["steps"],
+                                       "tokens_per_step": passes[0]["new"] / passes[0]["steps"]})
     return result
 
 
@@ -101,6 +107,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
                     help="parameter dtype (bfloat16: where a GPU's steps stay flat longest; identity then counted)")
+    ap.add_argument("--temperature", type=float, default=None,
+                    help="sample at this temperature (default: greedy decoding, outputs compared with plain's)")
+    ap.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass, with --temperature")
     ap.add_argument("--tag", default=None, help="result file tag (default: the device)")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     ap.add_argument("--render", metavar="JSON", help="only re-write the markdown and plot of a results file")
@@ -113,6 +122,8 @@ def main(argv=None) -> int:
         return 0
     if any(b < 1 for b in args.batch_sizes):
         ap.error(f"--batch-sizes must be >= 1, got {args.batch_sizes}")
+    if args.top_p is not None and args.temperature is None:
+        ap.error("--top-p samples: give --temperature too")
     from tqdm.auto import tqdm
 
     if args.dry_run:
@@ -128,6 +139,10 @@ def main(argv=None) -> int:
         model.step_costs_cache = {key: StepCosts.from_pairs(H100_LIKE),
                                   key + "|batch": StepCosts.from_pairs(H100_LIKE_BATCH)}
         generate_kwargs = dict(cuda_graphs=False, _static_steps=True)
+    sampled = args.temperature is not None
+    if sampled:
+        generate_kwargs.update(do_sample=True, temperature=args.temperature, top_p=args.top_p,
+                               generator=torch.Generator(args.device).manual_seed(0))
     rows = []
     with torch.inference_mode():
         for set_path in args.sets:
@@ -138,7 +153,7 @@ def main(argv=None) -> int:
             for config in MODES.values():  # warm-up: packing, caches, allocator
                 model.generate(prompts[:2], max_new_tokens=4, lookahead=config, **generate_kwargs)
             reference = None
-            if 1 not in args.batch_sizes:  # each prompt's batch-1 plain output, untimed, for the identity counts
+            if 1 not in args.batch_sizes and not sampled:  # each prompt's batch-1 plain output, for the identity
                 reference = [model.generate(p, max_new_tokens=args.max_new_tokens, lookahead=None)
                              .sequences[0, p.numel():].tolist()
                              for p in tqdm(prompts, desc=f"{name} batch-1 reference")]
@@ -147,11 +162,12 @@ def main(argv=None) -> int:
                                                           **generate_kwargs).items():
                     if reference is None:  # batch 1, plain: the first run
                         reference = outputs
-                    identical = sum(o == r for o, r in zip(outputs, reference))
+                    identical = None if sampled else sum(o == r for o, r in zip(outputs, reference))
                     rows.append({"set": name, "batch_size": B, "mode": mode, "prompts": len(prompts),
                                  "identical": identical, **totals})
                     print(f"{name:10s} B={B:3d} {mode:9s} {totals['tokens_per_s']:8.2f} tok/s  fed/row/step "
-                          f"{totals['fed_per_row_step']:.2f}  identical {identical}/{len(prompts)}", flush=True)
+                          f"{totals['fed_per_row_step']:.2f}  tokens/step {totals['tokens_per_step']:.2f}  "
+                          + ("" if sampled else f"identical {identical}/{len(prompts)}"), flush=True)
     for r in rows:
         r["vs_plain"] = r["paired_vs_plain"]
     machine["load_average_end"] = machine_info(args.device)["load_average"]
@@ -159,32 +175,44 @@ def main(argv=None) -> int:
         + ("" if args.dtype == "float32" else f"-{args.dtype}") + ("-dry-run" if args.dry_run else "")
     result = {"machine": machine, "command": command_line(__file__, sys.argv[1:] if argv is None else argv),
               "model": f"SmolLM2-135M-Instruct ({args.dtype})", "dtype": args.dtype,
-              "max_new_tokens": args.max_new_tokens,
+              "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
               "prompts_per_set": args.prompts, "threads": args.threads, "repeats": args.repeats, "rows": rows}
     base = write_results(args.out_dir, f"batch-{tag}", result, markdown(result))
     plot(result, base + ".png")
     return 0
 
 
+def decoding(result: dict) -> str:
+    if result.get("temperature") is None:
+        return "Greedy"
+    top_p = "" if result.get("top_p") is None else f", top-p {result['top_p']}"
+    return f"Sampled (temperature {result['temperature']}{top_p})"
+
+
 def markdown(result: dict) -> str:
     m = result["machine"]
     subset = "every prompt" if result["prompts_per_set"] is None else f"first {result['prompts_per_set']} prompts"
     lines = [f"# Throughput against batch size ({result['model']})", "",
-             f"Greedy, {result['max_new_tokens']} new tokens, {subset} of each set, {result['threads']} threads. "
+             f"{decoding(result)}, {result['max_new_tokens']} new tokens, {subset} of each set, "
+             f"{result['threads']} threads. "
              f"Device: {m['device']} ({m.get('gpu') or m['cpu']}), torch {m['torch']}, git {m['git']}, load average "
              f"at the start {m.get('load_average')}, at the end {m.get('load_average_end')}.", "",
              f"Command: `{result['command']}`", "",
              f"Tokens/s over the batches (new tokens / seconds; the median of {result.get('repeats', 1)} pass(es)); "
              "vs plain: the median over the passes of lookahead's tokens/s over plain's, each batch decoded both ways "
              "back to back; passes: the lowest and highest of those ratios (the machine's pass-to-pass noise); "
-             "identical: rows equal to the prompt's batch-1 plain greedy output.", "",
-             "| set | batch | mode | tokens/s | vs plain | passes | tokens fed per row and step | identical |",
-             "|---|---|---|---|---|---|---|---|"]
+             "tokens a step: new tokens per row and step (compression); identical: rows equal to the prompt's batch-1 "
+             "plain greedy output (blank when sampling).", "",
+             "| set | batch | mode | tokens/s | vs plain | passes | tokens fed per row and step | tokens a step | "
+             "identical |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         ratios = r.get("vs_plain_passes") or [r["vs_plain"]]
         spread = "" if r["mode"] == "plain" else f"{min(ratios):.2f}-{max(ratios):.2f}"
+        per_step = f"{r['tokens_per_step']:.2f}" if "tokens_per_step" in r else ""  # (older results lack it)
+        identical = "" if r["identical"] is None else f"{r['identical']}/{r['prompts']}"
         lines.append(f"| {r['set']} | {r['batch_size']} | {r['mode']} | {r['tokens_per_s']:.2f} | "
-                     f"{r['vs_plain']:.2f}x | {spread} | {r['fed_per_row_step']:.2f} | {r['identical']}/{r['prompts']} |")
+                     f"{r['vs_plain']:.2f}x | {spread} | {r['fed_per_row_step']:.2f} | {per_step} | {identical} |")
     return "\n".join(lines) + "\n"
 
 

@@ -81,14 +81,46 @@ def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)
     if params.top_p < 1:
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-        before = sorted_p.cumsum(-1) - sorted_p  # mass of the strictly more likely tokens
-        keep_sorted = before < params.top_p
-        keep_sorted[..., 0] = True
-        keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
-        probs = probs * keep
+        probs = probs * _nucleus(probs, params.top_p)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+# Top-p first looks for the nucleus among this many of the likeliest tokens (on the CPU, where sorting a 49k
+# vocabulary took 6 ms a row, and a top-k selection 0.2 ms).
+NUCLEUS_CANDIDATES = 128
+
+
+def _nucleus_of_sorted(sorted_p: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Which of the tokens, in the stable descending order of ``sorted_p``, top-p keeps: those with less than
+    ``top_p`` mass strictly before them (a prefix, never empty)."""
+    before = sorted_p.cumsum(-1) - sorted_p  # mass of the strictly more likely tokens
+    keep = before < top_p
+    keep[..., 0] = True
+    return keep
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """bool ``[..., V]``: the tokens top-p keeps, as a stable descending sort of ``probs`` defines them.
+
+    On the CPU the nucleus is first sought among the ``NUCLEUS_CANDIDATES`` likeliest tokens, put in that same
+    order (value descending, ties by index). That gives the full sort's answer where the kept prefix ends before the
+    candidates' smallest value: the tokens above it are exactly the full order's first ones, and each keep decision
+    reads only the mass before it. Else (a flat distribution, ties at the edge), and on other devices (where a
+    graph holds this step: no host sync), the whole vocabulary is sorted."""
+    V = probs.shape[-1]
+    k = min(NUCLEUS_CANDIDATES, V)
+    if probs.device.type == "cpu" and k < V:
+        values, index = torch.topk(probs, k, dim=-1)  # any order among ties
+        index, by_index = torch.sort(index, dim=-1)
+        values = values.gather(-1, by_index)
+        sorted_p, order = torch.sort(values, dim=-1, descending=True, stable=True)
+        keep = _nucleus_of_sorted(sorted_p, top_p)
+        exact = (sorted_p > sorted_p[..., -1:]).sum(-1)  # leading candidates in the full sort's order
+        if bool((keep.sum(-1) <= exact).all()):
+            return torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, index.gather(-1, order), keep)
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    return torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, _nucleus_of_sorted(sorted_p, top_p))
 
 
 def sample_rows(probs: torch.Tensor, generator: torch.Generator | None = None,

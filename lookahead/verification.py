@@ -168,6 +168,7 @@ class StepVerifier:
         self.successor_rows = successor_rows if successor_k else 0
         self.window_rows, self.node_rows = logits_slices(shape.window, shape.levels, shape.tree_budget)
         self.lookahead_len = shape.window * shape.levels
+        self._x_alone = shape.window == 1 and shape.levels == 1
         self.width = 2 + 2 * self.max_accept + shape.window
 
     @property
@@ -178,10 +179,11 @@ class StepVerifier:
     @property
     def uniforms_per_row(self) -> int:
         """Random numbers a sampled step consumes per row: the tree's (``V + 1``, ``draw_tree_uniforms``'s layout;
-        1 for the token after ``x`` without a tree), then one per window guess; 0 for greedy decoding."""
+        1 for the token after ``x`` without a tree), then one per window guess (none for a window of ``x`` alone,
+        whose guess is the token chosen after it); 0 for greedy decoding."""
         if self.sampler.greedy:
             return 0
-        return self.shape.tree_budget + 1 + self.shape.window
+        return self.shape.tree_budget + 1 + (0 if self._x_alone else self.shape.window)
 
     def __call__(self, logits: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
         """int32 ``[B, width + 2 R k]`` on the logits' device: per row its accepted length, path (``max_accept``,
@@ -203,7 +205,12 @@ class StepVerifier:
             accept_len = torch.zeros(B, dtype=torch.long, device=logits.device)
             path = torch.empty(B, 0, dtype=torch.long, device=logits.device)
             emitted = self.sampler.choose(logits[:, 0], None if u is None else u[:, 0])[:, None]
-        guesses = self.sampler.choose(logits[:, self.window_rows], None if u is None else u[:, V + 1:])
+        if self._x_alone:
+            # The one guess of a window that is x alone is a token after x: the one just chosen serves (greedy: the
+            # same argmax; sampled: a draw of x's distribution, without warping its row a second time).
+            guesses = emitted[:, :1]
+        else:
+            guesses = self.sampler.choose(logits[:, self.window_rows], None if u is None else u[:, V + 1:])
         parts = [accept_len[:, None], path, emitted, guesses]
         if self.successor_k:
             from .successors import SuccessorTable

@@ -625,6 +625,30 @@ def test_warp_matches_hf(temperature, top_k, top_p):
     torch.testing.assert_close(probs.sum(-1), torch.ones(6))
 
 
+@pytest.mark.parametrize("V", [100, 129, 3000])
+@pytest.mark.parametrize("scale", [0.3, 3.0, 12.0])
+@pytest.mark.parametrize("ties", [False, True])
+def test_top_p_among_candidates_keeps_what_the_full_sort_keeps(V, scale, ties):
+    """On the CPU top-p first looks for the nucleus among the likeliest ``NUCLEUS_CANDIDATES`` tokens (a sort of the
+    whole vocabulary took 6 ms a row): it must keep exactly the tokens a stable descending sort of every token
+    keeps, sharp distributions (the nucleus among the candidates) and flat ones (past them: the full sort) alike,
+    with ties anywhere, the edge included."""
+    from lookahead import sampling
+
+    gen = torch.Generator().manual_seed(V + int(scale * 10) + ties)
+    logits = torch.randn(5, V, generator=gen) * scale
+    if ties:
+        logits = (logits * 2).round() / 2
+    probs = torch.softmax(logits, -1)
+    for top_p in (0.3, 0.9, 0.99, 1 - 1e-6):
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        before = sorted_p.cumsum(-1) - sorted_p
+        keep_sorted = before < top_p
+        keep_sorted[..., 0] = True
+        expected = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+        assert torch.equal(sampling._nucleus(probs, top_p), expected), top_p
+
+
 def test_warp_keeps_at_least_one_and_greedy_one_hot():
     logits = torch.tensor([[0.0, 10.0, 10.0, -1.0]])
     assert warp_logits(logits, SamplingParams(top_p=1e-9)).gt(0).sum() == 1
