@@ -585,7 +585,6 @@ bool fit_q4_scaled(const float* v, int qmax, float* d, float* m, uint8_t* q, flo
   if (hi == lo) return false;  // one value: fit_q4's case
   // hi - lo is A * span moved by the rounding of hi and lo: at most half a gap to the next float of each.
   const double slack = float_gap(hi, true) + float_gap(lo, false);
-  double rest[kQK];  // v_i - A q_i
   // Whether A = h * sc (h a half, sc in [1, 63]) fits the block with the largest q minus the smallest `span`.
   const auto fits = [&](float h, int sc, int span) {
     const float a = h * static_cast<float>(sc);  // exact: 11 significant bits times 6
@@ -599,9 +598,9 @@ bool fit_q4_scaled(const float* v, int qmax, float* d, float* m, uint8_t* q, flo
       const int n = static_cast<int>((static_cast<double>(v[i]) - lo) * inv + 0.5);  // >= 0: no libm rounding
       top = std::max(top, n);
       q[i] = static_cast<uint8_t>(std::min(std::max(n, 0), 255));
-      rest[i] = static_cast<double>(v[i]) - static_cast<double>(a) * q[i];
-      m_lo = std::max(m_lo, rest[i] - float_gap(v[i], false) / 2);
-      m_hi = std::min(m_hi, rest[i] + float_gap(v[i], true) / 2);
+      const double rest = static_cast<double>(v[i]) - static_cast<double>(a) * q[i];  // v_i - A q_i
+      m_lo = std::max(m_lo, rest - float_gap(v[i], false) / 2);
+      m_hi = std::min(m_hi, rest + float_gap(v[i], true) / 2);
       if (top > qmax || m_lo > m_hi) return false;  // for good: the range only grows, the intersection shrinks
     }
     for (int q0 = 0; q0 + top <= qmax; ++q0) {  // the smallest value's q
@@ -621,10 +620,10 @@ bool fit_q4_scaled(const float* v, int qmax, float* d, float* m, uint8_t* q, flo
     }
     return false;
   };
-  // Q4_K's half d serves 8 blocks of 32 in a row, so the last block's half (or it times a power of two: A = h * sc
-  // factors several ways where sc is even) gives A's integer factor directly, (hi - lo) / span / h.
-  // With h, hi - lo is h * sc * span within the slack; where the slack is under h / 2, sc * span can only be the
-  // integer nearest (hi - lo) / h, and its factors are the candidates (else every span is tried).
+  // Q4_K's half d serves 8 blocks of 32 in a row: first the last block's half, or it times a power of two (A = h * sc
+  // factors several ways where sc is even). With h, hi - lo is h * sc * span within the slack; where the slack is
+  // under h / 2, sc * span can only be the integer nearest (hi - lo) / h, whose factors are the candidates (else
+  // each span's nearest sc is).
   if (*hint > 0.f)
     for (const float p : {1.f, 0.5f, 2.f, 0.25f, 4.f, 0.125f, 8.f, 0.0625f, 16.f, 0.03125f, 32.f}) {
       const float h = *hint * p;  // exact, bar the subnormal halves
@@ -701,19 +700,6 @@ bool pack_group(const float* src, int64_t N, int64_t K, Format format, int64_t g
   return true;
 }
 
-// Packs `src` [N, K] into the quantised layout `format` (K a multiple of 32); false (and `out` unfinished) if some
-// block is not of that form. Groups run in parallel; the first failure stops the others at their next group.
-bool pack_quantised(const float* src, int64_t N, int64_t K, Format format, uint8_t* out) {
-  const int64_t groups = (N + kCols - 1) / kCols, group_bytes = K / kQK * block_bytes(format);
-  std::atomic<bool> failed{false};
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    bool scaled = false;  // a weight's blocks are all of one kind: the last fit first
-    for (int64_t g = g0; g < g1 && !failed.load(std::memory_order_relaxed); ++g)
-      if (!pack_group(src, N, K, format, g, out + g * group_bytes, &scaled)) failed = true;
-  });
-  return !failed.load();
-}
-
 // Writes src [N, K] into dst [ceil(N/32), K, 32], the padding columns left as they are (zero).
 void pack_f32_into(const float* src, int64_t N, int64_t K, float* dst) {
   const int64_t groups = (N + kCols - 1) / kCols;
@@ -752,98 +738,103 @@ at::Tensor pack(const at::Tensor& weight, c10::string_view format) {
   const int64_t N = w.size(0), K = w.size(1);
   const int64_t groups = (N + kCols - 1) / kCols;  // the last one zero-padded
   const bool blocks_possible = K % kQK == 0 && N > 0 && K > 0;
-  for (const Format f : {kQ4, kQ8, kQ8H, kQ8M}) {  // a format asked for by name: every group in it, or an error
-    const char* name = format_name(f);
-    if (format != name) continue;
-    if (blocks_possible) {
-      at::Tensor packed = at::zeros({quantised_bytes(f, K, groups)}, w.options().dtype(at::kByte));
-      uint8_t* base = packed.data_ptr<uint8_t>();
-      if (pack_quantised(w.data_ptr<float>(), N, K, f, base + kHeaderBytes)) {
-        const Header h{kMagic, f, K, groups, 0};
-        std::memcpy(base, &h, sizeof h);
-        pack_f32_into(w.data_ptr<float>(), N, K, reinterpret_cast<float*>(base + f32_offset(f, K, groups)));
-        return packed;
+  const float* src = w.data_ptr<float>();
+  // Per group its form (kF32: none) and its blocks. Each group is fitted once: trying one form on the whole weight
+  // first, then group by group, cost a mixed weight twice the time.
+  std::vector<int64_t> form(groups, kF32);
+  std::vector<std::vector<uint8_t>> blocks(groups);
+  // Every group not yet in form f into f, where every one is of that form (else false, nothing changed).
+  const auto fit_all = [&](Format f, bool scaled) {
+    std::vector<std::vector<uint8_t>> fitted(groups);
+    std::atomic<bool> ok{true};
+    at::parallel_for(0, groups, 1, [&](int64_t a, int64_t b) {
+      bool thread_scaled = scaled;  // a weight's blocks are all of one kind: the last 4-bit fit first
+      for (int64_t g = a; g < b && ok.load(std::memory_order_relaxed); ++g) {
+        if (form[g] == f) continue;
+        fitted[g].assign(K / kQK * block_bytes(f), 0);
+        if (!pack_group(src, N, K, f, g, fitted[g].data(), &thread_scaled)) ok = false;
       }
+    });
+    if (!ok.load()) return false;
+    for (int64_t g = 0; g < groups; ++g)
+      if (form[g] != f) {
+        blocks[g] = std::move(fitted[g]);
+        form[g] = f;
+      }
+    return true;
+  };
+  bool quantised = false;
+  if (format != "auto") {  // a format asked for by name: every group in it, or an error
+    const Format f = format == "q4" ? kQ4 : format == "q8" ? kQ8 : format == "q8h" ? kQ8H : kQ8M;
+    if (format != "f32") {
+      TORCH_CHECK_VALUE(blocks_possible && fit_all(f, false), "lookahead_gemm.pack: the weight is not exactly ",
+                        format, " (",
+                        f == kQ4   ? "d * q + m, q in [0, 15], d a half or a half times an integer below 64, per 32"
+                        : f == kQ8  ? "d * q, q in [-128, 127], d a half, per 32"
+                        : f == kQ8H ? "d * q, q in [-128, 127], a d per 16"
+                                    : "d * q + m, q in [0, 31], d a half or a half times an integer below 64, per 32",
+                        " along K, K a multiple of 32)");
+      quantised = true;
     }
-    TORCH_CHECK_VALUE(false, "lookahead_gemm.pack: the weight is not exactly ", name, " (",
-                      f == kQ4   ? "d * q + m, q in [0, 15], d a half or a half times an integer below 64, per 32"
-                      : f == kQ8  ? "d * q, q in [-128, 127], d a half, per 32"
-                      : f == kQ8H ? "d * q, q in [-128, 127], a d per 16"
-                                  : "d * q + m, q in [0, 31], d a half or a half times an integer below 64, per 32",
-                      " along K, K a multiple of 32)");
-  }
-  if (format == "auto" && blocks_possible) {
-    // Each group takes the first form that fits it (the one its thread's last group took first), or reads the f32
-    // layout; one form for all is laid out as that form, several as mixed (a fused weight of several GGUF
-    // tensors, as q/k/v with a Q6_K v beside Q4_K q and k). Fitting each group once: trying one form on the whole
-    // weight first, then group by group, cost a mixed weight twice the time.
-    std::vector<int64_t> form(groups, kF32);
-    std::vector<std::vector<uint8_t>> blocks(groups);
-    const auto fit_group = [&](int64_t g, Format* last, bool* scaled) {
-      const std::array<Format, 5> order{*last, kQ4, kQ8, kQ8H, kQ8M};
-      for (size_t i = 0; i < order.size(); ++i) {
-        const Format f = order[i];
-        if (i > 0 && f == order[0]) continue;  // tried first
-        blocks[g].assign(K / kQK * block_bytes(f), 0);
-        if (pack_group(w.data_ptr<float>(), N, K, f, g, blocks[g].data(), scaled)) {
-          form[g] = *last = f;
-          return;
-        }
-        blocks[g].clear();
-      }
-    };
-    Format last = kQ4;
+  } else if (blocks_possible) {
+    // Group 0 takes the first form that fits it; then every group the first that fits it, its thread's last one
+    // first. Only where group 0 has a quantised form: trying every group of a float weight cost its packing 3.5x
+    // the time (the failing fits), and a fused weight of GGUF tensors (q/k/v with a Q6_K v beside Q4_K q and k)
+    // starts with one.
     bool scaled = false;
-    // Only where the first group is of a quantised form: trying every group of a float weight cost its packing
-    // 3.5x the time (the failing fits), and a fused weight of GGUF tensors starts with one.
-    fit_group(0, &last, &scaled);
-    if (form[0] != kF32) {
+    for (const Format f : {kQ4, kQ8, kQ8H, kQ8M}) {
+      blocks[0].assign(K / kQK * block_bytes(f), 0);
+      if (pack_group(src, N, K, f, 0, blocks[0].data(), &scaled)) {
+        form[0] = f;
+        break;
+      }
+      blocks[0].clear();
+    }
+    quantised = form[0] != kF32;
+    if (quantised) {
       at::parallel_for(1, groups, 1, [&](int64_t g0, int64_t g1) {
-        Format thread_last = static_cast<Format>(form[0]);
+        Format last = static_cast<Format>(form[0]);
         bool thread_scaled = scaled;
-        for (int64_t g = g0; g < g1; ++g) fit_group(g, &thread_last, &thread_scaled);
+        for (int64_t g = g0; g < g1; ++g) {
+          const std::array<Format, 5> order{last, kQ4, kQ8, kQ8H, kQ8M};
+          for (size_t i = 0; i < order.size(); ++i) {
+            if (i > 0 && order[i] == order[0]) continue;  // tried first
+            blocks[g].assign(K / kQK * block_bytes(order[i]), 0);
+            if (pack_group(src, N, K, order[i], g, blocks[g].data(), &thread_scaled)) {
+              form[g] = last = order[i];
+              break;
+            }
+            blocks[g].clear();
+          }
+        }
       });
-      bool uniform = std::all_of(form.begin(), form.end(), [&](int64_t f) { return f == form[0]; });
       // Groups that fit several forms (Q3_K's fit q8 where no product is +128, q8h always) may have taken
       // different ones: one form that every group fits is preferred to mixed.
       for (const Format f : {kQ4, kQ8, kQ8H, kQ8M}) {
-        if (uniform || std::find(form.begin(), form.end(), f) == form.end()) continue;
-        std::vector<std::vector<uint8_t>> refit(groups);
-        std::atomic<bool> fits_all{true};
-        at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-          bool thread_scaled = scaled;
-          for (int64_t g = g0; g < g1 && fits_all.load(std::memory_order_relaxed); ++g) {
-            if (form[g] == f) continue;
-            refit[g].assign(K / kQK * block_bytes(f), 0);
-            if (!pack_group(w.data_ptr<float>(), N, K, f, g, refit[g].data(), &thread_scaled)) fits_all = false;
-          }
-        });
-        if (!fits_all.load()) continue;
-        for (int64_t g = 0; g < groups; ++g)
-          if (form[g] != f) {
-            blocks[g] = std::move(refit[g]);
-            form[g] = f;
-          }
-        uniform = true;
+        if (std::all_of(form.begin(), form.end(), [&](int64_t x) { return x == form[0]; })) break;
+        if (std::find(form.begin(), form.end(), f) != form.end()) fit_all(f, scaled);
       }
-      std::vector<int64_t> table(2 * groups, 0);  // mixed: per group its format and its blocks' offset
-      int64_t at = kHeaderBytes + (uniform ? 0 : (16 * groups + 63) / 64 * 64);
-      for (int64_t g = 0; g < groups; ++g) {
-        table[2 * g] = form[g];
-        table[2 * g + 1] = form[g] == kF32 ? 0 : at;
-        at += static_cast<int64_t>(blocks[g].size());
-      }
-      const Header h{kMagic, uniform ? form[0] : kMixed, K, groups, uniform ? 0 : (at + 63) / 64 * 64};
-      const int64_t f32_at = uniform ? f32_offset(static_cast<Format>(form[0]), K, groups) : h.f32_at;
-      at::Tensor packed = at::zeros({f32_at + groups * K * kCols * 4}, w.options().dtype(at::kByte));
-      uint8_t* base = packed.data_ptr<uint8_t>();
-      std::memcpy(base, &h, sizeof h);
-      if (!uniform) std::memcpy(base + kHeaderBytes, table.data(), table.size() * sizeof(int64_t));
-      for (int64_t g = 0; g < groups; ++g)
-        if (!blocks[g].empty()) std::memcpy(base + table[2 * g + 1], blocks[g].data(), blocks[g].size());
-      pack_f32_into(w.data_ptr<float>(), N, K, reinterpret_cast<float*>(base + f32_at));
-      return packed;
     }
+  }
+  if (quantised) {  // one form for all laid out as that form, several as mixed (a table of each group's)
+    const bool uniform = std::all_of(form.begin(), form.end(), [&](int64_t x) { return x == form[0]; });
+    std::vector<int64_t> table(2 * groups, 0);  // per group its format and its blocks' offset
+    int64_t at = kHeaderBytes + (uniform ? 0 : (16 * groups + 63) / 64 * 64);
+    for (int64_t g = 0; g < groups; ++g) {
+      table[2 * g] = form[g];
+      table[2 * g + 1] = form[g] == kF32 ? 0 : at;
+      at += static_cast<int64_t>(blocks[g].size());
+    }
+    const int64_t f32_at = (at + 63) / 64 * 64;  // uniform: f32_offset's, the blocks' sizes being multiples of 64
+    const Header h{kMagic, uniform ? form[0] : kMixed, K, groups, uniform ? 0 : f32_at};
+    at::Tensor packed = at::zeros({f32_at + groups * K * kCols * 4}, w.options().dtype(at::kByte));
+    uint8_t* base = packed.data_ptr<uint8_t>();
+    std::memcpy(base, &h, sizeof h);
+    if (!uniform) std::memcpy(base + kHeaderBytes, table.data(), table.size() * sizeof(int64_t));
+    for (int64_t g = 0; g < groups; ++g)
+      if (!blocks[g].empty()) std::memcpy(base + table[2 * g + 1], blocks[g].data(), blocks[g].size());
+    pack_f32_into(src, N, K, reinterpret_cast<float*>(base + f32_at));
+    return packed;
   }
   at::Tensor packed = at::zeros({groups, K, kCols}, w.options());
   pack_f32_into(w.data_ptr<float>(), N, K, packed.data_ptr<float>());
