@@ -21,6 +21,18 @@ DATA = os.path.join(ROOT, "..", "shared", "data")
 DEFAULT_SETS = [os.path.join(DATA, "mt_bench_dev.jsonl"), os.path.join(DATA, "humaneval_dev.jsonl")]
 
 
+def add_prompt_set_args(ap, prompts: int, max_new_tokens: int) -> None:
+    """The options of a bench that decodes the first ``--prompts`` prompts of each of ``--sets`` on the CPU and
+    writes ``<out-dir>/<name>-<tag>.*``, or only re-renders a results file (``--render``)."""
+    ap.add_argument("--sets", nargs="+", default=DEFAULT_SETS)
+    ap.add_argument("--prompts", type=int, default=prompts, help="first N prompts of each set")
+    ap.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tag", default="cpu")
+    ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    ap.add_argument("--render", metavar="JSON", help="only re-write the markdown (and plot) of a results file")
+
+
 def set_name(path: str) -> str:
     """``mt_bench`` for ``.../mt_bench_dev.jsonl``: how results name a prompt set."""
     return os.path.basename(path).split(".")[0].replace("_dev", "")

@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from _common import DEFAULT_SETS, command_line, machine_info, render, set_name, write_results  # noqa: E402
+from _common import add_prompt_set_args, command_line, machine_info, render, set_name, write_results  # noqa: E402
 
 from lookahead import LookaheadConfig, load_default  # noqa: E402
 from lookahead.cli import read_prompts  # noqa: E402
@@ -61,13 +61,7 @@ def markdown(result: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sets", nargs="+", default=DEFAULT_SETS)
-    ap.add_argument("--prompts", type=int, default=8, help="first N prompts of each set")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--tag", default="cpu")
-    ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
-    ap.add_argument("--render", metavar="JSON", help="only re-write the markdown of a results file")
+    add_prompt_set_args(ap, prompts=8, max_new_tokens=128)
     args = ap.parse_args(argv)
     if args.render:
         render(args.render, markdown, lambda result, path: None)  # no plot: a table says it

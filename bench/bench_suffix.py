@@ -28,7 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from _common import (DEFAULT_SETS, command_line, machine_info, pyplot, render, set_name,  # noqa: E402
+from _common import (add_prompt_set_args, command_line, machine_info, pyplot, render, set_name,  # noqa: E402
                      write_results)
 
 from lookahead import LookaheadConfig, load_default  # noqa: E402
@@ -106,13 +106,7 @@ def plot(result: dict, path: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sets", nargs="+", default=DEFAULT_SETS)
-    ap.add_argument("--prompts", type=int, default=16, help="first N prompts of each set")
-    ap.add_argument("--max-new-tokens", type=int, default=160)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--tag", default="cpu")
-    ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
-    ap.add_argument("--render", metavar="JSON", help="only re-write the markdown and plot of a results file")
+    add_prompt_set_args(ap, prompts=16, max_new_tokens=160)
     args = ap.parse_args(argv)
     if args.render:
         render(args.render, markdown, plot)
