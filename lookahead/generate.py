@@ -335,31 +335,33 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     successors = plan is not None and B == 1 and "successors" in plan.sources and max_new_tokens > 1
     # Prefill row by row, each into its own cache row: the prompts' lengths differ and a step has no padding
     # mask, and doing what batch 1 does keeps every row's numbers (and so its greedy output) its own. It runs once.
-    for b, (row, prompt) in enumerate(zip(rows, prompts)):
-        prefill_started = time.perf_counter()
-        n = row.cache_len
-        # The successor table starts from what the model predicts after the prompt's last tokens: the prefill
-        # keeps their final hidden states too (the last PROMPT_SUCCESSOR_ROWS rows, to bound the cost of long
-        # prompts; of a token seen twice only its last row, which the table would keep).
-        seeds = _seed_positions(prompt, n, min(n, PROMPT_SUCCESSOR_ROWS) if successors else 0)
-        hidden = None
-        if n > 0:  # prefill: the prompt's last token is the first step's x
-            hidden = model.hidden(prompt[None, :-1].to(device), torch.arange(n, device=device)[None],
-                                  cache.sequence(b), 0, StepLayout.prefill(n), seeds.to(device))[0]
-        if plan is not None and not deferred:
-            row.start_lookahead(lookahead, plan, cfg.vocab_size, device, prompt, _native_draft)
-            if seeds.numel():
-                row.drafts.successors.update(prompt[seeds.to(prompt.device)], model.logits(hidden))
-        row.stats.prefill_seconds = time.perf_counter() - prefill_started
+    # The weights cannot change during the call: the CPU forward looks its packed weights up once.
+    with model.weights_fixed():
+        for b, (row, prompt) in enumerate(zip(rows, prompts)):
+            prefill_started = time.perf_counter()
+            n = row.cache_len
+            # The successor table starts from what the model predicts after the prompt's last tokens: the prefill
+            # keeps their final hidden states too (the last PROMPT_SUCCESSOR_ROWS rows, to bound the cost of long
+            # prompts; of a token seen twice only its last row, which the table would keep).
+            seeds = _seed_positions(prompt, n, min(n, PROMPT_SUCCESSOR_ROWS) if successors else 0)
+            hidden = None
+            if n > 0:  # prefill: the prompt's last token is the first step's x
+                hidden = model.hidden(prompt[None, :-1].to(device), torch.arange(n, device=device)[None],
+                                      cache.sequence(b), 0, StepLayout.prefill(n), seeds.to(device))[0]
+            if plan is not None and not deferred:
+                row.start_lookahead(lookahead, plan, cfg.vocab_size, device, prompt, _native_draft)
+                if seeds.numel():
+                    row.drafts.successors.update(prompt[seeds.to(prompt.device)], model.logits(hidden))
+            row.stats.prefill_seconds = time.perf_counter() - prefill_started
 
-    def start_late(row: _Row) -> None:  # a deferred row, when its batch first takes a lookahead step
-        row.start_lookahead(lookahead, plan, cfg.vocab_size, device, torch.tensor(row.emitter.sequence),
-                            _native_draft)
+        def start_late(row: _Row) -> None:  # a deferred row, when its batch first takes a lookahead step
+            row.start_lookahead(lookahead, plan, cfg.vocab_size, device, torch.tensor(row.emitter.sequence),
+                                _native_draft)
 
-    pad = lookahead is not None and (lookahead.pad_tree if lookahead.pad_tree is not None else
-                                     static or device.type == "cuda")
-    host = _HostClock()
-    accepted = _decode(model, cache, runner, rows, sampler, plan, pad, device, clock, host, start_late)
+        pad = lookahead is not None and (lookahead.pad_tree if lookahead.pad_tree is not None else
+                                         static or device.type == "cuda")
+        host = _HostClock()
+        accepted = _decode(model, cache, runner, rows, sampler, plan, pad, device, clock, host, start_late)
     if runner is not None:  # only after a clean run: a runner left mid-step or mid-capture is dropped
         runner_cache(model).give_back(runner)
     else:
