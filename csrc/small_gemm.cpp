@@ -16,8 +16,9 @@
 // block must reproduce every float's bits, a -0.0 as +0.0 aside (same_weight), else the plain float32 layout is kept)
 // and stores them as those integers.
 // The GEMM expands them to the very floats the float32 layout holds and runs the same FMAs in the same order, so every
-// format gives identical results: for up to kFusedRows rows each k row of weights is expanded into registers and used
-// at once (AVX2), or each 64 x 32 block into an L1 buffer that the row passes then read (other instruction sets). On a
+// format gives identical results: for up to kFusedRowsAvx2 rows each k row of weights is expanded into registers and
+// used at once (AVX2), or for up to kFusedRows each 64 x 32 block into an L1 buffer that the row passes then read
+// (other instruction sets). On a
 // Zen 1 EPYC (2 threads) a SmolLM2 forward of one token took 23.1 ms instead of 33.7 (the expansion, not memory, now
 // bounds it).
 //   f32: float32 [G, K, 32]
@@ -32,8 +33,8 @@
 //        table of (format, byte offset) per group, then each group's blocks, then the f32 layout (which groups of
 //        no quantised form read at every step size)
 // A quantised weight is one uint8 tensor: a 64-byte header (Header), the blocks [G, K/32], then the f32 layout:
-// steps of more than kFusedRows rows read that instead, where expanding costs FMAs the step needs (SmolLM2 on a
-// Zen 1 EPYC, 16 rows: 98.0 ms from the blocks, 90.4 from f32).
+// larger steps read that instead, where expanding costs FMAs the step needs (SmolLM2 on a Zen 1 EPYC, 16 rows: 98.0
+// ms from the blocks, 90.4 from f32).
 // d * q is exact in float32 (d has 11 significant bits, or 17 for Q4_K's, q at most 8 or 4), so d * q + m rounds once
 // however it is computed (FMA or not): pack's check and the GEMM's expansion agree bit for bit.
 //
@@ -76,11 +77,16 @@ constexpr int64_t kCols = 32;  // output columns per packed group
 #endif
 constexpr int64_t kKB = SMALL_GEMM_KB;  // k rows per block: 64 * 32 floats = 8 KB (measured best of 64/128/256)
 static_assert(kKB % 32 == 0, "a GEMM block holds whole quantised blocks");
-// Up to this many rows a step reads a quantised weight's blocks (on AVX2 expanded in registers in one pass, else
-// once per block into L1); beyond, it reads the f32 layout beside them.
+// Up to this many rows a step reads a quantised weight's blocks (expanded once per block into L1, other than AVX2);
+// beyond, it reads the f32 layout beside them.
 // Measured on a Zen 1 EPYC, SmolLM2's linear layers (minimum of 15 rounds): 3 rows 26.3 ms in registers against
-// 29.0 from f32; 4 rows 30.0 against 35.0; 5 rows 34.3 against 32.4.
+// 29.0 from f32; 4 rows 30.0 against 35.0; 5 rows through L1 34.3 against 32.4.
 constexpr int64_t kFusedRows = 4;
+// On AVX2, expanded in registers and used at once: up to 4 rows in two halves of 16 columns
+// (k256_quantised_group), 5 to 8 in four slices of 8 (k256_quantised_group8). SmolLM2's forward on a Zen 1 EPYC
+// (session 22, two processes each): t(5) 22.0-22.9 ms against 29.0-30.9 from f32, t(6) 25.9-26.7 against
+// 30.9-31.1, t(8) 29.3-30.0 against 33.2-34.1; t(16) from f32, 44-52 ms, is past what slices of 8 could save.
+constexpr int64_t kFusedRowsAvx2 = 8;
 
 // kMixed: each group of 32 columns in its own format (kF32: that group reads the f32 layout), from a table.
 enum Format : int { kF32 = 0, kQ4 = 1, kQ8 = 2, kQ8H = 3, kQ8M = 4, kMixed = 5 };
@@ -356,23 +362,69 @@ static void k256_quantised_group(const float* x, int64_t K, const uint8_t* group
   }
 }
 
+// As k256_quantised_group, for kFusedRows < R <= kFusedRowsAvx2 rows: four slices of 8 columns, so that R
+// accumulators, the weights and the broadcast fit the 16 registers. Each weight is the same fma(d, q, m) (or d * q)
+// of the same integers, and each output's sum runs over k in the same order: identical sums again.
+template <int R, Format F>
+static void k256_quantised_group8(const float* x, int64_t K, const uint8_t* group, float* buf) {
+  constexpr int64_t bytes = block_bytes(F);
+  const __m128i low = _mm_set1_epi8(15);
+  for (int slice = 0; slice < 4; ++slice) {
+    __m256 acc[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    const uint8_t* src = group;
+    for (int64_t b = 0; b < K / kQK; ++b, src += bytes) {
+      __builtin_prefetch(src + 8 * bytes, 0, 2);
+      const float* d = reinterpret_cast<const float*>(src) + 8 * slice;
+      const float* m = d + kCols;
+      __m256 d0 = _mm256_loadu_ps(d);
+      const float* xb = x + b * kQK;
+      for (int64_t k = 0; k < kQK; ++k) {
+        if constexpr (F == kQ8H) {
+          if (k == 16) d0 = _mm256_loadu_ps(d + kCols);  // the second half of the block has scales of its own
+        }
+        __m256 w0;
+        if constexpr (F == kQ4) {  // columns 0-15 are the 16 bytes' low nibbles, 16-31 their high ones
+          const __m128i by = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 2 * kCols * 4 + k * 16 +
+                                                                              8 * (slice & 1)));
+          const __m128i v = _mm_and_si128(slice < 2 ? by : _mm_srli_epi16(by, 4), low);
+          w0 = _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), _mm256_loadu_ps(m));
+        } else if constexpr (F == kQ8M) {
+          const __m128i v =
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 2 * kCols * 4 + k * kCols + 8 * slice));
+          w0 = _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), _mm256_loadu_ps(m));
+        } else {
+          constexpr int64_t scales = F == kQ8 ? kCols * 4 : 2 * kCols * 4;
+          const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + scales + k * kCols + 8 * slice));
+          w0 = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)));
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(xb + r * K + k), acc[r]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(buf + r * kCols + 8 * slice, acc[r]);
+  }
+}
+
 static void k256_groups(const float* x, int64_t M, const Packed& w, int64_t g0, int64_t g1, float* buf,
                         float* scratch, int64_t rows_per, float* y, int64_t n, const float* bias) {
   static constexpr BlockFn blocks[] = {k256_block<1>, k256_block<2>, k256_block<3>};
-  if (w.format == kF32) {  // linear hands quantised blocks only to steps of at most kFusedRows rows
+  if (w.format == kF32) {  // linear hands quantised blocks only to steps of at most kFusedRowsAvx2 rows
     run_groups(blocks, x, M, w, g0, g1, buf, scratch, rows_per, y, n, bias);
     return;
   }
   using GroupFn = void (*)(const float*, int64_t, const uint8_t*, float*);
-  static constexpr GroupFn q4[] = {k256_quantised_group<1, kQ4>, k256_quantised_group<2, kQ4>,
-                                   k256_quantised_group<3, kQ4>, k256_quantised_group<4, kQ4>};
-  static constexpr GroupFn q8[] = {k256_quantised_group<1, kQ8>, k256_quantised_group<2, kQ8>,
-                                   k256_quantised_group<3, kQ8>, k256_quantised_group<4, kQ8>};
-  static constexpr GroupFn q8h[] = {k256_quantised_group<1, kQ8H>, k256_quantised_group<2, kQ8H>,
-                                    k256_quantised_group<3, kQ8H>, k256_quantised_group<4, kQ8H>};
-  static constexpr GroupFn q8m[] = {k256_quantised_group<1, kQ8M>, k256_quantised_group<2, kQ8M>,
-                                    k256_quantised_group<3, kQ8M>, k256_quantised_group<4, kQ8M>};
-  static_assert(sizeof q4 / sizeof q4[0] == kFusedRows, "one kernel per row count");
+  static constexpr GroupFn q4[] = {k256_quantised_group<1, kQ4>, k256_quantised_group<2, kQ4>, k256_quantised_group<3, kQ4>, k256_quantised_group<4, kQ4>,
+                                   k256_quantised_group8<5, kQ4>, k256_quantised_group8<6, kQ4>, k256_quantised_group8<7, kQ4>, k256_quantised_group8<8, kQ4>};
+  static constexpr GroupFn q8[] = {k256_quantised_group<1, kQ8>, k256_quantised_group<2, kQ8>, k256_quantised_group<3, kQ8>, k256_quantised_group<4, kQ8>,
+                                   k256_quantised_group8<5, kQ8>, k256_quantised_group8<6, kQ8>, k256_quantised_group8<7, kQ8>, k256_quantised_group8<8, kQ8>};
+  static constexpr GroupFn q8h[] = {k256_quantised_group<1, kQ8H>, k256_quantised_group<2, kQ8H>, k256_quantised_group<3, kQ8H>, k256_quantised_group<4, kQ8H>,
+                                    k256_quantised_group8<5, kQ8H>, k256_quantised_group8<6, kQ8H>, k256_quantised_group8<7, kQ8H>, k256_quantised_group8<8, kQ8H>};
+  static constexpr GroupFn q8m[] = {k256_quantised_group<1, kQ8M>, k256_quantised_group<2, kQ8M>, k256_quantised_group<3, kQ8M>, k256_quantised_group<4, kQ8M>,
+                                    k256_quantised_group8<5, kQ8M>, k256_quantised_group8<6, kQ8M>, k256_quantised_group8<7, kQ8M>, k256_quantised_group8<8, kQ8M>};
+  static_assert(sizeof q4 / sizeof q4[0] == kFusedRowsAvx2, "one kernel per row count");
   for (int64_t g = g0; g < g1; ++g) {
     Format f;
     const uint8_t* src = w.group(g, &f);
@@ -892,7 +944,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, cons
                     x.sizes());
   Packed w = view(packed, "lookahead_gemm.linear");
   const int64_t M = x.size(0), K = x.size(1), groups = w.groups;
-  if (M > kFusedRows) w = {kF32, w.K, w.groups, w.f32, nullptr};  // bound by the FMAs: no expansion
+  const int64_t fused_rows = current_isa() == "avx2" ? kFusedRowsAvx2 : kFusedRows;
+  if (M > fused_rows) w = {kF32, w.K, w.groups, w.f32, nullptr};  // bound by the FMAs: no expansion
   TORCH_CHECK_VALUE(w.K == K, "lookahead_gemm.linear: x has K=", K, " but the weight has K=", w.K);
   TORCH_CHECK_VALUE(n > (groups - 1) * kCols && n <= groups * kCols, "lookahead_gemm.linear: n=", n,
                     " does not match the packed weight's ", groups, " groups of ", kCols, " columns");
