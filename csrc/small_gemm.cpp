@@ -82,10 +82,11 @@ static_assert(kKB % 32 == 0, "a GEMM block holds whole quantised blocks");
 // Measured on a Zen 1 EPYC, SmolLM2's linear layers (minimum of 15 rounds): 3 rows 26.3 ms in registers against
 // 29.0 from f32; 4 rows 30.0 against 35.0; 5 rows through L1 34.3 against 32.4.
 constexpr int64_t kFusedRows = 4;
-// On AVX2, expanded in registers and used at once: up to 4 rows in two halves of 16 columns
-// (k256_quantised_group), 5 to 8 in four slices of 8 (k256_quantised_group8). SmolLM2's forward on a Zen 1 EPYC
-// (session 22, two processes each): t(5) 22.0-22.9 ms against 29.0-30.9 from f32, t(6) 25.9-26.7 against
-// 30.9-31.1, t(8) 29.3-30.0 against 33.2-34.1; t(16) from f32, 44-52 ms, is past what slices of 8 could save.
+// On AVX2 up to 8, expanded in registers and used at once (k256_quantised_group). Past 4 rows the accumulators no
+// longer all fit the registers, and it still beats the f32 layout (SmolLM2's forward on a Zen 1 EPYC, session 22,
+// cost tables in alternating processes, t(R) / t(4): 5 rows 1.09-1.13 against 1.23-1.36 from f32, 6 rows
+// 1.27-1.30 against 1.42-1.52, 7 rows 1.35-1.46 against 1.63-1.74, 8 rows 1.55-1.60 against 1.77-1.89; four
+// slices of 8 columns, whose R accumulators fit, were slower: each reads the block's bytes and broadcasts x again).
 constexpr int64_t kFusedRowsAvx2 = 8;
 
 // kMixed: each group of 32 columns in its own format (kF32: that group reads the f32 layout), from a table.
@@ -301,9 +302,9 @@ static void k256_block(const float* x, int64_t K, int64_t kn, const float* w, fl
     for (int j = 0; j < 4; ++j) _mm256_storeu_ps(buf + r * kCols + 8 * j, acc[r][j]);
 }
 
-// A quantised group for one pass of R <= kFusedRows rows, in two halves of 16 columns (so that 2 R accumulators and the
-// weights fit the 16 registers): each k row of a half is expanded into registers and used at once (no round trip
-// through L1), the accumulators kept over all of K. The same FMAs in the same order as k256_block on the expanded
+// A quantised group for one pass of R <= kFusedRowsAvx2 rows, in two halves of 16 columns (up to 4 rows, the 2 R
+// accumulators and the weights fit the 16 registers): each k row of a half is expanded into registers and used at
+// once (no round trip through L1), the accumulators kept over all of K. The same FMAs in the same order as k256_block on the expanded
 // floats: identical sums.
 template <int R, Format F>
 static void k256_quantised_group(const float* x, int64_t K, const uint8_t* group, float* buf) {
@@ -362,50 +363,11 @@ static void k256_quantised_group(const float* x, int64_t K, const uint8_t* group
   }
 }
 
-// As k256_quantised_group, for kFusedRows < R <= kFusedRowsAvx2 rows: four slices of 8 columns, so that R
-// accumulators, the weights and the broadcast fit the 16 registers. Each weight is the same fma(d, q, m) (or d * q)
-// of the same integers, and each output's sum runs over k in the same order: identical sums again.
-template <int R, Format F>
-static void k256_quantised_group8(const float* x, int64_t K, const uint8_t* group, float* buf) {
-  constexpr int64_t bytes = block_bytes(F);
-  const __m128i low = _mm_set1_epi8(15);
-  for (int slice = 0; slice < 4; ++slice) {
-    __m256 acc[R];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    const uint8_t* src = group;
-    for (int64_t b = 0; b < K / kQK; ++b, src += bytes) {
-      __builtin_prefetch(src + 8 * bytes, 0, 2);
-      const float* d = reinterpret_cast<const float*>(src) + 8 * slice;
-      const float* m = d + kCols;
-      __m256 d0 = _mm256_loadu_ps(d);
-      const float* xb = x + b * kQK;
-      for (int64_t k = 0; k < kQK; ++k) {
-        if constexpr (F == kQ8H) {
-          if (k == 16) d0 = _mm256_loadu_ps(d + kCols);  // the second half of the block has scales of its own
-        }
-        __m256 w0;
-        if constexpr (F == kQ4) {  // columns 0-15 are the 16 bytes' low nibbles, 16-31 their high ones
-          const __m128i by = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 2 * kCols * 4 + k * 16 +
-                                                                              8 * (slice & 1)));
-          const __m128i v = _mm_and_si128(slice < 2 ? by : _mm_srli_epi16(by, 4), low);
-          w0 = _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), _mm256_loadu_ps(m));
-        } else if constexpr (F == kQ8M) {
-          const __m128i v =
-              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 2 * kCols * 4 + k * kCols + 8 * slice));
-          w0 = _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), _mm256_loadu_ps(m));
-        } else {
-          constexpr int64_t scales = F == kQ8 ? kCols * 4 : 2 * kCols * 4;
-          const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + scales + k * kCols + 8 * slice));
-          w0 = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)));
-        }
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(xb + r * K + k), acc[r]);
-      }
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) _mm256_storeu_ps(buf + r * kCols + 8 * slice, acc[r]);
-  }
+using GroupFn = void (*)(const float*, int64_t, const uint8_t*, float*);
+
+template <Format F, int... Rs>
+static constexpr std::array<GroupFn, sizeof...(Rs)> quantised_kernels(std::integer_sequence<int, Rs...>) {
+  return {k256_quantised_group<Rs + 1, F>...};
 }
 
 static void k256_groups(const float* x, int64_t M, const Packed& w, int64_t g0, int64_t g1, float* buf,
@@ -415,16 +377,9 @@ static void k256_groups(const float* x, int64_t M, const Packed& w, int64_t g0, 
     run_groups(blocks, x, M, w, g0, g1, buf, scratch, rows_per, y, n, bias);
     return;
   }
-  using GroupFn = void (*)(const float*, int64_t, const uint8_t*, float*);
-  static constexpr GroupFn q4[] = {k256_quantised_group<1, kQ4>, k256_quantised_group<2, kQ4>, k256_quantised_group<3, kQ4>, k256_quantised_group<4, kQ4>,
-                                   k256_quantised_group8<5, kQ4>, k256_quantised_group8<6, kQ4>, k256_quantised_group8<7, kQ4>, k256_quantised_group8<8, kQ4>};
-  static constexpr GroupFn q8[] = {k256_quantised_group<1, kQ8>, k256_quantised_group<2, kQ8>, k256_quantised_group<3, kQ8>, k256_quantised_group<4, kQ8>,
-                                   k256_quantised_group8<5, kQ8>, k256_quantised_group8<6, kQ8>, k256_quantised_group8<7, kQ8>, k256_quantised_group8<8, kQ8>};
-  static constexpr GroupFn q8h[] = {k256_quantised_group<1, kQ8H>, k256_quantised_group<2, kQ8H>, k256_quantised_group<3, kQ8H>, k256_quantised_group<4, kQ8H>,
-                                    k256_quantised_group8<5, kQ8H>, k256_quantised_group8<6, kQ8H>, k256_quantised_group8<7, kQ8H>, k256_quantised_group8<8, kQ8H>};
-  static constexpr GroupFn q8m[] = {k256_quantised_group<1, kQ8M>, k256_quantised_group<2, kQ8M>, k256_quantised_group<3, kQ8M>, k256_quantised_group<4, kQ8M>,
-                                    k256_quantised_group8<5, kQ8M>, k256_quantised_group8<6, kQ8M>, k256_quantised_group8<7, kQ8M>, k256_quantised_group8<8, kQ8M>};
-  static_assert(sizeof q4 / sizeof q4[0] == kFusedRowsAvx2, "one kernel per row count");
+  constexpr auto rows = std::make_integer_sequence<int, kFusedRowsAvx2>{};  // one kernel per row count
+  static constexpr auto q4 = quantised_kernels<kQ4>(rows), q8 = quantised_kernels<kQ8>(rows),
+                        q8h = quantised_kernels<kQ8H>(rows), q8m = quantised_kernels<kQ8M>(rows);
   for (int64_t g = g0; g < g1; ++g) {
     Format f;
     const uint8_t* src = w.group(g, &f);
