@@ -18,9 +18,8 @@
 // The GEMM expands them to the very floats the float32 layout holds and runs the same FMAs in the same order, so every
 // format gives identical results: for up to kFusedRowsAvx2 rows each k row of weights is expanded into registers and
 // used at once (AVX2), or for up to kFusedRows each 64 x 32 block into an L1 buffer that the row passes then read
-// (other instruction sets). On a
-// Zen 1 EPYC (2 threads) a SmolLM2 forward of one token took 23.1 ms instead of 33.7 (the expansion, not memory, now
-// bounds it).
+// (other instruction sets). On a Zen 1 EPYC (2 threads) a SmolLM2 forward of one token took 23.1 ms instead of 33.7
+// (the expansion, not memory, now bounds it).
 //   f32: float32 [G, K, 32]
 //   q4:  per group and 32 x 32 block (768 bytes), d[32] and m[32] as float32 (one per column), then for each of
 //        the 32 k 16 bytes, column c's q in the low nibble of byte c (c < 16) or the high nibble of byte c - 16
@@ -304,8 +303,8 @@ static void k256_block(const float* x, int64_t K, int64_t kn, const float* w, fl
 
 // A quantised group for one pass of R <= kFusedRowsAvx2 rows, in two halves of 16 columns (up to 4 rows, the 2 R
 // accumulators and the weights fit the 16 registers): each k row of a half is expanded into registers and used at
-// once (no round trip through L1), the accumulators kept over all of K. The same FMAs in the same order as k256_block on the expanded
-// floats: identical sums.
+// once (no round trip through L1), the accumulators kept over all of K. The same FMAs in the same order as
+// k256_block on the expanded floats: identical sums.
 template <int R, Format F>
 static void k256_quantised_group(const float* x, int64_t K, const uint8_t* group, float* buf) {
   constexpr int64_t bytes = block_bytes(F);
@@ -423,8 +422,11 @@ std::string& isa_override() {
   return isa;
 }
 
-GroupsFn pick(int64_t* max_rows) {
+// The instruction set's kernels, the most rows one pass of the f32 layout takes, and the most rows that read a
+// quantised weight's blocks.
+GroupsFn pick(int64_t* max_rows, int64_t* fused_rows) {
   const std::string isa = current_isa();
+  *fused_rows = isa == "avx2" ? kFusedRowsAvx2 : kFusedRows;
   if (isa == "avx512") { *max_rows = 12; return k512_groups; }
   if (isa == "avx2") { *max_rows = 3; return k256_groups; }
   *max_rows = 1;
@@ -899,7 +901,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, cons
                     x.sizes());
   Packed w = view(packed, "lookahead_gemm.linear");
   const int64_t M = x.size(0), K = x.size(1), groups = w.groups;
-  const int64_t fused_rows = current_isa() == "avx2" ? kFusedRowsAvx2 : kFusedRows;
+  int64_t max_rows = 0, fused_rows = 0;
+  const GroupsFn run = pick(&max_rows, &fused_rows);
   if (M > fused_rows) w = {kF32, w.K, w.groups, w.f32, nullptr};  // bound by the FMAs: no expansion
   TORCH_CHECK_VALUE(w.K == K, "lookahead_gemm.linear: x has K=", K, " but the weight has K=", w.K);
   TORCH_CHECK_VALUE(n > (groups - 1) * kCols && n <= groups * kCols, "lookahead_gemm.linear: n=", n,
@@ -915,8 +918,6 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, cons
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0) return y;
-  int64_t max_rows = 0;
-  const GroupsFn run = pick(&max_rows);
   const int64_t passes = (M + max_rows - 1) / max_rows;
   const int64_t rows_per = (M + passes - 1) / passes;  // balanced passes
   const float* xp = xc.data_ptr<float>();
