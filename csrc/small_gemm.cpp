@@ -301,64 +301,88 @@ static void k256_block(const float* x, int64_t K, int64_t kn, const float* w, fl
     for (int j = 0; j < 4; ++j) _mm256_storeu_ps(buf + r * kCols + 8 * j, acc[r][j]);
 }
 
-// A quantised group for one pass of R <= kFusedRowsAvx2 rows, in two halves of 16 columns (up to 4 rows, the 2 R
-// accumulators and the weights fit the 16 registers): each k row of a half is expanded into registers and used at
-// once (no round trip through L1), the accumulators kept over all of K. The same FMAs in the same order as
-// k256_block on the expanded floats: identical sums.
-template <int R, Format F>
-static void k256_quantised_group(const float* x, int64_t K, const uint8_t* group, float* buf) {
+// Row k of a quantised block's columns [16 H, 16 H + 16) as two vectors of floats: each weight fma(d, q, m) (q4,
+// q8m) or d * q (q8, q8h), as the f32 layout holds it. q points at the block's integers, d at its scales, m at its
+// offsets (q4, q8m); q4's row is its 16 bytes `by`.
+template <Format F, int H>
+static inline void k256_expand_half(const uint8_t* q, const float* d, const float* m, int64_t k, __m128i by,
+                                    __m256& w0, __m256& w1) {
+  d += 16 * H;
+  if constexpr (F == kQ8H) d += k >= 16 ? kCols : 0;  // the second half of the block has scales of its own
+  __m128i v;
+  if constexpr (F == kQ4) {  // columns 0-15: the low nibbles, 16-31: the high ones
+    v = _mm_and_si128(H == 0 ? by : _mm_srli_epi16(by, 4), _mm_set1_epi8(15));
+  } else {
+    v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * kCols + 16 * H));
+  }
+  const __m128i v_hi = _mm_srli_si128(v, 8);
+  if constexpr (F == kQ4 || F == kQ8M) {
+    m += 16 * H;
+    w0 = _mm256_fmadd_ps(_mm256_loadu_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), _mm256_loadu_ps(m));
+    w1 = _mm256_fmadd_ps(_mm256_loadu_ps(d + 8), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v_hi)),
+                         _mm256_loadu_ps(m + 8));
+  } else {
+    w0 = _mm256_mul_ps(_mm256_loadu_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)));
+    w1 = _mm256_mul_ps(_mm256_loadu_ps(d + 8), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v_hi)));
+  }
+}
+
+// Columns [C0, C0 + 8 NV) of a quantised group for R rows (NV = 4 with C0 = 0, or NV = 2 with C0 = 0 or 16): each
+// k row of the blocks is expanded into registers and used at once (no round trip through L1), the accumulators
+// kept over all of K.
+template <int R, Format F, int NV, int C0>
+static void k256_quantised_pass(const float* x, int64_t K, const uint8_t* group, float* buf) {
   constexpr int64_t bytes = block_bytes(F);
-  const __m128i low = _mm_set1_epi8(15);
-  for (int half = 0; half < 2; ++half) {
-    __m256 acc[R][2];
+  constexpr int64_t scales = F == kQ8 ? kCols * 4 : 2 * kCols * 4;  // the bytes of d (and m) before the q
+  __m256 acc[R][NV];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    const uint8_t* src = group;
-    for (int64_t b = 0; b < K / kQK; ++b, src += bytes) {
-      __builtin_prefetch(src + 8 * bytes, 0, 2);  // the hardware prefetcher misses the first lines of a stream
-      const float* d = reinterpret_cast<const float*>(src) + 16 * half;
-      const float* m = d + kCols;
-      __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8);
-      const float* xb = x + b * kQK;
-      for (int64_t k = 0; k < kQK; ++k) {
-        if constexpr (F == kQ8H) {
-          if (k == 16) {  // the second half of the block has scales of its own
-            d0 = _mm256_loadu_ps(d + kCols);
-            d1 = _mm256_loadu_ps(d + kCols + 8);
-          }
-        }
-        __m256 w0, w1;
-        if constexpr (F == kQ4) {  // half 0: the low nibbles of the 16 bytes, half 1: the high ones
-          const __m128i by = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * kCols * 4 + k * 16));
-          const __m128i v = _mm_and_si128(half == 0 ? by : _mm_srli_epi16(by, 4), low);
-          w0 = _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), _mm256_loadu_ps(m));
-          w1 = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))),
-                               _mm256_loadu_ps(m + 8));
-        } else if constexpr (F == kQ8M) {  // as q4, a byte a q
-          const __m128i v =
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * kCols * 4 + k * kCols + 16 * half));
-          w0 = _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), _mm256_loadu_ps(m));
-          w1 = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))),
-                               _mm256_loadu_ps(m + 8));
-        } else {
-          constexpr int64_t scales = F == kQ8 ? kCols * 4 : 2 * kCols * 4;  // the bytes of d before the q
-          const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + scales + k * kCols + 16 * half));
-          w0 = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)));
-          w1 = _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))));
-        }
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) acc[r][j] = _mm256_setzero_ps();
+  const uint8_t* src = group;
+  for (int64_t b = 0; b < K / kQK; ++b, src += bytes) {
+    __builtin_prefetch(src + 8 * bytes, 0, 2);  // the hardware prefetcher misses the first lines of a stream
+    const float* d = reinterpret_cast<const float*>(src);
+    const float* m = d + kCols;
+    const uint8_t* q = src + scales;
+    const float* xb = x + b * kQK;
+    for (int64_t k = 0; k < kQK; ++k) {
+      const float* mk = m;
+      // All 32 columns' scales and offsets would take 8 of the 16 registers: the offsets are read from L1 every k
+      // (an empty asm hides that they do not change), or GCC keeps them all and spills an accumulator instead.
+      if constexpr (NV == 4) asm("" : "+r"(mk));
+      __m256 w[NV];
+      __m128i by = _mm_setzero_si128();
+      if constexpr (F == kQ4) by = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * 16));
+      if constexpr (C0 == 0) k256_expand_half<F, 0>(q, d, mk, k, by, w[0], w[1]);
+      if constexpr (NV == 4) k256_expand_half<F, 1>(q, d, mk, k, by, w[2], w[3]);
+      if constexpr (C0 == 16) k256_expand_half<F, 1>(q, d, mk, k, by, w[0], w[1]);
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
-          const __m256 s = _mm256_broadcast_ss(xb + r * K + k);
-          acc[r][0] = _mm256_fmadd_ps(w0, s, acc[r][0]);
-          acc[r][1] = _mm256_fmadd_ps(w1, s, acc[r][1]);
-        }
+      for (int r = 0; r < R; ++r) {
+        const __m256 s = _mm256_broadcast_ss(xb + r * K + k);
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; ++j) acc[r][j] = _mm256_fmadd_ps(w[j], s, acc[r][j]);
       }
     }
+  }
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      _mm256_storeu_ps(buf + r * kCols + 16 * half, acc[r][0]);
-      _mm256_storeu_ps(buf + r * kCols + 16 * half + 8, acc[r][1]);
-    }
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) _mm256_storeu_ps(buf + r * kCols + C0 + 8 * j, acc[r][j]);
+}
+
+// A quantised group for one pass of R <= kFusedRowsAvx2 rows. Up to 2 rows a pass covers all 32 columns: 4
+// accumulators a row are enough independent FMA chains to hide their latency (in halves a one-row step waits on
+// them: SmolLM2's linear layers took 11% longer at one row, 5% at two, on a Zen 1 EPYC, session 23). From 3 rows it takes halves of 16 columns,
+// so that up to 4 rows the 2 R accumulators and the weights fit the 16 registers. The same FMAs in the same order
+// as k256_block on the expanded floats: identical sums.
+template <int R, Format F>
+static void k256_quantised_group(const float* x, int64_t K, const uint8_t* group, float* buf) {
+  if constexpr (R <= 2) {
+    k256_quantised_pass<R, F, 4, 0>(x, K, group, buf);
+  } else {
+    k256_quantised_pass<R, F, 2, 0>(x, K, group, buf);
+    k256_quantised_pass<R, F, 2, 16>(x, K, group, buf);
   }
 }
 
