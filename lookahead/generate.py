@@ -35,7 +35,7 @@ from .controller import make_plan
 from .draft import DraftBuilder, encode_rows, propose_rows
 from .runner import StepRunner, cache_pool, runner_cache
 from .step import build_step, upload
-from .successors import record_step
+from .successors import SuccessorTable, record_step
 from .verification import PlainChoice, Sampler, StepInputs, StepVerifier, step_uniforms
 from .window import LookaheadWindow, stack_step_tokens
 
@@ -634,13 +634,18 @@ def _levels(active: list[_Row]) -> int:
     return active[0].window.levels if active[0].window is not None else 1
 
 
-def _plain_step(model, cache, runner, batch: list[_Row], sampler: Sampler, device) -> int:
+def _plain_step(model, cache, runner, batch: list[_Row], sampler: Sampler, device,
+                learn: SuccessorTable | None = None) -> int:
+    """One token a row. ``learn`` (one row, eager): that row's successor table takes the tops of x's logits."""
     lens = [_start(r) for r in batch]
     # A runner stages host inputs itself (one copy into its buffers); the model takes them on its device.
     tokens, positions = upload([torch.tensor([[r.x] for r in batch]), torch.tensor([[n] for n in lens])],
                                "cpu" if runner is not None else device)
     chosen = _run(model, cache, runner, PLAIN, tokens, positions, lens, StepLayout(1, 1), None, None,
-                  PlainChoice(sampler))
+                  PlainChoice(sampler, 0 if learn is None else learn.k))
+    if learn is not None:
+        chosen, ids, probs = chosen
+        record_step([learn], tokens.cpu(), ids.cpu(), probs.cpu(), [1], [[]])
     emitted = 0
     for row, y in zip(batch, chosen.tolist()):
         if row.emitter.done:  # parked
@@ -676,12 +681,14 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
     keep = max(map(len, proposals.scores))
     if plan.planner is not None:  # one size for all rows: they are padded to one shape anyway
         keep = plan.planner.choose_batch(proposals.scores, sizes)
-        # The step would feed x (and padding) only: a plain step does the same without the rows' learning, which
-        # batch 1 keeps (its successor table learns from x's logits) and a batch cannot afford.
-        if keep == 0 and W == 1 and (pad or len(batch) > 1):
+        # The step would feed x (and padding) only: a plain step does the same. One row keeps learning (its
+        # successor table takes x's logits' tops: 0.1 ms, where the lookahead step's machinery around an empty
+        # tree cost 0.8 ms of an 11 ms step, session 23); a batch cannot afford even that, nor can a graph.
+        if keep == 0 and W == 1:
             if backoff is not None and len(batch) > 1:
                 backoff.miss()
-            return _plain_step(model, cache, runner, batch, sampler, device)
+            learn = None if pad or len(batch) > 1 else active[0].drafts.successors
+            return _plain_step(model, cache, runner, batch, sampler, device, learn)
         if backoff is not None and keep > 0:
             backoff.hit()
     picks, active_row = [], 0  # per batch row its row of proposals (active rows in order), -1 when parked (padding)

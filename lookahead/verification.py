@@ -239,22 +239,30 @@ class StepVerifier:
 
 
 class PlainChoice:
-    """The "verify" part of a plain step: each row's next token from ``x``'s logits, int64 ``[B]``."""
+    """The "verify" part of a plain step: each row's next token from ``x``'s logits, int64 ``[B]``; with
+    ``successor_k``, also the top ``successor_k`` of those logits for a successor table, ``(chosen [B], ids [B, 1,
+    k] int64, probs [B, 1, k] float32)`` (the eager loop's plain steps within lookahead decoding; not in a graph)."""
 
-    def __init__(self, sampler: Sampler):
+    def __init__(self, sampler: Sampler, successor_k: int = 0):
         self.sampler = sampler
+        self.successor_k = successor_k
 
     @property
     def key(self) -> tuple:
-        return ("plain", self.sampler.key)
+        return ("plain", self.successor_k, self.sampler.key)
 
     @property
     def uniforms_per_row(self) -> int:
         return 0 if self.sampler.greedy else 1
 
-    def __call__(self, logits: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, inputs: StepInputs):
         u = inputs.uniforms
-        return self.sampler.choose(logits[:, 0], None if u is None else u[:, 0])
+        chosen = self.sampler.choose(logits[:, 0], None if u is None else u[:, 0])
+        if not self.successor_k:
+            return chosen
+        from .successors import SuccessorTable
+
+        return (chosen, *SuccessorTable.top(logits[:, :1], self.successor_k))
 
 
 def step_uniforms(finish, batch_size: int, device, out: torch.Tensor | None = None) -> torch.Tensor | None:

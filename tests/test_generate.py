@@ -296,3 +296,29 @@ def test_cuda_lookahead_through_the_kernels_equals_cuda_plain_greedy(smollm2, dt
             ref = model.generate(ids, max_new_tokens=64, lookahead=None)
             for cfg in (LookaheadConfig(), LookaheadConfig(15, 5, 15), LookaheadConfig(7, 5, 7)):
                 assert torch.equal(model.generate(ids, max_new_tokens=64, lookahead=cfg).sequences, ref.sequences)
+
+
+def test_steps_without_a_tree_are_plain_steps_that_teach_the_successor_table(tiny, monkeypatch):
+    """Automatic lookahead, one row, under costs where no tree pays: every step is a plain step, and each still
+    records the tops of x's logits in the row's successor table (later trees grow from them)."""
+    import lookahead.generate as generate_module
+
+    hf, ours = tiny
+    recorded = []
+    record = generate_module.record_step
+
+    def spy(tables, tokens, ids, probs, computed, last):
+        recorded.append((tokens.clone(), ids.clone()))
+        record(tables, tokens, ids, probs, computed, last)
+
+    monkeypatch.setattr(generate_module, "record_step", spy)
+    ids = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(3))
+    costs = [(1, 1.0), (4, 100.0), (16, 400.0), (64, 1600.0)]
+    out = ours.generate(ids, max_new_tokens=20, lookahead=LookaheadConfig(step_costs=costs))
+    assert torch.equal(out.sequences, hf_greedy(hf, ids, 20))
+    assert out.stats.steps == out.stats.fed_tokens == 20
+    assert len(recorded) == out.stats.steps
+    fed = out.sequences[0, ids.shape[1] - 1:]  # each step feeds x, the prompt's last token first
+    for j, (tokens, tops) in enumerate(recorded):
+        assert tokens.tolist() == [[fed[j].item()]]
+        assert tops[0, 0, 0].item() == fed[j + 1].item()  # greedy: the best successor is the token chosen
