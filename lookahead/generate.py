@@ -750,7 +750,7 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
                     back.successor_ids[pick], back.successor_probs[pick], computed, last)
     host_seconds = (forward_started - host_started) + (time.perf_counter() - forward_done)
     host.seconds += host_seconds
-    if plan.planner is not None and size and len(active) > 1:  # how far the batch's estimates came true
+    if plan.planner is not None and size:  # how far the estimates came true
         verified = [proposals.scores[i][:k] for i, k in zip(picks, keeps) if i >= 0]
         accepted = sum(a for i, a in zip(picks, back.accept_len) if i >= 0)
         plan.planner.observe_gain(float(sum(map(sum, verified))), accepted)

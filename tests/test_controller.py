@@ -137,7 +137,7 @@ def _choose_batch_by_every_size(planner, gains, sizes=None):
         fed = V if sizes is None else next((z for z in sizes if z >= V), None)
         if fed is None:
             break
-        expected = B + planner._scale(B) * sum(sum(g[:V]) for g in gains)
+        expected = B + planner._scale() * sum(sum(g[:V]) for g in gains)
         nodes = sum(min(len(g), V) for g in gains)
         rate = expected / (planner.costs(B * (planner.window_tokens + fed)) + per_row * B + per_node * nodes)
         if rate > best_rate * (BATCH_MARGIN if B > 1 and best == 0 else 1.0):
@@ -166,7 +166,7 @@ def test_planner_choice_equals_evaluating_every_size(batch):
                 (gains, sizes)
 
 
-def test_a_batch_scales_its_gains_by_what_came_true():
+def test_the_planner_scales_its_gains_by_what_came_true():
     from lookahead.controller import CALIBRATION_PRIOR, HOST_DECAY, GainCalibration, HostCost
 
     cal = GainCalibration()
@@ -184,11 +184,15 @@ def test_a_batch_scales_its_gains_by_what_came_true():
     gains = [[0.3, 0.3]] * 4
     planner = StepPlanner(flat, 1, HostCost())
     assert planner.choose_batch(gains) == 2
-    for _ in range(40):  # the batch's trees keep adding nothing: its estimates shrink until no tree pays
+    rising = StepCosts((1, 64), (0.010, 0.073))  # a token more costs 1 ms: one row's tree pays unscaled only
+    one_row = StepPlanner(rising, 1, HostCost())
+    assert one_row.choose(gains[0]) == 2
+    for _ in range(40):  # the trees keep adding nothing: the estimates shrink until no tree pays
         planner.observe_gain(2.4, 0.0)
-    assert planner.calibration.factor < 0.05
+        one_row.observe_gain(2.4, 0.0)
+    assert planner.calibration.factor < 0.05 and one_row.calibration.factor < 0.05
     assert planner.choose_batch(gains) == 0
-    assert planner.choose_batch(gains[:1]) == 2  # one row: its estimates as they are
+    assert one_row.choose(gains[0]) == 0  # one row as well
     assert StepPlanner(flat, 1).calibration is None  # a given cost table: nothing learned, deterministic
 
 

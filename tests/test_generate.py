@@ -322,3 +322,25 @@ def test_steps_without_a_tree_are_plain_steps_that_teach_the_successor_table(tin
     for j, (tokens, tops) in enumerate(recorded):
         assert tokens.tolist() == [[fed[j].item()]]
         assert tops[0, 0, 0].item() == fed[j + 1].item()  # greedy: the best successor is the token chosen
+
+
+def test_one_row_tells_the_planner_how_far_its_trees_came_true(tiny, monkeypatch):
+    """One row, automatic lookahead with trees that pay: each step that verified tree nodes reports their
+    estimates and the nodes accepted to the planner, which scales later estimates by them (session 24)."""
+    from lookahead.controller import StepPlanner
+
+    hf, ours = tiny
+    seen = []
+    observe = StepPlanner.observe_gain
+
+    def spy(self, expected, realised):
+        seen.append((expected, realised))
+        observe(self, expected, realised)
+
+    monkeypatch.setattr(StepPlanner, "observe_gain", spy)
+    ids = torch.arange(20).repeat(3).unsqueeze(0) % 97  # repeats: the prompt's n-grams give trees to verify
+    costs = [(1, 1.0), (4, 1.0), (16, 1.0), (64, 1.0)]
+    out = ours.generate(ids, max_new_tokens=24, lookahead=LookaheadConfig(step_costs=costs))
+    assert torch.equal(out.sequences, hf_greedy(hf, ids, 24))
+    assert seen and all(e > 0 and 0 <= r for e, r in seen)
+    assert sum(r for _, r in seen) == out.stats.new_tokens - out.stats.steps  # every extra token is a node
