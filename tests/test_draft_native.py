@@ -223,8 +223,8 @@ def stable_top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids.reshape(*x.shape[:-1], -1), torch.softmax(vals, dim=-1).reshape(*x.shape[:-1], -1)
 
 
-@pytest.mark.parametrize("V", [1, 7, 63, 64, 65, 200, 1000])
-@pytest.mark.parametrize("k", [1, 3, 8, 70])
+@pytest.mark.parametrize("V", [1, 7, 63, 64, 65, 200, 1000, 3000])
+@pytest.mark.parametrize("k", [1, 3, 8, 70, 128])
 def test_top_successors_equal_a_stable_top_k(V, k):
     gen = torch.Generator().manual_seed(V * 131 + k)
     for view in ("2d", "3d-slice"):
@@ -239,7 +239,7 @@ def test_top_successors_equal_a_stable_top_k(V, k):
         assert torch.equal(ids, want_ids)
         finite = ~want_probs.isnan()
         assert torch.equal(probs.isnan(), ~finite)  # a NaN among a row's top k makes its probabilities NaN
-        assert torch.allclose(probs.double()[finite], want_probs[finite], rtol=1e-6, atol=1e-7)
+        assert torch.allclose(probs.double()[finite], want_probs[finite], rtol=1e-5, atol=1e-7)  # fp32 sums of k
 
 
 def test_successor_tops_on_the_cpu_match_torch_where_no_entries_tie():

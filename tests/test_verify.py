@@ -602,12 +602,44 @@ def test_inverse_cdf_boundaries():
     assert inverse_cdf_sample(torch.zeros(1, 3, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)).item() == -1
 
 
+def test_inverse_cdf_picks_the_first_index_whose_cdf_passes_the_target():
+    """As its docstring states it, row by row in Python: zero weights (runs of them, at either end), targets on the
+    CDF's steps exactly, past its end, and rows of no mass."""
+    gen = torch.Generator().manual_seed(5)
+    w = torch.rand(64, 40, generator=gen, dtype=torch.float64)
+    w[w < 0.5] = 0.0
+    w[:, :3] = 0.0
+    w[5] = 0.0
+    cdf = w.cumsum(-1)
+    target = torch.rand(64, generator=gen, dtype=torch.float64) * cdf[:, -1]
+    target[10:20] = cdf[10:20, 7]  # on a step
+    target[20:24] = cdf[20:24, -1] * 1.5  # past the end
+    want = []
+    for row, t in zip(w.tolist(), target.tolist()):
+        c, pick = 0.0, None
+        for i, x in enumerate(row):
+            c += x
+            if t < c:
+                pick = i
+                break
+        if pick is None:
+            pick = max((i for i, x in enumerate(row) if x > 0), default=-1)
+        want.append(pick)
+    assert inverse_cdf_sample(w, target).tolist() == want
+
+
 # ---- warping and row sampling ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0), (0.9, 0, 0.8),
                                                      (0.6, 10, 0.5), (1.0, 3, 0.01), (2.0, 1000, 0.95)])
-def test_warp_matches_hf(temperature, top_k, top_p):
+@pytest.mark.parametrize("native", [False, True])
+def test_warp_matches_hf(temperature, top_k, top_p, native, monkeypatch):
     from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
                                                         TopPLogitsWarper)
+    from lookahead_kernels import cpu_ops
+
+    if native and not cpu_ops.cpu_ops_available():
+        pytest.skip("the C++ ops could not be built here")
+    monkeypatch.setattr(cpu_ops, "cpu_ops_available", lambda build=True: native)  # top-k and top-p's selection
     gen = torch.Generator().manual_seed(int(temperature * 10) + top_k)
     logits = torch.randn(6, 200, generator=gen) * 3
     params = SamplingParams(temperature, top_k, top_p)
@@ -628,12 +660,18 @@ def test_warp_matches_hf(temperature, top_k, top_p):
 @pytest.mark.parametrize("V", [100, 129, 3000])
 @pytest.mark.parametrize("scale", [0.3, 3.0, 12.0])
 @pytest.mark.parametrize("ties", [False, True])
-def test_top_p_among_candidates_keeps_what_the_full_sort_keeps(V, scale, ties):
+@pytest.mark.parametrize("native", [False, True])
+def test_top_p_among_candidates_keeps_what_the_full_sort_keeps(V, scale, ties, native, monkeypatch):
     """On the CPU top-p first looks for the nucleus among the likeliest ``NUCLEUS_CANDIDATES`` tokens (a sort of the
     whole vocabulary took 6 ms a row): it must keep exactly the tokens a stable descending sort of every token
     keeps, sharp distributions (the nucleus among the candidates) and flat ones (past them: the full sort) alike,
-    with ties anywhere, the edge included."""
+    with ties anywhere, the edge included; the candidates chosen by the C++ op or by torch."""
     from lookahead import sampling
+    from lookahead_kernels import cpu_ops
+
+    if native and not cpu_ops.cpu_ops_available():
+        pytest.skip("the C++ ops could not be built here")
+    monkeypatch.setattr(cpu_ops, "cpu_ops_available", lambda build=True: native)
 
     gen = torch.Generator().manual_seed(V + int(scale * 10) + ties)
     logits = torch.randn(5, V, generator=gen) * scale
@@ -649,7 +687,13 @@ def test_top_p_among_candidates_keeps_what_the_full_sort_keeps(V, scale, ties):
         assert torch.equal(sampling._nucleus(probs, top_p), expected), top_p
 
 
-def test_warp_keeps_at_least_one_and_greedy_one_hot():
+@pytest.mark.parametrize("native", [False, True])
+def test_warp_keeps_at_least_one_and_greedy_one_hot(native, monkeypatch):
+    from lookahead_kernels import cpu_ops
+
+    if native and not cpu_ops.cpu_ops_available():
+        pytest.skip("the C++ ops could not be built here")
+    monkeypatch.setattr(cpu_ops, "cpu_ops_available", lambda build=True: native)
     logits = torch.tensor([[0.0, 10.0, 10.0, -1.0]])
     assert warp_logits(logits, SamplingParams(top_p=1e-9)).gt(0).sum() == 1
     assert warp_logits(logits, SamplingParams(temperature=0)).tolist() == [[0.0, 1.0, 0.0, 0.0]]
