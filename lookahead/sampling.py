@@ -71,22 +71,27 @@ def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     V = logits.shape[-1]
     if V < 1:
         raise ValueError("warp_logits: the vocabulary dimension must be >= 1")
-    x = logits.float()
     if params.is_greedy:
+        x = logits.float()
         out = torch.zeros_like(x)
         return out.scatter_(-1, x.argmax(-1, keepdim=True), 1.0)
-    x = x / params.temperature
-    if 0 < params.top_k < V:
+    probs = torch.softmax(_tempered(logits, params), dim=-1)
+    if params.top_p < 1:
+        probs = probs * _nucleus(probs, params.top_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def _tempered(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """float32 logits over the temperature, those below the top-k's k-th largest at -inf."""
+    x = logits.float() / params.temperature
+    if 0 < params.top_k < x.shape[-1]:
         if x.device.type == "cpu":  # the k-th largest: the C++ selection where it is built
             kth = x.gather(-1, _candidates(x, params.top_k)[..., -1:])
         else:
             kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
-    probs = torch.softmax(x, dim=-1)
-    if params.top_p < 1:
-        probs = probs * _nucleus(probs, params.top_p)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+    return x
 
 
 # Top-p first looks for the nucleus among this many of the likeliest tokens (on the CPU, where sorting a 49k
@@ -138,6 +143,44 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
             return torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, index, keep)
     sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
     return torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, _nucleus_of_sorted(sorted_p, top_p))
+
+
+def sample_logits(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+                  uniforms: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row of ``logits [R, V]`` (float, any device), drawn from ``warp_logits(logits, params)`` by
+    :func:`sample_rows`' rule (one float64 uniform a row, ``uniforms`` ``[R]`` or drawn from ``generator`` the same
+    way; inverse CDF in token order): int64 ``[R]``.
+
+    On the CPU with top-p, where every row's nucleus lies among its ``NUCLEUS_CANDIDATES`` likeliest tokens, the
+    draw reads those tokens only: warping a whole row of 49k tokens and reading its CDF took 0.9 ms of a 15 ms
+    sampled step on a 2-core CPU. The nucleus's probabilities are not renormalised first: the draw's target is the
+    uniform times their sum, which is the same rule (up to rounding)."""
+    R, V = logits.shape
+    k = min(NUCLEUS_CANDIDATES, V)
+    if logits.device.type != "cpu" or params.is_greedy or params.top_p >= 1 or k == V or R == 0:
+        return sample_rows(warp_logits(logits, params), generator, uniforms=uniforms)
+    probs = torch.softmax(_tempered(logits, params), dim=-1)
+    index = _candidates(probs, k)
+    sorted_p = probs.gather(-1, index)
+    keep = _nucleus_of_sorted(sorted_p, params.top_p)
+    exact = (sorted_p > sorted_p[..., -1:]).sum(-1)  # as in _nucleus
+    if not bool((keep.sum(-1) <= exact).all()):
+        probs = probs * _nucleus(probs, params.top_p)
+        return sample_rows(probs / probs.sum(-1, keepdim=True), generator, uniforms=uniforms)
+    if uniforms is None:
+        u = torch.rand(R, dtype=torch.float64, generator=generator)
+    elif uniforms.numel() != R:
+        raise ValueError(f"sample_logits: uniforms must hold one value per row ({R}), got {_describe(uniforms)}")
+    else:
+        u = uniforms.reshape(-1).double()
+    tokens, order = index.sort(-1)  # the nucleus in token order, the CDF's order
+    weights = torch.where(keep, sorted_p, 0.0).gather(-1, order).double()
+    cdf = weights.cumsum(-1)
+    pick = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    if bool((pick >= k).any()):  # past the end by rounding: the last token kept, as inverse_cdf_sample has it
+        last = torch.where(weights > 0, torch.arange(k), -1).amax(-1)
+        pick = torch.where(pick < k, pick, last)
+    return tokens.gather(-1, pick.unsqueeze(-1)).squeeze(-1)
 
 
 def sample_rows(probs: torch.Tensor, generator: torch.Generator | None = None,

@@ -88,10 +88,10 @@ class Sampler:
 
                 return row_argmax(logits).reshape(lead)
             return logits.argmax(-1).reshape(lead)
-        from .sampling import sample_rows, warp_logits
+        from .sampling import sample_logits
 
         u = None if uniforms is None else uniforms.reshape(-1)
-        return sample_rows(warp_logits(logits, self.params), self.generator, uniforms=u).reshape(lead)
+        return sample_logits(logits, self.params, self.generator, uniforms=u).reshape(lead)
 
     def verify_tree(self, x_logits, node_logits, tokens, end, num_nodes, max_accept: int, uniforms=None):
         """Verification of a batch's trees: ``(accept_len [B], path [B, max_accept], emitted [B, max_accept+1])``.

@@ -719,6 +719,33 @@ def test_sample_rows_given_uniforms_draws_what_its_generator_would():
         sample_rows(probs, uniforms=u[:19])
 
 
+@pytest.mark.parametrize("params", [SamplingParams(0.7, 0, 0.9), SamplingParams(1.0, 50, 0.95),
+                                    SamplingParams(1.3, 0, 0.5), SamplingParams(0.8, 0, 1.0), SamplingParams(1.0, 7, 1.0),
+                                    SamplingParams(0.0)])
+@pytest.mark.parametrize("native", [False, True])
+def test_sample_logits_draws_what_sample_rows_draws_from_the_warped_row(params, native, monkeypatch):
+    """``sample_logits`` (a plain step's draw; on the CPU with top-p it reads the nucleus's tokens only) picks the
+    token ``sample_rows(warp_logits(...))`` picks with the same uniforms or generator: sharp rows (the nucleus
+    among the candidates), flat ones (past them), ties, a small vocabulary."""
+    from lookahead.sampling import sample_logits
+    from lookahead_kernels import cpu_ops
+
+    if native and not cpu_ops.cpu_ops_available():
+        pytest.skip("the C++ ops could not be built here")
+    monkeypatch.setattr(cpu_ops, "cpu_ops_available", lambda build=True: native)
+    gen = torch.Generator().manual_seed(17)
+    for V, scale in ((3000, 6.0), (3000, 0.5), (3000, 12.0), (100, 3.0)):
+        logits = torch.randn(64, V, generator=gen) * scale
+        logits[:8] = (logits[:8] * 2).round() / 2  # ties
+        u = torch.rand(64, dtype=torch.float64, generator=gen)
+        want = sample_rows(warp_logits(logits, params), uniforms=u)
+        assert torch.equal(sample_logits(logits, params, uniforms=u), want), (V, scale)
+        drawn = sample_logits(logits, params, torch.Generator().manual_seed(4))
+        assert torch.equal(drawn, sample_rows(warp_logits(logits, params), torch.Generator().manual_seed(4)))
+    with pytest.raises(ValueError, match="one value per row"):
+        sample_logits(torch.randn(3, 3000), SamplingParams(0.7, 0, 0.9), uniforms=torch.rand(2, dtype=torch.float64))
+
+
 @pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(temperature=float("nan")), dict(top_p=0.0),
                                     dict(top_p=1.5), dict(top_k=-1), dict(top_k=2.0), dict(top_k=True),
                                     dict(temperature="1")])
