@@ -17,3 +17,9 @@ namespace cpu_attention {
 at::Tensor step_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& cache_len, const at::Tensor& visible, double scale);
 }  // namespace cpu_attention
+
+namespace row_topk {
+// Row x[0 .. V)'s k largest entries (k <= V) into vals / idx, largest first, NaN the largest, ties by index;
+// csrc/row_topk.cpp.
+void top_row(const float* x, int64_t V, int64_t k, float* vals, int64_t* idx);
+}  // namespace row_topk

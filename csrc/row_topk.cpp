@@ -20,6 +20,8 @@
 #include <algorithm>
 #include <cmath>
 #include <utility>
+
+#include "cpu_ops.h"
 #include <cstdint>
 #include <tuple>
 #include <vector>
@@ -43,6 +45,8 @@ bool any_above(const float* x, int64_t n, float thr) {
   for (int64_t j = 0; j < n; ++j) hit |= !(x[j] <= thr);
   return hit != 0;
 }
+
+}  // namespace
 
 // Row x[0 .. V)'s top k into vals / idx (k <= V), largest first. The entries held form a heap whose root is the
 // one that comes last (the threshold a new entry must beat): an offer costs log k, not k (sorted insertion made a
@@ -95,6 +99,8 @@ void top_row(const float* x, int64_t V, int64_t k, float* vals, int64_t* idx) {
     sift_down(0);
   }
 }
+
+namespace {
 
 std::tuple<at::Tensor, at::Tensor> top_successors(const at::Tensor& logits, int64_t k) {
   TORCH_CHECK_VALUE(logits.device().is_cpu() && logits.scalar_type() == at::kFloat &&

@@ -151,11 +151,20 @@ def sample_logits(logits: torch.Tensor, params: SamplingParams, generator: torch
     :func:`sample_rows`' rule (one float64 uniform a row, ``uniforms`` ``[R]`` or drawn from ``generator`` the same
     way; inverse CDF in token order): int64 ``[R]``.
 
-    On the CPU with top-p, where every row's nucleus lies among its ``NUCLEUS_CANDIDATES`` likeliest tokens, the
-    draw reads those tokens only: warping a whole row of 49k tokens and reading its CDF took 0.9 ms of a 15 ms
-    sampled step on a 2-core CPU. The nucleus's probabilities are not renormalised first: the draw's target is the
-    uniform times their sum, which is the same rule (up to rounding)."""
+    On the CPU it never builds the warped rows: warping a row of 49k tokens and reading its CDF with torch took 0.9-1.4
+    ms of a 13-15 ms sampled step on a 2-core CPU. With the C++ ops built, one op does the draw
+    (``lookahead_draft.sample_warped``, 0.07 ms); else, with top-p, where every row's nucleus lies among its
+    ``NUCLEUS_CANDIDATES`` likeliest tokens, the draw reads those tokens only. Neither renormalises the nucleus
+    first: the draw's target is the uniform times its mass, the same rule up to rounding. Elsewhere (a GPU, whose
+    graph holds this step) it is ``sample_rows(warp_logits(...))``."""
     R, V = logits.shape
+    if logits.device.type == "cpu" and not params.is_greedy and R:
+        from lookahead_kernels.cpu_ops import cpu_ops_available
+
+        if cpu_ops_available(build=False):  # one C++ pass per row (csrc/sample_warped.cpp)
+            u = _row_uniforms(uniforms, R, generator)
+            x = logits if logits.dtype == torch.float32 and logits.stride(-1) == 1 else logits.float().contiguous()
+            return torch.ops.lookahead_draft.sample_warped(x, params.temperature, params.top_k, params.top_p, u)
     k = min(NUCLEUS_CANDIDATES, V)
     if logits.device.type != "cpu" or params.is_greedy or params.top_p >= 1 or k == V or R == 0:
         return sample_rows(warp_logits(logits, params), generator, uniforms=uniforms)
@@ -167,12 +176,7 @@ def sample_logits(logits: torch.Tensor, params: SamplingParams, generator: torch
     if not bool((keep.sum(-1) <= exact).all()):
         probs = probs * _nucleus(probs, params.top_p)
         return sample_rows(probs / probs.sum(-1, keepdim=True), generator, uniforms=uniforms)
-    if uniforms is None:
-        u = torch.rand(R, dtype=torch.float64, generator=generator)
-    elif uniforms.numel() != R:
-        raise ValueError(f"sample_logits: uniforms must hold one value per row ({R}), got {_describe(uniforms)}")
-    else:
-        u = uniforms.reshape(-1).double()
+    u = _row_uniforms(uniforms, R, generator)
     tokens, order = index.sort(-1)  # the nucleus in token order, the CDF's order
     weights = torch.where(keep, sorted_p, 0.0).gather(-1, order).double()
     cdf = weights.cumsum(-1)
@@ -181,6 +185,15 @@ def sample_logits(logits: torch.Tensor, params: SamplingParams, generator: torch
         last = torch.where(weights > 0, torch.arange(k), -1).amax(-1)
         pick = torch.where(pick < k, pick, last)
     return tokens.gather(-1, pick.unsqueeze(-1)).squeeze(-1)
+
+
+def _row_uniforms(uniforms: torch.Tensor | None, R: int, generator: torch.Generator | None) -> torch.Tensor:
+    """float64 ``[R]``: ``uniforms`` checked, or drawn from ``generator`` as :func:`sample_rows` draws them."""
+    if uniforms is None:
+        return torch.rand(R, dtype=torch.float64, generator=generator)
+    if uniforms.numel() != R:
+        raise ValueError(f"sample_logits: uniforms must hold one value per row ({R}), got {_describe(uniforms)}")
+    return uniforms.reshape(-1).double().contiguous()
 
 
 def sample_rows(probs: torch.Tensor, generator: torch.Generator | None = None,

@@ -21,6 +21,7 @@ _LAZY = {
     "load_pool_extension": ".pool_ext",
     "attention_cpu": ".cpu_attention",
     "load_cpu_ops": ".cpu_ops",
+    "verify_tree_sample_cpu": ".verify_cpu",
 }
 
 __all__ = ["StepLayout", "attention_torch", "attention_dense_reference", "dense_mask",

@@ -405,6 +405,69 @@ def test_sample_big_vocab(vk, kernel_device):
     assert_same(ref, vk.verify_tree_sample(x, nodes, tokens, end, None, 2, u, out=poisoned(B, 2, kernel_device)))
 
 
+def _cpu_walk():
+    from lookahead_kernels.cpu_ops import cpu_ops_available
+
+    if not cpu_ops_available():
+        pytest.skip("the C++ ops could not be built here")
+    from lookahead_kernels import verify_tree_sample_cpu
+
+    return verify_tree_sample_cpu
+
+
+@pytest.mark.parametrize("kind,V,pad,shared,dtype", [
+    ("chain", 5, False, True, torch.float32), ("star", 6, False, False, torch.float32),
+    ("deep", 9, True, False, torch.float32), ("bushy", 10, True, True, torch.float16),
+    ("bushy", 8, False, False, torch.bfloat16), ("linear", (3, 3), True, True, torch.float32),
+    ("deep", 7, False, True, torch.float64), ("bushy", 12, True, False, torch.float32),
+])
+def test_sample_cpu_walk_matches_reference(kind, V, pad, shared, dtype):
+    """The C++ walk (the CPU's sampled verification) gives the reference's results, walks deep and shallow, padded
+    rows, repeated siblings, ids outside the vocabulary, capped walks, its own draw."""
+    walk = _cpu_walk()
+    for seed in range(4):
+        gen = torch.Generator().manual_seed(zlib.crc32(repr((kind, V, pad, shared, str(dtype), seed)).encode()))
+        B, vocab = 6, 20
+        x, nodes, tokens, end, n, depth = sample_tree_case(B, V, vocab, kind, gen, pad, shared, dtype)
+        u = draw_tree_uniforms(B, tokens.shape[1], generator=gen)
+        u[:, :-1] *= 0.5 if seed % 2 else 1.0
+        for A in (depth, max(depth - 1, 0)):
+            ref = verify_tree_sample_reference(x, nodes, tokens, end, n, A, u)
+            assert_same(ref, walk(x, nodes, tokens, end, n, A, u))
+            assert_consistent(ref, tokens, end, n)
+        same = (torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed))
+        assert_same(verify_tree_sample_reference(x, nodes, tokens, end, n, depth, generator=same[0]),
+                    walk(x, nodes, tokens, end, n, depth, generator=same[1]))
+
+
+def test_sample_cpu_walk_edge_cases():
+    """The reference's hand-made cases: zero weights and repeated siblings, an empty tree, a big vocabulary."""
+    walk = _cpu_walk()
+    end = torch.tensor([1, 2, 3, 4])
+    tokens = torch.tensor([[2, 1, 2, 3]] * 4)
+    x = torch.tensor([[0.2, 0.0, 0.3, 0.1, 0.4]] * 4)
+    nodes = torch.full((4, 4, 5), 0.2)
+    u = torch.tensor([[0.1, 0.0, 0.0, 0.0, 0.5], [0.9, 0.0, 0.0, 0.1, 0.5], [0.9, 0.0, 0.0, 0.9, 0.5],
+                      [0.9, 0.0, 0.0, 0.9, 0.1]], dtype=torch.float64)
+    got = walk(x, nodes, tokens, end, None, 1, u)
+    assert got[0].tolist() == [1, 1, 0, 0] and got[2][:, 0].tolist() == [2, 3, 4, 0]
+    gen = torch.Generator().manual_seed(3)
+    x = torch.softmax(torch.randn(3, 12, generator=gen), -1)
+    empty = (x, torch.empty(3, 0, 12), torch.empty(3, 0, dtype=torch.long), torch.empty(0, dtype=torch.long), None, 2,
+             draw_tree_uniforms(3, 0, generator=gen))
+    assert_same(verify_tree_sample_reference(*empty), walk(*empty))
+    vocab, hot = 128256, torch.tensor([5, 20000, 40001, 70000, 127999])
+    x = torch.zeros(5, vocab)
+    x[:, hot] = torch.tensor([0.3, 0.25, 0.2, 0.15, 0.1])
+    x[:, 1000:1010] = 0.001
+    args = (x, x[:, None].repeat(1, 4, 1), hot[[0, 1, 2, 3]].expand(5, 4).clone(),
+            TreeShape.from_parents([-1, 0, -1, -1]).end, None, 2,
+            torch.tensor([[0.0, 0.0, 0.99, 0.99, t] for t in (0.0, 0.01, 0.3, 0.8, 0.999)], dtype=torch.float64))
+    assert_same(verify_tree_sample_reference(*args), walk(*args))
+    with pytest.raises(ValueError, match="uniforms"):
+        walk(*args[:6], torch.rand(5, 4, dtype=torch.float64))
+
+
 def consistent_case(B, V, vocab, gen):
     """Logits that depend only on the path (as a real model's do), with ties, on a bushy tree whose tokens
     follow the argmax often."""
@@ -547,7 +610,9 @@ def stat_pvalues(out, parents, tokens, p_x, max_accept):
 
 @pytest.mark.parametrize("name,max_accept", [("star3", 1), ("chain", 3), ("chain", 2), ("bushy", 3),
                                              ("non-trie", 2)])
-def test_sample_reference_keeps_distribution(name, max_accept):
+@pytest.mark.parametrize("impl", ["reference", "cpu"])
+def test_sample_reference_keeps_distribution(name, max_accept, impl):
+    verify_tree_sample_reference = _cpu_walk() if impl == "cpu" else globals()["verify_tree_sample_reference"]
     parents, tokens, q, p_x = stat_tree(name)
     B, V = 20000, len(parents)
     gen = torch.Generator().manual_seed(zlib.crc32(name.encode()) + max_accept)
@@ -744,6 +809,28 @@ def test_sample_logits_draws_what_sample_rows_draws_from_the_warped_row(params, 
         assert torch.equal(drawn, sample_rows(warp_logits(logits, params), torch.Generator().manual_seed(4)))
     with pytest.raises(ValueError, match="one value per row"):
         sample_logits(torch.randn(3, 3000), SamplingParams(0.7, 0, 0.9), uniforms=torch.rand(2, dtype=torch.float64))
+
+
+def test_sample_warped_never_draws_a_token_without_mass_and_refuses_bad_arguments():
+    """The C++ draw: -inf logits and tokens top-k removes are never drawn (uniforms up to the top of [0, 1));
+    arguments outside what it reads are refused."""
+    from lookahead_kernels.cpu_ops import cpu_ops_available
+
+    if not cpu_ops_available():
+        pytest.skip("the C++ ops could not be built here")
+    op = torch.ops.lookahead_draft.sample_warped
+    logits = torch.full((4, 300), float("-inf"))
+    logits[:, 7], logits[:, 250] = 1.0, 1.5
+    u = torch.tensor([0.0, 0.5, 0.999999, 1 - 2 ** -53], dtype=torch.float64)
+    for top_k, top_p in ((0, 1.0), (0, 0.99), (2, 1.0), (1, 1.0)):
+        got = op(logits, 0.9, top_k, top_p, u)
+        assert set(got.tolist()) <= ({250} if top_k == 1 else {7, 250}), (top_k, top_p)
+    assert op(torch.full((1, 5), float("nan")), 1.0, 0, 1.0, u[:1]).tolist() == [-1]
+    for args, match in (((logits, 0.0, 0, 1.0, u), "temperature"), ((logits, 1.0, -1, 1.0, u), "top_k"),
+                        ((logits, 1.0, 0, 1.5, u), "top_p"), ((logits, 1.0, 0, 1.0, u[:3]), "uniforms"),
+                        ((logits.double(), 1.0, 0, 1.0, u), "float32")):
+        with pytest.raises(ValueError, match=match):
+            op(*args)
 
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(temperature=float("nan")), dict(top_p=0.0),
