@@ -14,8 +14,9 @@
 // Op (namespace lookahead_draft, CPU):
 //   sample_warped(Tensor logits, float temperature, int top_k, float top_p, Tensor uniforms) -> Tensor
 //     logits float32 [R, V] (the last dimension contiguous), temperature > 0, top_k >= 0 (0: off), top_p in
-//     (0, 1], uniforms float64 [R] in [0, 1). Returns int64 [R]; -1 for a row without a finite maximum (NaN or
-//     infinite logits, which the caller does not pass).
+//     (0, 1], uniforms float64 [R] in [0, 1). Returns int64 [R]; -1 for a row whose largest logit is not finite
+//     (+inf, or every entry NaN or -inf). A row with some NaN among finite logits gives an unspecified token, as
+//     the torch path's NaN probabilities would; the model's logits hold none.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
