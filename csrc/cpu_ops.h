@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <string>
+#include <vector>
 
 namespace small_gemm {
 // y [M, n] = x [M, K] @ W^T (+ bias), W packed by lookahead_gemm::pack; csrc/small_gemm.cpp.
@@ -23,3 +24,9 @@ namespace row_topk {
 // csrc/row_topk.cpp.
 void top_row(const float* x, int64_t V, int64_t k, float* vals, int64_t* idx);
 }  // namespace row_topk
+
+namespace verify_sample {
+// The smallest i with target < cdf[i] over row[0 .. vocab) (float64 sums in index order), the entries listed in
+// `zeroed` counted as 0; past the end, the last index of positive weight; -1 if none. csrc/verify_sample.cpp.
+int64_t inverse_cdf(const float* row, int64_t vocab, double target, const std::vector<int64_t>& zeroed);
+}  // namespace verify_sample

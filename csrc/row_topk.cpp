@@ -19,12 +19,12 @@
 
 #include <algorithm>
 #include <cmath>
-#include <utility>
-
-#include "cpu_ops.h"
 #include <cstdint>
 #include <tuple>
+#include <utility>
 #include <vector>
+
+#include "cpu_ops.h"
 
 namespace row_topk {
 namespace {

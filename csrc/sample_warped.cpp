@@ -7,9 +7,9 @@
 // and their maximum, one for the exponentials and their sum (cpu_vec's exp, relative error ~1e-7), one that collects
 // the tokens above a threshold holding at least top_p of the mass (every token of the nucleus is among them:
 // each one outside comes after all of them in the descending order, with at least top_p of the mass before it),
-// a sort of those few, and the draw among the nucleus (without top-p: a block's sum, then its tokens). Sums in float64 in index order; the probabilities are
-// float32 exponentials as torch's softmax has them, up to its rounding: a token can differ from
-// sample_rows(warp_logits(...)) only where the uniform meets a step of the CDF to the last bits.
+// a sort of those few, and the draw among the nucleus (without top-p: among every token). Sums in float64 in index
+// order; the probabilities are float32 exponentials as torch's softmax has them, up to its rounding: a token can
+// differ from sample_rows(warp_logits(...)) only where the uniform meets a step of the CDF to the last bits.
 //
 // Op (namespace lookahead_draft, CPU):
 //   sample_warped(Tensor logits, float temperature, int top_k, float top_p, Tensor uniforms) -> Tensor
@@ -103,34 +103,8 @@ struct Passes {
   void (*above)(const float*, int64_t, float, std::vector<std::pair<int64_t, float>>&, double&);
 };
 
-// Without top-p: the inverse CDF over every token, a block of 64 at a time (the block's sum first; float64).
-int64_t draw_all(const float* e, int64_t V, double target) {
-  constexpr int64_t kBlock = 64;
-  double cdf = 0.0;
-  int64_t last = -1;
-  for (int64_t b = 0; b < V; b += kBlock) {
-    const int64_t n = std::min(kBlock, V - b);
-    double block = 0.0;
-    for (int64_t i = 0; i < n; ++i) block += static_cast<double>(e[b + i]);
-    if (!(target < cdf + block)) {
-      cdf += block;
-      for (int64_t i = n - 1; i >= 0; --i)
-        if (e[b + i] > 0) {
-          last = b + i;
-          break;
-        }
-      continue;
-    }
-    for (int64_t i = 0; i < n; ++i) {
-      cdf += static_cast<double>(e[b + i]);
-      if (e[b + i] > 0) last = b + i;
-      if (target < cdf) return b + i;
-    }
-  }
-  return last;
-}
-
-// The smallest i (token order) with target < cdf over w[ids]; past the end, the last of positive weight.
+// The nucleus's draw: the first kept token (in token order) with target < cdf; past the end, the last of positive
+// weight (verify_sample::inverse_cdf's rule, over the kept tokens only).
 int64_t draw(const std::vector<std::pair<int64_t, float>>& kept, double target) {
   double cdf = 0.0;
   int64_t last = -1;
@@ -154,7 +128,7 @@ int64_t sample_row(const float* x, int64_t V, float temperature, int64_t top_k, 
     floor = vals[top_k - 1];
   }
   const double total = pass.exps(s, V, top, floor, e);
-  if (top_p >= 1.0) return draw_all(e, V, u * total);
+  if (top_p >= 1.0) return verify_sample::inverse_cdf(e, V, u * total, {});
   // Candidates above a threshold holding at least top_p of the mass; each miss lowers it 1024-fold, and at last
   // every token is one.
   const double need = top_p * total;

@@ -26,6 +26,8 @@
 #include <tuple>
 #include <vector>
 
+#include "cpu_ops.h"
+
 namespace verify_sample {
 namespace {
 
@@ -42,8 +44,9 @@ double row_sum(const float* row, int64_t vocab) {
   return s;
 }
 
-// The smallest i with target < cdf[i]; past the end (rounding), the last index of positive weight; -1 if none.
-int64_t inverse_cdf(const float* row, const std::vector<int64_t>& zeroed, int64_t vocab, double target) {
+}  // namespace
+
+int64_t inverse_cdf(const float* row, int64_t vocab, double target, const std::vector<int64_t>& zeroed) {
   double cdf = 0.0;
   int64_t last = -1;
   for (int64_t i = 0; i < vocab; ++i) {
@@ -54,6 +57,8 @@ int64_t inverse_cdf(const float* row, const std::vector<int64_t>& zeroed, int64_
   }
   return last;
 }
+
+namespace {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_sample(const at::Tensor& x_probs,
                                                                   const at::Tensor& node_probs,
@@ -126,7 +131,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_sample(const at::Tens
           c = std::max(eb[c], c + 1);  // the next sibling; max() keeps a malformed end from looping
         }
       }
-      emit_out[b * (max_accept + 1) + acc] = inverse_cdf(row, zeroed, vocab, ub[V] * S);
+      emit_out[b * (max_accept + 1) + acc] = inverse_cdf(row, vocab, ub[V] * S, zeroed);
       acc_out[b] = acc;
     }
   });

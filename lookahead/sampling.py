@@ -151,49 +151,32 @@ def sample_logits(logits: torch.Tensor, params: SamplingParams, generator: torch
     :func:`sample_rows`' rule (one float64 uniform a row, ``uniforms`` ``[R]`` or drawn from ``generator`` the same
     way; inverse CDF in token order): int64 ``[R]``.
 
-    On the CPU it never builds the warped rows: warping a row of 49k tokens and reading its CDF with torch took 0.9-1.4
-    ms of a 13-15 ms sampled step on a 2-core CPU. With the C++ ops built, one op does the draw
-    (``lookahead_draft.sample_warped``, 0.07 ms); else, with top-p, where every row's nucleus lies among its
-    ``NUCLEUS_CANDIDATES`` likeliest tokens, the draw reads those tokens only. Neither renormalises the nucleus
-    first: the draw's target is the uniform times its mass, the same rule up to rounding. Elsewhere (a GPU, whose
-    graph holds this step) it is ``sample_rows(warp_logits(...))``."""
-    R, V = logits.shape
+    On the CPU with the C++ ops built, one op draws without building the warped rows
+    (``lookahead_draft.sample_warped``, 0.07 ms a row of 49k tokens on a 2-core CPU, where warping it and reading
+    its CDF with torch took 0.9-1.4 ms of a 13-15 ms sampled step); it does not renormalise the nucleus first (the
+    target is the uniform times its mass): the same rule up to rounding. Elsewhere (a GPU, whose graph holds this
+    step; a CPU without the ops) it is ``sample_rows(warp_logits(...))``."""
+    R = logits.shape[0]
     if logits.device.type == "cpu" and not params.is_greedy and R:
         from lookahead_kernels.cpu_ops import cpu_ops_available
 
-        if cpu_ops_available(build=False):  # one C++ pass per row (csrc/sample_warped.cpp)
-            u = _row_uniforms(uniforms, R, generator)
+        if cpu_ops_available(build=False):
+            u = _row_uniforms("sample_logits", uniforms, R, generator, logits.device)
             x = logits if logits.dtype == torch.float32 and logits.stride(-1) == 1 else logits.float().contiguous()
-            return torch.ops.lookahead_draft.sample_warped(x, params.temperature, params.top_k, params.top_p, u)
-    k = min(NUCLEUS_CANDIDATES, V)
-    if logits.device.type != "cpu" or params.is_greedy or params.top_p >= 1 or k == V or R == 0:
-        return sample_rows(warp_logits(logits, params), generator, uniforms=uniforms)
-    probs = torch.softmax(_tempered(logits, params), dim=-1)
-    index = _candidates(probs, k)
-    sorted_p = probs.gather(-1, index)
-    keep = _nucleus_of_sorted(sorted_p, params.top_p)
-    exact = (sorted_p > sorted_p[..., -1:]).sum(-1)  # as in _nucleus
-    if not bool((keep.sum(-1) <= exact).all()):
-        probs = probs * _nucleus(probs, params.top_p)
-        return sample_rows(probs / probs.sum(-1, keepdim=True), generator, uniforms=uniforms)
-    u = _row_uniforms(uniforms, R, generator)
-    tokens, order = index.sort(-1)  # the nucleus in token order, the CDF's order
-    weights = torch.where(keep, sorted_p, 0.0).gather(-1, order).double()
-    cdf = weights.cumsum(-1)
-    pick = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
-    if bool((pick >= k).any()):  # past the end by rounding: the last token kept, as inverse_cdf_sample has it
-        last = torch.where(weights > 0, torch.arange(k), -1).amax(-1)
-        pick = torch.where(pick < k, pick, last)
-    return tokens.gather(-1, pick.unsqueeze(-1)).squeeze(-1)
+            return torch.ops.lookahead_draft.sample_warped(x, params.temperature, params.top_k, params.top_p,
+                                                           u.contiguous())
+    return sample_rows(warp_logits(logits, params), generator, uniforms=uniforms)
 
 
-def _row_uniforms(uniforms: torch.Tensor | None, R: int, generator: torch.Generator | None) -> torch.Tensor:
-    """float64 ``[R]``: ``uniforms`` checked, or drawn from ``generator`` as :func:`sample_rows` draws them."""
+def _row_uniforms(name: str, uniforms: torch.Tensor | None, R: int, generator: torch.Generator | None,
+                  device) -> torch.Tensor:
+    """float64 ``[R]`` on ``device``: ``uniforms`` checked, or drawn from ``generator`` (one ``torch.rand``)."""
     if uniforms is None:
-        return torch.rand(R, dtype=torch.float64, generator=generator)
-    if uniforms.numel() != R:
-        raise ValueError(f"sample_logits: uniforms must hold one value per row ({R}), got {_describe(uniforms)}")
-    return uniforms.reshape(-1).double().contiguous()
+        return torch.rand(R, dtype=torch.float64, device=device, generator=generator)
+    if uniforms.numel() != R or uniforms.device != torch.device(device):
+        raise ValueError(f"{name}: uniforms must hold one value per row ({R}) on {device}, "
+                         f"got {_describe(uniforms)} on {uniforms.device}")
+    return uniforms.reshape(-1).double()
 
 
 def sample_rows(probs: torch.Tensor, generator: torch.Generator | None = None,
@@ -209,11 +192,5 @@ def sample_rows(probs: torch.Tensor, generator: torch.Generator | None = None,
         raise ValueError(f"sample_rows: probs must be a floating tensor [..., V] with V >= 1, got {_describe(probs)}")
     lead = probs.shape[:-1]
     rows = probs.reshape(-1, probs.shape[-1]).double()
-    if uniforms is None:
-        u = torch.rand(rows.shape[0], dtype=torch.float64, device=probs.device, generator=generator)
-    elif uniforms.numel() != rows.shape[0] or uniforms.device != probs.device:
-        raise ValueError(f"sample_rows: uniforms must hold one value per row ({rows.shape[0]}) on {probs.device}, "
-                         f"got {_describe(uniforms)} on {uniforms.device}")
-    else:
-        u = uniforms.reshape(-1).double()
+    u = _row_uniforms("sample_rows", uniforms, rows.shape[0], generator, probs.device)
     return inverse_cdf_sample(rows, u * rows.sum(-1)).reshape(lead)

@@ -111,22 +111,22 @@ class Sampler:
 
         from .sampling import warp_logits
 
-        if cuda:
-            x_probs = warp_logits(x_logits, self.params)
-            node_probs = warp_logits(node_logits, self.params)
-        else:  # one call for every row: each torch op of the warp costs tens of microseconds on the CPU
-            rows = warp_logits(torch.cat([x_logits.unsqueeze(1), node_logits], 1), self.params)
-            x_probs, node_probs = rows[:, 0], rows[:, 1:]
         if uniforms is None:
             uniforms = draw_tree_uniforms(tokens.shape[0], tokens.shape[1], device, self.generator)
-        from lookahead_kernels.cpu_ops import cpu_ops_available
-
         if cuda:
             from lookahead_kernels import verify_tree_sample as verify
-        elif cpu_ops_available(build=False):
-            from lookahead_kernels import verify_tree_sample_cpu as verify
+
+            x_probs, node_probs = warp_logits(x_logits, self.params), warp_logits(node_logits, self.params)
         else:
-            from lookahead_kernels import verify_tree_sample_reference as verify
+            from lookahead_kernels.cpu_ops import cpu_ops_available
+
+            if cpu_ops_available(build=False):  # the walk in C++, reading the rows in place
+                from lookahead_kernels import verify_tree_sample_cpu as verify
+            else:
+                from lookahead_kernels import verify_tree_sample_reference as verify
+            # One warp for every row: each torch op of it costs tens of microseconds on the CPU.
+            rows = warp_logits(torch.cat([x_logits.unsqueeze(1), node_logits], 1), self.params)
+            x_probs, node_probs = rows[:, 0], rows[:, 1:]
         return verify(x_probs, node_probs, tokens, end, num_nodes, max_accept, uniforms=uniforms)
 
 
