@@ -3,7 +3,9 @@
 
 #include <ATen/ATen.h>
 
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace small_gemm {
@@ -25,8 +27,28 @@ namespace row_topk {
 void top_row(const float* x, int64_t V, int64_t k, float* vals, int64_t* idx);
 }  // namespace row_topk
 
-namespace verify_sample {
-// The smallest i with target < cdf[i] over row[0 .. vocab) (float64 sums in index order), the entries listed in
-// `zeroed` counted as 0; past the end, the last index of positive weight; -1 if none. csrc/verify_sample.cpp.
-int64_t inverse_cdf(const float* row, int64_t vocab, double target, const std::vector<int64_t>& zeroed);
-}  // namespace verify_sample
+namespace sample_warped {
+// One row of the distribution lookahead/sampling.py's warp_logits makes of logits (temperature > 0, top-k with its
+// ties, top-p), unnormalised: each kept token weighted exp(x / temperature - max) in float32. With top-p the row
+// is its few kept tokens; without, the weights over the whole vocabulary. csrc/sample_warped.cpp.
+class WarpedRow {
+ public:
+  explicit WarpedRow(int64_t V);
+  // The row of the logits x[0 .. V); nothing kept if its largest tempered logit is not finite.
+  void warp(const float* x, float temperature, int64_t top_k, double top_p);
+  // Token t's weight, writable (a rejection zeroes it); nullptr where t has none or is outside the vocabulary.
+  float* weight(int64_t t);
+  // The weights' float64 sum as warped (not updated by writes through weight()).
+  double mass() const { return mass_; }
+  // The first token with target < its cdf (float64 sums in token order); past the end, the last of positive
+  // weight; -1 if none.
+  int64_t draw(double target) const;
+
+ private:
+  int64_t V_;
+  std::unique_ptr<float[]> s_, e_;  // scratch: tempered logits, weights
+  std::vector<std::pair<int64_t, float>> kept_;  // with top-p: (token, weight) in token order
+  bool dense_ = false;  // without top-p: the weights are e_
+  double mass_ = 0.0;
+};
+}  // namespace sample_warped

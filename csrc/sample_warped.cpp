@@ -10,6 +10,7 @@
 // a sort of those few, and the draw among the nucleus (without top-p: among every token). Sums in float64 in index
 // order; the probabilities are float32 exponentials as torch's softmax has them, up to its rounding: a token can
 // differ from sample_rows(warp_logits(...)) only where the uniform meets a step of the CDF to the last bits.
+// The warped row is a WarpedRow (cpu_ops.h), which the sampled tree walk (csrc/verify_sample.cpp) reads too.
 //
 // Op (namespace lookahead_draft, CPU):
 //   sample_warped(Tensor logits, float temperature, int top_k, float top_p, Tensor uniforms) -> Tensor
@@ -72,8 +73,8 @@ namespace {
     for (; i < V; ++i) sum += (e[i] = s[i] >= floor ? std::exp(s[i] - top) : 0.f);                            \
     return sum;                                                                                                \
   }                                                                                                            \
-  ATTR void above_##SUFFIX(const float* e, int64_t V, float t, std::vector<std::pair<int64_t, float>>& out,      \
-                      double& mass) {                                                                          \
+  ATTR void above_##SUFFIX(const float* e, int64_t V, float t, std::vector<std::pair<int64_t, float>>& out,    \
+                           double& mass) {                                                                     \
     using V8 = cpu_vec::v8sf;                                                                                  \
     using I8 = cpu_vec::v8si;                                                                                  \
     int64_t i = 0;                                                                                             \
@@ -103,23 +104,17 @@ struct Passes {
   void (*above)(const float*, int64_t, float, std::vector<std::pair<int64_t, float>>&, double&);
 };
 
-// The nucleus's draw: the first kept token (in token order) with target < cdf; past the end, the last of positive
-// weight (verify_sample::inverse_cdf's rule, over the kept tokens only).
-int64_t draw(const std::vector<std::pair<int64_t, float>>& kept, double target) {
-  double cdf = 0.0;
-  int64_t last = -1;
-  for (const auto& [i, w] : kept) {
-    cdf += static_cast<double>(w);
-    if (w > 0) last = i;
-    if (target < cdf) return i;
-  }
-  return last;
+const Passes& passes() {
+  static const Passes avx2{temper_avx2, exps_avx2, above_avx2}, plain{temper_plain, exps_plain, above_plain};
+  return small_gemm::current_isa() != "scalar" ? avx2 : plain;
 }
 
-int64_t sample_row(const float* x, int64_t V, float temperature, int64_t top_k, double top_p, double u, float* s,
-                   float* e, const Passes& pass) {
+// e = the row's weights after temperature and top-k, exp(x / temperature - top) (0 for removed tokens); returns
+// their float64 sum, NaN if the largest tempered logit is not finite.
+double tempered_weights(const float* x, int64_t V, float temperature, int64_t top_k, float* s, float* e,
+                        const Passes& pass) {
   const float top = pass.temper(x, V, temperature, s);
-  if (!std::isfinite(top)) return -1;
+  if (!std::isfinite(top)) return NAN;
   float floor = -FLT_MAX;  // tokens below have no mass: -inf logits, and top-k's (ties with its k-th kept)
   if (top_k > 0 && top_k < V) {
     std::vector<float> vals(top_k);
@@ -127,8 +122,12 @@ int64_t sample_row(const float* x, int64_t V, float temperature, int64_t top_k, 
     row_topk::top_row(s, V, top_k, vals.data(), idx.data());
     floor = vals[top_k - 1];
   }
-  const double total = pass.exps(s, V, top, floor, e);
-  if (top_p >= 1.0) return verify_sample::inverse_cdf(e, V, u * total, {});
+  return pass.exps(s, V, top, floor, e);
+}
+
+// top-p's kept tokens of e (total: its sum) into kept, in token order.
+void nucleus(const float* e, int64_t V, double total, double top_p, const Passes& pass,
+             std::vector<std::pair<int64_t, float>>& kept) {
   // Candidates above a threshold holding at least top_p of the mass; each miss lowers it 1024-fold, and at last
   // every token is one.
   const double need = top_p * total;
@@ -144,7 +143,7 @@ int64_t sample_row(const float* x, int64_t V, float temperature, int64_t top_k, 
   std::sort(cand.begin(), cand.end(), [](const auto& a, const auto& b) {
     return a.second > b.second || (a.second == b.second && a.first < b.first);
   });
-  std::vector<std::pair<int64_t, float>> kept;
+  kept.clear();
   double before = 0.0;
   for (const auto& c : cand) {
     if (!kept.empty() && !(before < need)) break;
@@ -152,10 +151,61 @@ int64_t sample_row(const float* x, int64_t V, float temperature, int64_t top_k, 
     before += static_cast<double>(c.second);
   }
   std::sort(kept.begin(), kept.end());  // token order, the CDF's
-  double mass = 0.0;
-  for (const auto& k : kept) mass += static_cast<double>(k.second);
-  return draw(kept, u * mass);
 }
+
+// The smallest i with target < cdf[i] over e[0 .. V) (float64 sums in index order); past the end, the last index
+// of positive weight; -1 if none.
+int64_t inverse_cdf(const float* e, int64_t V, double target) {
+  double cdf = 0.0;
+  int64_t last = -1;
+  for (int64_t i = 0; i < V; ++i) {
+    cdf += static_cast<double>(e[i]);
+    if (e[i] > 0) last = i;
+    if (target < cdf) return i;
+  }
+  return last;
+}
+
+}  // namespace
+
+WarpedRow::WarpedRow(int64_t V) : V_(V), s_(new float[V]), e_(new float[V]) {}  // every warp writes first
+
+void WarpedRow::warp(const float* x, float temperature, int64_t top_k, double top_p) {
+  const Passes& pass = passes();
+  kept_.clear();
+  dense_ = false;
+  mass_ = tempered_weights(x, V_, temperature, top_k, s_.get(), e_.get(), pass);
+  if (std::isnan(mass_)) {  // no finite logit: nothing kept
+    mass_ = 0.0;
+  } else if (top_p < 1.0) {
+    nucleus(e_.get(), V_, mass_, top_p, pass, kept_);
+    mass_ = 0.0;
+    for (const auto& k : kept_) mass_ += static_cast<double>(k.second);
+  } else {
+    dense_ = true;
+  }
+}
+
+float* WarpedRow::weight(int64_t t) {
+  if (t < 0 || t >= V_) return nullptr;
+  if (dense_) return e_[t] > 0 ? &e_[t] : nullptr;
+  auto it = std::lower_bound(kept_.begin(), kept_.end(), t, [](const auto& w, int64_t tok) { return w.first < tok; });
+  return it != kept_.end() && it->first == t ? &it->second : nullptr;
+}
+
+int64_t WarpedRow::draw(double target) const {
+  if (dense_) return inverse_cdf(e_.get(), V_, target);
+  double cdf = 0.0;
+  int64_t last = -1;
+  for (const auto& [i, w] : kept_) {
+    cdf += static_cast<double>(w);
+    if (w > 0) last = i;
+    if (target < cdf) return i;
+  }
+  return last;
+}
+
+namespace {
 
 at::Tensor sample(const at::Tensor& logits, double temperature, int64_t top_k, double top_p,
                   const at::Tensor& uniforms) {
@@ -177,13 +227,13 @@ at::Tensor sample(const at::Tensor& logits, double temperature, int64_t top_k, d
   const double* up = u.data_ptr<double>();
   int64_t* op = out.data_ptr<int64_t>();
   const int64_t stride = logits.stride(0);
-  const Passes pass = small_gemm::current_isa() != "scalar" ? Passes{temper_avx2, exps_avx2, above_avx2}
-                                                             : Passes{temper_plain, exps_plain, above_plain};
   const float t = static_cast<float>(temperature);
   at::parallel_for(0, R, 1, [&](int64_t lo, int64_t hi) {
-    std::unique_ptr<float[]> s(new float[V]), e(new float[V]);  // uninitialised: every pass writes first
-    for (int64_t r = lo; r < hi; ++r)
-      op[r] = sample_row(x + r * stride, V, t, top_k, top_p, up[r], s.get(), e.get(), pass);
+    WarpedRow row(V);
+    for (int64_t r = lo; r < hi; ++r) {
+      row.warp(x + r * stride, t, top_k, top_p);
+      op[r] = row.draw(up[r] * row.mass());
+    }
   });
   return out;
 }

@@ -120,10 +120,14 @@ class Sampler:
         else:
             from lookahead_kernels.cpu_ops import cpu_ops_available
 
-            if cpu_ops_available(build=False):  # the walk in C++, reading the rows in place
-                from lookahead_kernels import verify_tree_sample_cpu as verify
-            else:
-                from lookahead_kernels import verify_tree_sample_reference as verify
+            if cpu_ops_available(build=False):  # the walk in C++, warping only the rows it reads
+                from lookahead_kernels import verify_tree_sample_cpu
+
+                p = self.params
+                return verify_tree_sample_cpu(x_logits, node_logits, tokens, end, num_nodes, max_accept,
+                                              p.temperature, p.top_k, p.top_p, uniforms=uniforms)
+            from lookahead_kernels import verify_tree_sample_reference as verify
+
             # One warp for every row: each torch op of it costs tens of microseconds on the CPU.
             rows = warp_logits(torch.cat([x_logits.unsqueeze(1), node_logits], 1), self.params)
             x_probs, node_probs = rows[:, 0], rows[:, 1:]

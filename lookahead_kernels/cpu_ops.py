@@ -4,8 +4,8 @@ decoder stack (``csrc/cpu_layer.cpp``, every layer: the two before plus everythi
 and the
 draft builder's best-first walk and tree encoding (``csrc/draft_tree.cpp``, ``torch.ops.lookahead_draft``), which
 serve the GPU path too: the draft is built on the host, and the successor table's top-k of a CPU step's logits
-(``csrc/row_topk.cpp``, same namespace), sampled tree verification (``csrc/verify_sample.cpp``) and a plain step's sampled draw
-(``csrc/sample_warped.cpp``), same namespace.
+(``csrc/row_topk.cpp``, same namespace), sampled tree verification from the logits (``csrc/verify_sample.cpp``)
+and a plain step's sampled draw (``csrc/sample_warped.cpp``), same namespace.
 
 All live in one library, built with ninja into torch's extensions directory on first use (``scripts/setup.sh``
 builds it at install time) and loaded by later processes in about a second. It is compiled with OpenMP: ATen's
@@ -45,7 +45,7 @@ def _registered() -> bool:
             torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_gemm::linear", "CPU") and \
             torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_draft::propose", "CPU") and \
             torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_draft::top_successors", "CPU") and \
-            torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_draft::verify_tree_sample", "CPU") and \
+            torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_draft::verify_tree_warped", "CPU") and \
             torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_draft::sample_warped", "CPU")
     except RuntimeError:  # a schema is not registered yet
         return False

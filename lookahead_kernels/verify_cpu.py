@@ -1,27 +1,50 @@
-"""Sampled tree verification on the CPU: ``verify_tree_sample_reference``'s walk in C++ (``csrc/verify_sample.cpp``,
-``torch.ops.lookahead_draft.verify_tree_sample``), which reads each row of the vocabulary in place where the
-reference copies and sums it with torch ops (1.3 ms of a sampled tree step for SmolLM2 on a 2-core CPU)."""
+"""Sampled tree verification on the CPU from the step's logits: ``verify_tree_sample_reference``'s walk over the
+rows ``warp_logits`` gives, in C++ (``csrc/verify_sample.cpp``, ``torch.ops.lookahead_draft.verify_tree_warped``),
+each row warped only when the walk reaches it: x's and the accepted nodes'. Warping every row with torch first took
+0.7-1.1 ms of a sampled tree step for SmolLM2 on a 2-core CPU."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from .verify_ref import _num_nodes_tensor, check_tree_verify_inputs, resolve_uniforms
 
 
-def verify_tree_sample_cpu(x_probs: torch.Tensor, node_probs: torch.Tensor, tokens: torch.Tensor, end: torch.Tensor,
-                           num_nodes: torch.Tensor | int | None, max_accept: int, uniforms: torch.Tensor | None = None,
+def verify_tree_sample_cpu(x_logits: torch.Tensor, node_logits: torch.Tensor, tokens: torch.Tensor, end: torch.Tensor,
+                           num_nodes: torch.Tensor | int | None, max_accept: int, temperature: float, top_k: int,
+                           top_p: float, uniforms: torch.Tensor | None = None,
                            generator: torch.Generator | None = None):
-    """:func:`~lookahead_kernels.verify_tree_sample_reference` on CPU tensors, with the same arguments and results:
-    ``x_probs [B, vocab]`` and ``node_probs [B, V, vocab]`` nonnegative weights (read as float32), ``tokens``
-    and ``end`` int64 ``[B, V]`` (``end`` may be ``[V]``), ``num_nodes`` (``None``: every node), ``uniforms``
-    float64 ``[B, V + 1]`` (drawn with ``generator`` when ``None``). Returns ``(accept_len [B], path [B,
-    max_accept], emitted [B, max_accept + 1])``, int64, ``-1`` past each row's end. Needs the CPU ops
-    (``load_cpu_ops``)."""
+    """:func:`~lookahead_kernels.verify_tree_sample_reference` on the rows ``lookahead.sampling.warp_logits``
+    makes of CPU logits, with the reference's results.
+
+    Args:
+        x_logits: ``[B, vocab]`` logits at x (read as float32).
+        node_logits: ``[B, V, vocab]`` logits at the tree's nodes; a padding node's row is never read.
+        tokens, end: int64 ``[B, V]`` (``end`` may be ``[V]``), the tree as the reference takes it.
+        num_nodes: real nodes per row (``None``: every node).
+        max_accept: the most nodes a row accepts.
+        temperature: ``> 0``; top_k: ``>= 0`` (``0``: off); top_p: in ``(0, 1]`` (``1``: off); applied in
+            that order, ties with the k-th largest logit kept.
+        uniforms: float64 ``[B, V + 1]`` as ``draw_tree_uniforms`` lays them out (drawn with ``generator`` when
+            ``None``).
+    Returns:
+        ``(accept_len [B], path [B, max_accept], emitted [B, max_accept + 1])``, int64, ``-1`` past each row's
+        end; a row whose logits have no finite maximum keeps no token (its bonus is ``-1``).
+
+    Needs the CPU ops (``load_cpu_ops``)."""
     name = "verify_tree_sample_cpu"
-    check_tree_verify_inputs(name, x_probs, node_probs, tokens, end, num_nodes, max_accept)
+    check_tree_verify_inputs(name, x_logits, node_logits, tokens, end, num_nodes, max_accept)
     if tokens.device.type != "cpu":
         raise ValueError(f"{name}: the tensors must be on the CPU, got {tokens.device}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+            temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"{name}: temperature must be a finite number > 0, got {temperature!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"{name}: top_k must be an int >= 0 (0 = off), got {top_k!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ValueError(f"{name}: top_p must be a number in (0, 1] (1 = off), got {top_p!r}")
     B, V = tokens.shape
     u = resolve_uniforms(name, uniforms, generator, B, V, tokens.device).double().contiguous()
     n = _num_nodes_tensor(num_nodes, B, V, tokens.device).long().contiguous()
@@ -30,5 +53,6 @@ def verify_tree_sample_cpu(x_probs: torch.Tensor, node_probs: torch.Tensor, toke
         t = t.float()
         return t if t.stride(-1) == 1 else t.contiguous()
 
-    return torch.ops.lookahead_draft.verify_tree_sample(rows(x_probs), rows(node_probs), tokens.contiguous(),
-                                                        end.expand(B, V).contiguous(), n, int(max_accept), u)
+    return torch.ops.lookahead_draft.verify_tree_warped(rows(x_logits), rows(node_logits), tokens.contiguous(),
+                                                        end.expand(B, V).contiguous(), n, int(max_accept),
+                                                        float(temperature), top_k, float(top_p), u)

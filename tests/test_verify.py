@@ -415,57 +415,84 @@ def _cpu_walk():
     return verify_tree_sample_cpu
 
 
+def _walk_reference(x_logits, node_logits, tokens, end, n, max_accept, params, uniforms=None, generator=None):
+    """The reference walk over the rows ``warp_logits`` makes (padding nodes' NaN rows warped as zeros: never read)."""
+    return verify_tree_sample_reference(warp_logits(x_logits, params), warp_logits(node_logits.nan_to_num(0.0), params),
+                                        tokens, end, n, max_accept, uniforms, generator=generator)
+
+
+WARPS = [SamplingParams(1.0, 0, 1.0), SamplingParams(0.7, 0, 0.9), SamplingParams(1.3, 3, 1.0),
+         SamplingParams(0.8, 5, 0.6)]
+
+
 @pytest.mark.parametrize("kind,V,pad,shared,dtype", [
     ("chain", 5, False, True, torch.float32), ("star", 6, False, False, torch.float32),
     ("deep", 9, True, False, torch.float32), ("bushy", 10, True, True, torch.float16),
     ("bushy", 8, False, False, torch.bfloat16), ("linear", (3, 3), True, True, torch.float32),
     ("deep", 7, False, True, torch.float64), ("bushy", 12, True, False, torch.float32),
 ])
-def test_sample_cpu_walk_matches_reference(kind, V, pad, shared, dtype):
-    """The C++ walk (the CPU's sampled verification) gives the reference's results, walks deep and shallow, padded
-    rows, repeated siblings, ids outside the vocabulary, capped walks, its own draw."""
+@pytest.mark.parametrize("params", WARPS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
+def test_sample_cpu_walk_matches_reference(kind, V, pad, shared, dtype, params):
+    """The C++ walk from logits (the CPU's sampled verification) gives the reference's results on the warped rows:
+    temperature, top-k and top-p; walks deep and shallow, padded rows (NaN, never read), repeated siblings, ids
+    outside the vocabulary, tokens without mass, capped walks, its own draw."""
     walk = _cpu_walk()
+    warp = dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
     for seed in range(4):
-        gen = torch.Generator().manual_seed(zlib.crc32(repr((kind, V, pad, shared, str(dtype), seed)).encode()))
+        gen = torch.Generator().manual_seed(zlib.crc32(repr((kind, V, pad, shared, str(dtype), params, seed)).encode()))
         B, vocab = 6, 20
-        x, nodes, tokens, end, n, depth = sample_tree_case(B, V, vocab, kind, gen, pad, shared, dtype)
+        x, nodes, tokens, end, n, depth = sample_tree_case(B, V, vocab, kind, gen, pad, shared)
+        x, nodes = x.log().to(dtype), nodes.log().to(dtype)  # exact zeros become -inf logits
         u = draw_tree_uniforms(B, tokens.shape[1], generator=gen)
         u[:, :-1] *= 0.5 if seed % 2 else 1.0
         for A in (depth, max(depth - 1, 0)):
-            ref = verify_tree_sample_reference(x, nodes, tokens, end, n, A, u)
-            assert_same(ref, walk(x, nodes, tokens, end, n, A, u))
+            ref = _walk_reference(x, nodes, tokens, end, n, A, params, u)
+            assert_same(ref, walk(x, nodes, tokens, end, n, A, uniforms=u, **warp))
             assert_consistent(ref, tokens, end, n)
         same = (torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed))
-        assert_same(verify_tree_sample_reference(x, nodes, tokens, end, n, depth, generator=same[0]),
-                    walk(x, nodes, tokens, end, n, depth, generator=same[1]))
+        assert_same(_walk_reference(x, nodes, tokens, end, n, depth, params, generator=same[0]),
+                    walk(x, nodes, tokens, end, n, depth, generator=same[1], **warp))
 
 
 def test_sample_cpu_walk_edge_cases():
-    """The reference's hand-made cases: zero weights and repeated siblings, an empty tree, a big vocabulary."""
+    """Hand-made cases: zero weights and repeated siblings, an empty tree, a big vocabulary with a sharp nucleus, a
+    row without a finite logit; bad arguments refused."""
     walk = _cpu_walk()
+    plain = dict(temperature=1.0, top_k=0, top_p=1.0)
     end = torch.tensor([1, 2, 3, 4])
     tokens = torch.tensor([[2, 1, 2, 3]] * 4)
-    x = torch.tensor([[0.2, 0.0, 0.3, 0.1, 0.4]] * 4)
-    nodes = torch.full((4, 4, 5), 0.2)
+    x = torch.tensor([[0.2, 0.0, 0.3, 0.1, 0.4]] * 4).log()
+    nodes = torch.zeros(4, 4, 5)
     u = torch.tensor([[0.1, 0.0, 0.0, 0.0, 0.5], [0.9, 0.0, 0.0, 0.1, 0.5], [0.9, 0.0, 0.0, 0.9, 0.5],
                       [0.9, 0.0, 0.0, 0.9, 0.1]], dtype=torch.float64)
-    got = walk(x, nodes, tokens, end, None, 1, u)
+    got = walk(x, nodes, tokens, end, None, 1, uniforms=u, **plain)
     assert got[0].tolist() == [1, 1, 0, 0] and got[2][:, 0].tolist() == [2, 3, 4, 0]
     gen = torch.Generator().manual_seed(3)
-    x = torch.softmax(torch.randn(3, 12, generator=gen), -1)
-    empty = (x, torch.empty(3, 0, 12), torch.empty(3, 0, dtype=torch.long), torch.empty(0, dtype=torch.long), None, 2,
-             draw_tree_uniforms(3, 0, generator=gen))
-    assert_same(verify_tree_sample_reference(*empty), walk(*empty))
+    x = torch.randn(3, 12, generator=gen)
+    empty = (x, torch.empty(3, 0, 12), torch.empty(3, 0, dtype=torch.long), torch.empty(0, dtype=torch.long), None, 2)
+    u = draw_tree_uniforms(3, 0, generator=gen)
+    assert_same(_walk_reference(*empty, SamplingParams(0.9, 4, 0.8), u),
+                walk(*empty, uniforms=u, temperature=0.9, top_k=4, top_p=0.8))
     vocab, hot = 128256, torch.tensor([5, 20000, 40001, 70000, 127999])
-    x = torch.zeros(5, vocab)
-    x[:, hot] = torch.tensor([0.3, 0.25, 0.2, 0.15, 0.1])
-    x[:, 1000:1010] = 0.001
+    x = torch.full((5, vocab), -30.0)
+    x[:, hot] = torch.tensor([0.3, 0.25, 0.2, 0.15, 0.1]).log()
+    x[:, 1000:1010] = torch.tensor(0.001).log()
     args = (x, x[:, None].repeat(1, 4, 1), hot[[0, 1, 2, 3]].expand(5, 4).clone(),
-            TreeShape.from_parents([-1, 0, -1, -1]).end, None, 2,
-            torch.tensor([[0.0, 0.0, 0.99, 0.99, t] for t in (0.0, 0.01, 0.3, 0.8, 0.999)], dtype=torch.float64))
-    assert_same(verify_tree_sample_reference(*args), walk(*args))
+            TreeShape.from_parents([-1, 0, -1, -1]).end, None, 2)
+    u = torch.tensor([[0.0, 0.0, 0.99, 0.99, t] for t in (0.0, 0.01, 0.3, 0.8, 0.999)], dtype=torch.float64)
+    for params in WARPS:
+        warp = dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+        assert_same(_walk_reference(*args, params, u), walk(*args, uniforms=u, **warp))
+    dead = torch.full((2, 12), float("-inf"))  # no finite logit at x: every child rejected, no bonus
+    got = walk(dead, torch.zeros(2, 3, 12), torch.tensor([[1, 2, 3]] * 2), torch.tensor([3, 3, 3]), None, 3,
+               uniforms=torch.zeros(2, 4, dtype=torch.float64), **plain)
+    assert got[0].tolist() == [0, 0] and got[2][:, 0].tolist() == [-1, -1]
     with pytest.raises(ValueError, match="uniforms"):
-        walk(*args[:6], torch.rand(5, 4, dtype=torch.float64))
+        walk(*args, uniforms=torch.rand(5, 4, dtype=torch.float64), **plain)
+    for bad, match in ((dict(plain, temperature=0.0), "temperature"), (dict(plain, top_k=-1), "top_k"),
+                       (dict(plain, top_p=1.5), "top_p"), (dict(plain, top_k=2.0), "top_k")):
+        with pytest.raises(ValueError, match=match):
+            walk(*args, uniforms=u, **bad)
 
 
 def consistent_case(B, V, vocab, gen):
@@ -612,7 +639,14 @@ def stat_pvalues(out, parents, tokens, p_x, max_accept):
                                              ("non-trie", 2)])
 @pytest.mark.parametrize("impl", ["reference", "cpu"])
 def test_sample_reference_keeps_distribution(name, max_accept, impl):
-    verify_tree_sample_reference = _cpu_walk() if impl == "cpu" else globals()["verify_tree_sample_reference"]
+    """The reference walk, and the C++ walk from the distributions' logits, emit the exact sequence law."""
+    if impl == "cpu":
+        walk = _cpu_walk()
+
+        def verify_tree_sample_reference(x, nodes, *args, **kwargs):
+            return walk(x.log(), nodes.log(), *args, temperature=1.0, top_k=0, top_p=1.0, **kwargs)
+    else:
+        verify_tree_sample_reference = globals()["verify_tree_sample_reference"]
     parents, tokens, q, p_x = stat_tree(name)
     B, V = 20000, len(parents)
     gen = torch.Generator().manual_seed(zlib.crc32(name.encode()) + max_accept)
