@@ -15,6 +15,7 @@ install time.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -39,13 +40,28 @@ def _has_kernel(dispatch_key: str) -> bool:
         return False
 
 
+def _with_local_includes(sources: list[Path]) -> list[Path]:
+    """``sources`` and the files of their directories they ``#include "..."``, transitively: what a build reads
+    (ninja rebuilds on exactly these; another header of ``csrc/`` changing leaves the library as it is)."""
+    seen, todo = [], list(sources)
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.append(path)
+        for name in re.findall(r'^\s*#\s*include\s+"([^"]+)"', path.read_text(), flags=re.MULTILINE):
+            if (path.parent / name).is_file():
+                todo.append(path.parent / name)
+    return seen
+
+
 def _announce_build(name: str, sources: list[Path], cpp_extension) -> None:
     """One line on stderr when the library is missing or older than its sources (a compile follows, which takes
     tens of seconds); nothing when an existing build is only loaded."""
     try:
         library = Path(cpp_extension._get_build_directory(name, False)) / f"{name}.so"
         built = library.stat().st_mtime if library.is_file() else None
-        inputs = list(sources) + sorted(_CSRC.glob("*.h"))
+        inputs = _with_local_includes(sources)
         stale = built is None or any(s.stat().st_mtime > built for s in inputs)
     except (OSError, RuntimeError):
         stale = True

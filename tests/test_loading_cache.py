@@ -240,7 +240,9 @@ def test_pool_extension_announces_a_build_but_not_a_load(tmp_path, monkeypatch, 
     assert "building the n-gram pool extension" in capsys.readouterr().err  # no library yet
     library = tmp_path / "lookahead_pool_cpu.so"
     library.write_bytes(b"")
-    newest = max(p.stat().st_mtime for p in sources + sorted(pool_ext._CSRC.glob("*.h")))  # the pool's inputs
+    inputs = pool_ext._with_local_includes(sources)
+    assert {p.name for p in inputs} == {"ngram_pool.cpp", "ngram_pool.h", "ngram_pool_torch.h"}
+    newest = max(p.stat().st_mtime for p in inputs)  # the pool's inputs
     os.utime(library, (newest + 10, newest + 10))
     pool_ext._build("lookahead_pool_cpu", sources, cuda=False, verbose=False)
     assert capsys.readouterr().err == ""  # an up-to-date library is only loaded
@@ -248,3 +250,15 @@ def test_pool_extension_announces_a_build_but_not_a_load(tmp_path, monkeypatch, 
     pool_ext._build("lookahead_pool_cpu", sources, cuda=False, verbose=False)
     assert "building" in capsys.readouterr().err  # sources newer than the library: a rebuild
     assert built == ["lookahead_pool_cpu"] * 3
+
+
+def test_pool_extension_build_reads_only_the_headers_its_sources_include(tmp_path):
+    """Another header of csrc/ changing (the CPU ops' cpu_ops.h) leaves the pool's library as it is, so no build
+    is announced: the announcement once printed on every run after such a change, while ninja rebuilt nothing."""
+    from lookahead_kernels import pool_ext
+
+    (tmp_path / "a.cpp").write_text('#include "b.h"\n  #  include "c.h"\n#include <vector>\n#include "gone.h"\n')
+    (tmp_path / "b.h").write_text('#include "c.h"\n')
+    (tmp_path / "c.h").write_text('#include "b.h"\n')  # a cycle is read once
+    (tmp_path / "unrelated.h").write_text("")
+    assert sorted(p.name for p in pool_ext._with_local_includes([tmp_path / "a.cpp"])) == ["a.cpp", "b.h", "c.h"]
