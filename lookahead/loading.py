@@ -443,7 +443,7 @@ def _tokenizer_entry_ok(entry: Path) -> bool:
 
 
 def _load_gguf_tokenizer(path: Path, cache: bool):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     if not cache:
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -451,7 +451,9 @@ def _load_gguf_tokenizer(path: Path, cache: bool):
     if entry.is_dir():
         if _tokenizer_entry_ok(entry):
             try:
-                return AutoTokenizer.from_pretrained(str(entry))
+                # The entry is a fast tokenizer's files, written below: its class loads them without
+                # AutoTokenizer's registry of every model (0.4-0.5 s of a 1.4 s load here).
+                return PreTrainedTokenizerFast.from_pretrained(str(entry))
             except Exception as err:  # noqa: BLE001 - any failure means the entry cannot be trusted
                 reason = f"{type(err).__name__}: {err}"
         else:

@@ -207,10 +207,12 @@ def test_tokenizer_is_cached_and_a_corrupt_one_rebuilt(gguf_file, cache, monkeyp
 
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", classmethod(counting))
     second = load_tokenizer(gguf_file)
-    assert calls == [None]  # read from the cache directory, not from the GGUF
+    assert calls == []  # read from the cache directory by the fast tokenizer's class, not from the GGUF
     text = "abc XYZ ab"
     for tok in (first, second):
         assert tok(text)["input_ids"] == direct(text)["input_ids"] and tok.eos_token == direct.eos_token
+        assert tok.decode(direct(text)["input_ids"]) == direct.decode(direct(text)["input_ids"])
+        assert (tok.bos_token, tok.pad_token, tok.unk_token) == (direct.bos_token, direct.pad_token, direct.unk_token)
     tokenizer_json = entry / "tokenizer.json"
     tokenizer_json.write_text(tokenizer_json.read_text().replace('"ab"', '"ba"', 1))
     with pytest.warns(RuntimeWarning, match="corrupt"):
