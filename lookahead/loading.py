@@ -443,16 +443,14 @@ def _tokenizer_entry_ok(entry: Path) -> bool:
 
 
 def _load_gguf_tokenizer(path: Path, cache: bool):
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    if not cache:
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    entry = cache_dir() / _entry_name(file_sha256(path), "tokenizer")
-    if entry.is_dir():
+    entry = cache_dir() / _entry_name(file_sha256(path), "tokenizer") if cache else None
+    if entry is not None and entry.is_dir():
         if _tokenizer_entry_ok(entry):
             try:
-                # The entry is a fast tokenizer's files, written below: its class loads them without
+                # The entry is a fast tokenizer's files, written below: its class loads them without importing
                 # AutoTokenizer's registry of every model (0.4-0.5 s of a 1.4 s load here).
+                from transformers import PreTrainedTokenizerFast
+
                 return PreTrainedTokenizerFast.from_pretrained(str(entry))
             except Exception as err:  # noqa: BLE001 - any failure means the entry cannot be trusted
                 reason = f"{type(err).__name__}: {err}"
@@ -461,7 +459,11 @@ def _load_gguf_tokenizer(path: Path, cache: bool):
         warnings.warn(f"the cached tokenizer {entry} is corrupt ({reason}); rebuilding it", RuntimeWarning,
                       stacklevel=3)
         shutil.rmtree(entry, ignore_errors=True)
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if entry is None:
+        return tokenizer
     tmp = None
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
@@ -484,8 +486,6 @@ def _load_gguf_tokenizer(path: Path, cache: bool):
 def load_tokenizer(path, *, cache: bool = True):
     """The transformers tokenizer of a Hugging Face directory or a ``.gguf`` file (a GGUF's is cached like its
     weights, see :func:`cache_dir`). Raises ``ValueError`` when the path does not exist."""
-    from transformers import AutoTokenizer
-
     path = Path(os.fspath(path)).expanduser()
     if not path.exists():
         raise ValueError(f"{path} does not exist")
@@ -493,6 +493,8 @@ def load_tokenizer(path, *, cache: bool = True):
         if path.suffix.lower() != ".gguf":
             raise ValueError(f"{path} is a file but not a .gguf; pass a Hugging Face directory or a .gguf file")
         return _load_gguf_tokenizer(path, cache)
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(path))
 
 
