@@ -10,10 +10,13 @@ and methods
 * ``triton``: ``lookahead_kernels.verify.verify_tree_greedy`` / ``verify_tree_sample`` (GPU only; sampling
   includes the ``torch.rand`` of its uniforms);
 * ``torch reference``: ``verify_tree_greedy_reference`` / ``verify_tree_sample_reference`` (with the uniforms
-  drawn).
+  drawn), on rows warped beforehand;
+* on the CPU, sampling from the logits as a step verifies them (temperature 1; and mode ``sample top-p``:
+  temperature 0.7, top-p 0.9): ``torch warp + reference`` (``warp_logits`` of every row, then the reference) and
+  ``C++ from logits`` (``verify_tree_sample_cpu``, which warps only the rows its walk reaches), checked equal.
 
     python bench/bench_verify.py          # on a GPU: every row, timed with triton.testing.do_bench (median)
-    python bench/bench_verify.py --cpu    # torch reference rows on CPU (perf_counter medians)
+    python bench/bench_verify.py --cpu    # the CPU's rows (perf_counter medians)
 
 Writes bench/results/verify-<device-slug>.{json,md}. Inputs are random logits; every node's token is, with
 probability 1/2, the argmax at its parent (the first child always), so walks have realistic lengths.
@@ -37,6 +40,7 @@ sys.path.insert(0, HERE)
 from _common import command_line, device_slug, machine_info, write_results  # noqa: E402
 
 from lookahead.sampling import SamplingParams, warp_logits  # noqa: E402
+from lookahead_kernels.cpu_ops import cpu_ops_available  # noqa: E402
 from lookahead_kernels.tree import TreeShape  # noqa: E402
 from lookahead_kernels.verify_ref import (draw_tree_uniforms, verify_tree_greedy_reference,  # noqa: E402
                                           verify_tree_sample_reference)
@@ -85,6 +89,24 @@ def make_inputs(kind: str, vocab: int, device, seed: int = 0):
     return x, nodes, tokens, end, depth, warp_logits(x, params), warp_logits(nodes, params)
 
 
+def add_cpu_sampling_cases(cases: dict, x, nodes, tokens, end, depth, gen, kind, vocab) -> None:
+    """The CPU's sampled verification from the logits, both ways, after checking they agree."""
+    from lookahead_kernels import verify_tree_sample_cpu
+
+    for mode, params in (("sample", SamplingParams(1.0)), ("sample top-p", SamplingParams(0.7, 0, 0.9))):
+        warp = dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+        u = draw_tree_uniforms(1, NODES, "cpu", gen)
+        ref = verify_tree_sample_reference(warp_logits(x, params), warp_logits(nodes, params), tokens, end, None,
+                                           depth, u)
+        got = verify_tree_sample_cpu(x, nodes, tokens, end, None, depth, uniforms=u, **warp)
+        if not all(torch.equal(a, b) for a, b in zip(ref, got)):
+            raise RuntimeError(f"verify_tree_sample_cpu differs from its reference on the {kind} tree, vocab {vocab}")
+        cases[(mode, "torch warp + reference")] = lambda p=params: verify_tree_sample_reference(
+            warp_logits(x, p), warp_logits(nodes, p), tokens, end, None, depth, draw_tree_uniforms(1, NODES, "cpu", gen))
+        cases[(mode, "C++ from logits")] = lambda w=warp: verify_tree_sample_cpu(x, nodes, tokens, end, None, depth,
+                                                                                generator=gen, **w)
+
+
 # ---- timing ------------------------------------------------------------------------------------------------------
 def time_cpu(fn, min_reps=5, budget_s=0.5):
     fn()  # warm-up
@@ -116,6 +138,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu", action="store_true", help="run the torch reference rows on CPU")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    ap.add_argument("--tag", default=None, help="result file tag (default: the device)")
     args = ap.parse_args(argv)
     on_gpu = torch.cuda.is_available() and not args.cpu
     if not on_gpu and not args.cpu:
@@ -155,6 +178,8 @@ def main(argv=None) -> int:
                 if not all(torch.equal(a, b) for a, b in zip(ref, got)):
                     raise RuntimeError(f"verify_tree_sample differs from its reference on the {kind} tree, "
                                        f"vocab {vocab}")
+            if not on_gpu and cpu_ops_available():
+                add_cpu_sampling_cases(cases, x, nodes, tokens, end, depth, gen, kind, vocab)
             accepted = int(verify_tree_greedy_reference(x, nodes, tokens, end, None, depth)[0])
             if on_gpu:  # the same kernels, launch cost removed: what they cost inside a captured step
                 cases[("greedy", "triton graph")] = cases[("greedy", "triton")]
@@ -176,7 +201,7 @@ def main(argv=None) -> int:
                         else "time.perf_counter median (CPU)"),
               "batch": 1, "dtype": "float32", "rows": rows}
     markdown = render_markdown(result)
-    write_results(args.out_dir, f"verify-{device_slug(info)}", result, markdown)
+    write_results(args.out_dir, f"verify-{args.tag or device_slug(info)}", result, markdown)
     print(markdown)
     return 0
 
