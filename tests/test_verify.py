@@ -985,3 +985,22 @@ def test_kernels_compile_for_h100(kernel_device):
     """The interpreter never compiles: build every kernel for sm_90 through ptxas so compiled-path type errors
     (loop-carried types, constexpr specialisation of strides equal to 1) show up without a GPU."""
     run_compile_script(_SM90_SCRIPT, kernel_device, {"TRITON_DEFAULT_FP_FUSION": "1"})
+
+
+@pytest.mark.parametrize("params", WARPS[1:], ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
+def test_sampler_verifies_a_cpu_tree_the_same_with_or_without_the_cpp_walk(params, monkeypatch):
+    """``Sampler.verify_tree`` on the CPU: the C++ walk from the logits and the torch warp + reference (a CPU
+    without the C++ ops) give the same results for the same uniforms, on padded batches of trees."""
+    from lookahead.verification import Sampler
+    from lookahead_kernels import cpu_ops
+
+    _cpu_walk()
+    sampler = Sampler(True, params.temperature, params.top_k, params.top_p, torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(31)
+    B, vocab = 5, 300
+    x, nodes, tokens, end, n, depth = sample_tree_case(B, 9, vocab, "bushy", gen, pad=True)
+    x, nodes = (x.log() * 3).float(), (nodes.log() * 3).float()
+    u = draw_tree_uniforms(B, tokens.shape[1], generator=gen)
+    native = sampler.verify_tree(x, nodes, tokens, end, n, depth, uniforms=u)
+    monkeypatch.setattr(cpu_ops, "cpu_ops_available", lambda build=True: False)
+    assert_same(sampler.verify_tree(x, nodes.nan_to_num(0.0), tokens, end, n, depth, uniforms=u), native)
