@@ -309,9 +309,11 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     rows = [_Row(_Emitter(p.tolist(), max_new_tokens, eos, streamer), GenerationStats(trace=[] if trace else None))
             for p in prompts]
 
-    # One-time setup is not part of this call's time: the plan may measure the device's step costs (once per model
-    # and batch menu), and the first call at a batch size builds its KV cache or step runner (kept on the model).
+    # One-time setup is not part of this call's time: the CPU forward's packed weights (made once per weight), the
+    # plan may measure the device's step costs (once per model and batch menu), and the first call at a batch size
+    # builds its KV cache or step runner (kept on the model).
     setup_started = time.perf_counter()
+    model.prepare_cpu_weights()
     plan = make_plan(lookahead, model, B) if lookahead is not None else None
     step_cap = plan.shape.max_tokens if plan is not None else 1
     runner = None

@@ -149,6 +149,34 @@ def test_model_packed_matches_plain_linear(tied, bias, mode):
         model.set_cpu_linear("bf16")
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_weights_are_packed_before_generate_starts_its_clock(tied, monkeypatch):
+    """``prepare_cpu_weights`` packs every linear layer (the tied head too); ``generate`` calls it before its clock
+    starts and its forwards reuse those copies, so a process's first call does not count the packing. The "torch"
+    mode packs nothing."""
+    model = _random_model(tied, False)
+    packs = [m.pack for m in model.modules() if isinstance(m, CpuLinear)]
+    packs += [model._tied_head_pack] if tied else []
+    model.set_cpu_linear("torch")
+    model.prepare_cpu_weights()
+    assert all(p._packed is None for p in packs)
+    model.set_cpu_linear("packed")
+    if cpu_linear._backend("packed") is None:
+        pytest.skip("neither our GEMM nor oneDNN is available here")
+    calls = []
+    real = model.prepare_cpu_weights
+
+    def prepare():
+        calls.append([p._packed is None for p in packs])
+        real()
+        calls.append([id(p._packed) for p in packs])
+
+    monkeypatch.setattr(model, "prepare_cpu_weights", prepare)
+    model.generate(torch.randint(0, TINY["vocab_size"], (1, 6)), max_new_tokens=4, lookahead=None)
+    assert calls[0] == [True] * len(packs)  # nothing packed before the call
+    assert calls[1] == [id(p._packed) for p in packs]  # packed once, before the forwards, and reused by them
+
+
 def test_gemm_rejects_bad_arguments():
     if not cpu_linear.gemm_available():
         pytest.skip(f"no CPU GEMM: {cpu_linear.gemm_error()}")
