@@ -50,7 +50,7 @@ bool any_above(const float* x, int64_t n, float thr) {
 
 // Row x[0 .. V)'s top k into vals / idx (k <= V), largest first. The entries held form a heap whose root is the
 // one that comes last (the threshold a new entry must beat): an offer costs log k, not k (sorted insertion made a
-// top 128 of 49k entries take 0.19 ms, slower than torch.topk; top-p's candidates, lookahead/sampling.py).
+// top 128 of 49k entries take 0.19 ms, slower than torch.topk; sampling's top-k, csrc/sample_warped.cpp).
 void top_row(const float* x, int64_t V, int64_t k, float* vals, int64_t* idx) {
   int64_t n = 0;  // entries held
   // Entry a sits below b in the heap when b comes after it: the root comes after every other entry.

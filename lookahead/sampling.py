@@ -1,8 +1,11 @@
 """Sampling parameters, logit warping (temperature, top-k, top-p) and row sampling: the CPU path.
 
 ``warp_logits`` turns logits into the probabilities that verification (``verify_tree_sample_reference`` or the
-``verify_tree_sample`` kernel) and ``sample_rows`` consume. Warping is plain torch on any device; it is not fused into
-the verification kernels (a top-k/top-p over a 128k vocabulary needs a sort or a selection pass of its own).
+``verify_tree_sample`` kernel) and ``sample_rows`` consume. It is plain torch on any device, and it is not fused into
+the GPU's verification kernel (a top-k/top-p over a 128k vocabulary needs a sort or a selection pass of its own). On a
+CPU with the C++ ops built, decoding never calls it: a plain step draws with ``sample_logits`` and a tree step's walk
+warps the rows it reaches (``csrc/sample_warped.cpp``, ``csrc/verify_sample.cpp``); ``warp_logits`` is their
+tests' oracle.
 """
 
 from __future__ import annotations
@@ -86,10 +89,7 @@ def _tempered(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """float32 logits over the temperature, those below the top-k's k-th largest at -inf."""
     x = logits.float() / params.temperature
     if 0 < params.top_k < x.shape[-1]:
-        if x.device.type == "cpu":  # the k-th largest: the C++ selection where it is built
-            kth = x.gather(-1, _candidates(x, params.top_k)[..., -1:])
-        else:
-            kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     return x
 
@@ -108,22 +108,6 @@ def _nucleus_of_sorted(sorted_p: torch.Tensor, top_p: float) -> torch.Tensor:
     return keep
 
 
-def _candidates(probs: torch.Tensor, k: int) -> torch.Tensor:
-    """int64 ``[..., k]``: each row's ``k`` largest entries of ``probs`` (float32 on the CPU; logits too), value
-    descending (NaN first, as torch.topk has it), ties by index: the C++ selection where it is built (one pass,
-    0.07 ms for a row of 49k on a 2-core CPU, where torch.topk and two sorts took 0.2 ms), else torch."""
-    from lookahead_kernels.cpu_ops import cpu_ops_available
-
-    rows = probs.reshape(-1, probs.shape[-1])
-    if probs.dtype == torch.float32 and rows.shape[0] and cpu_ops_available(build=False):
-        return torch.ops.lookahead_draft.top_successors(rows.contiguous(), k)[0].reshape(*probs.shape[:-1], k)
-    values, index = torch.topk(probs, k, dim=-1)  # any order among ties
-    index, by_index = torch.sort(index, dim=-1)
-    values = values.gather(-1, by_index)
-    order = torch.sort(values, dim=-1, descending=True, stable=True).indices
-    return index.gather(-1, order)
-
-
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """bool ``[..., V]``: the tokens top-p keeps, as a stable descending sort of ``probs`` defines them.
 
@@ -135,8 +119,11 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     V = probs.shape[-1]
     k = min(NUCLEUS_CANDIDATES, V)
     if probs.device.type == "cpu" and k < V:
-        index = _candidates(probs, k)  # the k likeliest, value descending, ties by index
-        sorted_p = probs.gather(-1, index)
+        values, index = torch.topk(probs, k, dim=-1)  # any order among ties: put them by index, then by value
+        index, by_index = torch.sort(index, dim=-1)
+        values = values.gather(-1, by_index)
+        sorted_p, order = torch.sort(values, dim=-1, descending=True, stable=True)
+        index = index.gather(-1, order)  # the k likeliest, value descending, ties by index
         keep = _nucleus_of_sorted(sorted_p, top_p)
         exact = (sorted_p > sorted_p[..., -1:]).sum(-1)  # leading candidates in the full sort's order
         if bool((keep.sum(-1) <= exact).all()):

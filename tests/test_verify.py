@@ -730,15 +730,10 @@ def test_inverse_cdf_picks_the_first_index_whose_cdf_passes_the_target():
 # ---- warping and row sampling ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0), (0.9, 0, 0.8),
                                                      (0.6, 10, 0.5), (1.0, 3, 0.01), (2.0, 1000, 0.95)])
-@pytest.mark.parametrize("native", [False, True])
-def test_warp_matches_hf(temperature, top_k, top_p, native, monkeypatch):
+def test_warp_matches_hf(temperature, top_k, top_p):
     from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
                                                         TopPLogitsWarper)
-    from lookahead_kernels import cpu_ops
 
-    if native and not cpu_ops.cpu_ops_available():
-        pytest.skip("the C++ ops could not be built here")
-    monkeypatch.setattr(cpu_ops, "cpu_ops_available", lambda build=True: native)  # top-k and top-p's selection
     gen = torch.Generator().manual_seed(int(temperature * 10) + top_k)
     logits = torch.randn(6, 200, generator=gen) * 3
     params = SamplingParams(temperature, top_k, top_p)
@@ -759,18 +754,12 @@ def test_warp_matches_hf(temperature, top_k, top_p, native, monkeypatch):
 @pytest.mark.parametrize("V", [100, 129, 3000])
 @pytest.mark.parametrize("scale", [0.3, 3.0, 12.0])
 @pytest.mark.parametrize("ties", [False, True])
-@pytest.mark.parametrize("native", [False, True])
-def test_top_p_among_candidates_keeps_what_the_full_sort_keeps(V, scale, ties, native, monkeypatch):
+def test_top_p_among_candidates_keeps_what_the_full_sort_keeps(V, scale, ties):
     """On the CPU top-p first looks for the nucleus among the likeliest ``NUCLEUS_CANDIDATES`` tokens (a sort of the
     whole vocabulary took 6 ms a row): it must keep exactly the tokens a stable descending sort of every token
     keeps, sharp distributions (the nucleus among the candidates) and flat ones (past them: the full sort) alike,
-    with ties anywhere, the edge included; the candidates chosen by the C++ op or by torch."""
+    with ties anywhere, the edge included."""
     from lookahead import sampling
-    from lookahead_kernels import cpu_ops
-
-    if native and not cpu_ops.cpu_ops_available():
-        pytest.skip("the C++ ops could not be built here")
-    monkeypatch.setattr(cpu_ops, "cpu_ops_available", lambda build=True: native)
 
     gen = torch.Generator().manual_seed(V + int(scale * 10) + ties)
     logits = torch.randn(5, V, generator=gen) * scale
@@ -786,13 +775,7 @@ def test_top_p_among_candidates_keeps_what_the_full_sort_keeps(V, scale, ties, n
         assert torch.equal(sampling._nucleus(probs, top_p), expected), top_p
 
 
-@pytest.mark.parametrize("native", [False, True])
-def test_warp_keeps_at_least_one_and_greedy_one_hot(native, monkeypatch):
-    from lookahead_kernels import cpu_ops
-
-    if native and not cpu_ops.cpu_ops_available():
-        pytest.skip("the C++ ops could not be built here")
-    monkeypatch.setattr(cpu_ops, "cpu_ops_available", lambda build=True: native)
+def test_warp_keeps_at_least_one_and_greedy_one_hot():
     logits = torch.tensor([[0.0, 10.0, 10.0, -1.0]])
     assert warp_logits(logits, SamplingParams(top_p=1e-9)).gt(0).sum() == 1
     assert warp_logits(logits, SamplingParams(temperature=0)).tolist() == [[0.0, 1.0, 0.0, 0.0]]
