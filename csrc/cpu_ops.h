@@ -33,6 +33,8 @@ namespace sample_warped {
 // is its few kept tokens; without, the weights over the whole vocabulary. csrc/sample_warped.cpp.
 class WarpedRow {
  public:
+  // ValueError naming `op` unless temperature > 0 (finite), top_k >= 0 (0: off) and top_p in (0, 1].
+  static void check(const char* op, double temperature, int64_t top_k, double top_p);
   explicit WarpedRow(int64_t V);
   // The row of the logits x[0 .. V); nothing kept if its largest tempered logit is not finite.
   void warp(const float* x, float temperature, int64_t top_k, double top_p);

@@ -168,6 +168,13 @@ int64_t inverse_cdf(const float* e, int64_t V, double target) {
 
 }  // namespace
 
+void WarpedRow::check(const char* op, double temperature, int64_t top_k, double top_p) {
+  TORCH_CHECK_VALUE(temperature > 0 && std::isfinite(temperature), op, ": temperature must be > 0, got ",
+                    temperature);
+  TORCH_CHECK_VALUE(top_k >= 0, op, ": top_k must be >= 0, got ", top_k);
+  TORCH_CHECK_VALUE(top_p > 0 && top_p <= 1, op, ": top_p must be in (0, 1], got ", top_p);
+}
+
 WarpedRow::WarpedRow(int64_t V) : V_(V), s_(new float[V]), e_(new float[V]) {}  // every warp writes first
 
 void WarpedRow::warp(const float* x, float temperature, int64_t top_k, double top_p) {
@@ -214,10 +221,7 @@ at::Tensor sample(const at::Tensor& logits, double temperature, int64_t top_k, d
                         logits.size(1) >= 1 && logits.stride(1) == 1,
                     name, ": logits must be a CPU float32 [R, V] tensor with V >= 1 and a contiguous last dimension");
   const int64_t R = logits.size(0), V = logits.size(1);
-  TORCH_CHECK_VALUE(temperature > 0 && std::isfinite(temperature), name, ": temperature must be > 0, got ",
-                    temperature);
-  TORCH_CHECK_VALUE(top_k >= 0, name, ": top_k must be >= 0, got ", top_k);
-  TORCH_CHECK_VALUE(top_p > 0 && top_p <= 1, name, ": top_p must be in (0, 1], got ", top_p);
+  WarpedRow::check(name, temperature, top_k, top_p);
   TORCH_CHECK_VALUE(uniforms.device().is_cpu() && uniforms.scalar_type() == at::kDouble && uniforms.dim() == 1 &&
                         uniforms.size(0) == R,
                     name, ": uniforms must be a CPU float64 [R] tensor");

@@ -29,7 +29,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <tuple>
 
@@ -65,10 +64,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_warped(const at::Tens
                         uniforms.scalar_type() == at::kDouble && uniforms.is_contiguous(),
                     name, ": uniforms must be a contiguous float64 [B, V + 1] tensor");
   TORCH_CHECK_VALUE(max_accept >= 0, name, ": max_accept must be >= 0, got ", max_accept);
-  TORCH_CHECK_VALUE(temperature > 0 && std::isfinite(temperature), name, ": temperature must be > 0, got ",
-                    temperature);
-  TORCH_CHECK_VALUE(top_k >= 0, name, ": top_k must be >= 0, got ", top_k);
-  TORCH_CHECK_VALUE(top_p > 0 && top_p <= 1, name, ": top_p must be in (0, 1], got ", top_p);
+  sample_warped::WarpedRow::check(name, temperature, top_k, top_p);
   TORCH_CHECK_VALUE(x_logits.device().is_cpu() && node_logits.device().is_cpu() && tokens.device().is_cpu() &&
                         end.device().is_cpu() && num_nodes.device().is_cpu() && uniforms.device().is_cpu(),
                     name, ": every tensor must be on the CPU");
