@@ -366,13 +366,13 @@ def _convert_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
 
 def _load_gguf(directory: Path, filename: str, dtype: torch.dtype | None, device: torch.device,
-               cache: bool = True) -> LlamaForCausalLM:
+               cache: bool = True, digest: str | None = None) -> LlamaForCausalLM:
     path = directory / filename
     dtype = dtype or torch.float32
     if not cache:
         config, state = _convert_gguf(path)
         return _build(config, {k: v.to(device=device, dtype=dtype) for k, v in state.items()}, dtype, device)
-    digest = file_sha256(path)
+    digest = digest or file_sha256(path)
     entry = cache_dir() / _entry_name(digest, "safetensors")
     if entry.is_file():
         try:
@@ -390,6 +390,11 @@ def _load_gguf(directory: Path, filename: str, dtype: torch.dtype | None, device
     return _build(config, {k: v.to(device=device, dtype=dtype) for k, v in state.items()}, dtype, device)
 
 
+def _check_dtype(dtype) -> None:
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise ValueError(f"dtype must be None or a floating torch.dtype, got {dtype!r}")
+
+
 def from_pretrained(path, dtype: torch.dtype | None = None, device=None,
                     gguf_file: str | None = None, *, cache: bool = True) -> LlamaForCausalLM:
     """Load a checkpoint from disk.
@@ -403,8 +408,7 @@ def from_pretrained(path, dtype: torch.dtype | None = None, device=None,
         cache: for a GGUF, use (and fill) the converted-weights cache in :func:`cache_dir`.
     Raises ``ValueError`` for missing or unsupported files and architectures.
     """
-    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-        raise ValueError(f"dtype must be None or a floating torch.dtype, got {dtype!r}")
+    _check_dtype(dtype)
     device = torch.device(device if device is not None else "cpu")
     path = Path(os.fspath(path)).expanduser()
     if not path.exists():
@@ -442,8 +446,8 @@ def _tokenizer_entry_ok(entry: Path) -> bool:
         return False
 
 
-def _load_gguf_tokenizer(path: Path, cache: bool):
-    entry = cache_dir() / _entry_name(file_sha256(path), "tokenizer") if cache else None
+def _load_gguf_tokenizer(path: Path, cache: bool, digest: str | None = None):
+    entry = cache_dir() / _entry_name(digest or file_sha256(path), "tokenizer") if cache else None
     if entry is not None and entry.is_dir():
         if _tokenizer_entry_ok(entry):
             try:
@@ -503,8 +507,11 @@ def load_default(dtype: torch.dtype = torch.float32, device="cpu"):
 
     The first call converts the GGUF (~30 s); later ones read the cache (:func:`cache_dir`) in about a second."""
     path = default_gguf_path()
-    model = from_pretrained(path, dtype=dtype, device=device)
-    return model, load_tokenizer(path)
+    _check_dtype(dtype)
+    digest = file_sha256(path)  # both cache entries' key: one read of the file, not two (0.13 s each here)
+    model = _load_gguf(path.parent, path.name, dtype, torch.device(device if device is not None else "cpu"),
+                       digest=digest)
+    return model, _load_gguf_tokenizer(path, True, digest)
 
 
 __all__ = ["convert_hf_state_dict", "from_hf", "from_pretrained", "load_default", "load_tokenizer",

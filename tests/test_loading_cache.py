@@ -264,3 +264,20 @@ def test_pool_extension_build_reads_only_the_headers_its_sources_include(tmp_pat
     (tmp_path / "c.h").write_text('#include "b.h"\n')  # a cycle is read once
     (tmp_path / "unrelated.h").write_text("")
     assert sorted(p.name for p in pool_ext._with_local_includes([tmp_path / "a.cpp"])) == ["a.cpp", "b.h", "c.h"]
+
+
+def test_load_default_reads_the_gguf_once_for_both_cache_keys(tmp_path, monkeypatch):
+    """The weights' and the tokenizer's cache entries share the file's SHA-256: load_default hashes it once."""
+    from lookahead import loading
+
+    hashed = []
+    monkeypatch.setattr(loading, "file_sha256", lambda path: hashed.append(path) or "ab" * 32)
+    monkeypatch.setattr(loading, "default_gguf_path", lambda: tmp_path / "model.gguf")
+    monkeypatch.setattr(loading, "_load_gguf", lambda directory, name, dtype, device, cache=True, digest=None:
+                        ("model", digest, dtype, device))
+    monkeypatch.setattr(loading, "_load_gguf_tokenizer", lambda path, cache, digest=None: ("tokenizer", digest))
+    model, tokenizer = loading.load_default()
+    assert model == ("model", "ab" * 32, torch.float32, torch.device("cpu")) and tokenizer == ("tokenizer", "ab" * 32)
+    assert hashed == [tmp_path / "model.gguf"]
+    with pytest.raises(ValueError, match="dtype"):
+        loading.load_default(dtype=torch.int8)
