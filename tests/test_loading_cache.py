@@ -14,13 +14,14 @@ from lookahead.loading import cache_dir, file_sha256, from_pretrained, load_toke
 VOCAB = 64
 
 
-def write_tiny_gguf(path, seed=0, hidden=32, inter=64, layers=2, heads=4, kv=2):
-    """A float32 Llama GGUF with a byte-level BPE tokenizer of ``VOCAB`` tokens."""
+def write_tiny_gguf(path, seed=0, hidden=32, inter=64, layers=2, heads=4, kv=2, arch="llama", head=True):
+    """A float32 GGUF of architecture ``arch`` (``"llama"``, or ``"qwen2"`` with q/k/v biases) with a byte-level BPE
+    tokenizer of ``VOCAB`` tokens; ``head=False``: no output projection (tied to the embeddings)."""
     import gguf
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tiny-llama")
     w.add_context_length(128)
     w.add_block_count(layers)
@@ -54,12 +55,17 @@ def write_tiny_gguf(path, seed=0, hidden=32, inter=64, layers=2, heads=4, kv=2):
         t(f"blk.{i}.attn_q.weight", heads * hd, hidden)
         t(f"blk.{i}.attn_k.weight", kv * hd, hidden)
         t(f"blk.{i}.attn_v.weight", kv * hd, hidden)
+        if arch == "qwen2":
+            t(f"blk.{i}.attn_q.bias", heads * hd)
+            t(f"blk.{i}.attn_k.bias", kv * hd)
+            t(f"blk.{i}.attn_v.bias", kv * hd)
         t(f"blk.{i}.attn_output.weight", hidden, heads * hd)
         t(f"blk.{i}.ffn_gate.weight", inter, hidden)
         t(f"blk.{i}.ffn_up.weight", inter, hidden)
         t(f"blk.{i}.ffn_down.weight", hidden, inter)
     t("output_norm.weight", hidden)
-    t("output.weight", VOCAB, hidden)
+    if head:
+        t("output.weight", VOCAB, hidden)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -225,7 +231,7 @@ def test_loading_errors_are_value_errors(tmp_path, cache):
         load_tokenizer(tmp_path / "missing.gguf")
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF but not really")
-    with pytest.raises(ValueError, match="cannot read"):
+    with pytest.raises(ValueError, match="bad.gguf is not a GGUF file .19 bytes, shorter than a GGUF header"):
         from_pretrained(bad)
 
 
