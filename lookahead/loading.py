@@ -293,6 +293,19 @@ def _remove_stale_temporaries(directory: Path, max_age_s: float = 3600.0) -> Non
             pass
 
 
+def _remove_older_versions(entry: Path) -> None:
+    """Delete the entries of the same file and kind that an earlier version of the conversion wrote (a weights
+    entry is ~4x the GGUF's size; nothing reads an old version again)."""
+    stem, _, kind = entry.name.rpartition(".")
+    prefix = stem.rpartition("-v")[0] + "-v"
+    for old in entry.parent.glob(f"{prefix}*.{kind}"):
+        if old != entry and old.name[len(prefix):-len(kind) - 1].isdigit():
+            try:
+                shutil.rmtree(old) if old.is_dir() else old.unlink()
+            except OSError:
+                pass
+
+
 def _write_weights_entry(entry: Path, digest: str, source: Path, config: ModelConfig,
                          state: dict[str, torch.Tensor]) -> None:
     """Write ``state`` as safetensors to ``entry`` atomically (a temporary in the same directory, then a rename).
@@ -315,6 +328,7 @@ def _write_weights_entry(entry: Path, digest: str, source: Path, config: ModelCo
             os.fsync(f.fileno())
         os.replace(tmp, entry)
         tmp = None
+        _remove_older_versions(entry)
     except (OSError, RuntimeError) as err:  # RuntimeError: safetensors' own write errors
         warnings.warn(f"could not cache the converted weights of {source.name} in {entry.parent}: {err}",
                       RuntimeWarning, stacklevel=3)

@@ -147,6 +147,21 @@ def test_second_load_reads_the_cache_and_gives_the_same_model(gguf_file, referen
     assert len(cache.conversions) == 2 and len(entries(cache, ".safetensors")) == 1
 
 
+def test_a_new_entry_removes_the_older_versions_of_its_file(gguf_file, cache):
+    """Entries an earlier version of the conversion wrote are never read again: writing the current one deletes
+    them (the same file's only, and weights only: the tokenizer's entry has its own version)."""
+    digest = file_sha256(gguf_file)[:40]
+    cache.mkdir(parents=True)
+    old = [cache / f"gguf-{digest}-v1.safetensors", cache / f"gguf-{digest}-v0.safetensors"]
+    kept = [cache / f"gguf-{'0' * 40}-v1.safetensors", cache / f"gguf-{digest}-v1.tokenizer",
+            cache / f"gguf-{digest}-vx.safetensors"]
+    for path in old + kept:
+        path.write_bytes(b"old")
+    from_pretrained(gguf_file)
+    current = cache / f"gguf-{digest}-v{loading.CACHE_VERSIONS['safetensors']}.safetensors"
+    assert current.is_file() and not any(p.exists() for p in old) and all(p.exists() for p in kept)
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "garbage", "empty"])
 def test_a_corrupt_entry_is_detected_and_rebuilt(gguf_file, reference, cache, damage):
     from_pretrained(gguf_file)
