@@ -8,7 +8,9 @@ Rows, for greedy and for sampling (B = 1, float32), on trees of 120 nodes:
 and methods
 
 * ``triton``: ``lookahead_kernels.verify.verify_tree_greedy`` / ``verify_tree_sample`` (GPU only; sampling
-  includes the ``torch.rand`` of its uniforms);
+  includes the ``torch.rand`` of its uniforms); ``triton graph``: the same replayed from a CUDA graph;
+  ``torch warp + triton graph``: ``warp_logits`` of every row and then the walk, in one graph, as a sampled step
+  runs them (temperature 1; mode ``sample top-p``: temperature 0.7, top-p 0.9);
 * ``torch reference``: ``verify_tree_greedy_reference`` / ``verify_tree_sample_reference`` (with the uniforms
   drawn), on rows warped beforehand;
 * on the CPU, sampling from the logits as a step verifies them (temperature 1; and mode ``sample top-p``:
@@ -107,6 +109,25 @@ def add_cpu_sampling_cases(cases: dict, x, nodes, tokens, end, depth, gen, kind,
                                                                                 generator=gen, **w)
 
 
+def add_gpu_warp_cases(cases: dict, x, nodes, tokens, end, depth, gen, kind, vocab) -> None:
+    """What a sampled step's graph runs on a GPU: ``warp_logits`` of x and every node row (torch; top-p sorts each
+    row of the vocabulary), then the Triton walk; checked against the reference first. Beside the ``sample triton
+    graph`` row it tells what the warp costs, and so whether warping lazily inside the walk (as the CPU's C++ walk
+    does) could pay."""
+    from lookahead_kernels.verify import verify_tree_sample
+
+    for mode, params in (("sample", SamplingParams(1.0)), ("sample top-p", SamplingParams(0.7, 0, 0.9))):
+        u = draw_tree_uniforms(1, NODES, x.device, gen)
+        xp, np_ = warp_logits(x, params), warp_logits(nodes, params)
+        ref = verify_tree_sample_reference(xp, np_, tokens, end, None, depth, u)
+        got = verify_tree_sample(xp, np_, tokens, end, None, depth, u)
+        if not all(torch.equal(a, b) for a, b in zip(ref, got)):
+            raise RuntimeError(f"verify_tree_sample differs from its reference ({mode}) on the {kind} tree, "
+                               f"vocab {vocab}")
+        cases[(mode, "torch warp + triton graph")] = lambda p=params: verify_tree_sample(
+            warp_logits(x, p), warp_logits(nodes, p), tokens, end, None, depth, generator=gen)
+
+
 # ---- timing ------------------------------------------------------------------------------------------------------
 def time_cpu(fn, min_reps=5, budget_s=0.5):
     fn()  # warm-up
@@ -184,6 +205,7 @@ def main(argv=None) -> int:
             if on_gpu:  # the same kernels, launch cost removed: what they cost inside a captured step
                 cases[("greedy", "triton graph")] = cases[("greedy", "triton")]
                 cases[("sample", "triton graph")] = cases[("sample", "triton")]
+                add_gpu_warp_cases(cases, x, nodes, tokens, end, depth, gen, kind, vocab)
             for (mode, method), fn in sorted(cases.items()):
                 try:
                     us, reps = (time_gpu_graph if method.endswith("graph") else timer)(fn)
