@@ -198,9 +198,11 @@ def model_config(gguf: GGUFFile) -> ModelConfig:
         return value
 
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling != "none" or "rope_freqs.weight" in names:
-        raise ValueError(f"{gguf.path.name}: rope scaling in a GGUF ({scaling if scaling != 'none' else 'rope_freqs'}) "
-                         f"is unsupported; load the model's Hugging Face directory instead")
+    if "rope_freqs.weight" in names and scaling == "none":
+        scaling = "rope_freqs"  # Llama 3.1's per-frequency factors, stored as a tensor
+    if scaling != "none":
+        raise ValueError(f"{gguf.path.name}: rope scaling in a GGUF ({scaling}) is unsupported; load the model's "
+                         f"Hugging Face directory instead")
     heads = int(key("attention.head_count"))
     hidden = int(key("embedding_length"))
     head_dim = meta.get(f"{arch}.attention.key_length")
@@ -210,7 +212,9 @@ def model_config(gguf: GGUFFile) -> ModelConfig:
     if vocab is None:
         tokens = meta.get("tokenizer.ggml.tokens")
         vocab = tokens.length if isinstance(tokens, StringArray) else names["token_embd.weight"].shape[0]
-    has = lambda suffix: any(n.startswith("blk.") and n.endswith(suffix) for n in names)  # noqa: E731
+    def has(suffix: str) -> bool:
+        return any(n.startswith("blk.") and n.endswith(suffix) for n in names)
+
     eos = meta.get("tokenizer.ggml.eos_token_id")
     if arch == "qwen2":
         attention_bias, output_bias, mlp_bias = True, False, False
