@@ -155,6 +155,20 @@ def time_gpu_graph(fn):
 
 
 # ---- main --------------------------------------------------------------------------------------------------------
+def save(args, device, on_gpu: bool, argv, rows: list) -> str:
+    """Write the rows so far (after every vocabulary: a time box that stops the run keeps what was measured)."""
+    info = machine_info(device)  # its load average: the one the CPU rows ran under so far
+    result = {"machine": info, "command": command_line(__file__, sys.argv[1:] if argv is None else argv),
+              "timer": ("triton.testing.do_bench median (launch included); `triton graph`: "
+                        "triton.testing.do_bench_cudagraph median (device time)" if on_gpu
+                        else "time.perf_counter median (CPU)"),
+              "batch": 1, "dtype": "float32", "rows": rows}
+    markdown = render_markdown(result)
+    write_results(args.out_dir, f"verify-{args.tag or device_slug(info)}", result, markdown)
+    return markdown
+
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu", action="store_true", help="run the torch reference rows on CPU")
@@ -215,15 +229,9 @@ def main(argv=None) -> int:
                 rows.append({"mode": mode, "method": method, "vocab": vocab, "tree": kind, "nodes": NODES,
                              "depth": depth, "greedy_accepted": accepted, "us": round(us, 2), "reps": reps})
                 print(f"{mode:6s} {method:16s} vocab={vocab:6d} {kind:6s} tree: {us:10.1f} us", flush=True)
+        save(args, device, on_gpu, argv, rows)
 
-    info = machine_info(device)  # at the end: its load average is the one the CPU rows ran under
-    result = {"machine": info, "command": command_line(__file__, sys.argv[1:] if argv is None else argv),
-              "timer": ("triton.testing.do_bench median (launch included); `triton graph`: "
-                        "triton.testing.do_bench_cudagraph median (device time)" if on_gpu
-                        else "time.perf_counter median (CPU)"),
-              "batch": 1, "dtype": "float32", "rows": rows}
-    markdown = render_markdown(result)
-    write_results(args.out_dir, f"verify-{args.tag or device_slug(info)}", result, markdown)
+    markdown = save(args, device, on_gpu, argv, rows)
     print(markdown)
     return 0
 
