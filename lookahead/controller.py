@@ -26,6 +26,7 @@ import itertools
 import json
 import operator
 import os
+import sys
 import time
 
 import torch
@@ -248,6 +249,10 @@ def _cached_costs(model, key: str, measure, cache_to_disk: bool) -> StepCosts:
             return memo[key]
         except (TypeError, ValueError):
             pass  # a damaged entry is measured again
+    # Seconds on a CPU, longer on a GPU (graph captures): said, so the pause before a first call's tokens is explained.
+    what = "batch step costs" if key.endswith("|batch") else "step costs"
+    where = f"; cached in {path}" if cache_to_disk else ""
+    print(f"lookahead: measuring this device's {what} (first use{where})", file=sys.stderr, flush=True)
     costs = measure()
     memo[key] = costs
     if cache_to_disk:

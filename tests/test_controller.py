@@ -64,16 +64,18 @@ def test_automatic_mode_is_greedy_identical_and_deterministic(costs):
         assert first.stats.fed_tokens == first.stats.steps == 30
 
 
-def test_default_generate_is_automatic_and_costs_are_cached(tmp_path, monkeypatch):
+def test_default_generate_is_automatic_and_costs_are_cached(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("LOOKAHEAD_CACHE_DIR", str(tmp_path))
     hf = tiny_hf_model()
     ours = LlamaForCausalLM.from_hf(hf)
     costs = step_costs(ours)
     assert costs.tokens == (1, 4, 16, 64) and all(s > 0 for s in costs.seconds)
     assert (tmp_path / "step-costs.json").is_file()
+    assert "lookahead: measuring this device's step costs (first use; cached in" in capsys.readouterr().err
     assert step_costs(ours) is costs  # memory
     fresh = LlamaForCausalLM.from_hf(hf)
     assert step_costs(fresh) == costs  # disk
+    assert capsys.readouterr().err == ""  # read, not measured: nothing said
     ids = torch.tensor([[5, 6, 7, 8] * 3])
     out = ours.generate(ids, max_new_tokens=20)
     assert torch.equal(out.sequences, hf_greedy(hf, ids, 20))
