@@ -57,6 +57,17 @@ def test_a_float_gguf_reads_as_transformers_reads_it(tmp_path, case):
     assert mine[0].tie_word_embeddings == (not kwargs.get("head", True))
 
 
+def test_float16_bfloat16_and_legacy_block_types_read_as_transformers_reads_them(tmp_path):
+    """Half-precision files (common) and the older block types, one per tensor kind; K = 64, two blocks of 32."""
+    from gguf import GGMLQuantizationType as Q
+
+    path = tmp_path / "types.gguf"
+    types = {"token_embd": Q.F16, "output": Q.Q8_0, "attn_q": Q.F16, "attn_k": Q.BF16, "attn_v": Q.Q8_0,
+             "attn_output": Q.Q4_0, "ffn_gate": Q.Q5_1, "ffn_up": Q.Q5_0, "ffn_down": Q.Q4_1}
+    write_tiny_gguf(path, hidden=64, inter=128, seed=7, types=types)
+    assert_same(ours(path), transformers_view(transformers_load(path)))
+
+
 def test_a_q4_k_m_gguf_reads_as_transformers_reads_it(tmp_path):
     """Q4_K and Q6_K blocks (K of 256-weight super-blocks), the q/k rotary permutation undone per head."""
     path = tmp_path / "tiny-q4_k.gguf"

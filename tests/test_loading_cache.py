@@ -14,9 +14,11 @@ from lookahead.loading import cache_dir, file_sha256, from_pretrained, load_toke
 VOCAB = 64
 
 
-def write_tiny_gguf(path, seed=0, hidden=32, inter=64, layers=2, heads=4, kv=2, arch="llama", head=True):
+def write_tiny_gguf(path, seed=0, hidden=32, inter=64, layers=2, heads=4, kv=2, arch="llama", head=True,
+                    types=None):
     """A float32 GGUF of architecture ``arch`` (``"llama"``, or ``"qwen2"`` with q/k/v biases) with a byte-level BPE
-    tokenizer of ``VOCAB`` tokens; ``head=False``: no output projection (tied to the embeddings)."""
+    tokenizer of ``VOCAB`` tokens; ``head=False``: no output projection (tied to the embeddings); ``types``: a
+    ``gguf.GGMLQuantizationType`` per tensor kind (``"attn_q"``, ``"token_embd"``...) stored that way instead."""
     import gguf
     import numpy as np
 
@@ -46,7 +48,12 @@ def write_tiny_gguf(path, seed=0, hidden=32, inter=64, layers=2, heads=4, kv=2, 
     hd = hidden // heads
 
     def t(name, *shape):
-        w.add_tensor(name, (rng.standard_normal(shape) * 0.3).astype(np.float32))
+        values = (rng.standard_normal(shape) * 0.3).astype(np.float32)
+        qtype = (types or {}).get(name.split(".")[-2])  # e.g. "attn_q", "token_embd"
+        if qtype is None:
+            w.add_tensor(name, values)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
 
     t("token_embd.weight", VOCAB, hidden)
     for i in range(layers):
