@@ -39,7 +39,6 @@ from .successors import SuccessorTable, record_step
 from .verification import PlainChoice, Sampler, StepInputs, StepVerifier, step_uniforms
 from .window import LookaheadWindow, stack_step_tokens
 
-PROMPT_SUCCESSOR_ROWS = 256
 # The longest run of plain steps a batch takes, after its planner kept choosing no tree, before asking again.
 MAX_BACKOFF = 16
 PLAIN = StepShape(1, 1, 0)
@@ -331,10 +330,9 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     # table) cost 64 HumanEval rows 0.79x plain decoding when it steered nothing.
     deferred = plan is not None and B > 1 and plan.planner is not None and plan.shape.window == 1 and \
         plan.planner.reach(B, plan.shape.max_tokens - 1) == 0
-    # Only batch 1 seeds its successor table from the prompt's rows (a vocabulary projection each). In batches of
-    # 4 the seeds changed no step count (16 prompts: MT-Bench 511 steps seeded, 512 not; HumanEval 411 and 411)
-    # and cost 1-2.4% of the time; of 2, they saved 6-9% of the steps and took as long as those steps.
-    successors = plan is not None and B == 1 and "successors" in plan.sources and max_new_tokens > 1
+    # The successor table is not seeded from the prompt's rows (a vocabulary projection each): at one row it saved
+    # 0-4% of the steps and cost 2-12% of the time on a CPU (MEASUREMENTS, "Seeding the successor table"); in
+    # batches of 4 it changed no step count.
     # Prefill row by row, each into its own cache row: the prompts' lengths differ and a step has no padding
     # mask, and doing what batch 1 does keeps every row's numbers (and so its greedy output) its own. It runs once.
     # The weights cannot change during the call: the CPU forward looks its packed weights up once.
@@ -342,18 +340,11 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
         for b, (row, prompt) in enumerate(zip(rows, prompts)):
             prefill_started = time.perf_counter()
             n = row.cache_len
-            # The successor table starts from what the model predicts after the prompt's last tokens: the prefill
-            # keeps their final hidden states too (the last PROMPT_SUCCESSOR_ROWS rows, to bound the cost of long
-            # prompts; of a token seen twice only its last row, which the table would keep).
-            seeds = _seed_positions(prompt, n, min(n, PROMPT_SUCCESSOR_ROWS) if successors else 0)
-            hidden = None
-            if n > 0:  # prefill: the prompt's last token is the first step's x
-                hidden = model.hidden(prompt[None, :-1].to(device), torch.arange(n, device=device)[None],
-                                      cache.sequence(b), 0, StepLayout.prefill(n), seeds.to(device))[0]
+            if n > 0:  # prefill (the KV cache only): the prompt's last token is the first step's x
+                model.hidden(prompt[None, :-1].to(device), torch.arange(n, device=device)[None], cache.sequence(b), 0,
+                             StepLayout.prefill(n), torch.empty(0, dtype=torch.long, device=device))
             if plan is not None and not deferred:
                 row.start_lookahead(lookahead, plan, cfg.vocab_size, device, prompt, _native_draft)
-                if seeds.numel():
-                    row.drafts.successors.update(prompt[seeds.to(prompt.device)], model.logits(hidden))
             row.stats.prefill_seconds = time.perf_counter() - prefill_started
 
         def start_late(row: _Row) -> None:  # a deferred row, when its batch first takes a lookahead step
@@ -382,15 +373,6 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
         rows[0].stats.seconds = seconds
     return GenerateOutput(_sequences(rows, args.padding, _pad_id(model, args.pad_token_id, eos_token_id),
                                      args.prompts[0].device), stats)
-
-
-def _seed_positions(prompt: torch.Tensor, n: int, rows: int) -> torch.Tensor:
-    """The positions among the prefill's last ``rows`` (of ``n``) whose logits seed the successor table: each
-    token's last occurrence only, since the table keeps a token's latest row (a quarter of MT-Bench's rows and half
-    of HumanEval's repeat a token). LongTensor ``[R]``, increasing."""
-    window = prompt[n - rows: n].tolist()
-    last = {t: i for i, t in enumerate(window)}
-    return torch.tensor(sorted(n - rows + i for i in last.values()), dtype=torch.long)
 
 
 def _sequences(rows, padding, pad_id: int, device) -> torch.Tensor:

@@ -271,27 +271,3 @@ def test_the_eager_loop_reuses_its_kv_cache_between_calls():
     assert pool._idle[(model.device, model.dtype, 3)].k.data_ptr() == stored.k.data_ptr()  # the same storage
     model.kv_caches.clear()
     assert torch.equal(model.generate(prompts, 20, lookahead=None).sequences, first)
-
-
-def test_seeding_only_the_last_row_of_each_token_gives_the_same_table(tiny):
-    """The successor table keeps a token's latest row, so the prefill seeds each token's last occurrence only."""
-    from lookahead.generate import _seed_positions
-    from lookahead.successors import SuccessorTable
-    from lookahead_kernels import StepLayout
-
-    prompt = torch.tensor([3, 5, 3, 7, 5, 5, 9, 3, 11])
-    n = prompt.numel() - 1
-    for rows in (0, 1, 4, n):
-        seeds = _seed_positions(prompt, n, rows)
-        window = list(range(n - rows, n))
-        assert seeds.tolist() == sorted({int(prompt[i]): i for i in window}.values())
-    cache = tiny.new_cache(1, n)
-    logits = tiny(prompt[None, :-1], torch.arange(n)[None], cache, 0, StepLayout.prefill(n))[0]
-    every, deduplicated = SuccessorTable(tiny.config.vocab_size, 4), SuccessorTable(tiny.config.vocab_size, 4)
-    every.update(prompt[:n], logits)
-    seeds = _seed_positions(prompt, n, n)
-    deduplicated.update(prompt[seeds], logits[seeds])
-    assert torch.equal(every.count, deduplicated.count)
-    seen = every.count > 0
-    assert torch.equal(every.ids[seen], deduplicated.ids[seen])
-    assert torch.equal(every.probs[seen], deduplicated.probs[seen])
