@@ -342,7 +342,7 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
             n = row.cache_len
             if n > 0:  # prefill (the KV cache only): the prompt's last token is the first step's x
                 model.hidden(prompt[None, :-1].to(device), torch.arange(n, device=device)[None], cache.sequence(b), 0,
-                             StepLayout.prefill(n), torch.empty(0, dtype=torch.long, device=device))
+                             StepLayout.prefill(n))
             if plan is not None and not deferred:
                 row.start_lookahead(lookahead, plan, cfg.vocab_size, device, prompt, _native_draft)
             row.stats.prefill_seconds = time.perf_counter() - prefill_started

@@ -282,15 +282,24 @@ def _config_from_json(text: str) -> ModelConfig:
     return ModelConfig(**fields)
 
 
+def _delete_quietly(path: Path) -> None:
+    """Remove a cache file or directory; one that cannot be removed (gone, busy, read-only) is left."""
+    try:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    except OSError:
+        pass
+
+
 def _remove_stale_temporaries(directory: Path, max_age_s: float = 3600.0) -> None:
     """Delete temporaries a crashed writer left behind (only old ones: a live writer may own a fresh one)."""
     now = time.time()
     for leftover in directory.glob(".tmp-*"):
         try:
-            if now - leftover.stat().st_mtime > max_age_s:
-                shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+            old = now - leftover.stat().st_mtime > max_age_s
         except OSError:
-            pass
+            continue
+        if old:
+            _delete_quietly(leftover)
 
 
 def _remove_older_versions(entry: Path) -> None:
@@ -300,10 +309,7 @@ def _remove_older_versions(entry: Path) -> None:
     prefix = stem.rpartition("-v")[0] + "-v"
     for old in entry.parent.glob(f"{prefix}*.{kind}"):
         if old != entry and old.name[len(prefix):-len(kind) - 1].isdigit():
-            try:
-                shutil.rmtree(old) if old.is_dir() else old.unlink()
-            except OSError:
-                pass
+            _delete_quietly(old)
 
 
 def _write_weights_entry(entry: Path, digest: str, source: Path, config: ModelConfig,
