@@ -9,6 +9,7 @@ from .config import LookaheadConfig
 from .generate import GenerateOutput, GenerationStats, StepTrace
 from .loading import load_default, load_tokenizer
 from .model import KVCache, LlamaForCausalLM, ModelConfig
+from .scoring import CausalLMOutput
 
 __all__ = ["LookaheadConfig", "LlamaForCausalLM", "ModelConfig", "KVCache", "load_default", "load_tokenizer",
-           "GenerateOutput", "GenerationStats", "StepTrace"]
+           "GenerateOutput", "GenerationStats", "StepTrace", "CausalLMOutput"]

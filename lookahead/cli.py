@@ -115,7 +115,8 @@ def _sampling(args) -> dict:
                                       ("--top-p", args.top_p)) if value is not None]
     if not args.do_sample:
         if given:
-            raise CliError(f"{', '.join(given)} need --do-sample (greedy decoding ignores them)", status=2)
+            raise CliError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --do-sample (greedy decoding "
+                           f"ignores {'it' if len(given) == 1 else 'them'})", status=2)
         return {}
     from .sampling import SamplingParams
 

@@ -27,6 +27,7 @@ from lookahead_kernels.layout import StepLayout
 
 from . import cpu_linear
 from .cpu_linear import CpuLinear, PackedWeight
+from .scoring import score
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
@@ -661,10 +662,15 @@ class LlamaForCausalLM(nn.Module):
                                  f"{self.config.max_position_embeddings}), got min {int(positions.min())} "
                                  f"max {int(positions.max())}")
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                cache_len: int | torch.Tensor, layout: StepLayout, logits_rows: torch.Tensor | None = None,
-                *, attention: AttentionFn | None = None) -> torch.Tensor:
-        """Run one step and return its logits.
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None,
+                cache_len: int | torch.Tensor | None = None, layout: StepLayout | None = None,
+                logits_rows: torch.Tensor | None = None, *, attention: AttentionFn | None = None,
+                attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None):
+        """Run one step and return its logits; or, called as transformers' model is, score whole sequences.
+
+        ``model(input_ids[, attention_mask=..., labels=...])`` (no positions, cache, cache_len, layout or
+        logits_rows) returns a :class:`~lookahead.scoring.CausalLMOutput` with ``.logits [B, L, vocab_size]`` and
+        ``.loss``: see :func:`lookahead.scoring.score`. Otherwise it is one decoding step:
 
         Args:
             input_ids: LongTensor ``[B, T]``, the step's tokens in ``layout`` order (``T == layout.T``).
@@ -682,6 +688,16 @@ class LlamaForCausalLM(nn.Module):
         Returns:
             FloatTensor ``[B, R or T, vocab_size]`` (float32).
         """
+        step_args = {"positions": positions, "cache": cache, "cache_len": cache_len, "layout": layout}
+        if all(v is None for v in step_args.values()) and logits_rows is None and attention is None:
+            return score(self, input_ids, attention_mask=attention_mask, labels=labels)
+        if attention_mask is not None or labels is not None:
+            raise ValueError("attention_mask and labels go with transformers' call model(input_ids, "
+                             "attention_mask=..., labels=...), not with a decoding step's positions, cache and layout")
+        missing = [name for name, v in step_args.items() if v is None]
+        if missing:
+            raise ValueError(f"a decoding step needs positions, cache, cache_len and layout; missing {missing} "
+                             f"(or call model(input_ids) alone to score whole sequences)")
         return self.logits(self.hidden(input_ids, positions, cache, cache_len, layout, logits_rows,
                                        attention=attention))
 
