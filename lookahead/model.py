@@ -576,6 +576,12 @@ class LlamaForCausalLM(nn.Module):
         from .loading import from_pretrained
         return from_pretrained(path, dtype=dtype, device=device, gguf_file=gguf_file)
 
+    def save_pretrained(self, directory):
+        """Write the model as a Hugging Face directory (``config.json`` + ``model.safetensors``) that transformers
+        and :meth:`from_pretrained` load; see :mod:`lookahead.saving`. Returns the directory's ``Path``."""
+        from .saving import save_pretrained
+        return save_pretrained(self, directory)
+
     def set_cpu_linear(self, mode: str) -> None:
         """How linear layers run on the CPU in float32: ``"packed"`` (default: our small-M GEMM on weights packed at
         first use, oneDNN where it cannot be built; see :mod:`lookahead.cpu_linear`), ``"onednn"`` (oneDNN on
