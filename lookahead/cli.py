@@ -1,4 +1,4 @@
-"""Command line: ``lookahead generate "prompt"`` and ``lookahead bench --prompts FILE.jsonl``."""
+"""Command line: ``lookahead generate "prompt"``, ``lookahead chat`` and ``lookahead bench --prompts FILE.jsonl``."""
 
 from __future__ import annotations
 
@@ -47,6 +47,17 @@ def _add_lookahead_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="parameter dtype (default float32)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="on CUDA, run each step eagerly instead of replaying captured CUDA graphs (for debugging)")
+
+
+def _add_decoding_args(p: argparse.ArgumentParser) -> None:
+    """generate's and chat's options: plain or sampled decoding, then the lookahead and model options."""
+    p.add_argument("--no-lookahead", action="store_true", help="plain autoregressive decoding")
+    p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 1.0)")
+    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (default 0: off)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default 1.0: off)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampling generator (default: random)")
+    _add_lookahead_args(p)
 
 
 def _device(args) -> str:
@@ -109,6 +120,13 @@ def _describe(la: LookaheadConfig | None) -> str:
     return "lookahead " + (" ".join(parts) if parts else "auto")
 
 
+def _print_summary(la: LookaheadConfig | None, s) -> None:
+    """Ends the streamed text's line, then the call's summary on stderr."""
+    print()
+    print(f"[{_describe(la)}] {s.new_tokens} tokens in {s.steps} steps: compression {s.compression_ratio:.2f}, "
+          f"{s.tokens_per_second:.1f} tokens/s", file=sys.stderr)
+
+
 def _sampling(args) -> dict:
     """generate's sampling keywords; errors before the model is loaded."""
     given = [flag for flag, value in (("--temperature", args.temperature), ("--top-k", args.top_k),
@@ -161,11 +179,7 @@ def cmd_generate(args) -> int:
     args.device = _device(args)
     model, tokenizer = _load(args)
     ids = _encode(tokenizer, args.prompt, chat=not args.raw)
-    seed = None
-    if sampling:
-        generator = torch.Generator(device=model.device)
-        seed = generator.manual_seed(args.seed).initial_seed() if args.seed is not None else generator.seed()
-        sampling["generator"] = generator
+    seed = _sampling_generator(sampling, args.seed, model.device)
     stream = None if args.json else _TextStream(tokenizer)
     out = model.generate(ids, max_new_tokens=args.max_new_tokens, lookahead=la, streamer=stream,
                          cuda_graphs=_cuda_graphs(args), **sampling)
@@ -183,9 +197,68 @@ def cmd_generate(args) -> int:
                               "window": la.window, "ngram": la.ngram, "guess": la.guess,
                               "max_step_tokens": la.max_step_tokens}}))
     else:
-        print()
-        print(f"[{_describe(la)}] {s.new_tokens} tokens in {s.steps} steps: compression {s.compression_ratio:.2f}, "
-              f"{s.tokens_per_second:.1f} tokens/s", file=sys.stderr)
+        _print_summary(la, s)
+    return 0
+
+
+def _sampling_generator(sampling: dict, seed: int | None, device) -> int | None:
+    """Adds a seeded generator to ``sampling`` (sampled decoding only); returns its seed."""
+    if not sampling:
+        return None
+    generator = torch.Generator(device=device)
+    sampling["generator"] = generator
+    return generator.manual_seed(seed).initial_seed() if seed is not None else generator.seed()
+
+
+CHAT_HELP = "an empty line is skipped, /reset forgets the conversation, Ctrl-D (end of input) ends it"
+
+
+def cmd_chat(args) -> int:
+    """Turns read from stdin, one line each; the model's answers streamed, each with a summary line on stderr.
+
+    The whole conversation goes through the chat template every turn (each answer decodes after a prefill of
+    the history); a turn that would not fit the model's context is refused, and ``/reset`` starts over.
+    """
+    la = None if args.no_lookahead else _config(args)
+    sampling = _sampling(args)
+    _check_max_new_tokens(args)
+    args.device = _device(args)
+    model, tokenizer = _load(args)
+    if not getattr(tokenizer, "chat_template", None):
+        raise CliError("the model's tokenizer has no chat template; chat needs one (use generate --raw)")
+    _sampling_generator(sampling, args.seed, model.device)
+    start = [{"role": "system", "content": args.system}] if args.system else []
+    history = list(start)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"lookahead chat: {CHAT_HELP}.", file=sys.stderr)
+    context = model.config.max_position_embeddings
+    while True:
+        if interactive:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            break
+        text = line.strip()
+        if not text:
+            continue
+        if text == "/reset":
+            history = list(start)
+            print("(the conversation starts over)", file=sys.stderr)
+            continue
+        turn = history + [{"role": "user", "content": text}]
+        ids = tokenizer.apply_chat_template(turn, add_generation_prompt=True, tokenize=True,
+                                            return_dict=True)["input_ids"]
+        if len(ids) + args.max_new_tokens > context:
+            print(f"(the conversation is {len(ids)} tokens; with --max-new-tokens {args.max_new_tokens} it would "
+                  f"pass the model's context of {context}: /reset to start over)", file=sys.stderr)
+            continue
+        ids = torch.tensor([ids], dtype=torch.long)
+        out = model.generate(ids, max_new_tokens=args.max_new_tokens, lookahead=la, streamer=_TextStream(tokenizer),
+                             cuda_graphs=_cuda_graphs(args), **sampling)
+        answer = tokenizer.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True)
+        history = turn + [{"role": "assistant", "content": answer}]
+        _print_summary(la, out.stats)
     return 0
 
 
@@ -298,15 +371,13 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text, streaming it, and print a summary line")
     g.add_argument("prompt")
     g.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
-    g.add_argument("--no-lookahead", action="store_true", help="plain autoregressive decoding")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
-    g.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    g.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 1.0)")
-    g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (default 0: off)")
-    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default 1.0: off)")
-    g.add_argument("--seed", type=int, default=None, help="seed of the sampling generator (default: random)")
-    _add_lookahead_args(g)
+    _add_decoding_args(g)
     g.set_defaults(func=cmd_generate)
+    c = sub.add_parser("chat", help="a conversation: turns read from stdin, answers streamed")
+    c.add_argument("--system", default=None, help="a system message to start the conversation with")
+    _add_decoding_args(c)
+    c.set_defaults(func=cmd_chat)
     b = sub.add_parser("bench", help="run prompt sets with and without lookahead")
     b.add_argument("--prompts", nargs="+", required=True, help="JSONL files (rows with 'turns' or 'prompt')")
     b.add_argument("--limit", type=int, default=None, help="first N prompts of each set")

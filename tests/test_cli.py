@@ -33,6 +33,10 @@ def test_parser_knows_every_documented_flag():
             args.max_step_tokens) == (True, 0.5, 7, 0.8, 4, "bfloat16", "cpu", 40)
     bench = build_parser().parse_args(["bench", "--prompts", "a.jsonl", "--batch-size", "1", "--no-cuda-graphs"])
     assert bench.batch_size == 1 and bench.no_cuda_graphs and not args.no_cuda_graphs
+    chat = build_parser().parse_args(["chat", "--system", "Be brief.", "--do-sample", "--seed", "3", "--no-lookahead",
+                                      "--max-new-tokens", "7", "--model", "m", "--max-step-tokens", "20"])
+    assert (chat.system, chat.do_sample, chat.seed, chat.no_lookahead, chat.max_new_tokens, chat.model,
+            chat.max_step_tokens) == ("Be brief.", True, 3, True, 7, "m", 20)
 
 
 def test_unset_lookahead_flags_give_the_default_config():
@@ -181,3 +185,44 @@ def test_generate_json_and_bench_write_results(capsys, tmp_path):
     assert saved["machine"]["torch"]
     assert main(["bench", "--prompts", prompts, "--limit", "3", "--max-new-tokens", "5", "--batch-size", "2"]) == 0
     assert "humaneval_dev: 3 prompts" in capsys.readouterr().out
+
+
+def _chat(monkeypatch, capsys, lines: str, argv: list[str]):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(lines))
+    code = main(["chat"] + argv)
+    return code, capsys.readouterr()
+
+
+def test_chat_without_a_chat_template_or_with_bad_options_is_one_line(capsys, tiny_gguf, monkeypatch):
+    code, out = _chat(monkeypatch, capsys, "hi\n", ["--model", tiny_gguf])
+    assert code == 1 and out.err.strip().splitlines()[-1] == \
+        "lookahead: error: the model's tokenizer has no chat template; chat needs one (use generate --raw)"
+    code, out = _chat(monkeypatch, capsys, "hi\n", ["--top-k", "5"])
+    assert code == 2 and "--top-k needs --do-sample" in out.err
+
+
+@needs_model
+def test_chat_keeps_the_conversation_and_answers_as_generate_does(capsys, monkeypatch):
+    import torch
+
+    from lookahead import load_default
+
+    question, more = "Name three prime numbers.", "And two more?"
+    code, out = _chat(monkeypatch, capsys, f"{question}\n\n{more}\n/reset\n{question}\n", ["--max-new-tokens", "12"])
+    assert code == 0 and out.err.count("steps: compression") == 3 and "(the conversation starts over)" in out.err
+    model, tokenizer = load_default()
+
+    def answer(history):
+        ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True,
+                                            return_dict=True)["input_ids"]
+        new = model.generate(torch.tensor([ids]), max_new_tokens=12, lookahead=None).sequences[0, len(ids):]
+        return tokenizer.decode(new, skip_special_tokens=True)
+
+    first = answer([{"role": "user", "content": question}])
+    second = answer([{"role": "user", "content": question}, {"role": "assistant", "content": first},
+                     {"role": "user", "content": more}])
+    assert out.out == f"{first}\n{second}\n{first}\n"  # greedy: each answer is plain decoding's, history included
+    code, out = _chat(monkeypatch, capsys, f"{question}\n", ["--max-new-tokens", "8190"])
+    assert code == 0 and out.out == "" and "would pass the model's context of 8192" in out.err
