@@ -120,11 +120,11 @@ def _describe(la: LookaheadConfig | None) -> str:
     return "lookahead " + (" ".join(parts) if parts else "auto")
 
 
-def _print_summary(la: LookaheadConfig | None, s) -> None:
+def _print_summary(la: LookaheadConfig | None, s, more: str = "") -> None:
     """Ends the streamed text's line, then the call's summary on stderr."""
     print()
     print(f"[{_describe(la)}] {s.new_tokens} tokens in {s.steps} steps: compression {s.compression_ratio:.2f}, "
-          f"{s.tokens_per_second:.1f} tokens/s", file=sys.stderr)
+          f"{s.tokens_per_second:.1f} tokens/s{more}", file=sys.stderr)
 
 
 def _sampling(args) -> dict:
@@ -216,9 +216,12 @@ CHAT_HELP = "an empty line is skipped, /reset forgets the conversation, Ctrl-D (
 def cmd_chat(args) -> int:
     """Turns read from stdin, one line each; the model's answers streamed, each with a summary line on stderr.
 
-    The whole conversation goes through the chat template every turn (each answer decodes after a prefill of
-    the history); a turn that would not fit the model's context is refused, and ``/reset`` starts over.
+    The whole conversation goes through the chat template every turn; the keys and values of the tokens it
+    shares with the last turn's are reused (a :class:`~lookahead.prompt_cache.PromptCache`), so a turn prefills
+    only what is new. A turn that would not fit the model's context is refused, and ``/reset`` starts over.
     """
+    from .prompt_cache import PromptCache
+
     la = None if args.no_lookahead else _config(args)
     sampling = _sampling(args)
     _check_max_new_tokens(args)
@@ -229,6 +232,7 @@ def cmd_chat(args) -> int:
     _sampling_generator(sampling, args.seed, model.device)
     start = [{"role": "system", "content": args.system}] if args.system else []
     history = list(start)
+    kept = PromptCache()
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"lookahead chat: {CHAT_HELP}.", file=sys.stderr)
@@ -244,6 +248,7 @@ def cmd_chat(args) -> int:
             continue
         if text == "/reset":
             history = list(start)
+            kept.clear()
             print("(the conversation starts over)", file=sys.stderr)
             continue
         turn = history + [{"role": "user", "content": text}]
@@ -255,10 +260,10 @@ def cmd_chat(args) -> int:
             continue
         ids = torch.tensor([ids], dtype=torch.long)
         out = model.generate(ids, max_new_tokens=args.max_new_tokens, lookahead=la, streamer=_TextStream(tokenizer),
-                             cuda_graphs=_cuda_graphs(args), **sampling)
+                             cuda_graphs=_cuda_graphs(args), prompt_cache=kept, **sampling)
         answer = tokenizer.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True)
         history = turn + [{"role": "assistant", "content": answer}]
-        _print_summary(la, out.stats)
+        _print_summary(la, out.stats, f"; {out.stats.reused_tokens} of the prompt's {ids.shape[1]} tokens reused")
     return 0
 
 

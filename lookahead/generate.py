@@ -33,6 +33,7 @@ from .arguments import resolve_generate_arguments
 from .config import LookaheadConfig, StepShape
 from .controller import make_plan
 from .draft import DraftBuilder, encode_rows, propose_rows
+from .prompt_cache import PromptCache
 from .runner import StepRunner, cache_pool, runner_cache
 from .step import build_step, upload
 from .successors import SuccessorTable, record_step
@@ -94,6 +95,7 @@ class GenerationStats:
         seconds: wall time of the whole call, prefill included; one-time setup excluded (the device's step costs,
             measured on first use; a new KV cache or step runner; CUDA graph captures).
         prefill_seconds: wall time of the prefill alone.
+        reused_tokens: prompt tokens whose keys and values came from ``prompt_cache`` instead of the prefill.
         host_seconds: wall time the lookahead steps spent on the host outside the forward pass, verification and
             the read-back (candidates, trees, step inputs, learning), over all steps; part of
             ``seconds``. Where the forward is cheap (a GPU) this bounds the speed.
@@ -109,6 +111,7 @@ class GenerationStats:
     fed_tokens: int = 0
     seconds: float = 0.0
     prefill_seconds: float = 0.0
+    reused_tokens: int = 0
     host_seconds: float = 0.0
     accepted: list = dataclasses.field(default_factory=list)
     trace: list | None = None
@@ -228,7 +231,7 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
              generator: torch.Generator | None = None, eos_token_id=None, pad_token_id: int | None = None,
              attention_mask: torch.Tensor | None = None, generation_config=None, streamer=None,
              trace: bool = False, cuda_graphs: bool | None = None, _static_steps: bool | None = None,
-             _native_draft: bool | None = None,
+             _native_draft: bool | None = None, prompt_cache: PromptCache | None = None,
              **kwargs) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` tokens after each prompt.
 
@@ -259,6 +262,9 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     is the eager loop (for debugging and comparison); ``True`` off CUDA is a ``ValueError``. ``_static_steps``
     (private, for tests) forces the graph path's loop, run eagerly when graphs are off, e.g. on the CPU
     (``cuda_graphs=False, _static_steps=True``).
+    ``prompt_cache`` (one prompt): a :class:`~lookahead.prompt_cache.PromptCache` whose tokens the prompt may
+    start with (a conversation's earlier turns); their keys and values are copied instead of prefilled
+    (``stats.reused_tokens``), and after the call it holds this prompt and its new tokens.
     ``_native_draft`` (private, for tests and benches) picks the draft builder: ``True`` the C++ one, ``False`` its
     Python reference, ``None`` the C++ one where it builds.
     """
@@ -272,6 +278,11 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     if streamer is not None and B > 1:
         raise ValueError(f"a streamer follows one sequence but generate got a batch of {B} prompts; stream one "
                          f"prompt at a time, or pass no streamer for a batch (transformers refuses this too)")
+    if prompt_cache is not None:
+        if not isinstance(prompt_cache, PromptCache):
+            raise ValueError(f"prompt_cache must be a lookahead.PromptCache or None, got {type(prompt_cache).__name__}")
+        if B > 1:
+            raise ValueError(f"a prompt_cache follows one sequence but generate got a batch of {B} prompts")
     graphs, static = _step_path(cuda_graphs, _static_steps, model.device)
     if streamer is not None:
         streamer.start(torch.cat([args.padding[0], args.prompts[0]])[None])
@@ -340,9 +351,11 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
         for b, (row, prompt) in enumerate(zip(rows, prompts)):
             prefill_started = time.perf_counter()
             n = row.cache_len
-            if n > 0:  # prefill (the KV cache only): the prompt's last token is the first step's x
-                model.hidden(prompt[None, :-1].to(device), torch.arange(n, device=device)[None], cache.sequence(b), 0,
-                             StepLayout.prefill(n))
+            reused = 0 if prompt_cache is None else prompt_cache.restore(model, row.emitter.sequence[:n], cache)
+            row.stats.reused_tokens = reused
+            if n > reused:  # prefill (the KV cache only): the prompt's last token is the first step's x
+                model.hidden(prompt[None, reused:-1].to(device), torch.arange(reused, n, device=device)[None],
+                             cache.sequence(b), reused, StepLayout.prefill(n - reused))
             if plan is not None and not deferred:
                 row.start_lookahead(lookahead, plan, cfg.vocab_size, device, prompt, _native_draft)
             row.stats.prefill_seconds = time.perf_counter() - prefill_started
@@ -355,6 +368,9 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
                                          static or device.type == "cuda")
         host = _HostClock()
         accepted = _decode(model, cache, runner, rows, sampler, plan, pad, device, clock, host, start_late)
+        if prompt_cache is not None:  # rows past the emitted tokens (a last step's excess) are not kept
+            row = rows[0]
+            prompt_cache.keep(model, row.emitter.sequence[:row.cache_len], cache)
     if runner is not None:  # only after a clean run: a runner left mid-step or mid-capture is dropped
         runner_cache(model).give_back(runner)
     else:
@@ -368,6 +384,7 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
         new_tokens=sum(r.stats.new_tokens for r in rows), steps=len(accepted),
         fed_tokens=sum(r.stats.fed_tokens for r in rows), seconds=seconds,
         prefill_seconds=sum(r.stats.prefill_seconds for r in rows), host_seconds=host.seconds, accepted=accepted,
+        reused_tokens=sum(r.stats.reused_tokens for r in rows),
         trace=rows[0].stats.trace if B == 1 else None, rows=[r.stats for r in rows])
     if B == 1:
         rows[0].stats.seconds = seconds

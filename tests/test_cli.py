@@ -212,6 +212,8 @@ def test_chat_keeps_the_conversation_and_answers_as_generate_does(capsys, monkey
     question, more = "Name three prime numbers.", "And two more?"
     code, out = _chat(monkeypatch, capsys, f"{question}\n\n{more}\n/reset\n{question}\n", ["--max-new-tokens", "12"])
     assert code == 0 and out.err.count("steps: compression") == 3 and "(the conversation starts over)" in out.err
+    reused = [line.split("; ")[1] for line in out.err.splitlines() if "steps: compression" in line]
+    assert reused[0].startswith("0 of") and not reused[1].startswith("0 of") and reused[2].startswith("0 of"), reused
     model, tokenizer = load_default()
 
     def answer(history):
