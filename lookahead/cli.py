@@ -1,4 +1,5 @@
-"""Command line: ``lookahead generate "prompt"``, ``lookahead chat`` and ``lookahead bench --prompts FILE.jsonl``."""
+"""Command line: ``lookahead generate "prompt"``, ``lookahead chat``, ``lookahead convert DIR`` and ``lookahead bench
+--prompts FILE.jsonl``."""
 
 from __future__ import annotations
 
@@ -267,6 +268,21 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def cmd_convert(args) -> int:
+    """A model (a GGUF file or a Hugging Face directory) and its tokenizer written as a Hugging Face directory."""
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise CliError(f"{args.out} exists and is not a directory", status=2)
+    args.device = "cpu"
+    model, tokenizer = _load(args)
+    try:
+        model.save_pretrained(args.out)
+        tokenizer.save_pretrained(args.out)
+    except (ValueError, OSError) as err:
+        raise CliError(f"cannot write {args.out}: {err}") from None
+    print(f"wrote {args.out}: config.json, model.safetensors ({args.dtype}) and the tokenizer", file=sys.stderr)
+    return 0
+
+
 def read_prompts(path: str, tokenizer) -> list[torch.Tensor]:
     """Token ids of a prompt set: rows with ``turns`` are chat (``turns[0]``), rows with ``prompt`` raw text."""
     rows = []
@@ -383,6 +399,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", default=None, help="a system message to start the conversation with")
     _add_decoding_args(c)
     c.set_defaults(func=cmd_chat)
+    v = sub.add_parser("convert", help="write a model and its tokenizer (default: the embedded GGUF) as a Hugging "
+                                       "Face directory that transformers loads")
+    v.add_argument("out", help="the directory to write (made if missing)")
+    v.add_argument("--model", default=None,
+                   help="Hugging Face directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    v.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype of the weights written")
+    v.set_defaults(func=cmd_convert)
     b = sub.add_parser("bench", help="run prompt sets with and without lookahead")
     b.add_argument("--prompts", nargs="+", required=True, help="JSONL files (rows with 'turns' or 'prompt')")
     b.add_argument("--limit", type=int, default=None, help="first N prompts of each set")

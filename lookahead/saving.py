@@ -106,6 +106,9 @@ def save_pretrained(model: LlamaForCausalLM, directory) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / f".{WEIGHTS_NAME}.{os.getpid()}.tmp"
     save_file(hf_state_dict(model), str(tmp), metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # as a file opened for writing would be, not the temporary's 0600
     os.replace(tmp, directory / WEIGHTS_NAME)  # a reader never sees half a file
     config.save_pretrained(str(directory))
     return directory

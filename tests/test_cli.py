@@ -228,3 +228,23 @@ def test_chat_keeps_the_conversation_and_answers_as_generate_does(capsys, monkey
     assert out.out == f"{first}\n{second}\n{first}\n"  # greedy: each answer is plain decoding's, history included
     code, out = _chat(monkeypatch, capsys, f"{question}\n", ["--max-new-tokens", "8190"])
     assert code == 0 and out.out == "" and "would pass the model's context of 8192" in out.err
+
+
+def test_convert_writes_a_directory_that_transformers_loads(capsys, tiny_gguf, tmp_path):
+    import torch
+    import transformers
+
+    from lookahead.loading import from_pretrained
+    from lookahead.saving import hf_state_dict
+
+    out = tmp_path / "converted"
+    assert main(["convert", str(out), "--model", tiny_gguf, "--dtype", "bfloat16"]) == 0
+    assert "wrote" in capsys.readouterr().err
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    assert theirs.dtype == torch.bfloat16
+    want = hf_state_dict(from_pretrained(tiny_gguf, dtype=torch.bfloat16))
+    got = theirs.state_dict()
+    assert all(torch.equal(got[name], value) for name, value in want.items())
+    assert transformers.AutoTokenizer.from_pretrained(str(out))("abc")["input_ids"]
+    (tmp_path / "file").write_text("")
+    _fails_in_one_line(capsys, ["convert", str(tmp_path / "file")], status=2, contains="not a directory")
