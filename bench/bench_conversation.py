@@ -3,9 +3,11 @@
 MT-Bench's dev questions have two turns. Each question's first turn is decoded (greedy, automatic lookahead) into a
 cache; the second turn's prompt is the chat template over the first turn, its answer and the second question. That
 prompt is then decoded twice, side by side in one process: with the cache (the first turn's keys and values copied,
-only the new tokens prefilled) and without it (the whole prompt prefilled). The order alternates between
-questions, and every pair must give the same tokens. Reported per set of questions: the prefill's seconds and the
-second turn's tokens/s (prefill included), both ways.
+only the new tokens prefilled) and without it (the whole prompt prefilled); and a third time plainly (one token a
+step, no cache), for lookahead's speed on a second turn, whose prompt holds the first answer for its guesses to
+draw on. The order alternates between questions, and every output must be the same. Reported: the prefill's
+seconds and the second turn's tokens/s (prefill included) with and without the cache, and the decoding's
+tokens/s (prefill excluded) with lookahead and plainly.
 
     python bench/bench_conversation.py --prompts 16 --tag cpu-avx2
 
@@ -28,7 +30,9 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from _common import DATA, command_line, machine_info, write_results  # noqa: E402
 
-from lookahead import PromptCache, load_default  # noqa: E402
+from lookahead import LookaheadConfig, PromptCache, load_default  # noqa: E402
+
+AUTOMATIC = LookaheadConfig()
 
 
 def chat_ids(tokenizer, history: list[dict]) -> torch.Tensor:
@@ -46,15 +50,18 @@ def second_turn(model, tokenizer, turns: list[str], max_new_tokens: int, cache_f
     ids = chat_ids(tokenizer, history + [{"role": "assistant", "content": answer},
                                          {"role": "user", "content": turns[1]}])
     runs = {}
-    for with_cache in ([True, False] if cache_first else [False, True]):
-        runs[with_cache] = model.generate(ids, max_new_tokens=max_new_tokens,
-                                          prompt_cache=cache if with_cache else None)
-    cached, fresh = runs[True], runs[False]
+    for name in (["cached", "fresh", "plain"] if cache_first else ["plain", "fresh", "cached"]):
+        runs[name] = model.generate(ids, max_new_tokens=max_new_tokens, prompt_cache=cache if name == "cached" else None,
+                                    lookahead=None if name == "plain" else AUTOMATIC)
+    cached, fresh, plain = runs["cached"], runs["fresh"], runs["plain"]
     return {"prompt_tokens": ids.shape[1], "reused_tokens": cached.stats.reused_tokens,
-            "new_tokens": cached.stats.new_tokens,
+            "new_tokens": cached.stats.new_tokens, "steps": cached.stats.steps,
             "prefill_seconds": cached.stats.prefill_seconds, "fresh_prefill_seconds": fresh.stats.prefill_seconds,
             "seconds": cached.stats.seconds, "fresh_seconds": fresh.stats.seconds,
-            "identical": bool(torch.equal(cached.sequences, fresh.sequences))}
+            "decode_seconds": cached.stats.seconds - cached.stats.prefill_seconds,
+            "plain_decode_seconds": plain.stats.seconds - plain.stats.prefill_seconds,
+            "identical": bool(torch.equal(cached.sequences, fresh.sequences)
+                              and torch.equal(cached.sequences, plain.sequences))}
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -68,6 +75,9 @@ def summarize(rows: list[dict]) -> dict:
         "fresh_prefill_seconds_median": statistics.median(r["fresh_prefill_seconds"] for r in rows),
         "tokens_per_second": tokens / sum(r["seconds"] for r in rows),
         "fresh_tokens_per_second": tokens / sum(r["fresh_seconds"] for r in rows),
+        "compression": tokens / sum(r["steps"] for r in rows),
+        "decode_tokens_per_second": tokens / sum(r["decode_seconds"] for r in rows),
+        "plain_decode_tokens_per_second": tokens / sum(r["plain_decode_seconds"] for r in rows),
     }
 
 
@@ -85,7 +95,10 @@ def markdown(result: dict) -> str:
         f"{s['fresh_tokens_per_second']:.1f} |", "",
         f"The second turn's prompts: median {s['prompt_tokens_median']:.0f} tokens, "
         f"{100 * s['reused_fraction']:.0f}% of them reused from the cache. "
-        f"{s['identical']}/{s['questions']} outputs identical with and without it.", "",
+        f"{s['identical']}/{s['questions']} outputs identical with and without it, and plainly.", "",
+        f"Decoding the second turn (prefill excluded): lookahead {s['decode_tokens_per_second']:.1f} tokens/s "
+        f"(compression {s['compression']:.2f}), plain {s['plain_decode_tokens_per_second']:.1f}: "
+        f"**{s['decode_tokens_per_second'] / s['plain_decode_tokens_per_second']:.2f}x**.", "",
         "| question | prompt tokens | reused | prefill s (cache / none) | seconds (cache / none) | identical |",
         "|---|---|---|---|---|---|",
     ]
