@@ -236,14 +236,23 @@ def cmd_chat(args) -> int:
     kept = PromptCache()
     interactive = sys.stdin.isatty()
     if interactive:
+        try:  # line editing and history for input(), where the platform has it
+            import readline  # noqa: F401
+        except ImportError:
+            pass
         print(f"lookahead chat: {CHAT_HELP}.", file=sys.stderr)
     context = model.config.max_position_embeddings
     while True:
         if interactive:
-            print("> ", end="", file=sys.stderr, flush=True)
-        line = sys.stdin.readline()
-        if not line:
-            break
+            try:
+                line = input("> ")
+            except EOFError:
+                print(file=sys.stderr)
+                break
+        else:
+            line = sys.stdin.readline()
+            if not line:
+                break
         text = line.strip()
         if not text:
             continue
