@@ -43,7 +43,7 @@ def _add_lookahead_args(p: argparse.ArgumentParser) -> None:
                    help="cap on the tokens one step feeds (default: sized from the device's measured cost)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     p.add_argument("--model", default=None,
-                   help="Hugging Face directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+                   help="Hugging Face directory, .gguf file or Hub id (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="parameter dtype (default float32)")
     p.add_argument("--no-cuda-graphs", action="store_true",
@@ -76,7 +76,7 @@ def _device(args) -> str:
 
 
 def _load(args):
-    from .loading import from_pretrained, load_default, load_tokenizer
+    from .loading import from_pretrained, is_hub_id, load_default, load_tokenizer
 
     dtype = DTYPES[args.dtype]
     if args.model is None:
@@ -84,9 +84,9 @@ def _load(args):
             return load_default(dtype=dtype, device=args.device)
         except ValueError as err:
             raise CliError(f"cannot load the default model: {err}") from None
-    if not os.path.exists(args.model):
+    if not os.path.exists(args.model) and not is_hub_id(args.model):
         raise CliError(f"--model {args.model}: no such file or directory")
-    if not os.access(args.model, os.R_OK):
+    if os.path.exists(args.model) and not os.access(args.model, os.R_OK):
         raise CliError(f"--model {args.model}: not readable (permission denied)")
     try:
         model = from_pretrained(args.model, dtype=dtype, device=args.device)
@@ -412,7 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "Face directory that transformers loads")
     v.add_argument("out", help="the directory to write (made if missing)")
     v.add_argument("--model", default=None,
-                   help="Hugging Face directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+                   help="Hugging Face directory, .gguf file or Hub id (default: the embedded SmolLM2-135M-Instruct)")
     v.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype of the weights written")
     v.set_defaults(func=cmd_convert)
     b = sub.add_parser("bench", help="run prompt sets with and without lookahead")

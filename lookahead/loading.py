@@ -415,13 +415,42 @@ def _check_dtype(dtype) -> None:
         raise ValueError(f"dtype must be None or a floating torch.dtype, got {dtype!r}")
 
 
+# What a Hugging Face Hub repository must hold for us: the config, the safetensors weights and the tokenizer's files.
+_HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer*",
+              "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "*.model"]
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def is_hub_id(name) -> bool:
+    """Whether ``name`` reads as a Hugging Face Hub repository id (``owner/name``) rather than a local path: no
+    file or directory of that name exists here."""
+    return isinstance(name, str) and bool(_HUB_ID.match(name)) and not os.path.exists(name)
+
+
+def _local_path(path, gguf_file: str | None = None) -> Path:
+    """``path`` on this machine: as given, or for a Hub id the repository's snapshot in the Hub cache (the files we
+    read, or only ``gguf_file``), downloaded with huggingface_hub's progress bars where it is not there yet."""
+    if not is_hub_id(path):
+        return Path(os.fspath(path)).expanduser()
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(path, allow_patterns=[gguf_file] if gguf_file else _HUB_FILES))
+    except Exception as err:  # offline, no such repository, gated, a network error: each says why
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise ValueError(f"{path} is no local path, and downloading it from the Hugging Face Hub failed "
+                         f"({type(err).__name__}: {reason})") from None
+
+
 def from_pretrained(path, dtype: torch.dtype | None = None, device=None,
                     gguf_file: str | None = None, *, cache: bool = True) -> LlamaForCausalLM:
     """Load a checkpoint from disk.
 
     Args:
         path: a Hugging Face model directory (``config.json`` + ``*.safetensors``, sharded via
-            ``model.safetensors.index.json`` or not), a directory holding ``gguf_file``, or a ``.gguf`` file.
+            ``model.safetensors.index.json`` or not), a directory holding ``gguf_file``, or a ``.gguf`` file; or a
+            Hugging Face Hub id (``owner/name``, where no such local path exists), downloaded into the Hub cache
+            (its config, safetensors and tokenizer files, or only ``gguf_file``) unless already there.
         dtype: parameter dtype; default: the checkpoint's (float32 for GGUF, which is dequantised).
         device: default CPU.
         gguf_file: name of a GGUF file inside ``path``.
@@ -430,7 +459,7 @@ def from_pretrained(path, dtype: torch.dtype | None = None, device=None,
     """
     _check_dtype(dtype)
     device = torch.device(device if device is not None else "cpu")
-    path = Path(os.fspath(path)).expanduser()
+    path = _local_path(path, gguf_file)
     if not path.exists():
         raise ValueError(f"{path} does not exist")
     if gguf_file is not None:
@@ -509,8 +538,9 @@ def _load_gguf_tokenizer(path: Path, cache: bool, digest: str | None = None):
 
 def load_tokenizer(path, *, cache: bool = True):
     """The transformers tokenizer of a Hugging Face directory or a ``.gguf`` file (a GGUF's is cached like its
-    weights, see :func:`cache_dir`). Raises ``ValueError`` when the path does not exist."""
-    path = Path(os.fspath(path)).expanduser()
+    weights, see :func:`cache_dir`), or of a Hub id as :func:`from_pretrained` takes it. Raises ``ValueError`` when
+    the path does not exist."""
+    path = _local_path(path)
     if not path.exists():
         raise ValueError(f"{path} does not exist")
     if path.is_file():
@@ -535,5 +565,5 @@ def load_default(dtype: torch.dtype = torch.float32, device="cpu"):
     return model, _load_gguf_tokenizer(path, True, digest)
 
 
-__all__ = ["convert_hf_state_dict", "from_hf", "from_pretrained", "load_default", "load_tokenizer",
+__all__ = ["convert_hf_state_dict", "from_hf", "from_pretrained", "is_hub_id", "load_default", "load_tokenizer",
            "default_gguf_path", "cache_dir", "file_sha256", "DEFAULT_GGUF_FILE", "CACHE_DIR_ENV"]

@@ -248,3 +248,43 @@ def test_convert_writes_a_directory_that_transformers_loads(capsys, tiny_gguf, t
     assert transformers.AutoTokenizer.from_pretrained(str(out))("abc")["input_ids"]
     (tmp_path / "file").write_text("")
     _fails_in_one_line(capsys, ["convert", str(tmp_path / "file")], status=2, contains="not a directory")
+
+
+def test_a_hub_id_loads_the_snapshot_huggingface_hub_gives(capsys, tiny_gguf, tmp_path, monkeypatch):
+    import huggingface_hub
+    import torch
+
+    from lookahead.loading import from_pretrained, is_hub_id
+
+    snapshot = tmp_path / "snapshot"
+    assert main(["convert", str(snapshot), "--model", tiny_gguf]) == 0
+    asked = []
+
+    def download(repo_id, allow_patterns=None, **kwargs):
+        asked.append((repo_id, allow_patterns))
+        return str(tmp_path if allow_patterns == ["tiny.gguf"] else snapshot)  # a GGUF repository: that file only
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    model = from_pretrained("someone/tiny-llama")
+    assert asked[0][0] == "someone/tiny-llama" and "*.safetensors" in asked[0][1] and "config.json" in asked[0][1]
+    assert torch.equal(model.embed.weight, from_pretrained(tiny_gguf).embed.weight)
+    assert torch.equal(from_pretrained("someone/tiny-gguf", gguf_file="tiny.gguf").embed.weight, model.embed.weight)
+    assert asked[-1] == ("someone/tiny-gguf", ["tiny.gguf"])
+    capsys.readouterr()
+    assert main(["generate", "abc", "--raw", "--model", "someone/tiny-llama", "--max-new-tokens", "3"]) == 0
+    assert "3 tokens" in capsys.readouterr().err
+    # A local directory of that shape is a path, not a Hub id.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "someone").mkdir()
+    assert not is_hub_id("snapshot") and is_hub_id("other/model") and not is_hub_id("/abs/path")
+    (tmp_path / "someone" / "local").symlink_to(snapshot)
+    asked.clear()
+    assert not is_hub_id("someone/local") and from_pretrained("someone/local") is not None and not asked
+
+    def offline(repo_id, **kwargs):
+        raise OSError("we are offline\nmore detail")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(ValueError, match=r"Hugging Face Hub failed \(OSError: we are offline\)"):
+        from_pretrained("someone/missing")
+    _fails_in_one_line(capsys, ["generate", "abc", "--model", "someone/missing"], status=1, contains="offline")
