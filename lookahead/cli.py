@@ -211,7 +211,8 @@ def _sampling_generator(sampling: dict, seed: int | None, device) -> int | None:
     return generator.manual_seed(seed).initial_seed() if seed is not None else generator.seed()
 
 
-CHAT_HELP = "an empty line is skipped, /reset forgets the conversation, Ctrl-D (end of input) ends it"
+CHAT_HELP = ("an empty line is skipped, /reset forgets the conversation, /help says this, /exit or Ctrl-D (end of "
+             "input) ends it")
 
 
 def cmd_chat(args) -> int:
@@ -255,6 +256,11 @@ def cmd_chat(args) -> int:
                 break
         text = line.strip()
         if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            break
+        if text == "/help":
+            print(f"lookahead chat: {CHAT_HELP}.", file=sys.stderr)
             continue
         if text == "/reset":
             history = list(start)

@@ -228,6 +228,8 @@ def test_chat_keeps_the_conversation_and_answers_as_generate_does(capsys, monkey
     assert out.out == f"{first}\n{second}\n{first}\n"  # greedy: each answer is plain decoding's, history included
     code, out = _chat(monkeypatch, capsys, f"{question}\n", ["--max-new-tokens", "8190"])
     assert code == 0 and out.out == "" and "would pass the model's context of 8192" in out.err
+    code, out = _chat(monkeypatch, capsys, f"/help\n/exit\n{question}\n", ["--max-new-tokens", "4"])
+    assert code == 0 and out.out == "" and "/exit or Ctrl-D" in out.err and "steps: compression" not in out.err
 
 
 def test_convert_writes_a_directory_that_transformers_loads(capsys, tiny_gguf, tmp_path):
