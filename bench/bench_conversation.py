@@ -31,24 +31,20 @@ sys.path.insert(0, os.path.dirname(HERE))
 from _common import DATA, command_line, machine_info, write_results  # noqa: E402
 
 from lookahead import LookaheadConfig, PromptCache, load_default  # noqa: E402
+from lookahead.cli import chat_ids  # noqa: E402
 
 AUTOMATIC = LookaheadConfig()
-
-
-def chat_ids(tokenizer, history: list[dict]) -> torch.Tensor:
-    return tokenizer.apply_chat_template(history, add_generation_prompt=True, return_tensors="pt",
-                                         return_dict=True)["input_ids"]
 
 
 def second_turn(model, tokenizer, turns: list[str], max_new_tokens: int, cache_first: bool) -> dict:
     """Decode the first turn into a cache, then the second turn with and without it; one row of results."""
     cache = PromptCache()
     history = [{"role": "user", "content": turns[0]}]
-    ids = chat_ids(tokenizer, history)
+    ids = torch.tensor([chat_ids(tokenizer, history)])
     first = model.generate(ids, max_new_tokens=max_new_tokens, prompt_cache=cache)
     answer = tokenizer.decode(first.sequences[0, ids.shape[1]:], skip_special_tokens=True)
-    ids = chat_ids(tokenizer, history + [{"role": "assistant", "content": answer},
-                                         {"role": "user", "content": turns[1]}])
+    ids = torch.tensor([chat_ids(tokenizer, history + [{"role": "assistant", "content": answer},
+                                                       {"role": "user", "content": turns[1]}])])
     runs = {}
     for name in (["cached", "fresh", "plain"] if cache_first else ["plain", "fresh", "cached"]):
         runs[name] = model.generate(ids, max_new_tokens=max_new_tokens, prompt_cache=cache if name == "cached" else None,

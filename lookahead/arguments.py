@@ -143,33 +143,45 @@ def _same(a, b) -> bool:
     return a == b
 
 
+def mask_rows(attention_mask, shape: tuple[int, int]) -> list[tuple[int, int, int]]:
+    """Per row of an ``attention_mask`` like ``input_ids`` of ``shape`` ``[B, L]`` (``[L]`` for one row): the
+    ``(first, last + 1, count)`` of its ones. The mask must be a tensor of that shape holding only 0 and 1, with at
+    least one 1 a row; where the ones may lie is the caller's to say."""
+    if not isinstance(attention_mask, torch.Tensor):
+        raise ValueError(f"attention_mask must be a tensor like input_ids, got {type(attention_mask).__name__}")
+    mask = attention_mask[None] if attention_mask.dim() == 1 else attention_mask
+    if tuple(mask.shape) != tuple(shape):
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has "
+                         f"{tuple(shape)}; they must match")
+    if mask.is_complex() or not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
+    rows = []
+    for b, row in enumerate(mask.to(device="cpu", dtype=torch.long)):
+        ones = row.nonzero().flatten()
+        if ones.numel() == 0:
+            where = f" (row {b})" if mask.shape[0] > 1 else ""
+            raise ValueError(f"attention_mask is all zeros{where}: that row has no tokens")
+        rows.append((int(ones[0]), int(ones[-1]) + 1, ones.numel()))
+    return rows
+
+
 def _strip_left_padding(ids: torch.Tensor, attention_mask) -> tuple[list, list]:
     """Per row: (prompt, padding), 1-D each, from ``ids [B, L]`` and an optional left-padding mask."""
     if attention_mask is None:
         return list(ids), [row[:0] for row in ids]
-    if not isinstance(attention_mask, torch.Tensor):
-        raise ValueError(f"attention_mask must be a tensor like input_ids, got {type(attention_mask).__name__}")
-    mask = attention_mask[None] if attention_mask.dim() == 1 else attention_mask
-    if tuple(mask.shape) != tuple(ids.shape):
-        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has "
-                         f"{tuple(ids.shape)}; they must match")
-    if mask.is_complex() or not bool(((mask == 0) | (mask == 1)).all()):
-        raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
     prompts, padding = [], []
-    for b, row in enumerate(mask.to(torch.long).cpu()):
-        pad = int((row.cumsum(0) == 0).sum())  # leading zeros
-        where = f" (row {b})" if mask.shape[0] > 1 else ""
-        if pad == row.numel():
-            raise ValueError(f"attention_mask is all zeros{where}: the prompt has no tokens")
-        if not bool(row[pad:].eq(1).all()):
+    L = ids.shape[1]
+    for b, (start, end, count) in enumerate(mask_rows(attention_mask, tuple(ids.shape))):
+        if end != L or count != L - start:
+            where = f" (row {b})" if ids.shape[0] > 1 else ""
             raise ValueError(f"attention_mask must be all ones, or left padding (zeros, then ones){where}; right "
                              f"padding or gaps inside the prompt are not supported")
-        prompts.append(ids[b, pad:])
-        padding.append(ids[b, :pad])
+        prompts.append(ids[b, start:])
+        padding.append(ids[b, :start])
     return prompts, padding
 
 
-def _check_ids_dtype(t: torch.Tensor, name: str) -> None:
+def check_ids_dtype(t: torch.Tensor, name: str) -> None:
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         raise ValueError(f"{name} must hold integer token ids, got dtype {t.dtype}")
 
@@ -180,7 +192,7 @@ def _as_2d_ids(input_ids) -> torch.Tensor:
     if not isinstance(input_ids, torch.Tensor):
         raise ValueError(f"input_ids must be a LongTensor [B, prompt_len] or a list of prompts, got "
                          f"{type(input_ids).__name__}")
-    _check_ids_dtype(input_ids, "input_ids")
+    check_ids_dtype(input_ids, "input_ids")
     ids = input_ids[None] if input_ids.dim() == 1 else input_ids
     if ids.dim() != 2:
         raise ValueError(f"input_ids must be [B, prompt_len] or [prompt_len], got shape {tuple(input_ids.shape)}")
@@ -198,7 +210,7 @@ def _prompt_list(prompts) -> list:
     out = []
     for b, p in enumerate(prompts):
         if isinstance(p, torch.Tensor):
-            _check_ids_dtype(p, f"prompt {b}")
+            check_ids_dtype(p, f"prompt {b}")
             if p.dim() != 1:
                 raise ValueError(f"prompt {b} must be a 1-D tensor or a list of ints, got shape {tuple(p.shape)}")
             t = p.long()

@@ -76,7 +76,7 @@ def _device(args) -> str:
 
 
 def _load(args):
-    from .loading import from_pretrained, is_hub_id, load_default, load_tokenizer
+    from .loading import from_pretrained, is_hub_id, load_default, load_tokenizer, local_path
 
     dtype = DTYPES[args.dtype]
     if args.model is None:
@@ -89,19 +89,22 @@ def _load(args):
     if os.path.exists(args.model) and not os.access(args.model, os.R_OK):
         raise CliError(f"--model {args.model}: not readable (permission denied)")
     try:
-        model = from_pretrained(args.model, dtype=dtype, device=args.device)
-        tokenizer = load_tokenizer(args.model)
+        path = local_path(args.model)  # a Hub id's snapshot, fetched once for the weights and the tokenizer
+        model = from_pretrained(path, dtype=dtype, device=args.device)
+        tokenizer = load_tokenizer(path)
     except (ValueError, OSError) as err:
         raise CliError(f"cannot load --model {args.model}: {err}") from None
     return model, tokenizer
 
 
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The token ids of a conversation through the tokenizer's chat template, ready for the assistant's turn."""
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                         return_dict=True)["input_ids"]
+
+
 def _encode(tokenizer, text: str, chat: bool) -> torch.Tensor:
-    if chat:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=True)["input_ids"]
-    else:
-        ids = tokenizer(text)["input_ids"]
+    ids = chat_ids(tokenizer, [{"role": "user", "content": text}]) if chat else tokenizer(text)["input_ids"]
     return torch.tensor([ids], dtype=torch.long)
 
 
@@ -268,8 +271,7 @@ def cmd_chat(args) -> int:
             print("(the conversation starts over)", file=sys.stderr)
             continue
         turn = history + [{"role": "user", "content": text}]
-        ids = tokenizer.apply_chat_template(turn, add_generation_prompt=True, tokenize=True,
-                                            return_dict=True)["input_ids"]
+        ids = chat_ids(tokenizer, turn)
         if len(ids) + args.max_new_tokens > context:
             print(f"(the conversation is {len(ids)} tokens; with --max-new-tokens {args.max_new_tokens} it would "
                   f"pass the model's context of {context}: /reset to start over)", file=sys.stderr)

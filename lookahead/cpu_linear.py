@@ -74,8 +74,9 @@ def gemm_error() -> str | None:
     return cpu_ops_error()
 
 
-def _weight_key(weight: torch.Tensor) -> tuple:
-    # The version counter catches in-place updates (load_state_dict, copy_); inference tensors have none.
+def weight_key(weight: torch.Tensor) -> tuple:
+    """What changes when ``weight`` does: its storage, in-place version, shape, dtype and device. The version
+    counter catches in-place updates (load_state_dict, copy_); inference tensors have none."""
     try:
         version = weight._version
     except RuntimeError:
@@ -110,7 +111,7 @@ class PackedWeight:
         backend = _backend(self.mode)
         if backend is None:
             return None, None
-        key = _weight_key(weight)
+        key = weight_key(weight)
         # The weak reference tells a new tensor that reuses a freed one's memory from the one packed.
         if self._ref is None or self._ref() is not weight or key != self._key or backend != self._backend:
             self._packed = None  # free the old copy before making the new one

@@ -427,7 +427,7 @@ def is_hub_id(name) -> bool:
     return isinstance(name, str) and bool(_HUB_ID.match(name)) and not os.path.exists(name)
 
 
-def _local_path(path, gguf_file: str | None = None) -> Path:
+def local_path(path, gguf_file: str | None = None) -> Path:
     """``path`` on this machine: as given, or for a Hub id the repository's snapshot in the Hub cache (the files we
     read, or only ``gguf_file``), downloaded with huggingface_hub's progress bars where it is not there yet."""
     if not is_hub_id(path):
@@ -459,7 +459,7 @@ def from_pretrained(path, dtype: torch.dtype | None = None, device=None,
     """
     _check_dtype(dtype)
     device = torch.device(device if device is not None else "cpu")
-    path = _local_path(path, gguf_file)
+    path = local_path(path, gguf_file)
     if not path.exists():
         raise ValueError(f"{path} does not exist")
     if gguf_file is not None:
@@ -540,7 +540,7 @@ def load_tokenizer(path, *, cache: bool = True):
     """The transformers tokenizer of a Hugging Face directory or a ``.gguf`` file (a GGUF's is cached like its
     weights, see :func:`cache_dir`), or of a Hub id as :func:`from_pretrained` takes it. Raises ``ValueError`` when
     the path does not exist."""
-    path = _local_path(path)
+    path = local_path(path)
     if not path.exists():
         raise ValueError(f"{path} does not exist")
     if path.is_file():
@@ -565,5 +565,5 @@ def load_default(dtype: torch.dtype = torch.float32, device="cpu"):
     return model, _load_gguf_tokenizer(path, True, digest)
 
 
-__all__ = ["convert_hf_state_dict", "from_hf", "from_pretrained", "is_hub_id", "load_default", "load_tokenizer",
-           "default_gguf_path", "cache_dir", "file_sha256", "DEFAULT_GGUF_FILE", "CACHE_DIR_ENV"]
+__all__ = ["convert_hf_state_dict", "from_hf", "from_pretrained", "is_hub_id", "local_path", "load_default",
+           "load_tokenizer", "default_gguf_path", "cache_dir", "file_sha256", "DEFAULT_GGUF_FILE", "CACHE_DIR_ENV"]

@@ -16,18 +16,12 @@ import weakref
 
 import torch
 
+from .cpu_linear import weight_key
+
 
 def _weights_signature(model) -> tuple:
-    """What changes when the weights do: each parameter's storage and in-place version (none for inference
-    tensors, which cannot be changed in place)."""
-    signature = []
-    for p in model.parameters():
-        try:
-            version = p._version
-        except RuntimeError:
-            version = None
-        signature.append((p.data_ptr(), version))
-    return tuple(signature)
+    """What changes when any weight does (:func:`~lookahead.cpu_linear.weight_key` of each parameter)."""
+    return tuple(weight_key(p) for p in model.parameters())
 
 
 class PromptCache:
@@ -57,15 +51,13 @@ class PromptCache:
         self._model = None
         self._signature = ()
 
-    def _serves(self, model) -> bool:
-        return self._model is not None and self._model() is model and self._k is not None \
-            and self._k.dtype == model.dtype and self._k.device == model.device \
-            and self._signature == _weights_signature(model)
+    def _serves(self, model, signature: tuple) -> bool:
+        return self._model is not None and self._model() is model and self._signature == signature
 
     def restore(self, model, tokens: list[int], cache) -> int:
         """Copy the rows of the longest common start of ``tokens`` and the held tokens into sequence 0 of
         ``cache`` (a :class:`~lookahead.model.KVCache`); returns how many."""
-        if not self._serves(model):
+        if not self._serves(model, _weights_signature(model)):
             self.clear()
             return 0
         reused = 0
@@ -81,7 +73,8 @@ class PromptCache:
     def keep(self, model, tokens: list[int], cache) -> None:
         """Hold ``tokens`` and their rows, sequence 0's first ``len(tokens)`` rows of ``cache``."""
         rows = len(tokens)
-        capacity = 0 if self._k is None or not self._serves(model) else self._k.shape[1]
+        signature = _weights_signature(model)
+        capacity = self._k.shape[1] if self._serves(model, signature) else 0
         if rows > capacity:  # grow geometrically: a conversation adds a turn at a time
             shape = (cache.k.shape[0], max(rows, 2 * capacity), cache.k.shape[3], cache.k.shape[4])
             self._k = torch.empty(shape, dtype=cache.dtype, device=cache.device)
@@ -90,7 +83,7 @@ class PromptCache:
         self._v[:, :rows].copy_(cache.v[:, 0, :rows])
         self.tokens = list(tokens)
         self._model = weakref.ref(model)
-        self._signature = _weights_signature(model)
+        self._signature = signature
 
 
 __all__ = ["PromptCache"]

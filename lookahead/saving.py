@@ -87,7 +87,7 @@ def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
                     continue
                 for part, piece in zip(parts, torch.split(fused, sizes[our_name], dim=0)):
                     out[f"model.{pre}{part}.{kind}"] = piece
-    return {name: t.to("cpu").contiguous().clone() for name, t in out.items()}
+    return {name: t.to("cpu", copy=True, memory_format=torch.contiguous_format) for name, t in out.items()}
 
 
 def save_pretrained(model: LlamaForCausalLM, directory) -> Path:

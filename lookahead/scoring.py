@@ -16,6 +16,8 @@ import torch.nn.functional as F
 
 from lookahead_kernels.layout import StepLayout
 
+from .arguments import check_ids_dtype, mask_rows
+
 IGNORE_INDEX = -100  # transformers' label for "no loss here"
 
 
@@ -49,8 +51,7 @@ class CausalLMOutput:
 def _as_ids(input_ids) -> torch.Tensor:
     if not isinstance(input_ids, torch.Tensor):
         raise ValueError(f"input_ids must be an integer tensor [B, L], got {type(input_ids).__name__}")
-    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
-        raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    check_ids_dtype(input_ids, "input_ids")
     ids = input_ids[None] if input_ids.dim() == 1 else input_ids
     if ids.dim() != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
         raise ValueError(f"input_ids must be [B, L] with B, L >= 1, got shape {tuple(input_ids.shape)}")
@@ -61,28 +62,14 @@ def _spans(attention_mask, shape: tuple[int, int]) -> list[tuple[int, int]] | No
     """Per row ``(start, end)`` of its tokens (one unbroken run of ones), or None where there is no padding."""
     if attention_mask is None:
         return None
-    if not isinstance(attention_mask, torch.Tensor):
-        raise ValueError(f"attention_mask must be a tensor like input_ids, got {type(attention_mask).__name__}")
-    mask = attention_mask[None] if attention_mask.dim() == 1 else attention_mask
-    if tuple(mask.shape) != shape:
-        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids is {list(shape)}; "
-                         f"they must match")
-    if mask.is_complex() or not bool(((mask == 0) | (mask == 1)).all()):
-        raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
-    mask = mask.to(device="cpu", dtype=torch.long)
-    if bool(mask.eq(1).all()):
+    rows = mask_rows(attention_mask, shape)
+    if all(count == shape[1] for _, _, count in rows):
         return None
-    spans = []
-    for b, row in enumerate(mask):
-        ones = row.nonzero().flatten()
-        if ones.numel() == 0:
-            raise ValueError(f"attention_mask row {b} is all zeros: that sequence has no tokens")
-        start, end = int(ones[0]), int(ones[-1]) + 1
-        if end - start != ones.numel():
+    for b, (start, end, count) in enumerate(rows):
+        if count != end - start:
             raise ValueError(f"attention_mask row {b} has gaps; each row must be one run of ones (left or right "
                              f"padding around it)")
-        spans.append((start, end))
-    return spans
+    return [(start, end) for start, end, _ in rows]
 
 
 def _prefill_logits(model, ids: torch.Tensor) -> torch.Tensor:
