@@ -141,7 +141,7 @@ def main(argv=None) -> int:
         generate_kwargs = dict(cuda_graphs=False, _static_steps=True)
     sampled = args.temperature is not None
     if sampled:
-        generate_kwargs.update(do_sample=True, temperature=args.temperature, top_p=args.top_p,
+        generate_kwargs.update(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0,
                                generator=torch.Generator(args.device).manual_seed(0))
     rows = []
     with torch.inference_mode():

@@ -79,7 +79,7 @@ def main(argv=None) -> int:
         """Keyword arguments of generate: greedy, or seeded sampling (a fresh generator per call)."""
         if args.temperature is None:
             return {}
-        return {"do_sample": True, "temperature": args.temperature,
+        return {"do_sample": True, "temperature": args.temperature, "top_k": 0,
                 "generator": torch.Generator().manual_seed(args.seed)}
 
     result = {"machine": machine_info("cpu"), "command": "python " + " ".join([os.path.relpath(__file__)] + (argv or sys.argv[1:])),

@@ -5,11 +5,16 @@
   ``model.generate(**tokenizer(texts, return_tensors="pt", padding=True))`` works (with the tokenizer's
   ``padding_side="left"``) and ``sequences`` has transformers' layout. Or a list of prompts of any lengths, each a
   list of ints or a 1-D tensor (no mask: each prompt is all tokens).
+  A tokenizer's output (a ``BatchEncoding`` or any mapping holding ``input_ids`` and optionally
+  ``attention_mask``) is also taken as ``input_ids``: transformers 5's ``apply_chat_template(...,
+  return_tensors="pt")`` returns one.
 * Sampling and length parameters (``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``max_new_tokens``,
-  ``max_length``, ``eos_token_id``, ``pad_token_id``) as keywords or in a transformers ``GenerationConfig``;
-  a keyword overrides the config, and ``None`` means unset (the config's value, else the default: greedy,
-  temperature 1, top-k off, top-p off, 128 new tokens, the model's EOS). Note that transformers' own unset
-  ``top_k`` is 50; here it is off unless given.
+  ``max_length``, ``eos_token_id``, ``pad_token_id``, ``num_return_sequences``) as keywords, in a transformers
+  ``GenerationConfig`` passed as ``generation_config``, or in the model's own ``model.generation_config`` (the
+  checkpoint's ``generation_config.json``), in that order of precedence, as transformers layers them; ``None``
+  means unset. Unset everywhere, they take transformers' defaults (greedy; when sampling, temperature 1, top-k 50,
+  top-p 1) and ours for the length (128 new tokens); the EOS is the model's.
+* ``num_return_sequences=n`` (sampling only) draws ``n`` sequences per prompt, as rows ``b * n .. b * n + n - 1``.
 * A streamer is a plain callable (called with each step's new token ids, a ``list[int]``) or an object with
   ``put``/``end`` (transformers' ``TextStreamer``, ``TextIteratorStreamer``): ``put`` receives the prompt first
   (``[1, L]``, as given), then each step's new tokens (plain decoding: a ``[1]`` tensor per token, as
@@ -24,16 +29,20 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+from collections.abc import Mapping
 
 import torch
 
 DEFAULT_MAX_NEW_TOKENS = 128
 # GenerationConfig fields generate() implements.
 SUPPORTED_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "max_new_tokens", "max_length", "eos_token_id",
-                    "pad_token_id")
-# Fields accepted with any value: they cannot change a decoder-only model's output given a prompt, or (for
-# return_dict_in_generate) generate always returns an object with ``.sequences`` anyway.
-INERT_FIELDS = ("bos_token_id", "transformers_version", "return_dict_in_generate")
+                    "pad_token_id", "num_return_sequences")
+# Fields accepted with any value: they cannot change a decoder-only model's output given a prompt (use_cache=False
+# only makes transformers recompute every position; we always keep a cache), or (for return_dict_in_generate)
+# generate always returns an object with ``.sequences`` anyway.
+INERT_FIELDS = ("bos_token_id", "transformers_version", "return_dict_in_generate", "use_cache")
+# transformers' values for supported fields that nobody set (GenerationConfig._get_default_generation_params).
+SAMPLING_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "num_return_sequences": 1}
 
 
 @dataclasses.dataclass
@@ -104,13 +113,45 @@ def _generation_config_fields(generation_config) -> dict:
     return {k: v for k, v in generation_config.to_dict().items() if v is not None and not k.startswith("_")}
 
 
+def model_generation_config(config, source=None, origin: str = "generation_config.json"):
+    """A model's generation defaults (``model.generation_config``): a transformers ``GenerationConfig``.
+
+    ``config``: the model's :class:`~lookahead.model.ModelConfig`. ``source``: a ``GenerationConfig`` read from a
+    checkpoint (``origin`` names it) or a transformers model's; its fields that generate cannot honour
+    (``repetition_penalty=1.1``...) are left out of the copy returned, with a warning naming them, so each later
+    call does not fail on them. Without ``source``: the config's BOS, EOS and pad ids, as transformers derives a
+    generation config from a model config."""
+    import copy
+    import warnings
+
+    from transformers import GenerationConfig
+
+    if source is None:
+        eos = list(config.eos_token_id)
+        return GenerationConfig(bos_token_id=config.bos_token_id, pad_token_id=config.pad_token_id,
+                                eos_token_id=None if not eos else eos[0] if len(eos) == 1 else eos)
+    if not isinstance(source, GenerationConfig):
+        raise ValueError(f"a generation config must be a transformers GenerationConfig, got {type(source).__name__}")
+    ours = copy.deepcopy(source)
+    bad = unsupported_fields(_generation_config_fields(ours))
+    if bad:
+        warnings.warn(f"{origin} sets {', '.join(bad)}, which lookahead's generate does not support; left out of "
+                      f"model.generation_config (so generate's output differs from what transformers' generate "
+                      f"would give with these defaults)", UserWarning, stacklevel=3)
+        for item in bad:
+            setattr(ours, item.split("=", 1)[0], None)
+    return ours
+
+
 def _transformers_defaults() -> dict:
+    # Output switches a model's generation config may hold switched off (transformers' list leaves them out).
+    off = {"output_attentions": False, "output_hidden_states": False, "output_logits": False}
     try:
         from transformers import GenerationConfig
 
-        return GenerationConfig._get_default_generation_params()
+        return {**off, **GenerationConfig._get_default_generation_params()}
     except (ImportError, AttributeError):  # pragma: no cover - older transformers
-        return {}
+        return off
 
 
 def _generation_field_names() -> set[str]:
@@ -122,8 +163,8 @@ def _generation_field_names() -> set[str]:
         return set()
 
 
-def _check_unsupported(fields: dict, origin: str) -> None:
-    """ValueError naming every field we would have to ignore (set, and not transformers' default value)."""
+def unsupported_fields(fields: dict) -> list[str]:
+    """``name=value`` of every field we would have to ignore (set, and not transformers' default value)."""
     defaults = _transformers_defaults()
     bad = []
     for name, value in fields.items():
@@ -132,6 +173,12 @@ def _check_unsupported(fields: dict, origin: str) -> None:
         if name in defaults and _same(value, defaults[name]):
             continue
         bad.append(f"{name}={value!r}")
+    return bad
+
+
+def _check_unsupported(fields: dict, origin: str) -> None:
+    """ValueError naming every field we would have to ignore."""
+    bad = unsupported_fields(fields)
     if bad:
         raise ValueError(f"generate does not support {', '.join(bad)} ({origin}); supported: "
                          f"{', '.join(SUPPORTED_FIELDS)} (others only at transformers' default values)")
@@ -184,6 +231,20 @@ def _strip_left_padding(ids: torch.Tensor, attention_mask) -> tuple[list, list]:
 def check_ids_dtype(t: torch.Tensor, name: str) -> None:
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         raise ValueError(f"{name} must hold integer token ids, got dtype {t.dtype}")
+
+
+def _unpack_encoding(input_ids, attention_mask):
+    """``(input_ids, attention_mask)`` out of a tokenizer's output passed as ``input_ids``; else as given."""
+    if not isinstance(input_ids, Mapping):
+        return input_ids, attention_mask
+    other = sorted(str(k) for k in input_ids if k not in ("input_ids", "attention_mask"))
+    if "input_ids" not in input_ids or other:
+        raise ValueError(f"a mapping passed as input_ids (a tokenizer's output) must hold input_ids and optionally "
+                         f"attention_mask; got keys {sorted(str(k) for k in input_ids)}")
+    if attention_mask is not None and "attention_mask" in input_ids:
+        raise ValueError("attention_mask given twice: in the tokenizer output passed as input_ids and as a keyword")
+    mask = input_ids.get("attention_mask", attention_mask)
+    return input_ids["input_ids"], mask
 
 
 def _as_2d_ids(input_ids) -> torch.Tensor:
@@ -241,12 +302,14 @@ def _check_token_id(name: str, value, allow_list: bool) -> None:
 
 def resolve_generate_arguments(input_ids, *, attention_mask=None, max_new_tokens=None, do_sample=None,
                                temperature=None, top_k=None, top_p=None, eos_token_id=None, pad_token_id=None,
-                               generation_config=None, streamer=None, one_token_per_step: bool = False,
-                               extra: dict | None = None) -> GenerateArguments:
-    """Validate and normalise ``generate``'s arguments (see the module docstring); ``extra``: other keywords.
+                               generation_config=None, model_generation_config=None, streamer=None,
+                               one_token_per_step: bool = False, extra: dict | None = None) -> GenerateArguments:
+    """Validate and normalise ``generate``'s arguments (see the module docstring); ``extra``: other keywords;
+    ``model_generation_config``: the model's defaults (``model.generation_config``), beneath ``generation_config``.
 
     Raises ``ValueError`` naming the argument for anything unsupported."""
     extra = dict(extra or {})
+    input_ids, attention_mask = _unpack_encoding(input_ids, attention_mask)
     known = _generation_field_names()
     unknown = sorted(k for k in extra if k not in known)
     if unknown:
@@ -256,13 +319,16 @@ def resolve_generate_arguments(input_ids, *, attention_mask=None, max_new_tokens
     _check_unsupported(extra, "keyword argument")
     explicit = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "temperature": temperature,
                 "top_k": top_k, "top_p": top_p, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id,
-                "max_length": extra.get("max_length")}
+                "max_length": extra.get("max_length"), "num_return_sequences": extra.get("num_return_sequences")}
     values = {}
-    if generation_config is not None:
-        fields = _generation_config_fields(generation_config)
-        _check_unsupported(fields, "in generation_config")
-        values.update({k: v for k, v in fields.items() if k in SUPPORTED_FIELDS})
-    values.update({k: v for k, v in explicit.items() if v is not None})  # keywords override the config
+    for config, origin in ((model_generation_config, "in model.generation_config"),
+                           (generation_config, "in generation_config")):  # later ones override
+        if config is not None:
+            fields = _generation_config_fields(config)
+            _check_unsupported(fields, origin)
+            values.update({k: v for k, v in fields.items() if k in SUPPORTED_FIELDS})
+    values.update({k: v for k, v in explicit.items() if v is not None})  # keywords override the configs
+    values = {**SAMPLING_DEFAULTS, **values}
 
     if isinstance(input_ids, (list, tuple)):
         if attention_mask is not None:
@@ -288,6 +354,16 @@ def resolve_generate_arguments(input_ids, *, attention_mask=None, max_new_tokens
     if max_new is None:
         max_new = DEFAULT_MAX_NEW_TOKENS
 
+    copies = values["num_return_sequences"]
+    if isinstance(copies, bool) or not isinstance(copies, numbers.Integral) or copies < 1:
+        raise ValueError(f"num_return_sequences must be an int >= 1, got {copies!r}")
+    if copies > 1:
+        if values["do_sample"] is not True:
+            raise ValueError(f"num_return_sequences={copies} needs do_sample=True: greedy decoding gives one "
+                             f"sequence per prompt (transformers would need beam search, which we do not support)")
+        prompts = [p for p in prompts for _ in range(copies)]  # transformers' order: each prompt's draws together
+        padding = [p for p in padding for _ in range(copies)]
+
     _check_token_id("eos_token_id", values.get("eos_token_id"), allow_list=True)
     _check_token_id("pad_token_id", values.get("pad_token_id"), allow_list=False)
     eos = values.get("eos_token_id")
@@ -298,9 +374,11 @@ def resolve_generate_arguments(input_ids, *, attention_mask=None, max_new_tokens
     adapter = None if streamer is None else StreamerAdapter(streamer, one_token_per_step)
     return GenerateArguments(
         prompts=prompts, padding=padding, max_new_tokens=max_new,
-        do_sample=values.get("do_sample", False), temperature=values.get("temperature", 1.0), top_k=values.get("top_k", 0), top_p=values.get("top_p", 1.0),
+        do_sample=values["do_sample"], temperature=values["temperature"], top_k=values["top_k"],
+        top_p=values["top_p"],
         eos_token_id=eos, pad_token_id=values.get("pad_token_id"), streamer=adapter)
 
 
-__all__ = ["GenerateArguments", "StreamerAdapter", "resolve_generate_arguments", "SUPPORTED_FIELDS",
+__all__ = ["GenerateArguments", "StreamerAdapter", "resolve_generate_arguments", "model_generation_config",
+           "unsupported_fields", "SUPPORTED_FIELDS", "SAMPLING_DEFAULTS",
            "DEFAULT_MAX_NEW_TOKENS"]

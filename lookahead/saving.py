@@ -91,8 +91,8 @@ def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
 
 
 def save_pretrained(model: LlamaForCausalLM, directory) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` into ``directory`` (made if missing; files of those names
-    replaced). Returns the directory."""
+    """Write ``config.json``, ``generation_config.json`` (``model.generation_config``) and ``model.safetensors``
+    into ``directory`` (made if missing; files of those names replaced). Returns the directory."""
     from safetensors.torch import save_file
 
     if not isinstance(model, LlamaForCausalLM):
@@ -111,6 +111,7 @@ def save_pretrained(model: LlamaForCausalLM, directory) -> Path:
     os.chmod(tmp, 0o666 & ~umask)  # as a file opened for writing would be, not the temporary's 0600
     os.replace(tmp, directory / WEIGHTS_NAME)  # a reader never sees half a file
     config.save_pretrained(str(directory))
+    model.generation_config.save_pretrained(str(directory))  # generation_config.json, as transformers writes it
     return directory
 
 

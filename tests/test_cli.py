@@ -147,6 +147,25 @@ def test_sampling_dtype_and_seed_on_a_tiny_gguf(capsys, tiny_gguf):
     assert json.loads(capsys.readouterr().out)["tokens"] == results[0]["tokens"]
 
 
+def test_the_checkpoints_generation_config_gives_sampling_defaults(capsys, tiny_gguf, tmp_path):
+    """Greedy unless --do-sample, whatever the checkpoint says; with it, unset flags take the checkpoint's values,
+    then transformers' (top-k 50)."""
+    out = tmp_path / "converted"
+    assert main(["convert", str(out), "--model", tiny_gguf]) == 0
+    capsys.readouterr()
+    base = ["generate", "abc", "--raw", "--json", "--model", str(out), "--max-new-tokens", "6", "--no-lookahead"]
+    assert main(base) == 0
+    greedy = json.loads(capsys.readouterr().out)
+    config = json.loads((out / "generation_config.json").read_text())
+    (out / "generation_config.json").write_text(json.dumps({**config, "do_sample": True, "temperature": 0.6}))
+    assert main(base) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["sampling"] is None and again["tokens"] == greedy["tokens"]
+    assert main(base + ["--do-sample", "--top-p", "0.9", "--seed", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["sampling"] == {"temperature": 0.6, "top_k": 50, "top_p": 0.9,
+                                                               "seed": 1}
+
+
 def test_a_failure_during_generation_is_one_line(capsys, tiny_gguf, monkeypatch):
     from lookahead.model import LlamaForCausalLM
 

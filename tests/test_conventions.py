@@ -172,9 +172,10 @@ def test_none_means_unset(tiny):
     same = model.generate(PROMPT, max_new_tokens=8, lookahead=LA, do_sample=None, temperature=None, top_k=None,
                           top_p=None, eos_token_id=None, pad_token_id=None, generation_config=None)
     assert torch.equal(same.sequences, greedy)
+    # Unset sampling parameters take transformers' values: top-k 50 (not off), top-p 1.
     sampled = [model.generate(PROMPT, max_new_tokens=8, lookahead=LA, do_sample=True, top_k=k, top_p=p,
                               temperature=0.8, generator=torch.Generator().manual_seed(3)).sequences
-               for k, p in ((None, None), (0, 1.0))]
+               for k, p in ((None, None), (50, 1.0))]
     assert torch.equal(*sampled)
     # model.generate without max_new_tokens: the default, 128 (the tiny model has no EOS)
     assert model.generate(PROMPT, lookahead=None).stats.new_tokens == 128
@@ -202,6 +203,113 @@ def test_generation_config_and_keyword_overrides(tiny):
     # transformers' own defaults and harmless fields are accepted
     model.generate(PROMPT, max_new_tokens=2, num_beams=1, repetition_penalty=1.0, use_cache=True,
                    generation_config=GenerationConfig(bos_token_id=1, num_return_sequences=1))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_tokenizer_output_as_input_ids(tiny, tokenizer, mode):
+    """transformers 5's apply_chat_template(..., return_tensors="pt") returns a BatchEncoding, which users pass
+    as generate's first argument."""
+    _, model = tiny
+    inputs = tokenizer(["w5 w6 w7 w8 w9 w10"], return_tensors="pt")
+    out = model.generate(inputs, max_new_tokens=12, lookahead=MODES[mode])
+    assert torch.equal(out.sequences, model.generate(**inputs, max_new_tokens=12, lookahead=None).sequences)
+    assert torch.equal(model.generate({"input_ids": PROMPT}, max_new_tokens=4).sequences,
+                       model.generate(PROMPT, max_new_tokens=4).sequences)
+    with pytest.raises(ValueError, match=r"got keys \['input_ids', 'token_type_ids'\]"):
+        model.generate({"input_ids": PROMPT, "token_type_ids": PROMPT * 0}, max_new_tokens=2)
+    with pytest.raises(ValueError, match="attention_mask given twice"):
+        model.generate(inputs, attention_mask=inputs["attention_mask"], max_new_tokens=2)
+
+
+def fresh_copy(tiny):
+    """A model of its own (its generation_config is edited)."""
+    return LlamaForCausalLM.from_hf(tiny[0])
+
+
+def test_the_models_generation_config_gives_the_defaults(tiny):
+    model = fresh_copy(tiny)
+    assert isinstance(model.generation_config, GenerationConfig) and model.generation_config.eos_token_id is None
+    n = PROMPT.shape[1]
+    full = new_tokens(model.generate(PROMPT, max_new_tokens=12, lookahead=None), n)
+    model.generation_config.eos_token_id = [full[3]]
+    model.generation_config.max_new_tokens = 10
+    assert new_tokens(model.generate(PROMPT, lookahead=LA), n) == full[:full.index(full[3]) + 1]
+    model.generation_config.eos_token_id = None
+    assert model.generate(PROMPT, lookahead=LA).stats.new_tokens == 10
+
+    def run(**kwargs):
+        return model.generate(PROMPT, lookahead=LA, generator=torch.Generator().manual_seed(5), **kwargs).sequences
+
+    model.generation_config.do_sample, model.generation_config.temperature = True, 0.7
+    model.generation_config.top_k = 5
+    assert torch.equal(run(), run(do_sample=True, temperature=0.7, top_k=5, max_new_tokens=10))
+    # a call's generation_config overrides the model's fields it sets; keywords override both
+    assert torch.equal(run(generation_config=GenerationConfig(top_k=3)),
+                       run(do_sample=True, temperature=0.7, top_k=3, max_new_tokens=10))
+    greedy = fresh_copy(tiny).generate(PROMPT, max_new_tokens=10, lookahead=None).sequences
+    assert torch.equal(run(do_sample=False), greedy)
+    model.generation_config.repetition_penalty = 1.3
+    with pytest.raises(ValueError, match=r"repetition_penalty=1.3 \(in model.generation_config\)"):
+        model.generate(PROMPT, max_new_tokens=2)
+    with pytest.raises(ValueError, match="must be a transformers GenerationConfig"):
+        model.generation_config = {"max_new_tokens": 3}
+
+
+def test_generation_config_json_is_loaded_saved_and_copied(tiny, tmp_path):
+    import json
+
+    hf, _ = tiny
+    hf.generation_config = GenerationConfig(eos_token_id=[3, 4], do_sample=True, temperature=0.6, top_p=0.9)
+    try:
+        model = LlamaForCausalLM.from_hf(hf)
+    finally:
+        hf.generation_config = GenerationConfig()
+    assert model.generation_config.eos_token_id == [3, 4] and model.generation_config.temperature == 0.6
+    model.save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "generation_config.json").read_text())
+    assert written["eos_token_id"] == [3, 4] and written["top_p"] == 0.9
+    assert transformers.GenerationConfig.from_pretrained(tmp_path).do_sample is True
+    # A checkpoint's field generate cannot honour is left out, with a warning naming it.
+    written["repetition_penalty"] = 1.1
+    (tmp_path / "generation_config.json").write_text(json.dumps(written))
+    with pytest.warns(UserWarning, match=r"sets repetition_penalty=1.1, which lookahead's generate does not"):
+        loaded = LlamaForCausalLM.from_pretrained(tmp_path)
+    assert loaded.generation_config.repetition_penalty is None and loaded.generation_config.temperature == 0.6
+    assert loaded.generate(PROMPT, max_new_tokens=3, do_sample=False).stats.new_tokens <= 3
+    (tmp_path / "generation_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="generation_config.json as a transformers generation config"):
+        LlamaForCausalLM.from_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").unlink()
+    assert LlamaForCausalLM.from_pretrained(tmp_path).generation_config.do_sample is None
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_num_return_sequences_draws_each_prompt_n_times(tiny, mode):
+    _, model = tiny
+    prompts = [[5, 6, 7, 8], [9, 10]]
+
+    def run(ids, **kwargs):
+        return model.generate(ids, max_new_tokens=6, lookahead=MODES[mode], do_sample=True, temperature=1.5,
+                              generator=torch.Generator().manual_seed(2), **kwargs).sequences
+
+    out = run(prompts, num_return_sequences=3)
+    assert out.shape[0] == 6
+    # the same draws as the batch of each prompt repeated, in transformers' order
+    assert torch.equal(out, run([p for p in prompts for _ in range(3)]))
+    assert len({tuple(r) for r in out[:3, -6:].tolist()}) > 1, "three draws of one prompt all alike"
+    assert torch.equal(run(prompts, generation_config=GenerationConfig(do_sample=True, num_return_sequences=2)),
+                       run([p for p in prompts for _ in range(2)]))
+    with pytest.raises(ValueError, match="needs do_sample=True"):
+        model.generate(PROMPT, max_new_tokens=2, num_return_sequences=2)
+    with pytest.raises(ValueError, match="num_return_sequences must be an int >= 1"):
+        model.generate(PROMPT, max_new_tokens=2, do_sample=True, num_return_sequences=0)
+
+
+def test_parameter_counts_as_transformers_gives_them(tiny):
+    hf, model = tiny
+    assert model.num_parameters() == hf.num_parameters()
+    assert model.num_parameters(exclude_embeddings=True) == hf.num_parameters(exclude_embeddings=True)
+    assert model.get_input_embeddings() is model.embed
 
 
 @pytest.mark.parametrize("kwargs,named", [

@@ -39,7 +39,7 @@ def test_a_bfloat16_model_saves_as_bfloat16(tmp_path):
     back = LlamaForCausalLM.from_pretrained(tmp_path)  # the checkpoint's dtype
     assert back.dtype == torch.bfloat16 and torch.equal(back.embed.weight, ours.embed.weight)
     ours.save_pretrained(tmp_path)  # a second save replaces the files
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
 
 
 def test_what_cannot_be_saved_is_a_value_error(tmp_path):

@@ -80,6 +80,11 @@ def test_the_output_indexes_as_transformers_does(pair):
     assert without.logits.shape == (1, 4, VOCAB) and without[0] is without.logits
     with pytest.raises(KeyError):
         without["loss"]
+    # transformers' keywords an evaluation script passes: a tuple for return_dict=False, use_cache changes nothing
+    as_tuple = ours(ids, labels=ids, use_cache=False, return_dict=False)
+    assert isinstance(as_tuple, tuple) and len(as_tuple) == 2
+    assert torch.equal(as_tuple[0], with_loss.loss) and torch.equal(as_tuple[1], with_loss.logits)
+    assert torch.equal(ours(ids, use_cache=True, return_dict=True).logits, with_loss.logits)
 
 
 def test_bad_calls_are_value_errors(pair):
@@ -99,7 +104,11 @@ def test_bad_calls_are_value_errors(pair):
         (dict(input_ids=ids + VOCAB), "vocab_size"),
         (dict(input_ids=ids, positions=torch.arange(4).expand(2, 4)), "missing"),
         (dict(input_ids=ids, positions=torch.arange(4).expand(2, 4), cache=ours.new_cache(2, 8), cache_len=0,
-              layout=StepLayout.prefill(4), attention_mask=torch.ones_like(ids)), "attention_mask and labels"),
+              layout=StepLayout.prefill(4), attention_mask=torch.ones_like(ids)), "attention_mask goes with"),
+        (dict(input_ids=ids, positions=torch.arange(4).expand(2, 4), cache=ours.new_cache(2, 8), cache_len=0,
+              layout=StepLayout.prefill(4), use_cache=False, return_dict=True), "use_cache, return_dict go with"),
+        (dict(input_ids=ids, use_cache="yes"), "use_cache must be a bool"),
+        (dict(input_ids=ids, return_dict=1), "return_dict must be a bool"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
