@@ -8,12 +8,14 @@
   A tokenizer's output (a ``BatchEncoding`` or any mapping holding ``input_ids`` and optionally
   ``attention_mask``) is also taken as ``input_ids``: transformers 5's ``apply_chat_template(...,
   return_tensors="pt")`` returns one.
-* Sampling and length parameters (``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``max_new_tokens``,
-  ``max_length``, ``eos_token_id``, ``pad_token_id``, ``num_return_sequences``) as keywords, in a transformers
-  ``GenerationConfig`` passed as ``generation_config``, or in the model's own ``model.generation_config`` (the
-  checkpoint's ``generation_config.json``), in that order of precedence, as transformers layers them; ``None``
-  means unset. Unset everywhere, they take transformers' defaults (greedy; when sampling, temperature 1, top-k 50,
-  top-p 1) and ours for the length (128 new tokens); the EOS is the model's.
+* Sampling and length parameters (``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``,
+  ``max_new_tokens``, ``max_length``, ``eos_token_id``, ``pad_token_id``, ``num_return_sequences``) as keywords,
+  in a transformers ``GenerationConfig`` passed as ``generation_config``, or in the model's own
+  ``model.generation_config`` (the checkpoint's ``generation_config.json``), in that order of precedence, as
+  transformers layers them; ``None`` means unset. Unset everywhere, they take transformers' defaults (greedy; when sampling, temperature 1, top-k 50,
+  top-p 1, no repetition penalty) and ours for the length (128 new tokens); the EOS is the model's.
+* ``repetition_penalty`` as transformers applies it (before temperature, top-k and top-p), to every row a step
+  chooses or verifies a token from, each with its own context (:mod:`lookahead.repetition`).
 * ``num_return_sequences=n`` (sampling only) draws ``n`` sequences per prompt, as rows ``b * n .. b * n + n - 1``.
 * A streamer is a plain callable (called with each step's new token ids, a ``list[int]``) or an object with
   ``put``/``end`` (transformers' ``TextStreamer``, ``TextIteratorStreamer``): ``put`` receives the prompt first
@@ -21,8 +23,8 @@
   transformers' sampling loop; lookahead: ``[1, n]`` per step, as its assisted decoding), and ``end()`` is called
   once generation finishes.
 * Anything else, a ``GenerationConfig`` field or keyword set to a value we would have to ignore (``num_beams=4``,
-  ``repetition_penalty=1.2``, ``output_scores=True``...) or an unknown keyword, is a ``ValueError`` naming it.
-  Values equal to transformers' defaults (``num_beams=1``, ``repetition_penalty=1.0``...) are accepted.
+  ``min_new_tokens=5``, ``output_scores=True``...) or an unknown keyword, is a ``ValueError`` naming it.
+  Values equal to transformers' defaults (``num_beams=1``, ``typical_p=1.0``...) are accepted.
 """
 
 from __future__ import annotations
@@ -36,13 +38,14 @@ import torch
 DEFAULT_MAX_NEW_TOKENS = 128
 # GenerationConfig fields generate() implements.
 SUPPORTED_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "max_new_tokens", "max_length", "eos_token_id",
-                    "pad_token_id", "num_return_sequences")
+                    "pad_token_id", "num_return_sequences", "repetition_penalty")
 # Fields accepted with any value: they cannot change a decoder-only model's output given a prompt (use_cache=False
 # only makes transformers recompute every position; we always keep a cache), or (for return_dict_in_generate)
 # generate always returns an object with ``.sequences`` anyway.
 INERT_FIELDS = ("bos_token_id", "transformers_version", "return_dict_in_generate", "use_cache")
 # transformers' values for supported fields that nobody set (GenerationConfig._get_default_generation_params).
-SAMPLING_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "num_return_sequences": 1}
+SAMPLING_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "num_return_sequences": 1,
+                     "repetition_penalty": 1.0}
 
 
 @dataclasses.dataclass
@@ -55,6 +58,7 @@ class GenerateArguments:
             list of prompts); goes back in front of the output.
         max_new_tokens: resolved int (not yet range-checked against the model).
         do_sample, temperature, top_k, top_p: the sampling parameters, unset ones at their defaults.
+        repetition_penalty: float > 0 (1.0: none).
         eos_token_id: int, list of ints, or ``None`` (the model's own).
         pad_token_id: int or ``None``.
         streamer: a :class:`StreamerAdapter` or ``None``.
@@ -67,6 +71,7 @@ class GenerateArguments:
     temperature: object
     top_k: object
     top_p: object
+    repetition_penalty: float
     eos_token_id: object
     pad_token_id: object
     streamer: "StreamerAdapter | None"
@@ -319,7 +324,8 @@ def resolve_generate_arguments(input_ids, *, attention_mask=None, max_new_tokens
     _check_unsupported(extra, "keyword argument")
     explicit = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "temperature": temperature,
                 "top_k": top_k, "top_p": top_p, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id,
-                "max_length": extra.get("max_length"), "num_return_sequences": extra.get("num_return_sequences")}
+                "max_length": extra.get("max_length"), "num_return_sequences": extra.get("num_return_sequences"),
+                "repetition_penalty": extra.get("repetition_penalty")}
     values = {}
     for config, origin in ((model_generation_config, "in model.generation_config"),
                            (generation_config, "in generation_config")):  # later ones override
@@ -364,6 +370,10 @@ def resolve_generate_arguments(input_ids, *, attention_mask=None, max_new_tokens
         prompts = [p for p in prompts for _ in range(copies)]  # transformers' order: each prompt's draws together
         padding = [p for p in padding for _ in range(copies)]
 
+    penalty = values["repetition_penalty"]
+    if isinstance(penalty, bool) or not isinstance(penalty, numbers.Real) or not 0 < penalty < float("inf"):
+        raise ValueError(f"repetition_penalty must be a number > 0 (1.0: none), got {penalty!r}")
+
     _check_token_id("eos_token_id", values.get("eos_token_id"), allow_list=True)
     _check_token_id("pad_token_id", values.get("pad_token_id"), allow_list=False)
     eos = values.get("eos_token_id")
@@ -375,7 +385,7 @@ def resolve_generate_arguments(input_ids, *, attention_mask=None, max_new_tokens
     return GenerateArguments(
         prompts=prompts, padding=padding, max_new_tokens=max_new,
         do_sample=values["do_sample"], temperature=values["temperature"], top_k=values["top_k"],
-        top_p=values["top_p"],
+        top_p=values["top_p"], repetition_penalty=float(penalty),
         eos_token_id=eos, pad_token_id=values.get("pad_token_id"), streamer=adapter)
 
 

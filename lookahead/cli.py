@@ -62,6 +62,9 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default: the model's "
                    "generation config's, else 1.0: off)")
     p.add_argument("--seed", type=int, default=None, help="seed of the sampling generator (default: random)")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="transformers' repetition penalty, greedy or sampled (> 1 discourages repeats; default: the "
+                        "model's generation config's, else none)")
     _add_lookahead_args(p)
 
 
@@ -138,6 +141,11 @@ def _print_summary(la: LookaheadConfig | None, s, more: str = "") -> None:
 def _sampling(args) -> dict:
     """generate's sampling keywords (greedy unless --do-sample, whatever the model's generation config says);
     errors before the model is loaded."""
+    penalty = {}
+    if args.repetition_penalty is not None:
+        if not 0 < args.repetition_penalty < float("inf"):
+            raise CliError(f"--repetition-penalty must be > 0 (1: none), got {args.repetition_penalty}", status=2)
+        penalty = {"repetition_penalty": args.repetition_penalty}
     flags = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
     given = {name: value for name, value in flags.items() if value is not None}
     if not args.do_sample:
@@ -145,22 +153,25 @@ def _sampling(args) -> dict:
             named = ", ".join("--" + name.replace("_", "-") for name in given)
             raise CliError(f"{named} {'needs' if len(given) == 1 else 'need'} --do-sample (greedy decoding "
                            f"ignores {'it' if len(given) == 1 else 'them'})", status=2)
-        return {"do_sample": False}
+        return {"do_sample": False, **penalty}
     from .sampling import SamplingParams
 
     try:
         SamplingParams(**{"temperature": 1.0, "top_k": 0, "top_p": 1.0, **given})
     except ValueError as err:
         raise CliError(str(err).replace("SamplingParams.", "--").replace("top_", "top-"), status=2) from None
-    return dict(do_sample=True, **given)
+    return dict(do_sample=True, **given, **penalty)
+
+
+def _resolved(model, sampling: dict, name: str):
+    """What a call uses for ``name``: given, else the model's generation config's, else transformers' default."""
+    return next(v for v in (sampling.get(name), getattr(model.generation_config, name, None), SAMPLING_DEFAULTS[name])
+                if v is not None)
 
 
 def _resolved_sampling(model, sampling: dict) -> dict:
-    """The temperature, top-k and top-p a sampled call uses: given, else the model's generation config's, else
-    transformers' defaults."""
-    config = model.generation_config
-    return {name: next(v for v in (sampling.get(name), getattr(config, name, None), SAMPLING_DEFAULTS[name])
-                       if v is not None) for name in ("temperature", "top_k", "top_p")}
+    """The temperature, top-k and top-p a sampled call uses."""
+    return {name: _resolved(model, sampling, name) for name in ("temperature", "top_k", "top_p")}
 
 
 def _check_max_new_tokens(args) -> None:
@@ -208,6 +219,7 @@ def cmd_generate(args) -> int:
                           "device": str(model.device), "dtype": args.dtype,
                           "sampling": None if not sampling["do_sample"] else {
                               **_resolved_sampling(model, sampling), "seed": seed},
+                          "repetition_penalty": _resolved(model, sampling, "repetition_penalty"),
                           "lookahead": None if la is None else {
                               "window": la.window, "ngram": la.ngram, "guess": la.guess,
                               "max_step_tokens": la.max_step_tokens}}))

@@ -55,9 +55,11 @@ class Sampler:
     In a batch every row draws from the one generator, in row order: a row's samples differ from what the same
     seed gives it alone, but each row keeps exactly the model's distribution."""
 
-    def __init__(self, do_sample: bool, temperature, top_k, top_p, generator):
+    def __init__(self, do_sample: bool, temperature, top_k, top_p, generator, repetition=None):
         self.params = None
         self.generator = generator
+        # a lookahead.repetition.RepetitionPenalty, or None: applied to the rows a step's tokens are chosen from
+        self.repetition = repetition
         if do_sample:
             from .sampling import SamplingParams  # sampling utilities live beside the verifier's reference
 
@@ -70,8 +72,9 @@ class Sampler:
 
     @property
     def key(self):
-        """What a captured graph of a finish depends on of the sampler: its parameters (``None``: greedy)."""
-        return self.params
+        """What a captured graph of a finish depends on of the sampler: its parameters (``None``: greedy) and its
+        repetition penalty."""
+        return self.params, None if self.repetition is None else self.repetition.penalty
 
     def draw(self, out: torch.Tensor) -> torch.Tensor:
         """Fill float64 ``out`` with uniforms in ``[0, 1)`` from the generator, in place (one ``torch.rand``)."""
@@ -207,16 +210,21 @@ class StepVerifier:
         if not self.sampler.greedy and (u is None or tuple(u.shape) != (B, self.uniforms_per_row)):
             raise ValueError(f"a sampled step of shape {self.shape} needs uniforms [B={B}, {self.uniforms_per_row}], "
                              f"got {None if u is None else tuple(u.shape)}")
+        la = self.lookahead_len
+        x_logits, node_logits, node_tokens = logits[:, 0], logits[:, self.node_rows], inputs.tokens[:, la: la + V]
+        repetition = self.sampler.repetition
+        if repetition is not None:  # the rows tokens are chosen from; the window's guesses need no exactness
+            x_logits = repetition.rows(x_logits)
+            node_logits = repetition.tree(node_logits, node_tokens, inputs.end) if V else node_logits
         if V:
-            la = self.lookahead_len
             accept_len, path, emitted = self.sampler.verify_tree(
-                logits[:, 0], logits[:, self.node_rows], inputs.tokens[:, la: la + V], inputs.end, inputs.num_nodes,
-                self.max_accept, None if u is None else u[:, : V + 1])
+                x_logits, node_logits, node_tokens, inputs.end, inputs.num_nodes, self.max_accept,
+                None if u is None else u[:, : V + 1])
             inputs.cache.compact(inputs.cache_len, la, accept_len, path)
         else:
             accept_len = torch.zeros(B, dtype=torch.long, device=logits.device)
             path = torch.empty(B, 0, dtype=torch.long, device=logits.device)
-            emitted = self.sampler.choose(logits[:, 0], None if u is None else u[:, 0])[:, None]
+            emitted = self.sampler.choose(x_logits, None if u is None else u[:, 0])[:, None]
         if self._x_alone:
             # The one guess of a window that is x alone is a token after x: the one just chosen serves (greedy: the
             # same argmax; sampled: a draw of x's distribution, without warping its row a second time).
@@ -269,7 +277,8 @@ class PlainChoice:
 
     def __call__(self, logits: torch.Tensor, inputs: StepInputs):
         u = inputs.uniforms
-        chosen = self.sampler.choose(logits[:, 0], None if u is None else u[:, 0])
+        x_logits = logits[:, 0] if self.sampler.repetition is None else self.sampler.repetition.rows(logits[:, 0])
+        chosen = self.sampler.choose(x_logits, None if u is None else u[:, 0])
         if not self.successor_k:
             return chosen
         from .successors import SuccessorTable

@@ -79,6 +79,7 @@ def _fails_in_one_line(capsys, argv, status=None, contains=""):
     (["generate", "hi", "--temperature", "0.5"], "--do-sample"),
     (["generate", "hi", "--do-sample", "--top-p", "1.5"], "--top-p"),
     (["generate", "hi", "--do-sample", "--top-k", "-1"], "--top-k"),
+    (["generate", "hi", "--repetition-penalty", "0"], "--repetition-penalty must be > 0"),
     (["generate", "hi", "--do-sample", "--temperature", "-1"], "--temperature"),
     (["generate", "hi", "--max-step-tokens", "0"], "max_step_tokens"),
     (["generate"], "prompt"),
@@ -164,6 +165,11 @@ def test_the_checkpoints_generation_config_gives_sampling_defaults(capsys, tiny_
     assert main(base + ["--do-sample", "--top-p", "0.9", "--seed", "1"]) == 0
     assert json.loads(capsys.readouterr().out)["sampling"] == {"temperature": 0.6, "top_k": 50, "top_p": 0.9,
                                                                "seed": 1}
+    # --repetition-penalty works greedy too, as generate's keyword does
+    assert main(base + ["--repetition-penalty", "1.5"]) == 0
+    penalised = json.loads(capsys.readouterr().out)
+    assert penalised["repetition_penalty"] == 1.5 and penalised["sampling"] is None
+    assert again["repetition_penalty"] == 1.0
 
 
 def test_a_failure_during_generation_is_one_line(capsys, tiny_gguf, monkeypatch):

@@ -1,0 +1,89 @@
+"""transformers' ``repetition_penalty`` on a step's logits rows, for plain and lookahead steps alike.
+
+Each row's scores for the tokens already in its context are penalised as transformers'
+``RepetitionPenaltyLogitsProcessor`` does (``s / p`` where ``s > 0``, ``s * p`` otherwise), before temperature,
+top-k and top-p. A row's context is the committed sequence (prompt included) for ``x``'s row, and for a tree
+node's row also the tokens on the node's path: its ancestors and itself, ``j <= i < end[j]``
+(``shared/design/draft-tree.md``), which are what that row's token would follow. The committed tokens are a
+boolean ``seen [B, vocab]`` kept on the device beside the step's inputs; the path's are computed from the tree's
+``end`` and tokens, so that greedy verification under the penalty accepts exactly what plain decoding under it
+would emit, and rejection sampling keeps its distribution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def penalise(scores: torch.Tensor, penalty: float) -> torch.Tensor:
+    """transformers' penalty of one score (elementwise; float32 as the logits are)."""
+    return torch.where(scores < 0, scores * penalty, scores / penalty)
+
+
+def penalise_rows(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """``logits [B, R, V]`` (or ``[B, V]``) with each row's ``seen [B, V]`` tokens penalised (a new tensor)."""
+    mask = seen[:, None, :] if logits.dim() == 3 else seen
+    return torch.where(mask, penalise(logits, penalty), logits)
+
+
+def penalise_tree(node_logits: torch.Tensor, seen: torch.Tensor, tokens: torch.Tensor, end: torch.Tensor,
+                  penalty: float) -> torch.Tensor:
+    """``node_logits [B, N, V]`` of a tree's nodes, each row penalised for ``seen [B, V]`` and its path's tokens.
+
+    ``tokens``: int64 ``[B, N]``, the nodes' tokens; ``end``: int64 ``[N]`` or ``[B, N]``, their subtree ends.
+    Padding nodes (after the real ones) are never a real node's ancestor; their own rows are ignored later."""
+    B, N, _ = node_logits.shape
+    out = penalise_rows(node_logits, seen, penalty)
+    if N == 0:
+        return out
+    idx = torch.arange(N, device=node_logits.device)
+    end = end.expand(B, N)
+    on_path = (idx[None, None, :] <= idx[None, :, None]) & (idx[None, :, None] < end[:, None, :])  # [B, i, j]
+    same = tokens[:, :, None] == tokens[:, None, :]  # [B, j', j]
+    # Whether node j's token lies on node i's path: the same for every j of one token, so the scatter below
+    # writes one value per (row, token) however often the token occurs.
+    token_on_path = torch.bmm(on_path.float(), same.float()) > 0
+    fresh = ~seen.gather(1, tokens)  # [B, j]: not penalised already
+    columns = tokens[:, None, :].expand(B, N, N)
+    scores = out.gather(2, columns)
+    return out.scatter_(2, columns, torch.where(token_on_path & fresh[:, None, :], penalise(scores, penalty),
+                                                scores))
+
+
+class RepetitionPenalty:
+    """A call's penalty and each row's committed tokens, ``seen``: bool ``[B, vocab]`` on the model's device.
+
+    ``seen`` is a runner's buffer under CUDA graphs (a graph holds its address) or a tensor of the call's own;
+    :meth:`start` fills it from the rows' sequences, :meth:`add` marks each step's committed tokens."""
+
+    def __init__(self, penalty: float, seen: torch.Tensor):
+        self.penalty = float(penalty)
+        self.seen = seen
+
+    def start(self, sequences: list[list[int]]) -> None:
+        self.seen.zero_()
+        self.add(sequences)
+
+    def add(self, tokens: list[list[int]]) -> None:
+        """Marks ``tokens[b]`` for each row ``b`` (one index write for the batch)."""
+        rows = [b for b, t in enumerate(tokens) for _ in t]
+        if rows:
+            cols = [v for t in tokens for v in t]
+            self.seen[torch.tensor(rows, device=self.seen.device), torch.tensor(cols, device=self.seen.device)] = True
+
+    def rows(self, logits: torch.Tensor) -> torch.Tensor:
+        return penalise_rows(logits, self.seen, self.penalty)
+
+    def tree(self, node_logits: torch.Tensor, tokens: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+        return penalise_tree(node_logits, self.seen, tokens, end, self.penalty)
+
+
+def reference_penalised(logits_row: torch.Tensor, context: list[int], penalty: float) -> torch.Tensor:
+    """The oracle: one row ``[V]`` penalised for the tokens of ``context``, as transformers does it."""
+    ids = torch.tensor(sorted(set(context)), dtype=torch.long, device=logits_row.device)
+    out = logits_row.clone()
+    out[ids] = penalise(logits_row[ids], penalty)
+    return out
+
+
+__all__ = ["RepetitionPenalty", "penalise", "penalise_rows", "penalise_tree", "reference_penalised"]
