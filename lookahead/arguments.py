@@ -132,9 +132,8 @@ def model_generation_config(config, source=None, origin: str = "generation_confi
     from transformers import GenerationConfig
 
     if source is None:
-        eos = list(config.eos_token_id)
         return GenerationConfig(bos_token_id=config.bos_token_id, pad_token_id=config.pad_token_id,
-                                eos_token_id=None if not eos else eos[0] if len(eos) == 1 else eos)
+                                eos_token_id=config.hf_eos_token_id)
     if not isinstance(source, GenerationConfig):
         raise ValueError(f"a generation config must be a transformers GenerationConfig, got {type(source).__name__}")
     ours = copy.deepcopy(source)
@@ -236,6 +235,13 @@ def _strip_left_padding(ids: torch.Tensor, attention_mask) -> tuple[list, list]:
 def check_ids_dtype(t: torch.Tensor, name: str) -> None:
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         raise ValueError(f"{name} must hold integer token ids, got dtype {t.dtype}")
+
+
+def check_repetition_penalty(penalty) -> float:
+    """``penalty`` as a float; ``ValueError`` unless it is a finite number > 0."""
+    if isinstance(penalty, bool) or not isinstance(penalty, numbers.Real) or not 0 < penalty < float("inf"):
+        raise ValueError(f"repetition_penalty must be a number > 0 (1.0: none), got {penalty!r}")
+    return float(penalty)
 
 
 def _unpack_encoding(input_ids, attention_mask):
@@ -370,9 +376,7 @@ def resolve_generate_arguments(input_ids, *, attention_mask=None, max_new_tokens
         prompts = [p for p in prompts for _ in range(copies)]  # transformers' order: each prompt's draws together
         padding = [p for p in padding for _ in range(copies)]
 
-    penalty = values["repetition_penalty"]
-    if isinstance(penalty, bool) or not isinstance(penalty, numbers.Real) or not 0 < penalty < float("inf"):
-        raise ValueError(f"repetition_penalty must be a number > 0 (1.0: none), got {penalty!r}")
+    penalty = check_repetition_penalty(values["repetition_penalty"])
 
     _check_token_id("eos_token_id", values.get("eos_token_id"), allow_list=True)
     _check_token_id("pad_token_id", values.get("pad_token_id"), allow_list=False)
@@ -385,10 +389,10 @@ def resolve_generate_arguments(input_ids, *, attention_mask=None, max_new_tokens
     return GenerateArguments(
         prompts=prompts, padding=padding, max_new_tokens=max_new,
         do_sample=values["do_sample"], temperature=values["temperature"], top_k=values["top_k"],
-        top_p=values["top_p"], repetition_penalty=float(penalty),
+        top_p=values["top_p"], repetition_penalty=penalty,
         eos_token_id=eos, pad_token_id=values.get("pad_token_id"), streamer=adapter)
 
 
 __all__ = ["GenerateArguments", "StreamerAdapter", "resolve_generate_arguments", "model_generation_config",
-           "unsupported_fields", "SUPPORTED_FIELDS", "SAMPLING_DEFAULTS",
+           "unsupported_fields", "check_repetition_penalty", "SUPPORTED_FIELDS", "SAMPLING_DEFAULTS",
            "DEFAULT_MAX_NEW_TOKENS"]

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from .arguments import SAMPLING_DEFAULTS
+from .arguments import check_repetition_penalty, resolve_generate_arguments
 from .config import LookaheadConfig
 
 
@@ -143,9 +143,10 @@ def _sampling(args) -> dict:
     errors before the model is loaded."""
     penalty = {}
     if args.repetition_penalty is not None:
-        if not 0 < args.repetition_penalty < float("inf"):
-            raise CliError(f"--repetition-penalty must be > 0 (1: none), got {args.repetition_penalty}", status=2)
-        penalty = {"repetition_penalty": args.repetition_penalty}
+        try:
+            penalty = {"repetition_penalty": check_repetition_penalty(args.repetition_penalty)}
+        except ValueError as err:
+            raise CliError("--" + str(err).replace("_", "-"), status=2) from None
     flags = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
     given = {name: value for name, value in flags.items() if value is not None}
     if not args.do_sample:
@@ -163,15 +164,12 @@ def _sampling(args) -> dict:
     return dict(do_sample=True, **given, **penalty)
 
 
-def _resolved(model, sampling: dict, name: str):
-    """What a call uses for ``name``: given, else the model's generation config's, else transformers' default."""
-    return next(v for v in (sampling.get(name), getattr(model.generation_config, name, None), SAMPLING_DEFAULTS[name])
-                if v is not None)
-
-
-def _resolved_sampling(model, sampling: dict) -> dict:
-    """The temperature, top-k and top-p a sampled call uses."""
-    return {name: _resolved(model, sampling, name) for name in ("temperature", "top_k", "top_p")}
+def _resolved(model, ids, sampling: dict):
+    """The arguments generate resolves for this call (given flags over the model's generation config over
+    transformers' defaults): the very resolution the call makes."""
+    given = {k: v for k, v in sampling.items() if k != "generator"}
+    extra = {"repetition_penalty": given.pop("repetition_penalty")} if "repetition_penalty" in given else None
+    return resolve_generate_arguments(ids, model_generation_config=model.generation_config, extra=extra, **given)
 
 
 def _check_max_new_tokens(args) -> None:
@@ -213,13 +211,15 @@ def cmd_generate(args) -> int:
     s = out.stats
     new = out.sequences[0, ids.shape[1]:].tolist()
     if args.json:
+        used = _resolved(model, ids, sampling)
         print(json.dumps({"text": tokenizer.decode(new, skip_special_tokens=True), "tokens": new,
                           "new_tokens": s.new_tokens, "steps": s.steps, "compression": s.compression_ratio,
                           "seconds": s.seconds, "tokens_per_second": s.tokens_per_second,
                           "device": str(model.device), "dtype": args.dtype,
-                          "sampling": None if not sampling["do_sample"] else {
-                              **_resolved_sampling(model, sampling), "seed": seed},
-                          "repetition_penalty": _resolved(model, sampling, "repetition_penalty"),
+                          "sampling": None if not used.do_sample else {
+                              "temperature": used.temperature, "top_k": used.top_k, "top_p": used.top_p,
+                              "seed": seed},
+                          "repetition_penalty": used.repetition_penalty,
                           "lookahead": None if la is None else {
                               "window": la.window, "ngram": la.ngram, "guess": la.guess,
                               "max_step_tokens": la.max_step_tokens}}))

@@ -318,9 +318,7 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
         got = f"one on {generator.device}" if isinstance(generator, torch.Generator) else type(generator).__name__
         raise ValueError(f"generator must be a torch.Generator on the model's device ({device.type}: "
                          f"torch.Generator(device={device.type!r})) or None, got {got}")
-    repetition = None
-    if args.repetition_penalty != 1.0:
-        repetition = RepetitionPenalty(args.repetition_penalty, torch.zeros(0, dtype=torch.bool))  # seen: below
+    repetition = RepetitionPenalty(args.repetition_penalty) if args.repetition_penalty != 1.0 else None
     sampler = Sampler(do_sample, temperature, top_k, top_p, generator, repetition)
     eos = _eos_set(model, eos_token_id)
     rows = [_Row(_Emitter(p.tolist(), max_new_tokens, eos, streamer), GenerationStats(trace=[] if trace else None))
@@ -342,8 +340,9 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
         cache = cache_pool(model).take(model, B, longest + max_new_tokens + step_cap,
                                        cfg.max_position_embeddings + step_cap)
     if repetition is not None:  # a graph holds the runner's buffer's address; the eager loop narrows its own
-        repetition.seen = runner.context_tokens(cfg.vocab_size) if runner is not None else \
-            torch.zeros(B, cfg.vocab_size, dtype=torch.bool, device=device)
+        repetition.start(runner.context_tokens(cfg.vocab_size) if runner is not None else
+                         torch.zeros(B, cfg.vocab_size, dtype=torch.bool, device=device),
+                         [r.emitter.sequence for r in rows])
     started += time.perf_counter() - setup_started
     clock = _CallClock(started, runner)
     # A batch too big for any tree at the start decodes plainly, its rows' lookahead state (window, drafts) made
@@ -573,8 +572,6 @@ def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: 
     active = list(rows)
     max_pos = model.config.max_position_embeddings
     repetition = sampler.repetition
-    if repetition is not None:
-        repetition.start([r.emitter.sequence for r in batch])
     while active:
         before = [len(r.emitter.sequence) for r in batch] if repetition is not None else None
         if plan is None or _near_the_end(active, plan.shape, max_pos) or _batch_too_big(active, batch, plan) \

@@ -101,6 +101,12 @@ class ModelConfig:
         else:
             object.__setattr__(self, "eos_token_id", tuple(int(t) for t in self.eos_token_id))
 
+    @property
+    def hf_eos_token_id(self) -> int | list[int] | None:
+        """The EOS ids as transformers' configs write them: ``None``, one int, or a list."""
+        eos = self.eos_token_id
+        return None if not eos else eos[0] if len(eos) == 1 else list(eos)
+
     @classmethod
     def from_hf(cls, hf_config) -> "ModelConfig":
         """Translate a transformers ``LlamaConfig`` / ``MistralConfig`` / ``Qwen2Config``.

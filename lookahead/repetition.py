@@ -53,23 +53,25 @@ def penalise_tree(node_logits: torch.Tensor, seen: torch.Tensor, tokens: torch.T
 class RepetitionPenalty:
     """A call's penalty and each row's committed tokens, ``seen``: bool ``[B, vocab]`` on the model's device.
 
-    ``seen`` is a runner's buffer under CUDA graphs (a graph holds its address) or a tensor of the call's own;
-    :meth:`start` fills it from the rows' sequences, :meth:`add` marks each step's committed tokens."""
+    :meth:`start` takes the tensor ``seen`` is kept in (a runner's buffer under CUDA graphs, whose address a graph
+    holds, or one of the call's own) and fills it from the rows' sequences; :meth:`add` marks each step's committed
+    tokens."""
 
-    def __init__(self, penalty: float, seen: torch.Tensor):
+    def __init__(self, penalty: float):
         self.penalty = float(penalty)
-        self.seen = seen
+        self.seen: torch.Tensor | None = None
 
-    def start(self, sequences: list[list[int]]) -> None:
-        self.seen.zero_()
+    def start(self, seen: torch.Tensor, sequences: list[list[int]]) -> None:
+        self.seen = seen
+        seen.zero_()
         self.add(sequences)
 
     def add(self, tokens: list[list[int]]) -> None:
-        """Marks ``tokens[b]`` for each row ``b`` (one index write for the batch)."""
-        rows = [b for b, t in enumerate(tokens) for _ in t]
-        if rows:
-            cols = [v for t in tokens for v in t]
-            self.seen[torch.tensor(rows, device=self.seen.device), torch.tensor(cols, device=self.seen.device)] = True
+        """Marks ``tokens[b]`` for each row ``b``: one upload of flat indices and one index write for the batch."""
+        V = self.seen.shape[1]
+        flat = [b * V + v for b, t in enumerate(tokens) for v in t]
+        if flat:
+            self.seen.view(-1)[torch.tensor(flat, device=self.seen.device)] = True
 
     def rows(self, logits: torch.Tensor) -> torch.Tensor:
         return penalise_rows(logits, self.seen, self.penalty)

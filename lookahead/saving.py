@@ -47,14 +47,13 @@ def hf_config(config: ModelConfig, dtype: torch.dtype = torch.float32):
     import transformers
 
     model_type = _model_type(config)
-    eos = config.eos_token_id
     fields = dict(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
         num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
         num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim, hidden_act="silu",
         max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.rms_norm_eps,
         tie_word_embeddings=config.tie_word_embeddings, rope_parameters=_rope_parameters(config),
-        bos_token_id=config.bos_token_id, eos_token_id=None if not eos else eos[0] if len(eos) == 1 else list(eos),
+        bos_token_id=config.bos_token_id, eos_token_id=config.hf_eos_token_id,
         pad_token_id=config.pad_token_id, dtype=dtype,
     )
     if model_type == "qwen2":

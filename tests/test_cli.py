@@ -79,7 +79,7 @@ def _fails_in_one_line(capsys, argv, status=None, contains=""):
     (["generate", "hi", "--temperature", "0.5"], "--do-sample"),
     (["generate", "hi", "--do-sample", "--top-p", "1.5"], "--top-p"),
     (["generate", "hi", "--do-sample", "--top-k", "-1"], "--top-k"),
-    (["generate", "hi", "--repetition-penalty", "0"], "--repetition-penalty must be > 0"),
+    (["generate", "hi", "--repetition-penalty", "0"], "--repetition-penalty must be a number > 0"),
     (["generate", "hi", "--do-sample", "--temperature", "-1"], "--temperature"),
     (["generate", "hi", "--max-step-tokens", "0"], "max_step_tokens"),
     (["generate"], "prompt"),

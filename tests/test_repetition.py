@@ -5,10 +5,15 @@ import random
 
 import pytest
 import torch
-import transformers
 
 from lookahead import LlamaForCausalLM, LookaheadConfig
 from lookahead.repetition import penalise_rows, penalise_tree, reference_penalised
+from lookahead.sampling import SamplingParams, warp_logits
+from lookahead_kernels import StepLayout
+
+from .test_batch import mixed_prompts
+from .test_generate import dev_prompts, hf_greedy, smollm2, tiny_hf_model  # noqa: F401 (smollm2: a fixture)
+from .test_sampling_e2e import fit_pvalue
 
 
 def random_tree(n: int, rng: random.Random) -> tuple[list[int], list[int]]:
@@ -64,13 +69,6 @@ def test_tree_rows_are_penalised_for_their_path(seed, penalty):
 
 
 # ---- end to end ------------------------------------------------------------------------------------------------
-from scipy.stats import chisquare  # noqa: E402
-
-from lookahead.sampling import SamplingParams, warp_logits  # noqa: E402
-from lookahead_kernels import StepLayout  # noqa: E402
-
-from .test_batch import mixed_prompts  # noqa: E402
-from .test_generate import dev_prompts, hf_greedy, smollm2, tiny_hf_model  # noqa: E402, F401
 
 CONFIGS = [None, LookaheadConfig(window=4, ngram=3, guess=4), LookaheadConfig(window=3, ngram=4, guess=3),
            LookaheadConfig(), LookaheadConfig(max_step_tokens=16, sources=("pool",))]
@@ -186,13 +184,7 @@ def test_sampled_tokens_follow_the_penalised_distribution(lookahead):
         assert max(accepted) >= 2, "no step accepted a candidate: verification was not exercised"
     for pos, p in enumerate(marginals):
         assert (p[samples[:, pos]] > 0).all()
-        observed = torch.bincount(samples[:, pos], minlength=SAMPLED_VOCAB).double()
-        big = p * SAMPLES >= 5
-        obs = torch.cat([observed[big], observed[~big].sum()[None]])
-        exp = torch.cat([p[big], p[~big].sum()[None]]) * SAMPLES
-        keep = exp > 1e-9
-        obs, exp = obs[keep], exp[keep] * (obs[keep].sum() / exp[keep].sum())
-        pvalue = float(chisquare(obs.numpy(), exp.numpy()).pvalue)
+        pvalue = fit_pvalue(samples[:, pos], p)
         assert pvalue > 1e-3, f"position {pos + 1}: chi-square p-value {pvalue:.2e}"
 
 
