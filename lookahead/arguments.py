@@ -15,7 +15,10 @@
   transformers layers them; ``None`` means unset. Unset everywhere, they take transformers' defaults (greedy; when sampling, temperature 1, top-k 50,
   top-p 1, no repetition penalty) and ours for the length (128 new tokens); the EOS is the model's.
 * ``repetition_penalty`` as transformers applies it (before temperature, top-k and top-p), to every row a step
-  chooses or verifies a token from, each with its own context (:mod:`lookahead.repetition`).
+  chooses or verifies a token from, each with its own context (:mod:`lookahead.repetition`); so are
+  ``min_new_tokens`` and ``min_length`` (no EOS before that many new tokens, or that total length counting the
+  padded prompt; ``min_new_tokens`` wins where both are set), ``suppress_tokens`` and ``begin_suppress_tokens``
+  (:mod:`lookahead.suppression`).
 * ``num_return_sequences=n`` (sampling only) draws ``n`` sequences per prompt, as rows ``b * n .. b * n + n - 1``.
 * A streamer is a plain callable (called with each step's new token ids, a ``list[int]``) or an object with
   ``put``/``end`` (transformers' ``TextStreamer``, ``TextIteratorStreamer``): ``put`` receives the prompt first
@@ -23,7 +26,7 @@
   transformers' sampling loop; lookahead: ``[1, n]`` per step, as its assisted decoding), and ``end()`` is called
   once generation finishes.
 * Anything else, a ``GenerationConfig`` field or keyword set to a value we would have to ignore (``num_beams=4``,
-  ``min_new_tokens=5``, ``output_scores=True``...) or an unknown keyword, is a ``ValueError`` naming it.
+  ``no_repeat_ngram_size=3``, ``output_scores=True``...) or an unknown keyword, is a ``ValueError`` naming it.
   Values equal to transformers' defaults (``num_beams=1``, ``typical_p=1.0``...) are accepted.
 """
 
@@ -38,7 +41,8 @@ import torch
 DEFAULT_MAX_NEW_TOKENS = 128
 # GenerationConfig fields generate() implements.
 SUPPORTED_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "max_new_tokens", "max_length", "eos_token_id",
-                    "pad_token_id", "num_return_sequences", "repetition_penalty")
+                    "pad_token_id", "num_return_sequences", "repetition_penalty", "min_new_tokens", "min_length",
+                    "suppress_tokens", "begin_suppress_tokens")
 # Fields accepted with any value: they cannot change a decoder-only model's output given a prompt (use_cache=False
 # only makes transformers recompute every position; we always keep a cache), or (for return_dict_in_generate)
 # generate always returns an object with ``.sequences`` anyway.
@@ -59,6 +63,8 @@ class GenerateArguments:
         max_new_tokens: resolved int (not yet range-checked against the model).
         do_sample, temperature, top_k, top_p: the sampling parameters, unset ones at their defaults.
         repetition_penalty: float > 0 (1.0: none).
+        min_new_tokens: int >= 0: no EOS before that many new tokens (``min_length`` resolved into it).
+        suppress_tokens, begin_suppress_tokens: lists of ids >= 0 (not yet range-checked), maybe empty.
         eos_token_id: int, list of ints, or ``None`` (the model's own).
         pad_token_id: int or ``None``.
         streamer: a :class:`StreamerAdapter` or ``None``.
@@ -72,6 +78,9 @@ class GenerateArguments:
     top_k: object
     top_p: object
     repetition_penalty: float
+    min_new_tokens: int
+    suppress_tokens: list
+    begin_suppress_tokens: list
     eos_token_id: object
     pad_token_id: object
     streamer: "StreamerAdapter | None"
@@ -123,7 +132,7 @@ def model_generation_config(config, source=None, origin: str = "generation_confi
 
     ``config``: the model's :class:`~lookahead.model.ModelConfig`. ``source``: a ``GenerationConfig`` read from a
     checkpoint (``origin`` names it) or a transformers model's; its fields that generate cannot honour
-    (``repetition_penalty=1.1``...) are left out of the copy returned, with a warning naming them, so each later
+    (``no_repeat_ngram_size=3``...) are left out of the copy returned, with a warning naming them, so each later
     call does not fail on them. Without ``source``: the config's BOS, EOS and pad ids, as transformers derives a
     generation config from a model config."""
     import copy
@@ -244,6 +253,29 @@ def check_repetition_penalty(penalty) -> float:
     return float(penalty)
 
 
+def _min_new_tokens(min_new_tokens, min_length, given_len: int) -> int:
+    """No EOS before this many new tokens: ``min_new_tokens`` where set (transformers lets it win), else what
+    ``min_length`` (counting the prompt as given, padding included) leaves after the prompt."""
+    for name, value in (("min_new_tokens", min_new_tokens), ("min_length", min_length)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0):
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    if min_new_tokens is not None:
+        return int(min_new_tokens)
+    return max(int(min_length) - given_len, 0) if min_length is not None else 0
+
+
+def _token_list(name: str, value) -> list[int]:
+    """``value`` (``None``, or a list of ids) as a list of ints >= 0."""
+    if value is None:
+        return []
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)) or any(isinstance(v, bool) or not isinstance(v, numbers.Integral)
+                                                   or v < 0 for v in value):
+        raise ValueError(f"{name} must be a list of token ids (ints >= 0), got {value!r}")
+    return [int(v) for v in value]
+
+
 def _unpack_encoding(input_ids, attention_mask):
     """``(input_ids, attention_mask)`` out of a tokenizer's output passed as ``input_ids``; else as given."""
     if not isinstance(input_ids, Mapping):
@@ -331,7 +363,8 @@ def resolve_generate_arguments(input_ids, *, attention_mask=None, max_new_tokens
     explicit = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "temperature": temperature,
                 "top_k": top_k, "top_p": top_p, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id,
                 "max_length": extra.get("max_length"), "num_return_sequences": extra.get("num_return_sequences"),
-                "repetition_penalty": extra.get("repetition_penalty")}
+                **{k: extra.get(k) for k in ("repetition_penalty", "min_new_tokens", "min_length", "suppress_tokens",
+                                             "begin_suppress_tokens")}}
     values = {}
     for config, origin in ((model_generation_config, "in model.generation_config"),
                            (generation_config, "in generation_config")):  # later ones override
@@ -377,6 +410,8 @@ def resolve_generate_arguments(input_ids, *, attention_mask=None, max_new_tokens
         padding = [p for p in padding for _ in range(copies)]
 
     penalty = check_repetition_penalty(values["repetition_penalty"])
+    min_new = _min_new_tokens(values.get("min_new_tokens"), values.get("min_length"), given_len)
+    suppressed = {name: _token_list(name, values.get(name)) for name in ("suppress_tokens", "begin_suppress_tokens")}
 
     _check_token_id("eos_token_id", values.get("eos_token_id"), allow_list=True)
     _check_token_id("pad_token_id", values.get("pad_token_id"), allow_list=False)
@@ -389,7 +424,7 @@ def resolve_generate_arguments(input_ids, *, attention_mask=None, max_new_tokens
     return GenerateArguments(
         prompts=prompts, padding=padding, max_new_tokens=max_new,
         do_sample=values["do_sample"], temperature=values["temperature"], top_k=values["top_k"],
-        top_p=values["top_p"], repetition_penalty=penalty,
+        top_p=values["top_p"], repetition_penalty=penalty, min_new_tokens=min_new, **suppressed,
         eos_token_id=eos, pad_token_id=values.get("pad_token_id"), streamer=adapter)
 
 

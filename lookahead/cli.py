@@ -65,6 +65,9 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repetition-penalty", type=float, default=None,
                    help="transformers' repetition penalty, greedy or sampled (> 1 discourages repeats; default: the "
                         "model's generation config's, else none)")
+    p.add_argument("--min-new-tokens", type=int, default=None,
+                   help="no end-of-sequence token before this many new tokens (default: the model's generation "
+                        "config's, else 0)")
     _add_lookahead_args(p)
 
 
@@ -141,12 +144,16 @@ def _print_summary(la: LookaheadConfig | None, s, more: str = "") -> None:
 def _sampling(args) -> dict:
     """generate's sampling keywords (greedy unless --do-sample, whatever the model's generation config says);
     errors before the model is loaded."""
-    penalty = {}
+    processing = {}
     if args.repetition_penalty is not None:
         try:
-            penalty = {"repetition_penalty": check_repetition_penalty(args.repetition_penalty)}
+            processing = {"repetition_penalty": check_repetition_penalty(args.repetition_penalty)}
         except ValueError as err:
             raise CliError("--" + str(err).replace("_", "-"), status=2) from None
+    if args.min_new_tokens is not None:
+        if args.min_new_tokens < 0:
+            raise CliError(f"--min-new-tokens must be >= 0, got {args.min_new_tokens}", status=2)
+        processing["min_new_tokens"] = args.min_new_tokens
     flags = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
     given = {name: value for name, value in flags.items() if value is not None}
     if not args.do_sample:
@@ -154,21 +161,21 @@ def _sampling(args) -> dict:
             named = ", ".join("--" + name.replace("_", "-") for name in given)
             raise CliError(f"{named} {'needs' if len(given) == 1 else 'need'} --do-sample (greedy decoding "
                            f"ignores {'it' if len(given) == 1 else 'them'})", status=2)
-        return {"do_sample": False, **penalty}
+        return {"do_sample": False, **processing}
     from .sampling import SamplingParams
 
     try:
         SamplingParams(**{"temperature": 1.0, "top_k": 0, "top_p": 1.0, **given})
     except ValueError as err:
         raise CliError(str(err).replace("SamplingParams.", "--").replace("top_", "top-"), status=2) from None
-    return dict(do_sample=True, **given, **penalty)
+    return dict(do_sample=True, **given, **processing)
 
 
 def _resolved(model, ids, sampling: dict):
     """The arguments generate resolves for this call (given flags over the model's generation config over
     transformers' defaults): the very resolution the call makes."""
     given = {k: v for k, v in sampling.items() if k != "generator"}
-    extra = {"repetition_penalty": given.pop("repetition_penalty")} if "repetition_penalty" in given else None
+    extra = {k: given.pop(k) for k in ("repetition_penalty", "min_new_tokens") if k in given}
     return resolve_generate_arguments(ids, model_generation_config=model.generation_config, extra=extra, **given)
 
 
@@ -219,7 +226,7 @@ def cmd_generate(args) -> int:
                           "sampling": None if not used.do_sample else {
                               "temperature": used.temperature, "top_k": used.top_k, "top_p": used.top_p,
                               "seed": seed},
-                          "repetition_penalty": used.repetition_penalty,
+                          "repetition_penalty": used.repetition_penalty, "min_new_tokens": used.min_new_tokens,
                           "lookahead": None if la is None else {
                               "window": la.window, "ngram": la.ngram, "guess": la.guess,
                               "max_step_tokens": la.max_step_tokens}}))

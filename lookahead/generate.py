@@ -34,7 +34,7 @@ from .config import LookaheadConfig, StepShape
 from .controller import make_plan
 from .draft import DraftBuilder, encode_rows, propose_rows
 from .prompt_cache import PromptCache
-from .repetition import RepetitionPenalty
+from .processors import LogitsProcessors
 from .runner import StepRunner, cache_pool, runner_cache
 from .step import build_step, upload
 from .successors import SuccessorTable, record_step
@@ -318,9 +318,14 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
         got = f"one on {generator.device}" if isinstance(generator, torch.Generator) else type(generator).__name__
         raise ValueError(f"generator must be a torch.Generator on the model's device ({device.type}: "
                          f"torch.Generator(device={device.type!r})) or None, got {got}")
-    repetition = RepetitionPenalty(args.repetition_penalty) if args.repetition_penalty != 1.0 else None
-    sampler = Sampler(do_sample, temperature, top_k, top_p, generator, repetition)
     eos = _eos_set(model, eos_token_id)
+    for name in ("suppress_tokens", "begin_suppress_tokens"):
+        ids = getattr(args, name)
+        if any(t >= cfg.vocab_size for t in ids):
+            raise ValueError(f"{name} must hold token ids in [0, {cfg.vocab_size}), got {ids!r}")
+    processors = LogitsProcessors(cfg.vocab_size, args.repetition_penalty, sorted(eos), args.min_new_tokens,
+                                  args.suppress_tokens, args.begin_suppress_tokens)
+    sampler = Sampler(do_sample, temperature, top_k, top_p, generator, processors)
     rows = [_Row(_Emitter(p.tolist(), max_new_tokens, eos, streamer), GenerationStats(trace=[] if trace else None))
             for p in prompts]
 
@@ -339,10 +344,10 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     else:
         cache = cache_pool(model).take(model, B, longest + max_new_tokens + step_cap,
                                        cfg.max_position_embeddings + step_cap)
-    if repetition is not None:  # a graph holds the runner's buffer's address; the eager loop narrows its own
-        repetition.start(runner.context_tokens(cfg.vocab_size) if runner is not None else
-                         torch.zeros(B, cfg.vocab_size, dtype=torch.bool, device=device),
-                         [r.emitter.sequence for r in rows])
+    if processors:  # a graph holds the runner's tensors' addresses; the eager loop narrows its own
+        processors.start(runner.state if runner is not None else
+                         lambda name, shape, dtype: torch.zeros(shape, dtype=dtype, device=device),
+                         [r.emitter.sequence for r in rows], [0] * B, replayed=graphs)
     started += time.perf_counter() - setup_started
     clock = _CallClock(started, runner)
     # A batch too big for any tree at the start decodes plainly, its rows' lookahead state (window, drafts) made
@@ -571,9 +576,9 @@ def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: 
     batch = list(rows)  # the rows each forward runs: every row with a runner, the active ones without
     active = list(rows)
     max_pos = model.config.max_position_embeddings
-    repetition = sampler.repetition
+    processors = sampler.processors
     while active:
-        before = [len(r.emitter.sequence) for r in batch] if repetition is not None else None
+        before = [len(r.emitter.sequence) for r in batch] if processors is not None else None
         if plan is None or _near_the_end(active, plan.shape, max_pos) or _batch_too_big(active, batch, plan) \
                 or backoff.waiting():
             accepted.append(_plain_step(model, cache, runner, batch, sampler, device))
@@ -582,8 +587,8 @@ def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: 
                 if row.drafts is None:
                     start_late(row)
             accepted.append(_lookahead_step(model, cache, runner, batch, sampler, plan, pad, device, host, backoff))
-        if repetition is not None:  # the tokens each row committed join its context
-            repetition.add([r.emitter.sequence[n:] for r, n in zip(batch, before)])
+        if processors is not None:  # the tokens each row committed join its context, and its count
+            processors.add([r.emitter.sequence[n:] for r, n in zip(batch, before)], [r.emitter.new for r in batch])
         finished = [i for i, r in enumerate(active) if r.emitter.done]
         if finished:
             now = clock.elapsed()
@@ -594,8 +599,8 @@ def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: 
             if runner is None:
                 kept = cache.remove_rows(finished)
                 active = batch = [active[i] for i in kept]
-                if repetition is not None:
-                    repetition.seen = repetition.seen[torch.as_tensor(kept, device=repetition.seen.device)]
+                if processors is not None:
+                    processors.keep(kept)
             else:
                 active = [r for r in active if not r.emitter.done]
     return accepted

@@ -53,17 +53,18 @@ def penalise_tree(node_logits: torch.Tensor, seen: torch.Tensor, tokens: torch.T
 class RepetitionPenalty:
     """A call's penalty and each row's committed tokens, ``seen``: bool ``[B, vocab]`` on the model's device.
 
-    :meth:`start` takes the tensor ``seen`` is kept in (a runner's buffer under CUDA graphs, whose address a graph
-    holds, or one of the call's own) and fills it from the rows' sequences; :meth:`add` marks each step's committed
-    tokens."""
+    :meth:`start` takes a factory of the tensor ``seen`` is kept in and fills it from the rows' sequences;
+    :meth:`add` marks each step's committed tokens; :meth:`keep` follows the eager loop dropping finished rows."""
 
     def __init__(self, penalty: float):
         self.penalty = float(penalty)
         self.seen: torch.Tensor | None = None
 
-    def start(self, seen: torch.Tensor, sequences: list[list[int]]) -> None:
-        self.seen = seen
-        seen.zero_()
+    def start(self, state, sequences: list[list[int]], vocab_size: int) -> None:
+        """``state(name, shape, dtype)``: the tensor ``seen`` is kept in (a runner's under CUDA graphs, whose
+        address a graph holds, or the call's own); filled from the rows' ``sequences``."""
+        self.seen = state("repetition:seen", (len(sequences), vocab_size), torch.bool)
+        self.seen.zero_()
         self.add(sequences)
 
     def add(self, tokens: list[list[int]]) -> None:
@@ -72,6 +73,13 @@ class RepetitionPenalty:
         flat = [b * V + v for b, t in enumerate(tokens) for v in t]
         if flat:
             self.seen.view(-1)[torch.tensor(flat, device=self.seen.device)] = True
+
+    def keep(self, kept: list[int]) -> None:
+        self.seen = self.seen[torch.as_tensor(kept, device=self.seen.device)]
+
+    @property
+    def key(self) -> tuple:
+        return ("repetition", self.penalty)
 
     def rows(self, logits: torch.Tensor) -> torch.Tensor:
         return penalise_rows(logits, self.seen, self.penalty)

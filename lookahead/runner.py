@@ -119,7 +119,7 @@ class StepRunner:
         self._buffers: dict[tuple, _ShapeBuffers] = {}  # (shape, logits rows, captured finish key)
         self._pool = None  # one memory pool for all graphs: only one step's activations live at a time
         self.capture_seconds = 0.0  # spent capturing graphs, warm-up runs included (generate leaves it untimed)
-        self._context_tokens = None  # made by context_tokens() for the first call with a repetition penalty
+        self._state: dict[tuple, torch.Tensor] = {}  # state() tensors, kept while the runner lives
 
     # ---- public ---------------------------------------------------------------------------------------------
     def run(self, shape: StepShape, tokens: torch.Tensor, positions: torch.Tensor, cache_len,
@@ -169,12 +169,14 @@ class StepRunner:
         buf.graph.replay()
         return buf.out
 
-    def context_tokens(self, vocab_size: int) -> torch.Tensor:
-        """bool ``[B, vocab_size]`` on the device, the same tensor for every call (a captured graph reads it at its
-        address): each row's committed tokens, for a repetition penalty (:mod:`lookahead.repetition`)."""
-        if self._context_tokens is None or self._context_tokens.shape[1] != vocab_size:
-            self._context_tokens = torch.zeros(self.batch_size, vocab_size, dtype=torch.bool, device=self.device)
-        return self._context_tokens
+    def state(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """A zero-initialised tensor on the device, the same one for every call asking with these arguments (a
+        captured graph reads it at its address, so none is ever replaced): per-row state a step's finish reads,
+        such as the logits processors' (:mod:`lookahead.processors`)."""
+        key = (name, tuple(shape), dtype)
+        if key not in self._state:
+            self._state[key] = torch.zeros(shape, dtype=dtype, device=self.device)
+        return self._state[key]
 
     def captured(self) -> list[StepShape]:
         """Shapes whose graph has been captured (in first-run order)."""

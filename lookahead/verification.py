@@ -55,11 +55,11 @@ class Sampler:
     In a batch every row draws from the one generator, in row order: a row's samples differ from what the same
     seed gives it alone, but each row keeps exactly the model's distribution."""
 
-    def __init__(self, do_sample: bool, temperature, top_k, top_p, generator, repetition=None):
+    def __init__(self, do_sample: bool, temperature, top_k, top_p, generator, processors=None):
         self.params = None
         self.generator = generator
-        # a lookahead.repetition.RepetitionPenalty, or None: applied to the rows a step's tokens are chosen from
-        self.repetition = repetition
+        # a lookahead.processors.LogitsProcessors, or None: applied to the rows a step's tokens are chosen from
+        self.processors = processors if processors else None
         if do_sample:
             from .sampling import SamplingParams  # sampling utilities live beside the verifier's reference
 
@@ -73,8 +73,8 @@ class Sampler:
     @property
     def key(self):
         """What a captured graph of a finish depends on of the sampler: its parameters (``None``: greedy) and its
-        repetition penalty."""
-        return self.params, None if self.repetition is None else self.repetition.penalty
+        logits processors' constants."""
+        return self.params, None if self.processors is None else self.processors.key
 
     def draw(self, out: torch.Tensor) -> torch.Tensor:
         """Fill float64 ``out`` with uniforms in ``[0, 1)`` from the generator, in place (one ``torch.rand``)."""
@@ -212,10 +212,10 @@ class StepVerifier:
                              f"got {None if u is None else tuple(u.shape)}")
         la = self.lookahead_len
         x_logits, node_logits, node_tokens = logits[:, 0], logits[:, self.node_rows], inputs.tokens[:, la: la + V]
-        repetition = self.sampler.repetition
-        if repetition is not None:  # the rows tokens are chosen from; the window's guesses need no exactness
-            x_logits = repetition.rows(x_logits)
-            node_logits = repetition.tree(node_logits, node_tokens, inputs.end) if V else node_logits
+        processors = self.sampler.processors
+        if processors is not None:  # the rows tokens are chosen from; the window's guesses need no exactness
+            x_logits = processors.rows(x_logits)
+            node_logits = processors.tree(node_logits, node_tokens, inputs.end) if V else node_logits
         if V:
             accept_len, path, emitted = self.sampler.verify_tree(
                 x_logits, node_logits, node_tokens, inputs.end, inputs.num_nodes, self.max_accept,
@@ -277,7 +277,8 @@ class PlainChoice:
 
     def __call__(self, logits: torch.Tensor, inputs: StepInputs):
         u = inputs.uniforms
-        x_logits = logits[:, 0] if self.sampler.repetition is None else self.sampler.repetition.rows(logits[:, 0])
+        processors = self.sampler.processors
+        x_logits = logits[:, 0] if processors is None else processors.rows(logits[:, 0])
         chosen = self.sampler.choose(x_logits, None if u is None else u[:, 0])
         if not self.successor_k:
             return chosen

@@ -80,6 +80,7 @@ def _fails_in_one_line(capsys, argv, status=None, contains=""):
     (["generate", "hi", "--do-sample", "--top-p", "1.5"], "--top-p"),
     (["generate", "hi", "--do-sample", "--top-k", "-1"], "--top-k"),
     (["generate", "hi", "--repetition-penalty", "0"], "--repetition-penalty must be a number > 0"),
+    (["generate", "hi", "--min-new-tokens", "-1"], "--min-new-tokens must be >= 0"),
     (["generate", "hi", "--do-sample", "--temperature", "-1"], "--temperature"),
     (["generate", "hi", "--max-step-tokens", "0"], "max_step_tokens"),
     (["generate"], "prompt"),
@@ -169,7 +170,10 @@ def test_the_checkpoints_generation_config_gives_sampling_defaults(capsys, tiny_
     assert main(base + ["--repetition-penalty", "1.5"]) == 0
     penalised = json.loads(capsys.readouterr().out)
     assert penalised["repetition_penalty"] == 1.5 and penalised["sampling"] is None
-    assert again["repetition_penalty"] == 1.0
+    assert again["repetition_penalty"] == 1.0 and again["min_new_tokens"] == 0
+    # --min-new-tokens: as generate's keyword (the tiny model's EOS comes late or never: it must not end early)
+    assert main(base + ["--min-new-tokens", "4"]) == 0
+    assert json.loads(capsys.readouterr().out)["min_new_tokens"] == 4
 
 
 def test_a_failure_during_generation_is_one_line(capsys, tiny_gguf, monkeypatch):

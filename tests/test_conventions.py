@@ -316,7 +316,7 @@ def test_parameter_counts_as_transformers_gives_them(tiny):
     (dict(num_beams=4), "num_beams=4"),
     (dict(typical_p=0.9), "typical_p=0.9"),
     (dict(output_scores=True), "output_scores=True"),
-    (dict(min_new_tokens=5), "min_new_tokens=5"),
+    (dict(no_repeat_ngram_size=2), "no_repeat_ngram_size=2"),
     (dict(generation_config=GenerationConfig(no_repeat_ngram_size=3)), "no_repeat_ngram_size=3"),
     (dict(generation_config=GenerationConfig(num_beams=2, length_penalty=0.5)), "length_penalty=0.5"),
     (dict(assistant_model=object()), "assistant_model"),

@@ -1,0 +1,248 @@
+"""min_new_tokens, min_length, suppress_tokens and begin_suppress_tokens: a tree's rows against a per-node oracle,
+then generate end to end (plain and lookahead, greedy identical to transformers' generate; sampled tokens
+following the suppressed distribution), and the arguments' errors."""
+
+import random
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from lookahead import LlamaForCausalLM, LookaheadConfig
+from lookahead.processors import LogitsProcessors
+from lookahead.sampling import SamplingParams, warp_logits
+from lookahead.suppression import TokenSuppression, reference_suppressed
+from lookahead_kernels import StepLayout
+
+from .test_batch import mixed_prompts
+from .test_generate import dev_prompts, smollm2, tiny_hf_model  # noqa: F401 (smollm2: a fixture)
+from .test_repetition import path_of, random_tree
+from .test_sampling_e2e import fit_pvalue
+
+
+def _zeros(name, shape, dtype):
+    return torch.zeros(shape, dtype=dtype)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("replayed", [False, True])
+def test_tree_rows_are_suppressed_for_their_depth(seed, replayed):
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    B, N, V, padding = 3, rng.randint(1, 12), 13, 2
+    logits = torch.randn(B, N + padding, V)
+    tokens = torch.randint(0, V, (B, N + padding))
+    kinds = dict(eos=[3, 7], min_new=rng.randint(1, 8), always=[0, 11], at_start=[5, 3])
+    counts = [rng.randint(0, 5) for _ in range(B)]
+    suppression = TokenSuppression(kinds["eos"], kinds["min_new"], kinds["always"], kinds["at_start"])
+    suppression.start(_zeros, counts, replayed)
+    trees = [random_tree(N, rng) for _ in range(B)]
+    end = torch.tensor([e + [N + k + 1 for k in range(padding)] for _, e in trees])
+    got = suppression.tree(logits, tokens, end)
+    rows = suppression.rows(logits[:, 0])
+    for b, (parents, _) in enumerate(trees):
+        assert torch.equal(rows[b], reference_suppressed(logits[b, 0], counts[b], **kinds))
+        for i in range(N):
+            want = reference_suppressed(logits[b, i], counts[b] + len(path_of(i, parents)), **kinds)
+            assert torch.equal(got[b, i], want), (b, i)
+    # one tree for the whole batch ([N] end), and counts moving on (past every threshold: only `always` is left)
+    suppression.add([c + 1 for c in counts])
+    shared = suppression.tree(logits[:, :N], tokens[:, :N], end[0, :N])
+    for b in range(B):
+        for i in range(N):
+            want = reference_suppressed(logits[b, i], counts[b] + 1 + len(path_of(i, trees[0][0])), **kinds)
+            assert torch.equal(shared[b, i], want), (b, i)
+    suppression.add([20] * B)
+    assert torch.equal(suppression.rows(logits[:, 0]), reference_suppressed(logits[:, 0], 20, **kinds))
+
+
+def test_processors_compose_with_the_penalty():
+    """The penalty leaves -inf as it is: suppressing before or after it gives the same rows."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 9)
+    seq = [[1, 2, 3], [4, 4]]
+    both = LogitsProcessors(9, 1.5, eos=[2], min_new=3, suppress_tokens=[8])
+    both.start(_zeros, seq, [0, 1], replayed=False)
+    penalty_only = LogitsProcessors(9, 1.5)
+    penalty_only.start(_zeros, seq, [0, 1], replayed=False)
+    got = both.rows(logits[:, 0])
+    for b in range(2):
+        want = reference_suppressed(penalty_only.rows(logits[:, 0])[b], b, eos=[2], min_new=3, always=[8])
+        assert torch.equal(got[b], want)
+    assert not LogitsProcessors(9, 1.0, eos=[2], min_new=0)  # nothing to do: no processors at all
+
+
+# ---- end to end ------------------------------------------------------------------------------------------------
+
+CONFIGS = [None, LookaheadConfig(window=4, ngram=3, guess=4), LookaheadConfig(window=3, ngram=4, guess=3),
+           LookaheadConfig(), LookaheadConfig(max_step_tokens=16, sources=("pool",))]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    hf = tiny_hf_model(seed=3)
+    return hf, LlamaForCausalLM.from_hf(hf)
+
+
+def hf_generate(hf, ids, max_new_tokens, **kwargs):
+    return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                       pad_token_id=0, **kwargs)
+
+
+def early_token(hf, ids, at=3):
+    """A token plain greedy decoding emits early: as an EOS it ends the output, unless suppressed."""
+    return int(hf_generate(hf, ids, at + 1)[0, ids.shape[1] + at])
+
+
+@pytest.mark.parametrize("kind", ["min_new_tokens", "min_length", "suppress_tokens", "begin_suppress_tokens",
+                                  "with_penalty"])
+def test_greedy_output_is_transformers_own(tiny, kind):
+    hf, model = tiny
+    for ids in [p[None] for p in mixed_prompts()]:
+        eos = early_token(hf, ids)
+        kwargs = {"min_new_tokens": dict(min_new_tokens=12), "min_length": dict(min_length=ids.shape[1] + 9),
+                  "suppress_tokens": dict(suppress_tokens=[eos, early_token(hf, ids, 1)]),
+                  "begin_suppress_tokens": dict(begin_suppress_tokens=[early_token(hf, ids, 0)]),
+                  "with_penalty": dict(min_new_tokens=20, repetition_penalty=1.3)}[kind]
+        want = hf_generate(hf, ids, 32, eos_token_id=eos, **kwargs)
+        assert not torch.equal(want, hf_generate(hf, ids, 32, eos_token_id=eos)), "nothing changed: a weak test"
+        for la in CONFIGS:
+            got = model.generate(ids, max_new_tokens=32, lookahead=la, eos_token_id=eos, pad_token_id=0, **kwargs)
+            assert torch.equal(got.sequences, want), la
+        # the static-step loop (what CUDA graphs replay), run eagerly
+        static = model.generate(ids, max_new_tokens=32, lookahead=CONFIGS[1], eos_token_id=eos, pad_token_id=0,
+                                cuda_graphs=False, _static_steps=True, **kwargs)
+        assert torch.equal(static.sequences, want)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_each_row_of_a_batch_counts_its_own_tokens(tiny, static):
+    """Rows of different prompt lengths stop apart; each suppresses the EOS until its own 10th new token."""
+    hf, model = tiny
+    prompts = mixed_prompts()
+    eos = early_token(hf, prompts[0][None], 2)
+    alone = [hf_generate(hf, p[None], 24, eos_token_id=eos, min_new_tokens=10)[0, len(p):].tolist()
+             for p in prompts]
+    assert any(eos in ref for ref in alone) and not all(eos in ref for ref in alone), "rows should stop apart"
+    kwargs = dict(cuda_graphs=False, _static_steps=True) if static else {}
+    L = max(len(p) for p in prompts)
+    for la in (None, CONFIGS[1], CONFIGS[3]):
+        out = model.generate(prompts, max_new_tokens=24, lookahead=la, min_new_tokens=10, eos_token_id=eos,
+                             pad_token_id=0, **kwargs)
+        for b, ref in enumerate(alone):
+            assert out.sequences[b, L: L + len(ref)].tolist() == ref, (la, b)
+
+
+def test_smollm2_dev_prompts_with_a_minimum(smollm2):  # noqa: F811
+    """The real model's own EOS, held off for 24 tokens of a 32-token answer."""
+    hf, ours, tok = smollm2
+    for name in ("mt_bench_dev.jsonl", "humaneval_dev.jsonl"):
+        for ids in dev_prompts(tok, name, 2):
+            want = hf_generate(hf, ids, 32, eos_token_id=hf.config.eos_token_id, min_new_tokens=24)
+            for la in (None, LookaheadConfig(), LookaheadConfig(7, 5, 7)):
+                got = ours.generate(ids, max_new_tokens=32, lookahead=la, min_new_tokens=24)
+                assert torch.equal(got.sequences, want), (name, la)
+
+
+def test_fields_from_a_generation_config(tiny):
+    hf, model = tiny
+    ids = mixed_prompts()[0][None]
+    eos = early_token(hf, ids)
+    config = GenerationConfig(min_new_tokens=12, suppress_tokens=[1, 2], eos_token_id=eos)
+    want = hf_generate(hf, ids, 20, generation_config=config)
+    assert torch.equal(model.generate(ids, max_new_tokens=20, generation_config=config, pad_token_id=0).sequences,
+                       want)
+    # a keyword overrides the config's
+    want = hf_generate(hf, ids, 20, generation_config=config, min_new_tokens=0)
+    assert torch.equal(model.generate(ids, max_new_tokens=20, generation_config=config, min_new_tokens=0,
+                                      pad_token_id=0).sequences, want)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(min_new_tokens=-1), "min_new_tokens must be an int >= 0"),
+    (dict(min_new_tokens="3"), "min_new_tokens must be an int >= 0"),
+    (dict(min_new_tokens=True), "min_new_tokens must be an int >= 0"),
+    (dict(min_length=2.5), "min_length must be an int >= 0"),
+    (dict(suppress_tokens=[-1]), "suppress_tokens must be a list of token ids"),
+    (dict(suppress_tokens="1,2"), "suppress_tokens must be a list of token ids"),
+    (dict(begin_suppress_tokens=[1.5]), "begin_suppress_tokens must be a list of token ids"),
+    (dict(suppress_tokens=[97]), r"suppress_tokens must hold token ids in \[0, 97\)"),
+    (dict(begin_suppress_tokens=[3, 200]), r"begin_suppress_tokens must hold token ids in \[0, 97\)"),
+])
+def test_bad_arguments_are_clear_errors(tiny, kwargs, message):
+    _, model = tiny
+    with pytest.raises(ValueError, match=message):
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, **kwargs)
+
+
+SAMPLED_VOCAB, SAMPLES = 16, 1500
+
+
+def exact_marginals(model, prompt, params, eos, min_new, depth=3) -> list[torch.Tensor]:
+    """The marginal distribution of new tokens 1..depth with the EOS suppressed before ``min_new`` new tokens, by
+    enumerating every continuation (the EOS can only come last: ``min_new == depth - 1``)."""
+    marginals, weights, prefixes = [], torch.ones(1, dtype=torch.float64), prompt
+    for k in range(depth):
+        P, L = prefixes.shape
+        logits = model(prefixes, torch.arange(L).expand(P, L), model.new_cache(P, L), 0, StepLayout.prefill(L),
+                       torch.tensor([L - 1]))[:, 0]
+        rows = torch.stack([reference_suppressed(logits[i], k, eos=[eos], min_new=min_new) for i in range(P)])
+        joint = weights[:, None] * warp_logits(rows.double(), params).double()
+        marginals.append(joint.sum(0))
+        weights = joint.reshape(-1)
+        prefixes = torch.cat([prefixes.repeat_interleave(SAMPLED_VOCAB, 0),
+                              torch.arange(SAMPLED_VOCAB).repeat(P)[:, None]], dim=1)
+    return marginals
+
+
+@pytest.mark.parametrize("lookahead", [LookaheadConfig(window=4, ngram=3, guess=4), None])
+def test_sampled_tokens_follow_the_suppressed_distribution(lookahead):
+    model = LlamaForCausalLM.from_hf(tiny_hf_model(seed=0, vocab=SAMPLED_VOCAB))
+    prompt = model.generate(torch.tensor([[1]]), max_new_tokens=15).sequences
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0)
+    with torch.inference_mode():
+        first = warp_logits(model(prompt, torch.arange(prompt.shape[1])[None], model.new_cache(1, prompt.shape[1]),
+                                  0, StepLayout.prefill(prompt.shape[1]), torch.tensor([prompt.shape[1] - 1]))[0, 0],
+                            params)
+        eos = int(first.argmax())  # the likeliest first token: suppressing it moves a lot of mass
+        marginals = exact_marginals(model, prompt, params, eos, min_new=2)
+    gen = torch.Generator().manual_seed(7)
+    samples, accepted = [], []
+    for _ in range(SAMPLES):
+        out = model.generate(prompt, max_new_tokens=3, lookahead=lookahead, do_sample=True, top_k=0,
+                             min_new_tokens=2, eos_token_id=eos, pad_token_id=0, generator=gen)
+        samples.append(out.sequences[0, prompt.shape[1]:].tolist())
+        accepted.extend(out.stats.accepted)
+    samples = torch.tensor(samples)
+    if lookahead is not None:
+        assert max(accepted) >= 2, "no step accepted a candidate: verification was not exercised"
+    assert not (samples[:, :2] == eos).any()
+    for pos, p in enumerate(marginals):
+        assert (p[samples[:, pos]] > 0).all()
+        pvalue = fit_pvalue(samples[:, pos], p)
+        assert pvalue > 1e-3, f"position {pos + 1}: chi-square p-value {pvalue:.2e}"
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_keep_the_suppression_exact():
+    """Replayed graphs read the rows' counts from the runner's state: a second call with fresh counts (the same
+    graphs) and one with other ids (new graphs) equal the eager loop."""
+    from .test_static_steps import cuda_tiny
+
+    model = cuda_tiny()
+    prompts = mixed_prompts()
+    flat = [(1, 1e-3), (64, 1.01e-3), (256, 1.05e-3)]  # the planner takes trees whatever this GPU measures
+    for la in (None, LookaheadConfig(window=4, ngram=3, guess=4), LookaheadConfig(step_costs=flat)):
+        eos = int(model.generate(prompts[0][None].cuda(), max_new_tokens=4, lookahead=None).sequences[0, -1])
+        for kwargs in (dict(min_new_tokens=12), dict(min_new_tokens=12), dict(min_new_tokens=5, suppress_tokens=[1])):
+            for ids in (prompts[0], prompts[2]):
+                eager = model.generate(ids[None].cuda(), max_new_tokens=24, lookahead=la, eos_token_id=eos,
+                                       cuda_graphs=False, **kwargs).sequences
+                graphs = model.generate(ids[None].cuda(), max_new_tokens=24, lookahead=la, eos_token_id=eos,
+                                        cuda_graphs=True, **kwargs).sequences
+                assert torch.equal(graphs, eager), (la, kwargs)
+        batch = model.generate([p.cuda() for p in prompts], max_new_tokens=24, lookahead=la, eos_token_id=eos,
+                               min_new_tokens=12).sequences
+        eager = model.generate([p.cuda() for p in prompts], max_new_tokens=24, lookahead=la, eos_token_id=eos,
+                               min_new_tokens=12, cuda_graphs=False).sequences
+        assert torch.equal(batch, eager), la
