@@ -8,17 +8,20 @@
   A tokenizer's output (a ``BatchEncoding`` or any mapping holding ``input_ids`` and optionally
   ``attention_mask``) is also taken as ``input_ids``: transformers 5's ``apply_chat_template(...,
   return_tensors="pt")`` returns one.
-* Sampling and length parameters (``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``,
-  ``max_new_tokens``, ``max_length``, ``eos_token_id``, ``pad_token_id``, ``num_return_sequences``) as keywords,
-  in a transformers ``GenerationConfig`` passed as ``generation_config``, or in the model's own
-  ``model.generation_config`` (the checkpoint's ``generation_config.json``), in that order of precedence, as
-  transformers layers them; ``None`` means unset. Unset everywhere, they take transformers' defaults (greedy; when sampling, temperature 1, top-k 50,
-  top-p 1, no repetition penalty) and ours for the length (128 new tokens); the EOS is the model's.
+* Sampling, processing, length and stopping parameters (``SUPPORTED_FIELDS``: ``do_sample``, ``temperature``,
+  ``top_k``, ``top_p``, ``repetition_penalty``, ``max_new_tokens``, ``max_length``, ``eos_token_id``,
+  ``num_return_sequences``...) as keywords, in a transformers ``GenerationConfig`` passed as ``generation_config``,
+  or in the model's own ``model.generation_config`` (the checkpoint's ``generation_config.json``), in that order of
+  precedence, as transformers layers them; ``None`` means unset. Unset everywhere, they take transformers' defaults
+  (greedy; when sampling, temperature 1, top-k 50, top-p 1, no repetition penalty) and ours for the length (128
+  new tokens); the EOS is the model's.
 * ``repetition_penalty`` as transformers applies it (before temperature, top-k and top-p), to every row a step
   chooses or verifies a token from, each with its own context (:mod:`lookahead.repetition`); so are
   ``min_new_tokens`` and ``min_length`` (no EOS before that many new tokens, or that total length counting the
   padded prompt; ``min_new_tokens`` wins where both are set), ``suppress_tokens`` and ``begin_suppress_tokens``
   (:mod:`lookahead.suppression`).
+* ``stop_strings`` (with ``tokenizer=``), ``stopping_criteria`` and ``max_time`` end a row as transformers ends it
+  (:mod:`lookahead.stopping`).
 * ``num_return_sequences=n`` (sampling only) draws ``n`` sequences per prompt, as rows ``b * n .. b * n + n - 1``.
 * A streamer is a plain callable (called with each step's new token ids, a ``list[int]``) or an object with
   ``put``/``end`` (transformers' ``TextStreamer``, ``TextIteratorStreamer``): ``put`` receives the prompt first
@@ -42,7 +45,7 @@ DEFAULT_MAX_NEW_TOKENS = 128
 # GenerationConfig fields generate() implements.
 SUPPORTED_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "max_new_tokens", "max_length", "eos_token_id",
                     "pad_token_id", "num_return_sequences", "repetition_penalty", "min_new_tokens", "min_length",
-                    "suppress_tokens", "begin_suppress_tokens")
+                    "suppress_tokens", "begin_suppress_tokens", "stop_strings", "max_time")
 # Fields accepted with any value: they cannot change a decoder-only model's output given a prompt (use_cache=False
 # only makes transformers recompute every position; we always keep a cache), or (for return_dict_in_generate)
 # generate always returns an object with ``.sequences`` anyway.
@@ -65,6 +68,8 @@ class GenerateArguments:
         repetition_penalty: float > 0 (1.0: none).
         min_new_tokens: int >= 0: no EOS before that many new tokens (``min_length`` resolved into it).
         suppress_tokens, begin_suppress_tokens: lists of ids >= 0 (not yet range-checked), maybe empty.
+        stop_strings: a string, a list of them, or ``None`` (checked by :func:`lookahead.stopping.make_criteria`).
+        max_time: seconds, or ``None`` (checked by :class:`lookahead.stopping.Deadline`).
         eos_token_id: int, list of ints, or ``None`` (the model's own).
         pad_token_id: int or ``None``.
         streamer: a :class:`StreamerAdapter` or ``None``.
@@ -81,6 +86,8 @@ class GenerateArguments:
     min_new_tokens: int
     suppress_tokens: list
     begin_suppress_tokens: list
+    stop_strings: object
+    max_time: object
     eos_token_id: object
     pad_token_id: object
     streamer: "StreamerAdapter | None"
@@ -358,13 +365,14 @@ def resolve_generate_arguments(input_ids, *, attention_mask=None, max_new_tokens
     if unknown:
         raise ValueError(f"generate got unexpected argument(s) {', '.join(unknown)}; it takes input_ids, "
                          f"attention_mask, max_new_tokens, lookahead, do_sample, temperature, top_k, top_p, "
-                         f"generator, eos_token_id, pad_token_id, generation_config, streamer, trace")
+                         f"generator, eos_token_id, pad_token_id, generation_config, streamer, stopping_criteria, "
+                         f"tokenizer, trace, prompt_cache and transformers' GenerationConfig fields")
     _check_unsupported(extra, "keyword argument")
     explicit = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "temperature": temperature,
                 "top_k": top_k, "top_p": top_p, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id,
                 "max_length": extra.get("max_length"), "num_return_sequences": extra.get("num_return_sequences"),
                 **{k: extra.get(k) for k in ("repetition_penalty", "min_new_tokens", "min_length", "suppress_tokens",
-                                             "begin_suppress_tokens")}}
+                                             "begin_suppress_tokens", "stop_strings", "max_time")}}
     values = {}
     for config, origin in ((model_generation_config, "in model.generation_config"),
                            (generation_config, "in generation_config")):  # later ones override
@@ -425,6 +433,7 @@ def resolve_generate_arguments(input_ids, *, attention_mask=None, max_new_tokens
         prompts=prompts, padding=padding, max_new_tokens=max_new,
         do_sample=values["do_sample"], temperature=values["temperature"], top_k=values["top_k"],
         top_p=values["top_p"], repetition_penalty=penalty, min_new_tokens=min_new, **suppressed,
+        stop_strings=values.get("stop_strings"), max_time=values.get("max_time"),
         eos_token_id=eos, pad_token_id=values.get("pad_token_id"), streamer=adapter)
 
 

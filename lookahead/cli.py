@@ -68,6 +68,9 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-new-tokens", type=int, default=None,
                    help="no end-of-sequence token before this many new tokens (default: the model's generation "
                         "config's, else 0)")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="end the answer right after the token that completes TEXT (repeatable; transformers' "
+                        "stop_strings)")
     _add_lookahead_args(p)
 
 
@@ -154,6 +157,8 @@ def _sampling(args) -> dict:
         if args.min_new_tokens < 0:
             raise CliError(f"--min-new-tokens must be >= 0, got {args.min_new_tokens}", status=2)
         processing["min_new_tokens"] = args.min_new_tokens
+    if args.stop is not None and not all(args.stop):
+        raise CliError("--stop needs a non-empty TEXT", status=2)
     flags = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
     given = {name: value for name, value in flags.items() if value is not None}
     if not args.do_sample:
@@ -177,6 +182,11 @@ def _resolved(model, ids, sampling: dict):
     given = {k: v for k, v in sampling.items() if k != "generator"}
     extra = {k: given.pop(k) for k in ("repetition_penalty", "min_new_tokens") if k in given}
     return resolve_generate_arguments(ids, model_generation_config=model.generation_config, extra=extra, **given)
+
+
+def _stops(args, tokenizer) -> dict:
+    """generate's stop-string keywords for ``--stop``."""
+    return {"stop_strings": args.stop, "tokenizer": tokenizer} if args.stop else {}
 
 
 def _check_max_new_tokens(args) -> None:
@@ -214,7 +224,7 @@ def cmd_generate(args) -> int:
     seed = _sampling_generator(sampling, args.seed, model.device)
     stream = None if args.json else _TextStream(tokenizer)
     out = model.generate(ids, max_new_tokens=args.max_new_tokens, lookahead=la, streamer=stream,
-                         cuda_graphs=_cuda_graphs(args), **sampling)
+                         cuda_graphs=_cuda_graphs(args), **_stops(args, tokenizer), **sampling)
     s = out.stats
     new = out.sequences[0, ids.shape[1]:].tolist()
     if args.json:
@@ -308,7 +318,7 @@ def cmd_chat(args) -> int:
             continue
         ids = torch.tensor([ids], dtype=torch.long)
         out = model.generate(ids, max_new_tokens=args.max_new_tokens, lookahead=la, streamer=_TextStream(tokenizer),
-                             cuda_graphs=_cuda_graphs(args), prompt_cache=kept, **sampling)
+                             cuda_graphs=_cuda_graphs(args), prompt_cache=kept, **_stops(args, tokenizer), **sampling)
         answer = tokenizer.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True)
         history = turn + [{"role": "assistant", "content": answer}]
         _print_summary(la, out.stats, f"; {out.stats.reused_tokens} of the prompt's {ids.shape[1]} tokens reused")

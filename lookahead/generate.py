@@ -37,6 +37,7 @@ from .prompt_cache import PromptCache
 from .processors import LogitsProcessors
 from .runner import StepRunner, cache_pool, runner_cache
 from .step import build_step, upload
+from .stopping import Deadline, RowStops, make_criteria
 from .successors import SuccessorTable, record_step
 from .verification import PlainChoice, Sampler, StepInputs, StepVerifier, step_uniforms
 from .window import LookaheadWindow, stack_step_tokens
@@ -170,14 +171,18 @@ def _pad_id(model, pad_token_id, eos_token_id) -> int:
 
 
 class _Emitter:
-    """Collects emitted tokens, stopping exactly at ``max_new_tokens`` and right after an EOS token."""
+    """Collects emitted tokens, stopping exactly at ``max_new_tokens``, right after an EOS token or a token after
+    which a stopping criterion says stop (``stops``), or after the step that passes the ``deadline``."""
 
-    def __init__(self, prompt: list[int], max_new_tokens: int, eos: set[int], streamer):
+    def __init__(self, prompt: list[int], max_new_tokens: int, eos: set[int], streamer,
+                 stops: RowStops | None = None, deadline: Deadline | None = None):
         self.sequence = list(prompt)
         self.new = 0
         self.max_new_tokens = max_new_tokens
         self.eos = eos
         self.streamer = streamer
+        self.stops = stops
+        self.deadline = deadline
         self.done = False
 
     def emit(self, tokens: Iterable[int]) -> int:
@@ -186,9 +191,11 @@ class _Emitter:
         for t in tokens:
             taken.append(t)
             self.new += 1
-            if t in self.eos or self.new >= self.max_new_tokens:
+            if t in self.eos or self.new >= self.max_new_tokens or (self.stops is not None and self.stops.after(t)):
                 self.done = True
                 break
+        if self.deadline is not None and self.deadline.passed():
+            self.done = True
         self.sequence.extend(taken)
         if self.streamer is not None and taken:
             self.streamer(taken)
@@ -233,7 +240,7 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
              attention_mask: torch.Tensor | None = None, generation_config=None, streamer=None,
              trace: bool = False, cuda_graphs: bool | None = None, _static_steps: bool | None = None,
              _native_draft: bool | None = None, prompt_cache: PromptCache | None = None,
-             **kwargs) -> GenerateOutput:
+             stopping_criteria=None, tokenizer=None, **kwargs) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` tokens after each prompt.
 
     ``input_ids``: ``[B, prompt_len]`` (``[prompt_len]`` for one prompt), left-padded rows with an
@@ -251,6 +258,10 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     ``max_length``, ``num_return_sequences`` (sampling), a ``generation_config`` (keywords override it; it
     overrides ``model.generation_config``, whose set fields are the defaults), ``None`` for an unset parameter
     (transformers' default: top-k 50 when sampling); anything unsupported is a ``ValueError`` naming it.
+    ``min_new_tokens``/``min_length``, ``suppress_tokens``, ``begin_suppress_tokens`` and ``repetition_penalty``
+    process every row a step chooses or verifies from, as transformers' processors do (:mod:`lookahead.processors`).
+    ``stop_strings`` (with ``tokenizer=``), ``stopping_criteria`` (called per row with ``[1, L]`` ids and
+    ``scores=None``) and ``max_time`` end a row as transformers ends it (:mod:`lookahead.stopping`).
     ``streamer`` (one prompt only) is a callable called with each step's newly emitted tokens, or an object with
     ``put``/``end`` such as transformers' ``TextStreamer``. ``trace=True`` records each lookahead step's
     candidates and window n-grams in ``stats.trace`` (per row: ``stats.rows[b].trace``; see :class:`StepTrace`).
@@ -271,6 +282,7 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     ``_native_draft`` (private, for tests and benches) picks the draft builder: ``True`` the C++ one, ``False`` its
     Python reference, ``None`` the C++ one where it builds.
     """
+    called = time.perf_counter()
     args = resolve_generate_arguments(
         input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=do_sample,
         temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
@@ -319,6 +331,8 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
         raise ValueError(f"generator must be a torch.Generator on the model's device ({device.type}: "
                          f"torch.Generator(device={device.type!r})) or None, got {got}")
     eos = _eos_set(model, eos_token_id)
+    criteria = make_criteria(stopping_criteria, args.stop_strings, tokenizer)
+    deadline = Deadline(args.max_time, called)
     for name in ("suppress_tokens", "begin_suppress_tokens"):
         ids = getattr(args, name)
         if any(t >= cfg.vocab_size for t in ids):
@@ -326,8 +340,10 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     processors = LogitsProcessors(cfg.vocab_size, args.repetition_penalty, sorted(eos), args.min_new_tokens,
                                   args.suppress_tokens, args.begin_suppress_tokens)
     sampler = Sampler(do_sample, temperature, top_k, top_p, generator, processors)
-    rows = [_Row(_Emitter(p.tolist(), max_new_tokens, eos, streamer), GenerationStats(trace=[] if trace else None))
-            for p in prompts]
+    rows = [_Row(_Emitter(p.tolist(), max_new_tokens, eos, streamer,
+                          RowStops(criteria, pad.tolist(), p.tolist(), max_new_tokens) if criteria else None,
+                          deadline if deadline.at is not None else None),
+                 GenerationStats(trace=[] if trace else None)) for p, pad in zip(prompts, args.padding)]
 
     # One-time setup is not part of this call's time: the CPU forward's packed weights (made once per weight), the
     # plan may measure the device's step costs (once per model and batch menu), and the first call at a batch size

@@ -81,6 +81,7 @@ def _fails_in_one_line(capsys, argv, status=None, contains=""):
     (["generate", "hi", "--do-sample", "--top-k", "-1"], "--top-k"),
     (["generate", "hi", "--repetition-penalty", "0"], "--repetition-penalty must be a number > 0"),
     (["generate", "hi", "--min-new-tokens", "-1"], "--min-new-tokens must be >= 0"),
+    (["generate", "hi", "--stop", ""], "--stop needs a non-empty TEXT"),
     (["generate", "hi", "--do-sample", "--temperature", "-1"], "--temperature"),
     (["generate", "hi", "--max-step-tokens", "0"], "max_step_tokens"),
     (["generate"], "prompt"),
@@ -174,6 +175,19 @@ def test_the_checkpoints_generation_config_gives_sampling_defaults(capsys, tiny_
     # --min-new-tokens: as generate's keyword (the tiny model's EOS comes late or never: it must not end early)
     assert main(base + ["--min-new-tokens", "4"]) == 0
     assert json.loads(capsys.readouterr().out)["min_new_tokens"] == 4
+
+
+def test_stop_ends_the_answer_at_the_text(capsys, tiny_gguf):
+    base = ["generate", "abc", "--raw", "--json", "--model", tiny_gguf, "--max-new-tokens", "24"]
+    assert main(base) == 0
+    free = json.loads(capsys.readouterr().out)
+    text = free["text"]
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    assert stop.strip(), text
+    assert main(base + ["--stop", stop, "--stop", "never there"]) == 0
+    stopped = json.loads(capsys.readouterr().out)
+    assert stop in stopped["text"] and len(stopped["tokens"]) < len(free["tokens"])
+    assert stopped["tokens"] == free["tokens"][: len(stopped["tokens"])]
 
 
 def test_a_failure_during_generation_is_one_line(capsys, tiny_gguf, monkeypatch):
