@@ -22,6 +22,8 @@
   (:mod:`lookahead.suppression`).
 * ``stop_strings`` (with ``tokenizer=``), ``stopping_criteria`` and ``max_time`` end a row as transformers ends it
   (:mod:`lookahead.stopping`).
+* ``output_scores`` and ``output_logits`` return, for each new token, the row it was chosen from (processed and
+  warped as transformers reports it, or raw), whether the token came from a plain step or a verified tree node.
 * ``num_return_sequences=n`` (sampling only) draws ``n`` sequences per prompt, as rows ``b * n .. b * n + n - 1``.
 * A streamer is a plain callable (called with each step's new token ids, a ``list[int]``) or an object with
   ``put``/``end`` (transformers' ``TextStreamer``, ``TextIteratorStreamer``): ``put`` receives the prompt first
@@ -29,7 +31,7 @@
   transformers' sampling loop; lookahead: ``[1, n]`` per step, as its assisted decoding), and ``end()`` is called
   once generation finishes.
 * Anything else, a ``GenerationConfig`` field or keyword set to a value we would have to ignore (``num_beams=4``,
-  ``no_repeat_ngram_size=3``, ``output_scores=True``...) or an unknown keyword, is a ``ValueError`` naming it.
+  ``no_repeat_ngram_size=3``, ``output_attentions=True``...) or an unknown keyword, is a ``ValueError`` naming it.
   Values equal to transformers' defaults (``num_beams=1``, ``typical_p=1.0``...) are accepted.
 """
 
@@ -45,7 +47,8 @@ DEFAULT_MAX_NEW_TOKENS = 128
 # GenerationConfig fields generate() implements.
 SUPPORTED_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "max_new_tokens", "max_length", "eos_token_id",
                     "pad_token_id", "num_return_sequences", "repetition_penalty", "min_new_tokens", "min_length",
-                    "suppress_tokens", "begin_suppress_tokens", "stop_strings", "max_time")
+                    "suppress_tokens", "begin_suppress_tokens", "stop_strings", "max_time", "output_scores",
+                    "output_logits")
 # Fields accepted with any value: they cannot change a decoder-only model's output given a prompt (use_cache=False
 # only makes transformers recompute every position; we always keep a cache), or (for return_dict_in_generate)
 # generate always returns an object with ``.sequences`` anyway.
@@ -70,6 +73,8 @@ class GenerateArguments:
         suppress_tokens, begin_suppress_tokens: lists of ids >= 0 (not yet range-checked), maybe empty.
         stop_strings: a string, a list of them, or ``None`` (checked by :func:`lookahead.stopping.make_criteria`).
         max_time: seconds, or ``None`` (checked by :class:`lookahead.stopping.Deadline`).
+        outputs: which rows of each new token's choice to return: ``"scores"`` (``output_scores``), ``"logits"``
+            (``output_logits``), in that order.
         eos_token_id: int, list of ints, or ``None`` (the model's own).
         pad_token_id: int or ``None``.
         streamer: a :class:`StreamerAdapter` or ``None``.
@@ -88,6 +93,7 @@ class GenerateArguments:
     begin_suppress_tokens: list
     stop_strings: object
     max_time: object
+    outputs: tuple
     eos_token_id: object
     pad_token_id: object
     streamer: "StreamerAdapter | None"
@@ -372,7 +378,8 @@ def resolve_generate_arguments(input_ids, *, attention_mask=None, max_new_tokens
                 "top_k": top_k, "top_p": top_p, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id,
                 "max_length": extra.get("max_length"), "num_return_sequences": extra.get("num_return_sequences"),
                 **{k: extra.get(k) for k in ("repetition_penalty", "min_new_tokens", "min_length", "suppress_tokens",
-                                             "begin_suppress_tokens", "stop_strings", "max_time")}}
+                                             "begin_suppress_tokens", "stop_strings", "max_time", "output_scores",
+                                             "output_logits")}}
     values = {}
     for config, origin in ((model_generation_config, "in model.generation_config"),
                            (generation_config, "in generation_config")):  # later ones override
@@ -420,6 +427,13 @@ def resolve_generate_arguments(input_ids, *, attention_mask=None, max_new_tokens
     penalty = check_repetition_penalty(values["repetition_penalty"])
     min_new = _min_new_tokens(values.get("min_new_tokens"), values.get("min_length"), given_len)
     suppressed = {name: _token_list(name, values.get(name)) for name in ("suppress_tokens", "begin_suppress_tokens")}
+    outputs = []
+    for name, kept in (("output_scores", "scores"), ("output_logits", "logits")):
+        flag = values.get(name)
+        if flag is not None and not isinstance(flag, bool):
+            raise ValueError(f"{name} must be a bool, got {flag!r}")
+        if flag:
+            outputs.append(kept)
 
     _check_token_id("eos_token_id", values.get("eos_token_id"), allow_list=True)
     _check_token_id("pad_token_id", values.get("pad_token_id"), allow_list=False)
@@ -433,7 +447,7 @@ def resolve_generate_arguments(input_ids, *, attention_mask=None, max_new_tokens
         prompts=prompts, padding=padding, max_new_tokens=max_new,
         do_sample=values["do_sample"], temperature=values["temperature"], top_k=values["top_k"],
         top_p=values["top_p"], repetition_penalty=penalty, min_new_tokens=min_new, **suppressed,
-        stop_strings=values.get("stop_strings"), max_time=values.get("max_time"),
+        stop_strings=values.get("stop_strings"), max_time=values.get("max_time"), outputs=tuple(outputs),
         eos_token_id=eos, pad_token_id=values.get("pad_token_id"), streamer=adapter)
 
 

@@ -134,10 +134,15 @@ class GenerationStats:
 class GenerateOutput:
     """``sequences``: LongTensor ``[B, L + new]``, each row its prompt as given (left padding included; a list's
     shorter prompts left-padded to ``L``) followed by its new tokens, then ``pad_token_id`` after its end (``new``:
-    the longest row's new tokens); ``stats``: :class:`GenerationStats`."""
+    the longest row's new tokens); ``stats``: :class:`GenerationStats`. With ``output_scores``/``output_logits``,
+    ``scores``/``logits`` are transformers' (a tuple of float32 ``[B, vocab]``, one per new token: the row the
+    token was chosen from, processed and warped as the choice saw it, or raw; NaN in a row that had ended), else
+    ``None``."""
 
     sequences: torch.Tensor
     stats: GenerationStats
+    scores: tuple | None = None
+    logits: tuple | None = None
 
 
 def _check_prompt(prompt: torch.Tensor, vocab_size: int, b: int, batch: int) -> torch.Tensor:
@@ -213,6 +218,7 @@ class _Row:
         self.x = emitter.sequence[-1]
         self.window = None
         self.drafts = None
+        self.kept = []  # with output_scores/output_logits: per step, float32 [K, taken, vocab] (host)
 
     def start_lookahead(self, la: LookaheadConfig, plan, vocab_size: int, device, prompt: torch.Tensor,
                         native: bool | None) -> None:
@@ -223,12 +229,15 @@ class _Row:
         self.drafts = DraftBuilder(la, vocab_size, device, shape=shape, sources=plan.sources, native=native)
         self.drafts.start(prompt)
 
-    def commit(self, tokens: list[int], fed: int) -> int:
-        """Count a step that fed ``fed`` tokens for this row and emit ``tokens``; returns how many were taken."""
+    def commit(self, tokens: list[int], fed: int, kept: torch.Tensor | None = None) -> int:
+        """Count a step that fed ``fed`` tokens for this row and emit ``tokens``; returns how many were taken.
+        ``kept``: ``[K, >= len(tokens), vocab]``, the rows they were chosen from (``Sampler.outputs``)."""
         self.stats.steps += 1
         self.stats.fed_tokens += fed
         taken = self.emitter.emit(tokens)
         self.stats.accepted.append(taken)
+        if kept is not None:
+            self.kept.append(kept[:, :taken])
         return taken
 
 
@@ -339,7 +348,7 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
             raise ValueError(f"{name} must hold token ids in [0, {cfg.vocab_size}), got {ids!r}")
     processors = LogitsProcessors(cfg.vocab_size, args.repetition_penalty, sorted(eos), args.min_new_tokens,
                                   args.suppress_tokens, args.begin_suppress_tokens)
-    sampler = Sampler(do_sample, temperature, top_k, top_p, generator, processors)
+    sampler = Sampler(do_sample, temperature, top_k, top_p, generator, processors, args.outputs)
     rows = [_Row(_Emitter(p.tolist(), max_new_tokens, eos, streamer,
                           RowStops(criteria, pad.tolist(), p.tolist(), max_new_tokens) if criteria else None,
                           deadline if deadline.at is not None else None),
@@ -418,8 +427,26 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
         trace=rows[0].stats.trace if B == 1 else None, rows=[r.stats for r in rows])
     if B == 1:
         rows[0].stats.seconds = seconds
+    kept = _kept_outputs(rows, sampler.outputs, args.prompts[0].device)
     return GenerateOutput(_sequences(rows, args.padding, _pad_id(model, args.pad_token_id, eos_token_id),
-                                     args.prompts[0].device), stats)
+                                     args.prompts[0].device), stats, scores=kept.get("scores"),
+                          logits=kept.get("logits"))
+
+
+def _kept_outputs(rows, outputs: tuple, device) -> dict:
+    """Per name of ``outputs``, a tuple of float32 ``[B, vocab]`` a new token (transformers' ``scores`` and
+    ``logits``): row ``b`` of the ``t``-th holds what row ``b``'s ``t``-th new token was chosen from, NaN once it
+    had ended."""
+    if not outputs:
+        return {}
+    new = max(r.emitter.new for r in rows)
+    vocab = next(k.shape[-1] for r in rows for k in r.kept)
+    out = torch.full((len(outputs), new, len(rows), vocab), float("nan"))
+    for b, row in enumerate(rows):
+        per_row = torch.cat(row.kept, 1)  # [K, new_b, vocab]
+        out[:, : per_row.shape[1], b] = per_row
+    out = out.to(device)
+    return {name: tuple(out[k].unbind(0)) for k, name in enumerate(outputs)}
 
 
 def _sequences(rows, padding, pad_id: int, device) -> torch.Tensor:
@@ -679,17 +706,19 @@ def _plain_step(model, cache, runner, batch: list[_Row], sampler: Sampler, devic
     # A runner stages host inputs itself (one copy into its buffers); the model takes them on its device.
     tokens, positions = upload([torch.tensor([[r.x] for r in batch]), torch.tensor([[n] for n in lens])],
                                "cpu" if runner is not None else device)
-    chosen = _run(model, cache, runner, PLAIN, tokens, positions, lens, StepLayout(1, 1), None, None,
+    result = _run(model, cache, runner, PLAIN, tokens, positions, lens, StepLayout(1, 1), None, None,
                   PlainChoice(sampler, 0 if learn is None else learn.k))
+    parts = list(result) if isinstance(result, tuple) else [result]  # chosen, [ids, probs], [kept]
+    chosen = parts[0]
     if learn is not None:
-        chosen, ids, probs = chosen
-        record_step([learn], tokens.cpu(), ids.cpu(), probs.cpu(), [1], [[]])
+        record_step([learn], tokens.cpu(), parts[1].cpu(), parts[2].cpu(), [1], [[]])
+    kept = parts[-1].cpu() if sampler.outputs else None
     emitted = 0
-    for row, y in zip(batch, chosen.tolist()):
+    for b, (row, y) in enumerate(zip(batch, chosen.tolist())):
         if row.emitter.done:  # parked
             continue
         row.cache_len += 1
-        emitted += row.commit([y], 1)
+        emitted += row.commit([y], 1, None if kept is None else kept[b])
         row.x = y
     return emitted
 
@@ -768,7 +797,7 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
         committed = len(sequence)
         ngrams = row.window.advance(row.x, back.guesses[b], a, sequence)  # committed before this step's
         row.cache_len += 1 + a
-        taken = row.commit(emitted, step.layout.T)
+        taken = row.commit(emitted, step.layout.T, None if back.kept is None else back.kept[b])
         emitted_total += taken
         tree = trees[b]
         if row.stats.trace is not None:

@@ -85,6 +85,15 @@ def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
+def warp_scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """float32 ``[..., V]``: the scores transformers' sampling warpers leave (its ``output_scores``): logits over
+    the temperature, the tokens top-k and top-p remove at ``-inf``. ``softmax`` of them is :func:`warp_logits`."""
+    x = _tempered(logits, params)
+    if params.top_p < 1:
+        x = x.masked_fill(~_nucleus(torch.softmax(x, dim=-1), params.top_p), float("-inf"))
+    return x
+
+
 def _tempered(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """float32 logits over the temperature, those below the top-k's k-th largest at -inf."""
     x = logits.float() / params.temperature

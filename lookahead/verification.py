@@ -55,11 +55,13 @@ class Sampler:
     In a batch every row draws from the one generator, in row order: a row's samples differ from what the same
     seed gives it alone, but each row keeps exactly the model's distribution."""
 
-    def __init__(self, do_sample: bool, temperature, top_k, top_p, generator, processors=None):
+    def __init__(self, do_sample: bool, temperature, top_k, top_p, generator, processors=None, outputs=()):
         self.params = None
         self.generator = generator
         # a lookahead.processors.LogitsProcessors, or None: applied to the rows a step's tokens are chosen from
         self.processors = processors if processors else None
+        # which rows each emitted token's choice came from a step returns: "logits" (raw), "scores" (processed)
+        self.outputs = tuple(outputs)
         if do_sample:
             from .sampling import SamplingParams  # sampling utilities live beside the verifier's reference
 
@@ -74,7 +76,23 @@ class Sampler:
     def key(self):
         """What a captured graph of a finish depends on of the sampler: its parameters (``None``: greedy) and its
         logits processors' constants."""
-        return self.params, None if self.processors is None else self.processors.key
+        return self.params, None if self.processors is None else self.processors.key, self.outputs
+
+    def kept_rows(self, raw: torch.Tensor, processed: torch.Tensor) -> torch.Tensor | None:
+        """float32 ``[B, K, R, vocab]``: of the rows ``[B, R, vocab]`` tokens were chosen from, those
+        :attr:`outputs` names, in its order: ``raw`` logits, and the scores transformers reports (``processed``,
+        then warped when sampling: :func:`lookahead.sampling.warp_scores`); ``None`` when none is wanted."""
+        if not self.outputs:
+            return None
+        kept = []
+        for name in self.outputs:
+            if name == "logits":
+                kept.append(raw.float())
+            else:
+                from .sampling import warp_scores
+
+                kept.append(processed.float() if self.greedy else warp_scores(processed, self.params))
+        return torch.stack(kept, 1)
 
     def draw(self, out: torch.Tensor) -> torch.Tensor:
         """Fill float64 ``out`` with uniforms in ``[0, 1)`` from the generator, in place (one ``torch.rand``)."""
@@ -149,6 +167,8 @@ class StepReadBack:
         successor_ids: int64 ``[B, R, k]``: the top next tokens of the step's first ``R`` logits rows (``None``
             when the step took none); rows past a row's real nodes are padding.
         successor_probs: float32 ``[B, R, k]``: their probabilities among the ``k``.
+        kept: float32 ``[B, K, max_accept + 1, vocab]`` on the host, the rows each emitted token was chosen from
+            (``Sampler.outputs``; rows past a row's emitted tokens are meaningless), or ``None``.
     """
 
     accept_len: list
@@ -157,6 +177,7 @@ class StepReadBack:
     guesses: list
     successor_ids: torch.Tensor | None
     successor_probs: torch.Tensor | None
+    kept: torch.Tensor | None = None
 
 
 class StepVerifier:
@@ -221,10 +242,12 @@ class StepVerifier:
                 x_logits, node_logits, node_tokens, inputs.end, inputs.num_nodes, self.max_accept,
                 None if u is None else u[:, : V + 1])
             inputs.cache.compact(inputs.cache_len, la, accept_len, path)
+            kept = self._kept(logits, x_logits, node_logits, path)
         else:
             accept_len = torch.zeros(B, dtype=torch.long, device=logits.device)
             path = torch.empty(B, 0, dtype=torch.long, device=logits.device)
             emitted = self.sampler.choose(x_logits, None if u is None else u[:, 0])[:, None]
+            kept = self.sampler.kept_rows(logits[:, :1], x_logits[:, None])
         if self._x_alone:
             # The one guess of a window that is x alone is a token after x: the one just chosen serves (greedy: the
             # same argmax; sampled: a draw of x's distribution, without warping its row a second time).
@@ -240,10 +263,22 @@ class StepVerifier:
         out = torch.cat(parts, dim=1).to(torch.int32)
         if self.successor_k:
             out = torch.cat([out, probs.reshape(B, -1).view(torch.int32)], dim=1)
-        return out
+        return out if kept is None else (out, kept)
+
+    def _kept(self, logits, x_logits, node_logits, path) -> torch.Tensor | None:
+        """The rows the emitted tokens were chosen from: ``x``'s, then each accepted node's (``path``, ``-1``
+        past the accepted ones: ``x``'s row again, ignored), as :meth:`Sampler.kept_rows` keeps them."""
+        if not self.sampler.outputs:
+            return None
+        B, vocab = logits.shape[0], logits.shape[-1]
+        taken = path.clamp_min(0)[..., None].expand(-1, -1, vocab)
+        raw = torch.cat([logits[:, :1], logits[:, self.node_rows].gather(1, taken)], 1)
+        processed = torch.cat([x_logits[:, None], node_logits.gather(1, taken)], 1)
+        return self.sampler.kept_rows(raw, processed)
 
     def read(self, out: torch.Tensor) -> StepReadBack:
         """The host's view of ``out`` (:meth:`__call__`'s result): one copy to the host, the only sync of a step."""
+        out, kept = out if isinstance(out, tuple) else (out, None)
         out = out.cpu()
         A, width = self.max_accept, self.width
         rows = out[:, :width].tolist()
@@ -255,13 +290,15 @@ class StepVerifier:
             probs = out[:, width + half:].view(torch.float32).reshape(B, R, -1)
         return StepReadBack(accept_len=accept, nodes=[r[1: 1 + a] for r, a in zip(rows, accept)],
                             emitted=[r[1 + A: 2 + A + a] for r, a in zip(rows, accept)],
-                            guesses=[r[2 + 2 * A: width] for r in rows], successor_ids=ids, successor_probs=probs)
+                            guesses=[r[2 + 2 * A: width] for r in rows], successor_ids=ids, successor_probs=probs,
+                            kept=None if kept is None else kept.cpu())
 
 
 class PlainChoice:
     """The "verify" part of a plain step: each row's next token from ``x``'s logits, int64 ``[B]``; with
     ``successor_k``, also the top ``successor_k`` of those logits for a successor table, ``(chosen [B], ids [B, 1,
-    k] int64, probs [B, 1, k] float32)`` (the eager loop's plain steps within lookahead decoding; not in a graph)."""
+    k] int64, probs [B, 1, k] float32)`` (the eager loop's plain steps within lookahead decoding; not in a graph);
+    with the sampler's ``outputs``, the rows kept last (``[B, K, 1, vocab]``: :meth:`Sampler.kept_rows`)."""
 
     def __init__(self, sampler: Sampler, successor_k: int = 0):
         self.sampler = sampler
@@ -280,11 +317,13 @@ class PlainChoice:
         processors = self.sampler.processors
         x_logits = logits[:, 0] if processors is None else processors.rows(logits[:, 0])
         chosen = self.sampler.choose(x_logits, None if u is None else u[:, 0])
+        kept = self.sampler.kept_rows(logits[:, :1], x_logits[:, None])
         if not self.successor_k:
-            return chosen
+            return chosen if kept is None else (chosen, kept)
         from .successors import SuccessorTable
 
-        return (chosen, *SuccessorTable.top(logits[:, :1], self.successor_k))
+        tops = SuccessorTable.top(logits[:, :1], self.successor_k)
+        return (chosen, *tops) if kept is None else (chosen, *tops, kept)
 
 
 def step_uniforms(finish, batch_size: int, device, out: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -315,7 +315,7 @@ def test_parameter_counts_as_transformers_gives_them(tiny):
 @pytest.mark.parametrize("kwargs,named", [
     (dict(num_beams=4), "num_beams=4"),
     (dict(typical_p=0.9), "typical_p=0.9"),
-    (dict(output_scores=True), "output_scores=True"),
+    (dict(output_attentions=True), "output_attentions=True"),
     (dict(no_repeat_ngram_size=2), "no_repeat_ngram_size=2"),
     (dict(generation_config=GenerationConfig(no_repeat_ngram_size=3)), "no_repeat_ngram_size=3"),
     (dict(generation_config=GenerationConfig(num_beams=2, length_penalty=0.5)), "length_penalty=0.5"),
