@@ -592,6 +592,13 @@ class LlamaForCausalLM(nn.Module):
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed
 
+    def compute_transition_scores(self, sequences, scores, beam_indices=None, normalize_logits: bool = False):
+        """Each new token's score ``[B, new]`` from ``generate(..., output_scores=True)``'s output, as transformers'
+        method gives it (see :func:`lookahead.scoring.transition_scores`)."""
+        from .scoring import transition_scores
+
+        return transition_scores(sequences, scores, beam_indices, normalize_logits)
+
     # ---- construction helpers (implemented in lookahead.loading) ------------------------------------------------
     @classmethod
     def from_hf(cls, model) -> "LlamaForCausalLM":

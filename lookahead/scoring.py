@@ -124,4 +124,25 @@ def score(model, input_ids, attention_mask=None, labels=None) -> CausalLMOutput:
     return CausalLMOutput(logits=logits, loss=loss)
 
 
-__all__ = ["CausalLMOutput", "IGNORE_INDEX", "score"]
+def transition_scores(sequences: torch.Tensor, scores, beam_indices=None, normalize_logits: bool = False):
+    """Each new token's score, as transformers' ``compute_transition_scores`` gives it for greedy or sampled
+    decoding: float32 ``[B, new]``, row ``b``'s ``t``-th new token's entry in ``scores[t][b]`` (``generate(...,
+    output_scores=True).scores``), after a log-softmax over the vocabulary with ``normalize_logits``. NaN where a
+    row had ended (its scores are NaN there). ``sequences``: ``[B, L + new]``, generate's."""
+    if beam_indices is not None:
+        raise ValueError("beam_indices come from beam search, which lookahead's generate does not do; pass None")
+    if not isinstance(scores, (tuple, list)) or not scores or not all(isinstance(s, torch.Tensor) for s in scores):
+        raise ValueError("scores must be generate's output_scores=True scores: a non-empty tuple of [B, vocab] "
+                         "tensors")
+    if not isinstance(sequences, torch.Tensor) or sequences.dim() != 2 or sequences.shape[1] < len(scores) \
+            or sequences.shape[0] != scores[0].shape[0]:
+        raise ValueError(f"sequences must be generate's [B, L + new] for {len(scores)} new tokens of a batch of "
+                         f"{scores[0].shape[0]}, got {getattr(sequences, 'shape', type(sequences).__name__)}")
+    stacked = torch.stack(scores, 1).float()  # [B, new, vocab]
+    if normalize_logits:
+        stacked = torch.log_softmax(stacked, dim=-1)
+    tokens = sequences[:, sequences.shape[1] - len(scores):].to(stacked.device)
+    return stacked.gather(2, tokens[..., None]).squeeze(2)
+
+
+__all__ = ["CausalLMOutput", "IGNORE_INDEX", "score", "transition_scores"]

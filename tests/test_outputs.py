@@ -107,6 +107,28 @@ def test_sampled_scores_are_the_warped_rows_of_each_prefix(lookahead):
         assert max(accepted) >= 2, "no step accepted a candidate: verification was not exercised"
 
 
+@pytest.mark.parametrize("normalize", [False, True])
+def test_transition_scores_as_transformers_computes_them(tiny, normalize):
+    hf, model = tiny
+    ids = mixed_prompts()[0][None]
+    out = model.generate(ids, max_new_tokens=12, lookahead=CONFIGS[1], do_sample=True, top_k=5, output_scores=True,
+                         generator=torch.Generator().manual_seed(0))
+    want = hf.compute_transition_scores(out.sequences, out.scores, normalize_logits=normalize)
+    got = model.compute_transition_scores(out.sequences, out.scores, normalize_logits=normalize)
+    assert got.shape == (1, 12) and torch.isfinite(got).all() and torch.allclose(got, want)
+    # a batch: NaN where a row had ended
+    eos = int(out.sequences[0, ids.shape[1] + 2])
+    batch = model.generate(mixed_prompts(), max_new_tokens=12, lookahead=CONFIGS[1], output_scores=True,
+                           eos_token_id=eos, pad_token_id=0)
+    got = model.compute_transition_scores(batch.sequences, batch.scores, normalize_logits=normalize)
+    for b, row in enumerate(batch.stats.rows):
+        assert torch.isfinite(got[b, : row.new_tokens]).all() and torch.isnan(got[b, row.new_tokens:]).all()
+    with pytest.raises(ValueError, match="beam search"):
+        model.compute_transition_scores(out.sequences, out.scores, beam_indices=torch.zeros(1, 12))
+    with pytest.raises(ValueError, match="sequences must be"):
+        model.compute_transition_scores(out.sequences[:, :3], out.scores)
+
+
 def test_bad_flags_are_clear_errors(tiny):
     _, model = tiny
     with pytest.raises(ValueError, match="output_scores must be a bool"):
