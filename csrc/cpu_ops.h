@@ -29,15 +29,16 @@ void top_row(const float* x, int64_t V, int64_t k, float* vals, int64_t* idx);
 
 namespace sample_warped {
 // One row of the distribution lookahead/sampling.py's warp_logits makes of logits (temperature > 0, top-k with its
-// ties, top-p), unnormalised: each kept token weighted exp(x / temperature - max) in float32. With top-p the row
-// is its few kept tokens; without, the weights over the whole vocabulary. csrc/sample_warped.cpp.
+// ties, top-p, min-p), unnormalised: each kept token weighted exp(x / temperature - max) in float32. With top-p or
+// min-p the row is its kept tokens; without, the weights over the whole vocabulary. csrc/sample_warped.cpp.
 class WarpedRow {
  public:
-  // ValueError naming `op` unless temperature > 0 (finite), top_k >= 0 (0: off) and top_p in (0, 1].
-  static void check(const char* op, double temperature, int64_t top_k, double top_p);
+  // ValueError naming `op` unless temperature > 0 (finite), top_k >= 0 (0: off), top_p in (0, 1] and min_p in
+  // [0, 1] (0: off).
+  static void check(const char* op, double temperature, int64_t top_k, double top_p, double min_p);
   explicit WarpedRow(int64_t V);
   // The row of the logits x[0 .. V); nothing kept if its largest tempered logit is not finite.
-  void warp(const float* x, float temperature, int64_t top_k, double top_p);
+  void warp(const float* x, float temperature, int64_t top_k, double top_p, double min_p);
   // Token t's weight, writable (a rejection zeroes it); nullptr where t has none or is outside the vocabulary.
   float* weight(int64_t t);
   // The weights' float64 sum as warped (not updated by writes through weight()).

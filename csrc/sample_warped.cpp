@@ -13,9 +13,9 @@
 // The warped row is a WarpedRow (cpu_ops.h), which the sampled tree walk (csrc/verify_sample.cpp) reads too.
 //
 // Op (namespace lookahead_draft, CPU):
-//   sample_warped(Tensor logits, float temperature, int top_k, float top_p, Tensor uniforms) -> Tensor
+//   sample_warped(Tensor logits, float temperature, int top_k, float top_p, float min_p, Tensor uniforms) -> Tensor
 //     logits float32 [R, V] (the last dimension contiguous), temperature > 0, top_k >= 0 (0: off), top_p in
-//     (0, 1], uniforms float64 [R] in [0, 1). Returns int64 [R]; -1 for a row whose largest logit is not finite
+//     (0, 1], min_p in [0, 1] (0: off), uniforms float64 [R] in [0, 1). Returns int64 [R]; -1 for a row whose largest logit is not finite
 //     (+inf, or every entry NaN or -inf). A row with some NaN among finite logits gives an unspecified token, as
 //     the torch path's NaN probabilities would; the model's logits hold none.
 
@@ -168,26 +168,41 @@ int64_t inverse_cdf(const float* e, int64_t V, double target) {
 
 }  // namespace
 
-void WarpedRow::check(const char* op, double temperature, int64_t top_k, double top_p) {
+void WarpedRow::check(const char* op, double temperature, int64_t top_k, double top_p, double min_p) {
   TORCH_CHECK_VALUE(temperature > 0 && std::isfinite(temperature), op, ": temperature must be > 0, got ",
                     temperature);
   TORCH_CHECK_VALUE(top_k >= 0, op, ": top_k must be >= 0, got ", top_k);
   TORCH_CHECK_VALUE(top_p > 0 && top_p <= 1, op, ": top_p must be in (0, 1], got ", top_p);
+  TORCH_CHECK_VALUE(min_p >= 0 && min_p <= 1, op, ": min_p must be in [0, 1], got ", min_p);
 }
 
 WarpedRow::WarpedRow(int64_t V) : V_(V), s_(new float[V]), e_(new float[V]) {}  // every warp writes first
 
-void WarpedRow::warp(const float* x, float temperature, int64_t top_k, double top_p) {
+void WarpedRow::warp(const float* x, float temperature, int64_t top_k, double top_p, double min_p) {
   const Passes& pass = passes();
   kept_.clear();
   dense_ = false;
   mass_ = tempered_weights(x, V_, temperature, top_k, s_.get(), e_.get(), pass);
   if (std::isnan(mass_)) {  // no finite logit: nothing kept
     mass_ = 0.0;
-  } else if (top_p < 1.0) {
+    return;
+  }
+  if (top_p < 1.0) {
     nucleus(e_.get(), V_, mass_, top_p, pass, kept_);
+    if (min_p > 0) {  // min-p: drop the tokens below min_p times the likeliest's weight (its ratio of probabilities)
+      float top = 0.f;
+      for (const auto& k : kept_) top = std::max(top, k.second);
+      const float floor = static_cast<float>(min_p * static_cast<double>(top));
+      kept_.erase(std::remove_if(kept_.begin(), kept_.end(), [floor](const auto& k) { return k.second < floor; }),
+                  kept_.end());
+    }
     mass_ = 0.0;
     for (const auto& k : kept_) mass_ += static_cast<double>(k.second);
+  } else if (min_p > 0) {  // the tokens at or above min_p times the likeliest's weight
+    const float top = *std::max_element(e_.get(), e_.get() + V_);
+    const float floor = static_cast<float>(min_p * static_cast<double>(top));
+    mass_ = 0.0;
+    pass.above(e_.get(), V_, std::nextafter(floor, -INFINITY), kept_, mass_);
   } else {
     dense_ = true;
   }
@@ -214,14 +229,14 @@ int64_t WarpedRow::draw(double target) const {
 
 namespace {
 
-at::Tensor sample(const at::Tensor& logits, double temperature, int64_t top_k, double top_p,
+at::Tensor sample(const at::Tensor& logits, double temperature, int64_t top_k, double top_p, double min_p,
                   const at::Tensor& uniforms) {
   const char* name = "lookahead_draft.sample_warped";
   TORCH_CHECK_VALUE(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
                         logits.size(1) >= 1 && logits.stride(1) == 1,
                     name, ": logits must be a CPU float32 [R, V] tensor with V >= 1 and a contiguous last dimension");
   const int64_t R = logits.size(0), V = logits.size(1);
-  WarpedRow::check(name, temperature, top_k, top_p);
+  WarpedRow::check(name, temperature, top_k, top_p, min_p);
   TORCH_CHECK_VALUE(uniforms.device().is_cpu() && uniforms.scalar_type() == at::kDouble && uniforms.dim() == 1 &&
                         uniforms.size(0) == R,
                     name, ": uniforms must be a CPU float64 [R] tensor");
@@ -235,7 +250,7 @@ at::Tensor sample(const at::Tensor& logits, double temperature, int64_t top_k, d
   at::parallel_for(0, R, 1, [&](int64_t lo, int64_t hi) {
     WarpedRow row(V);
     for (int64_t r = lo; r < hi; ++r) {
-      row.warp(x + r * stride, t, top_k, top_p);
+      row.warp(x + r * stride, t, top_k, top_p, min_p);
       op[r] = row.draw(up[r] * row.mass());
     }
   });
@@ -246,7 +261,8 @@ at::Tensor sample(const at::Tensor& logits, double temperature, int64_t top_k, d
 }  // namespace sample_warped
 
 TORCH_LIBRARY_FRAGMENT(lookahead_draft, m) {
-  m.def("sample_warped(Tensor logits, float temperature, int top_k, float top_p, Tensor uniforms) -> Tensor");
+  m.def("sample_warped(Tensor logits, float temperature, int top_k, float top_p, float min_p, Tensor uniforms) -> "
+        "Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lookahead_draft, CPU, m) { m.impl("sample_warped", &sample_warped::sample); }

@@ -15,11 +15,13 @@
 //
 // Op (namespace lookahead_draft, CPU; lookahead_kernels/verify_cpu.py checks the inputs and calls it):
 //   verify_tree_warped(Tensor x_logits, Tensor node_logits, Tensor tokens, Tensor end, Tensor num_nodes,
-//                      int max_accept, float temperature, int top_k, float top_p, Tensor uniforms)
+//                      int max_accept, float temperature, int top_k, float top_p, float min_p,
+//                      Tensor uniforms)
 //       -> (Tensor accept_len, Tensor path, Tensor emitted)
 //     x_logits float32 [B, vocab], node_logits float32 [B, V, vocab] (the last dimension contiguous, any strides
 //     before it; a padding node's row is never read), tokens and end int64 [B, V], num_nodes int64 [B] in 0 .. V,
-//     temperature > 0, top_k >= 0 (0: off), top_p in (0, 1], uniforms float64 [B, V + 1].
+//     temperature > 0, top_k >= 0 (0: off), top_p in (0, 1], min_p in [0, 1] (0: off), uniforms float64
+//     [B, V + 1].
 //     accept_len int64 [B]; path int64 [B, max_accept] and emitted int64 [B, max_accept + 1], -1 past the end.
 //     A row whose largest logit is not finite keeps no token: the walk rejects every child there and its bonus
 //     is -1.
@@ -42,7 +44,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_warped(const at::Tens
                                                                   const at::Tensor& tokens, const at::Tensor& end,
                                                                   const at::Tensor& num_nodes, int64_t max_accept,
                                                                   double temperature, int64_t top_k, double top_p,
-                                                                  const at::Tensor& uniforms) {
+                                                                  double min_p, const at::Tensor& uniforms) {
   const char* name = "lookahead_draft.verify_tree_warped";
   TORCH_CHECK_VALUE(tokens.dim() == 2 && tokens.scalar_type() == at::kLong && tokens.is_contiguous(), name,
                     ": tokens must be a contiguous int64 [B, V] tensor");
@@ -64,7 +66,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_warped(const at::Tens
                         uniforms.scalar_type() == at::kDouble && uniforms.is_contiguous(),
                     name, ": uniforms must be a contiguous float64 [B, V + 1] tensor");
   TORCH_CHECK_VALUE(max_accept >= 0, name, ": max_accept must be >= 0, got ", max_accept);
-  sample_warped::WarpedRow::check(name, temperature, top_k, top_p);
+  sample_warped::WarpedRow::check(name, temperature, top_k, top_p, min_p);
   TORCH_CHECK_VALUE(x_logits.device().is_cpu() && node_logits.device().is_cpu() && tokens.device().is_cpu() &&
                         end.device().is_cpu() && num_nodes.device().is_cpu() && uniforms.device().is_cpu(),
                     name, ": every tensor must be on the CPU");
@@ -90,7 +92,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_warped(const at::Tens
       const int64_t* tb = tok + b * V;
       const int64_t* eb = en + b * V;
       const double* ub = u + b * (V + 1);
-      row.warp(xl + b * sx, T, top_k, top_p);
+      row.warp(xl + b * sx, T, top_k, top_p, min_p);
       double S = row.mass();
       int64_t c = 0, lim = n, acc = 0;
       while (acc < max_accept && c < lim) {
@@ -101,7 +103,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_warped(const at::Tens
           path_out[b * max_accept + acc] = c;
           emit_out[b * (max_accept + 1) + acc] = t;
           ++acc;
-          row.warp(nl + b * sb + c * sv, T, top_k, top_p);
+          row.warp(nl + b * sb + c * sv, T, top_k, top_p, min_p);
           S = row.mass();
           lim = std::min(eb[c], n);
           c = c + 1;
@@ -123,7 +125,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_warped(const at::Tens
 
 TORCH_LIBRARY_FRAGMENT(lookahead_draft, m) {
   m.def("verify_tree_warped(Tensor x_logits, Tensor node_logits, Tensor tokens, Tensor end, Tensor num_nodes, "
-        "int max_accept, float temperature, int top_k, float top_p, Tensor uniforms) -> (Tensor, Tensor, Tensor)");
+        "int max_accept, float temperature, int top_k, float top_p, float min_p, Tensor uniforms) -> "
+        "(Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(lookahead_draft, CPU, m) { m.impl("verify_tree_warped", &verify_sample::verify_tree_warped); }

@@ -45,10 +45,10 @@ import torch
 
 DEFAULT_MAX_NEW_TOKENS = 128
 # GenerationConfig fields generate() implements.
-SUPPORTED_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "max_new_tokens", "max_length", "eos_token_id",
-                    "pad_token_id", "num_return_sequences", "repetition_penalty", "min_new_tokens", "min_length",
-                    "suppress_tokens", "begin_suppress_tokens", "stop_strings", "max_time", "output_scores",
-                    "output_logits")
+SUPPORTED_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "max_new_tokens", "max_length",
+                    "eos_token_id", "pad_token_id", "num_return_sequences", "repetition_penalty", "min_new_tokens",
+                    "min_length", "suppress_tokens", "begin_suppress_tokens", "stop_strings", "max_time",
+                    "output_scores", "output_logits")
 # Fields accepted with any value: they cannot change a decoder-only model's output given a prompt (use_cache=False
 # only makes transformers recompute every position; we always keep a cache), or (for return_dict_in_generate)
 # generate always returns an object with ``.sequences`` anyway.
@@ -67,7 +67,8 @@ class GenerateArguments:
         padding: per row, LongTensor ``[P_b]``, the stripped left padding as given (``P_b`` may be 0; empty for a
             list of prompts); goes back in front of the output.
         max_new_tokens: resolved int (not yet range-checked against the model).
-        do_sample, temperature, top_k, top_p: the sampling parameters, unset ones at their defaults.
+        do_sample, temperature, top_k, top_p, min_p: the sampling parameters, unset ones at their defaults
+            (``min_p``: ``None``, off).
         repetition_penalty: float > 0 (1.0: none).
         min_new_tokens: int >= 0: no EOS before that many new tokens (``min_length`` resolved into it).
         suppress_tokens, begin_suppress_tokens: lists of ids >= 0 (not yet range-checked), maybe empty.
@@ -87,6 +88,7 @@ class GenerateArguments:
     temperature: object
     top_k: object
     top_p: object
+    min_p: object
     repetition_penalty: float
     min_new_tokens: int
     suppress_tokens: list
@@ -379,7 +381,7 @@ def resolve_generate_arguments(input_ids, *, attention_mask=None, max_new_tokens
                 "max_length": extra.get("max_length"), "num_return_sequences": extra.get("num_return_sequences"),
                 **{k: extra.get(k) for k in ("repetition_penalty", "min_new_tokens", "min_length", "suppress_tokens",
                                              "begin_suppress_tokens", "stop_strings", "max_time", "output_scores",
-                                             "output_logits")}}
+                                             "output_logits", "min_p")}}
     values = {}
     for config, origin in ((model_generation_config, "in model.generation_config"),
                            (generation_config, "in generation_config")):  # later ones override
@@ -446,7 +448,8 @@ def resolve_generate_arguments(input_ids, *, attention_mask=None, max_new_tokens
     return GenerateArguments(
         prompts=prompts, padding=padding, max_new_tokens=max_new,
         do_sample=values["do_sample"], temperature=values["temperature"], top_k=values["top_k"],
-        top_p=values["top_p"], repetition_penalty=penalty, min_new_tokens=min_new, **suppressed,
+        top_p=values["top_p"], min_p=values.get("min_p"), repetition_penalty=penalty, min_new_tokens=min_new,
+        **suppressed,
         stop_strings=values.get("stop_strings"), max_time=values.get("max_time"), outputs=tuple(outputs),
         eos_token_id=eos, pad_token_id=values.get("pad_token_id"), streamer=adapter)
 

@@ -61,6 +61,8 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
                    "the model's generation config's, else 50 as in transformers)")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default: the model's "
                    "generation config's, else 1.0: off)")
+    p.add_argument("--min-p", type=float, default=None, help="drop tokens less likely than this fraction of the "
+                   "likeliest (default: the model's generation config's, else off)")
     p.add_argument("--seed", type=int, default=None, help="seed of the sampling generator (default: random)")
     p.add_argument("--repetition-penalty", type=float, default=None,
                    help="transformers' repetition penalty, greedy or sampled (> 1 discourages repeats; default: the "
@@ -159,7 +161,7 @@ def _sampling(args) -> dict:
         processing["min_new_tokens"] = args.min_new_tokens
     if args.stop is not None and not all(args.stop):
         raise CliError("--stop needs a non-empty TEXT", status=2)
-    flags = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+    flags = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p}
     given = {name: value for name, value in flags.items() if value is not None}
     if not args.do_sample:
         if given:
@@ -172,7 +174,8 @@ def _sampling(args) -> dict:
     try:
         SamplingParams(**{"temperature": 1.0, "top_k": 0, "top_p": 1.0, **given})
     except ValueError as err:
-        raise CliError(str(err).replace("SamplingParams.", "--").replace("top_", "top-"), status=2) from None
+        raise CliError(str(err).replace("SamplingParams.", "--").replace("top_", "top-").replace("min_", "min-"),
+                       status=2) from None
     return dict(do_sample=True, **given, **processing)
 
 
@@ -180,7 +183,7 @@ def _resolved(model, ids, sampling: dict):
     """The arguments generate resolves for this call (given flags over the model's generation config over
     transformers' defaults): the very resolution the call makes."""
     given = {k: v for k, v in sampling.items() if k != "generator"}
-    extra = {k: given.pop(k) for k in ("repetition_penalty", "min_new_tokens") if k in given}
+    extra = {k: given.pop(k) for k in ("repetition_penalty", "min_new_tokens", "min_p") if k in given}
     return resolve_generate_arguments(ids, model_generation_config=model.generation_config, extra=extra, **given)
 
 
@@ -235,6 +238,7 @@ def cmd_generate(args) -> int:
                           "device": str(model.device), "dtype": args.dtype,
                           "sampling": None if not used.do_sample else {
                               "temperature": used.temperature, "top_k": used.top_k, "top_p": used.top_p,
+                              "min_p": used.min_p,
                               "seed": seed},
                           "repetition_penalty": used.repetition_penalty, "min_new_tokens": used.min_new_tokens,
                           "lookahead": None if la is None else {

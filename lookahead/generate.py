@@ -348,7 +348,7 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
             raise ValueError(f"{name} must hold token ids in [0, {cfg.vocab_size}), got {ids!r}")
     processors = LogitsProcessors(cfg.vocab_size, args.repetition_penalty, sorted(eos), args.min_new_tokens,
                                   args.suppress_tokens, args.begin_suppress_tokens)
-    sampler = Sampler(do_sample, temperature, top_k, top_p, generator, processors, args.outputs)
+    sampler = Sampler(do_sample, temperature, top_k, top_p, generator, processors, args.outputs, args.min_p)
     rows = [_Row(_Emitter(p.tolist(), max_new_tokens, eos, streamer,
                           RowStops(criteria, pad.tolist(), p.tolist(), max_new_tokens) if criteria else None,
                           deadline if deadline.at is not None else None),

@@ -34,11 +34,14 @@ class SamplingParams:
         top_k: int ``>= 0``; keep the ``top_k`` largest logits (ties with the ``top_k``-th are kept); ``0`` is off.
         top_p: in ``(0, 1]``; keep the smallest set of most likely tokens whose probability sums to ``>= top_p``
             (always at least one token); ``1`` is off.
+        min_p: in ``[0, 1]``; then drop the tokens less likely than ``min_p`` times the likeliest (transformers'
+            ``MinPLogitsWarper``, after top-p); ``0`` is off.
     """
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -50,6 +53,9 @@ class SamplingParams:
         p = self.top_p
         if isinstance(p, bool) or not isinstance(p, numbers.Real) or not (0 < p <= 1):
             raise ValueError(f"SamplingParams.top_p must be a number in (0, 1] (1 = off), got {p!r}")
+        m = self.min_p
+        if isinstance(m, bool) or not isinstance(m, numbers.Real) or not (0 <= m <= 1):
+            raise ValueError(f"SamplingParams.min_p must be a number in [0, 1] (0 = off), got {m!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -58,7 +64,7 @@ class SamplingParams:
 
 
 def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities after temperature, top-k and top-p (in that order, as Hugging Face applies them).
+    """Probabilities after temperature, top-k, top-p and min-p (in that order, as Hugging Face applies them).
 
     Args:
         logits: ``[..., V]`` float logits (any float dtype, any device).
@@ -82,7 +88,15 @@ def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1:
         probs = probs * _nucleus(probs, params.top_p)
         probs = probs / probs.sum(-1, keepdim=True)
+    if params.min_p > 0:
+        probs = probs * ~_below_min_p(probs, params.min_p)
+        probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def _below_min_p(probs: torch.Tensor, min_p: float) -> torch.Tensor:
+    """bool ``[..., V]``: the tokens less likely than ``min_p`` times the row's likeliest (never the likeliest)."""
+    return probs < min_p * probs.amax(-1, keepdim=True)
 
 
 def warp_scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -91,6 +105,8 @@ def warp_scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     x = _tempered(logits, params)
     if params.top_p < 1:
         x = x.masked_fill(~_nucleus(torch.softmax(x, dim=-1), params.top_p), float("-inf"))
+    if params.min_p > 0:
+        x = x.masked_fill(_below_min_p(torch.softmax(x, dim=-1), params.min_p), float("-inf"))
     return x
 
 
@@ -160,6 +176,7 @@ def sample_logits(logits: torch.Tensor, params: SamplingParams, generator: torch
             u = _row_uniforms("sample_logits", uniforms, R, generator, logits.device)
             x = logits if logits.dtype == torch.float32 and logits.stride(-1) == 1 else logits.float().contiguous()
             return torch.ops.lookahead_draft.sample_warped(x, params.temperature, params.top_k, params.top_p,
+                                                           params.min_p,
                                                            u.contiguous())
     return sample_rows(warp_logits(logits, params), generator, uniforms=uniforms)
 

@@ -55,7 +55,8 @@ class Sampler:
     In a batch every row draws from the one generator, in row order: a row's samples differ from what the same
     seed gives it alone, but each row keeps exactly the model's distribution."""
 
-    def __init__(self, do_sample: bool, temperature, top_k, top_p, generator, processors=None, outputs=()):
+    def __init__(self, do_sample: bool, temperature, top_k, top_p, generator, processors=None, outputs=(),
+                 min_p=None):
         self.params = None
         self.generator = generator
         # a lookahead.processors.LogitsProcessors, or None: applied to the rows a step's tokens are chosen from
@@ -65,7 +66,8 @@ class Sampler:
         if do_sample:
             from .sampling import SamplingParams  # sampling utilities live beside the verifier's reference
 
-            params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+            params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
+                                    min_p=0.0 if min_p is None else min_p)
             self.params = None if params.is_greedy else params
 
     @property
@@ -146,7 +148,7 @@ class Sampler:
 
                 p = self.params
                 return verify_tree_sample_cpu(x_logits, node_logits, tokens, end, num_nodes, max_accept,
-                                              p.temperature, p.top_k, p.top_p, uniforms=uniforms)
+                                              p.temperature, p.top_k, p.top_p, uniforms=uniforms, min_p=p.min_p)
             from lookahead_kernels import verify_tree_sample_reference as verify
 
             # One warp for every row: each torch op of it costs tens of microseconds on the CPU.

@@ -15,7 +15,7 @@ from .verify_ref import _num_nodes_tensor, check_tree_verify_inputs, resolve_uni
 def verify_tree_sample_cpu(x_logits: torch.Tensor, node_logits: torch.Tensor, tokens: torch.Tensor, end: torch.Tensor,
                            num_nodes: torch.Tensor | int | None, max_accept: int, temperature: float, top_k: int,
                            top_p: float, uniforms: torch.Tensor | None = None,
-                           generator: torch.Generator | None = None):
+                           generator: torch.Generator | None = None, min_p: float = 0.0):
     """:func:`~lookahead_kernels.verify_tree_sample_reference` on the rows ``lookahead.sampling.warp_logits``
     makes of CPU logits, with the reference's results.
 
@@ -25,8 +25,8 @@ def verify_tree_sample_cpu(x_logits: torch.Tensor, node_logits: torch.Tensor, to
         tokens, end: int64 ``[B, V]`` (``end`` may be ``[V]``), the tree as the reference takes it.
         num_nodes: real nodes per row (``None``: every node).
         max_accept: the most nodes a row accepts.
-        temperature: ``> 0``; top_k: ``>= 0`` (``0``: off); top_p: in ``(0, 1]`` (``1``: off); applied in
-            that order, ties with the k-th largest logit kept.
+        temperature: ``> 0``; top_k: ``>= 0`` (``0``: off); top_p: in ``(0, 1]`` (``1``: off); min_p: in
+            ``[0, 1]`` (``0``: off); applied in that order, ties with the k-th largest logit kept.
         uniforms: float64 ``[B, V + 1]`` as ``draw_tree_uniforms`` lays them out (drawn with ``generator`` when
             ``None``).
     Returns:
@@ -45,6 +45,8 @@ def verify_tree_sample_cpu(x_logits: torch.Tensor, node_logits: torch.Tensor, to
         raise ValueError(f"{name}: top_k must be an int >= 0 (0 = off), got {top_k!r}")
     if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
         raise ValueError(f"{name}: top_p must be a number in (0, 1] (1 = off), got {top_p!r}")
+    if isinstance(min_p, bool) or not isinstance(min_p, (int, float)) or not 0 <= min_p <= 1:
+        raise ValueError(f"{name}: min_p must be a number in [0, 1] (0 = off), got {min_p!r}")
     B, V = tokens.shape
     u = resolve_uniforms(name, uniforms, generator, B, V, tokens.device).double().contiguous()
     n = _num_nodes_tensor(num_nodes, B, V, tokens.device).long().contiguous()
@@ -55,4 +57,4 @@ def verify_tree_sample_cpu(x_logits: torch.Tensor, node_logits: torch.Tensor, to
 
     return torch.ops.lookahead_draft.verify_tree_warped(rows(x_logits), rows(node_logits), tokens.contiguous(),
                                                         end.expand(B, V).contiguous(), n, int(max_accept),
-                                                        float(temperature), top_k, float(top_p), u)
+                                                        float(temperature), top_k, float(top_p), float(min_p), u)

@@ -79,6 +79,8 @@ def _fails_in_one_line(capsys, argv, status=None, contains=""):
     (["generate", "hi", "--temperature", "0.5"], "--do-sample"),
     (["generate", "hi", "--do-sample", "--top-p", "1.5"], "--top-p"),
     (["generate", "hi", "--do-sample", "--top-k", "-1"], "--top-k"),
+    (["generate", "hi", "--do-sample", "--min-p", "2"], "--min-p must be a number in"),
+    (["generate", "hi", "--min-p", "0.1"], "--min-p needs --do-sample"),
     (["generate", "hi", "--repetition-penalty", "0"], "--repetition-penalty must be a number > 0"),
     (["generate", "hi", "--min-new-tokens", "-1"], "--min-new-tokens must be >= 0"),
     (["generate", "hi", "--stop", ""], "--stop needs a non-empty TEXT"),
@@ -142,7 +144,7 @@ def test_sampling_dtype_and_seed_on_a_tiny_gguf(capsys, tiny_gguf):
         results.append(json.loads(capsys.readouterr().out))
     assert results[0]["tokens"] == results[1]["tokens"]  # same seed, same sample
     assert results[0]["dtype"] == "bfloat16" and results[0]["device"] == "cpu"
-    assert results[0]["sampling"] == {"temperature": 0.9, "top_k": 20, "top_p": 1.0, "seed": 5}
+    assert results[0]["sampling"] == {"temperature": 0.9, "top_k": 20, "top_p": 1.0, "min_p": None, "seed": 5}
     assert main(["generate", "abc", "--raw", "--model", tiny_gguf, "--max-new-tokens", "3", "--no-lookahead"]) == 0
     assert "[plain] " in capsys.readouterr().err
     # --no-cuda-graphs matters on CUDA only; on the CPU it is accepted and changes nothing.
@@ -166,7 +168,9 @@ def test_the_checkpoints_generation_config_gives_sampling_defaults(capsys, tiny_
     assert again["sampling"] is None and again["tokens"] == greedy["tokens"]
     assert main(base + ["--do-sample", "--top-p", "0.9", "--seed", "1"]) == 0
     assert json.loads(capsys.readouterr().out)["sampling"] == {"temperature": 0.6, "top_k": 50, "top_p": 0.9,
-                                                               "seed": 1}
+                                                               "min_p": None, "seed": 1}
+    assert main(base + ["--do-sample", "--min-p", "0.1", "--seed", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["sampling"]["min_p"] == 0.1
     # --repetition-penalty works greedy too, as generate's keyword does
     assert main(base + ["--repetition-penalty", "1.5"]) == 0
     penalised = json.loads(capsys.readouterr().out)

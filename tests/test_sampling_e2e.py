@@ -60,7 +60,8 @@ def draw(model, prompt, lookahead, params, seed):
     tokens, accepted = [], []
     for _ in range(SAMPLES):
         out = model.generate(prompt, max_new_tokens=3, lookahead=lookahead, do_sample=True,
-                             temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, generator=gen)
+                             temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                             min_p=params.min_p, generator=gen)
         tokens.append(out.sequences[0, prompt.shape[1]:].tolist())
         accepted.extend(out.stats.accepted)
     return torch.tensor(tokens), accepted
@@ -81,7 +82,7 @@ def fit_pvalue(samples: torch.Tensor, p: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("params, lookahead", [
     (SamplingParams(temperature=1.0), LookaheadConfig(window=4, ngram=3, guess=4)),
-    (SamplingParams(temperature=0.8, top_k=5, top_p=0.9), LookaheadConfig(window=3, ngram=4, guess=3)),
+    (SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.2), LookaheadConfig(window=3, ngram=4, guess=3)),
     (SamplingParams(temperature=1.0), None),
 ])
 def test_sampled_tokens_follow_the_models_distribution(model_and_prompt, params, lookahead):
@@ -113,6 +114,7 @@ def test_seeded_sampling_is_reproducible_and_temperature_zero_is_greedy(model_an
 
 @pytest.mark.parametrize("kwargs, word", [({"temperature": -0.5}, "temperature"), ({"top_p": 0.0}, "top_p"),
                                           ({"top_p": 1.5}, "top_p"), ({"top_k": -1}, "top_k"),
+                                          ({"min_p": 1.5}, "min_p"),
                                           ({"generator": 7}, "generator must be a torch.Generator")])
 def test_bad_sampling_arguments_are_rejected(model_and_prompt, kwargs, word):
     model, prompt = model_and_prompt

@@ -422,7 +422,7 @@ def _walk_reference(x_logits, node_logits, tokens, end, n, max_accept, params, u
 
 
 WARPS = [SamplingParams(1.0, 0, 1.0), SamplingParams(0.7, 0, 0.9), SamplingParams(1.3, 3, 1.0),
-         SamplingParams(0.8, 5, 0.6)]
+         SamplingParams(0.8, 5, 0.6), SamplingParams(1.0, 0, 1.0, 0.2), SamplingParams(0.7, 6, 0.9, 0.1)]
 
 
 @pytest.mark.parametrize("kind,V,pad,shared,dtype", [
@@ -431,13 +431,13 @@ WARPS = [SamplingParams(1.0, 0, 1.0), SamplingParams(0.7, 0, 0.9), SamplingParam
     ("bushy", 8, False, False, torch.bfloat16), ("linear", (3, 3), True, True, torch.float32),
     ("deep", 7, False, True, torch.float64), ("bushy", 12, True, False, torch.float32),
 ])
-@pytest.mark.parametrize("params", WARPS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
+@pytest.mark.parametrize("params", WARPS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}-m{p.min_p}")
 def test_sample_cpu_walk_matches_reference(kind, V, pad, shared, dtype, params):
     """The C++ walk from logits (the CPU's sampled verification) gives the reference's results on the warped rows:
     temperature, top-k and top-p; walks deep and shallow, padded rows (NaN, never read), repeated siblings, ids
     outside the vocabulary, tokens without mass, capped walks, its own draw."""
     walk = _cpu_walk()
-    warp = dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+    warp = dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p)
     for seed in range(4):
         gen = torch.Generator().manual_seed(zlib.crc32(repr((kind, V, pad, shared, str(dtype), params, seed)).encode()))
         B, vocab = 6, 20
@@ -480,7 +480,9 @@ def test_sample_cpu_walk_edge_cases():
     args = (x, x[:, None].repeat(1, 4, 1), hot[[0, 1, 2, 3]].expand(5, 4).clone(),
             TreeShape.from_parents([-1, 0, -1, -1]).end, None, 2)
     u = torch.tensor([[0.0, 0.0, 0.99, 0.99, t] for t in (0.0, 0.01, 0.3, 0.8, 0.999)], dtype=torch.float64)
-    for params in WARPS:
+    # (not min-p's WARPS: dropping the tail puts the bonus's uniform 0.3 exactly on a step of this CDF, where
+    # float32 weights and the reference's probabilities may round apart)
+    for params in (p for p in WARPS if p.min_p == 0):
         warp = dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
         assert_same(_walk_reference(*args, params, u), walk(*args, uniforms=u, **warp))
     dead = torch.full((2, 12), float("-inf"))  # no finite logit at x: every child rejected, no bonus
@@ -490,7 +492,8 @@ def test_sample_cpu_walk_edge_cases():
     with pytest.raises(ValueError, match="uniforms"):
         walk(*args, uniforms=torch.rand(5, 4, dtype=torch.float64), **plain)
     for bad, match in ((dict(plain, temperature=0.0), "temperature"), (dict(plain, top_k=-1), "top_k"),
-                       (dict(plain, top_p=1.5), "top_p"), (dict(plain, top_k=2.0), "top_k")):
+                       (dict(plain, top_p=1.5), "top_p"), (dict(plain, top_k=2.0), "top_k"),
+                       (dict(plain, min_p=-0.5), "min_p")):
         with pytest.raises(ValueError, match=match):
             walk(*args, uniforms=u, **bad)
 
@@ -728,15 +731,18 @@ def test_inverse_cdf_picks_the_first_index_whose_cdf_passes_the_target():
 
 
 # ---- warping and row sampling ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0), (0.9, 0, 0.8),
-                                                     (0.6, 10, 0.5), (1.0, 3, 0.01), (2.0, 1000, 0.95)])
-def test_warp_matches_hf(temperature, top_k, top_p):
-    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
-                                                        TopPLogitsWarper)
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
+    (1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (1.3, 5, 1.0, 0.0), (0.9, 0, 0.8, 0.0), (0.6, 10, 0.5, 0.0),
+    (1.0, 3, 0.01, 0.0), (2.0, 1000, 0.95, 0.0), (1.0, 0, 1.0, 0.05), (0.8, 20, 0.9, 0.2), (1.5, 0, 1.0, 1.0)])
+def test_warp_matches_hf(temperature, top_k, top_p, min_p):
+    from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+
+    from lookahead.sampling import warp_scores
 
     gen = torch.Generator().manual_seed(int(temperature * 10) + top_k)
     logits = torch.randn(6, 200, generator=gen) * 3
-    params = SamplingParams(temperature, top_k, top_p)
+    params = SamplingParams(temperature, top_k, top_p, min_p)
     probs = warp_logits(logits, params)
     assert probs.dtype == torch.float32 and not probs.isnan().any()
     scores = TemperatureLogitsWarper(temperature)(None, logits.clone())
@@ -744,6 +750,11 @@ def test_warp_matches_hf(temperature, top_k, top_p):
         scores = TopKLogitsWarper(top_k)(None, scores)
     if top_p < 1:
         scores = TopPLogitsWarper(top_p)(None, scores)
+    if min_p > 0:
+        scores = MinPLogitsWarper(min_p)(None, scores)
+    ours = warp_scores(logits, params)  # output_scores' rows: the same scores, -inf where removed
+    assert torch.equal(torch.isneginf(ours), torch.isneginf(scores))
+    torch.testing.assert_close(ours[torch.isfinite(ours)], scores[torch.isfinite(scores)])
     expected = torch.softmax(scores, -1)
     assert torch.equal(probs > 0, expected > 0)
     err = ((probs.double() - expected.double()).abs() / expected.double().clamp_min(1e-30)).max()
@@ -803,7 +814,8 @@ def test_sample_rows_given_uniforms_draws_what_its_generator_would():
 
 @pytest.mark.parametrize("params", [SamplingParams(0.7, 0, 0.9), SamplingParams(1.0, 50, 0.95),
                                     SamplingParams(1.3, 0, 0.5), SamplingParams(0.8, 0, 1.0), SamplingParams(1.0, 7, 1.0),
-                                    SamplingParams(0.0)])
+                                    SamplingParams(0.0), SamplingParams(1.0, 0, 1.0, 0.05),
+                                    SamplingParams(0.7, 0, 0.9, 0.3)])
 @pytest.mark.parametrize("native", [False, True])
 def test_sample_logits_draws_what_sample_rows_draws_from_the_warped_row(params, native, monkeypatch):
     """``sample_logits`` (a plain step's draw; on the CPU with top-p it reads the nucleus's tokens only) picks the
@@ -839,20 +851,22 @@ def test_sample_warped_never_draws_a_token_without_mass_and_refuses_bad_argument
     logits = torch.full((4, 300), float("-inf"))
     logits[:, 7], logits[:, 250] = 1.0, 1.5
     u = torch.tensor([0.0, 0.5, 0.999999, 1 - 2 ** -53], dtype=torch.float64)
-    for top_k, top_p in ((0, 1.0), (0, 0.99), (2, 1.0), (1, 1.0)):
-        got = op(logits, 0.9, top_k, top_p, u)
-        assert set(got.tolist()) <= ({250} if top_k == 1 else {7, 250}), (top_k, top_p)
-    assert op(torch.full((1, 5), float("nan")), 1.0, 0, 1.0, u[:1]).tolist() == [-1]
-    for args, match in (((logits, 0.0, 0, 1.0, u), "temperature"), ((logits, 1.0, -1, 1.0, u), "top_k"),
-                        ((logits, 1.0, 0, 1.5, u), "top_p"), ((logits, 1.0, 0, 1.0, u[:3]), "uniforms"),
-                        ((logits.double(), 1.0, 0, 1.0, u), "float32")):
+    for top_k, top_p, min_p in ((0, 1.0, 0.0), (0, 0.99, 0.0), (2, 1.0, 0.0), (1, 1.0, 0.0), (0, 1.0, 0.7),
+                                (0, 0.99, 0.7)):
+        got = op(logits, 0.9, top_k, top_p, min_p, u)
+        assert set(got.tolist()) <= ({250} if top_k == 1 or min_p > 0.6 else {7, 250}), (top_k, top_p, min_p)
+    assert op(torch.full((1, 5), float("nan")), 1.0, 0, 1.0, 0.0, u[:1]).tolist() == [-1]
+    for args, match in (((logits, 0.0, 0, 1.0, 0.0, u), "temperature"), ((logits, 1.0, -1, 1.0, 0.0, u), "top_k"),
+                        ((logits, 1.0, 0, 1.5, 0.0, u), "top_p"), ((logits, 1.0, 0, 1.0, 1.5, u), "min_p"),
+                        ((logits, 1.0, 0, 1.0, 0.0, u[:3]), "uniforms"),
+                        ((logits.double(), 1.0, 0, 1.0, 0.0, u), "float32")):
         with pytest.raises(ValueError, match=match):
             op(*args)
 
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(temperature=float("nan")), dict(top_p=0.0),
                                     dict(top_p=1.5), dict(top_k=-1), dict(top_k=2.0), dict(top_k=True),
-                                    dict(temperature="1")])
+                                    dict(temperature="1"), dict(min_p=-0.1), dict(min_p=1.5), dict(min_p="0.1")])
 def test_bad_sampling_params(kwargs):
     with pytest.raises(ValueError, match="SamplingParams"):
         SamplingParams(**kwargs)
