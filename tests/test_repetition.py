@@ -147,14 +147,15 @@ def test_bad_penalties_are_clear_errors(tiny, kwargs, message):
 SAMPLED_VOCAB, SAMPLES = 16, 2500
 
 
-def exact_marginals(model, prompt, params, penalty, depth=3) -> list[torch.Tensor]:
-    """The marginal distribution of new tokens 1..depth under the penalty, by enumerating every continuation."""
+def processed_marginals(model, prompt, params, process, depth=3) -> list[torch.Tensor]:
+    """The marginal distribution of new tokens 1..depth when each row's logits go through ``process(row, context,
+    k)`` (``k``: the new tokens before it) before warping, by enumerating every continuation."""
     marginals, weights, prefixes = [], torch.ones(1, dtype=torch.float64), prompt
-    for _ in range(depth):
+    for k in range(depth):
         P, L = prefixes.shape
         logits = model(prefixes, torch.arange(L).expand(P, L), model.new_cache(P, L), 0, StepLayout.prefill(L),
                        torch.tensor([L - 1]))[:, 0]
-        rows = torch.stack([reference_penalised(logits[i], prefixes[i].tolist(), penalty) for i in range(P)])
+        rows = torch.stack([process(logits[i], prefixes[i].tolist(), k) for i in range(P)])
         joint = weights[:, None] * warp_logits(rows.double(), params).double()
         marginals.append(joint.sum(0))
         weights = joint.reshape(-1)
@@ -171,7 +172,8 @@ def test_sampled_tokens_follow_the_penalised_distribution(lookahead):
     prompt = model.generate(torch.tensor([[1]]), max_new_tokens=15).sequences
     params, penalty = SamplingParams(temperature=1.0, top_k=0, top_p=1.0), 1.5
     with torch.inference_mode():
-        marginals = exact_marginals(model, prompt, params, penalty)
+        marginals = processed_marginals(model, prompt, params,
+                                        lambda row, context, k: reference_penalised(row, context, penalty))
     gen = torch.Generator().manual_seed(99)
     samples, accepted = [], []
     for _ in range(SAMPLES):

@@ -16,7 +16,8 @@ from lookahead_kernels import StepLayout
 
 from .test_batch import mixed_prompts
 from .test_generate import smollm2, tiny_hf_model  # noqa: F401 (smollm2: a fixture)
-from .test_repetition import path_of, random_tree
+from .test_repetition import (CONFIGS, SAMPLED_VOCAB, path_of, processed_marginals, random_tree,  # noqa: F401
+                              tiny)  # (tiny: a fixture)
 from .test_sampling_e2e import fit_pvalue
 
 
@@ -73,16 +74,6 @@ def test_processors_compose_with_the_penalty():
 
 
 # ---- end to end ------------------------------------------------------------------------------------------------
-
-CONFIGS = [None, LookaheadConfig(window=4, ngram=3, guess=4), LookaheadConfig(window=3, ngram=4, guess=3),
-           LookaheadConfig(), LookaheadConfig(max_step_tokens=16, sources=("pool",))]
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    hf = tiny_hf_model(seed=3)
-    return hf, LlamaForCausalLM.from_hf(hf)
-
 
 def hf_generate(hf, ids, max_new_tokens, **kwargs):
     return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
@@ -180,24 +171,7 @@ def test_bad_arguments_are_clear_errors(tiny, kwargs, message):
         model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, **kwargs)
 
 
-SAMPLED_VOCAB, SAMPLES = 16, 1500
-
-
-def exact_marginals(model, prompt, params, eos, min_new, depth=3) -> list[torch.Tensor]:
-    """The marginal distribution of new tokens 1..depth with the EOS suppressed before ``min_new`` new tokens, by
-    enumerating every continuation (the EOS can only come last: ``min_new == depth - 1``)."""
-    marginals, weights, prefixes = [], torch.ones(1, dtype=torch.float64), prompt
-    for k in range(depth):
-        P, L = prefixes.shape
-        logits = model(prefixes, torch.arange(L).expand(P, L), model.new_cache(P, L), 0, StepLayout.prefill(L),
-                       torch.tensor([L - 1]))[:, 0]
-        rows = torch.stack([reference_suppressed(logits[i], k, eos=[eos], min_new=min_new) for i in range(P)])
-        joint = weights[:, None] * warp_logits(rows.double(), params).double()
-        marginals.append(joint.sum(0))
-        weights = joint.reshape(-1)
-        prefixes = torch.cat([prefixes.repeat_interleave(SAMPLED_VOCAB, 0),
-                              torch.arange(SAMPLED_VOCAB).repeat(P)[:, None]], dim=1)
-    return marginals
+SAMPLES = 1500
 
 
 @pytest.mark.parametrize("lookahead", [LookaheadConfig(window=4, ngram=3, guess=4), None])
@@ -213,7 +187,9 @@ def test_sampled_tokens_follow_the_suppressed_distribution(lookahead):
         # token, which the window and pool guess) keeps steps accepting
         eos = int(first.argsort(descending=True)[1])
         assert first[eos] > 0.05
-        marginals = exact_marginals(model, prompt, params, eos, min_new=2)
+        # (the EOS can only come last: min_new_tokens is 2 of 3)
+        marginals = processed_marginals(model, prompt, params,
+                                        lambda row, context, k: reference_suppressed(row, k, eos=[eos], min_new=2))
     gen = torch.Generator().manual_seed(7)
     samples, accepted = [], []
     for _ in range(SAMPLES):
