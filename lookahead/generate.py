@@ -524,7 +524,7 @@ def _run(model, cache, runner: StepRunner | None, shape: StepShape, tokens, posi
         started = time.perf_counter()
         uniforms = step_uniforms(finish, tokens.shape[0], tokens.device)  # as a runner draws them (sampling)
         out = finish(logits, StepInputs(tokens, None if tree is None else tree.end, num_nodes, cache,
-                                        positions[:, 0], uniforms))
+                                        positions[:, 0], uniforms, None if tree is None else tree.depth))
         if host is not None:
             host.verify_seconds = time.perf_counter() - started
         return out

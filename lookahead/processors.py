@@ -5,7 +5,9 @@ window's guesses need no exactness), each with its own context.
 Two kinds, each in its own module: the repetition penalty (:mod:`lookahead.repetition`, the row's tokens) and the
 token suppressions (:mod:`lookahead.suppression`, the row's count of new tokens). Each keeps its per-row state on
 the model's device in tensors a ``state(name, shape, dtype)`` factory gives it (a runner's, whose addresses
-captured graphs hold, or the call's own), and updates it from the host after each step.
+captured graphs hold, or the call's own), and updates it from the host after each step. Both take the same
+calls: ``start(state, sequences, counts, replayed)``, ``add(tokens, counts)``, ``keep(rows)``, ``rows(logits)``,
+``tree(node_logits, tokens, end, depth)`` and ``key``.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class LogitsProcessors:
         self.vocab_size = vocab_size
         self.items = []
         if repetition_penalty != 1.0:
-            self.items.append(RepetitionPenalty(repetition_penalty))
+            self.items.append(RepetitionPenalty(repetition_penalty, vocab_size))
         eos = [t for t in eos if t < vocab_size]  # an EOS outside the vocabulary is never chosen anyway
         if (min_new > 0 and eos) or suppress_tokens or begin_suppress_tokens:
             self.items.append(TokenSuppression(eos, min_new, suppress_tokens, begin_suppress_tokens))
@@ -48,15 +50,12 @@ class LogitsProcessors:
         """Before the first step: each row's ``sequences`` (prompt and any tokens so far) and ``counts`` of new
         tokens; ``replayed``: the steps are CUDA graphs."""
         for p in self.items:
-            if isinstance(p, RepetitionPenalty):
-                p.start(state, sequences, self.vocab_size)
-            else:
-                p.start(state, counts, replayed)
+            p.start(state, sequences, counts, replayed)
 
     def add(self, tokens: list[list[int]], counts: list[int]) -> None:
         """After a step: each row's committed ``tokens`` and its new count of new tokens."""
         for p in self.items:
-            p.add(tokens if isinstance(p, RepetitionPenalty) else counts)
+            p.add(tokens, counts)
 
     def keep(self, kept: list[int]) -> None:
         for p in self.items:
@@ -68,10 +67,12 @@ class LogitsProcessors:
             logits = p.rows(logits)
         return logits
 
-    def tree(self, node_logits: torch.Tensor, tokens: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
-        """A tree's node rows ``[B, N, V]`` (tokens ``[B, N]``, ``end`` ``[N]`` or ``[B, N]``), processed."""
+    def tree(self, node_logits: torch.Tensor, tokens: torch.Tensor, end: torch.Tensor,
+             depth: torch.Tensor) -> torch.Tensor:
+        """A tree's node rows ``[B, N, V]`` (tokens ``[B, N]``; the tree's ``end`` and ``depth``, ``[N]`` or
+        ``[B, N]``), processed."""
         for p in self.items:
-            node_logits = p.tree(node_logits, tokens, end)
+            node_logits = p.tree(node_logits, tokens, end, depth)
         return node_logits
 
 

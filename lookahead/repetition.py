@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from lookahead_kernels.tree import ancestor_matrix
+
 
 def penalise(scores: torch.Tensor, penalty: float) -> torch.Tensor:
     """transformers' penalty of one score (elementwise; float32 as the logits are)."""
@@ -36,9 +38,7 @@ def penalise_tree(node_logits: torch.Tensor, seen: torch.Tensor, tokens: torch.T
     out = penalise_rows(node_logits, seen, penalty)
     if N == 0:
         return out
-    idx = torch.arange(N, device=node_logits.device)
-    end = end.expand(B, N)
-    on_path = (idx[None, None, :] <= idx[None, :, None]) & (idx[None, :, None] < end[:, None, :])  # [B, i, j]
+    on_path = ancestor_matrix(end.expand(B, N)).transpose(1, 2)  # [B, i, j]: j on node i's path
     same = tokens[:, :, None] == tokens[:, None, :]  # [B, j', j]
     # Whether node j's token lies on node i's path: the same for every j of one token, so the scatter below
     # writes one value per (row, token) however often the token occurs.
@@ -56,19 +56,22 @@ class RepetitionPenalty:
     :meth:`start` takes a factory of the tensor ``seen`` is kept in and fills it from the rows' sequences;
     :meth:`add` marks each step's committed tokens; :meth:`keep` follows the eager loop dropping finished rows."""
 
-    def __init__(self, penalty: float):
+    def __init__(self, penalty: float, vocab_size: int):
         self.penalty = float(penalty)
+        self.vocab_size = vocab_size
         self.seen: torch.Tensor | None = None
 
-    def start(self, state, sequences: list[list[int]], vocab_size: int) -> None:
+    def start(self, state, sequences: list[list[int]], counts: list[int], replayed: bool) -> None:
         """``state(name, shape, dtype)``: the tensor ``seen`` is kept in (a runner's under CUDA graphs, whose
-        address a graph holds, or the call's own); filled from the rows' ``sequences``."""
-        self.seen = state("repetition:seen", (len(sequences), vocab_size), torch.bool)
+        address a graph holds, or the call's own); filled from the rows' ``sequences`` (the counts of new tokens
+        and whether steps are replayed do not matter to it)."""
+        self.seen = state("repetition:seen", (len(sequences), self.vocab_size), torch.bool)
         self.seen.zero_()
-        self.add(sequences)
+        self.add(sequences, counts)
 
-    def add(self, tokens: list[list[int]]) -> None:
-        """Marks ``tokens[b]`` for each row ``b``: one upload of flat indices and one index write for the batch."""
+    def add(self, tokens: list[list[int]], counts: list[int]) -> None:
+        """Marks ``tokens[b]`` for each row ``b`` (``counts`` do not matter here): one upload of flat indices and
+        one index write for the batch."""
         V = self.seen.shape[1]
         flat = [b * V + v for b, t in enumerate(tokens) for v in t]
         if flat:
@@ -84,7 +87,8 @@ class RepetitionPenalty:
     def rows(self, logits: torch.Tensor) -> torch.Tensor:
         return penalise_rows(logits, self.seen, self.penalty)
 
-    def tree(self, node_logits: torch.Tensor, tokens: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+    def tree(self, node_logits: torch.Tensor, tokens: torch.Tensor, end: torch.Tensor,
+             depth: torch.Tensor | None = None) -> torch.Tensor:
         return penalise_tree(node_logits, self.seen, tokens, end, self.penalty)
 
 

@@ -257,8 +257,9 @@ class StepRunner:
         from .verification import StepInputs
 
         x = buf.inputs
-        return StepInputs(tokens=x.tokens, end=x.end if buf.shape.tree_budget else None, num_nodes=x.num_nodes,
-                          cache=self.cache, cache_len=x.cache_len, uniforms=buf.uniforms)
+        tree = buf.shape.tree_budget > 0
+        return StepInputs(tokens=x.tokens, end=x.end if tree else None, num_nodes=x.num_nodes, cache=self.cache,
+                          cache_len=x.cache_len, uniforms=buf.uniforms, depth=x.depth if tree else None)
 
     def _forward(self, buf: _ShapeBuffers) -> torch.Tensor:
         x = buf.inputs

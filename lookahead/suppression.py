@@ -3,8 +3,8 @@
 (always) and ``begin_suppress_tokens`` (the first new token only).
 
 What a row suppresses depends on how many new tokens come before the token chosen from it: ``g`` for ``x``'s
-row (the sequence has emitted ``g``), ``g + d`` for a tree node at depth ``d`` (the ``d`` nodes of its path,
-itself included: ``j <= i < end[j]``, ``shared/design/draft-tree.md``). So greedy verification accepts exactly
+row (the sequence has emitted ``g``), ``g + d`` for a tree node at depth ``d`` (the step's ``TreeShape.depth``:
+the ``d`` nodes of its path, itself included, ``shared/design/draft-tree.md``). So greedy verification accepts exactly
 what plain decoding would emit, and rejection sampling keeps its distribution. A suppressed score becomes
 ``-inf`` before temperature, top-k and top-p, as transformers' processors set it (and a repetition penalty leaves
 ``-inf`` as it is, so the two commute).
@@ -15,14 +15,6 @@ from __future__ import annotations
 import torch
 
 NEG_INF = float("-inf")
-
-
-def tree_depths(end: torch.Tensor, num_nodes: int) -> torch.Tensor:
-    """int64 ``[..., N]``: the nodes on each node's path (1 for a child of ``x``), from ``end`` ``[N]`` or
-    ``[B, N]``. Padding nodes' depths are meaningless (their rows are ignored)."""
-    idx = torch.arange(num_nodes, device=end.device)
-    on_path = (idx[None, :] <= idx[:, None]) & (idx[:, None] < end[..., None, :])  # [..., i, j]
-    return on_path.sum(-1)
 
 
 def suppress(logits: torch.Tensor, new: torch.Tensor, *, eos: torch.Tensor | None = None, min_new: int = 0,
@@ -70,10 +62,10 @@ class TokenSuppression:
     def key(self) -> tuple:
         return ("suppress", self.min_new, *self.ids.values())
 
-    def start(self, state, counts: list[int], replayed: bool) -> None:
-        """``state(name, shape, dtype)``: a tensor to keep; ``counts``: each row's new tokens so far;
-        ``replayed``: whether the steps are graphs (which always run every suppression; an eager step skips the
-        count-dependent ones once no row is below its threshold)."""
+    def start(self, state, sequences: list[list[int]], counts: list[int], replayed: bool) -> None:
+        """``state(name, shape, dtype)``: a tensor to keep; ``counts``: each row's new tokens so far (its
+        ``sequences`` do not matter here); ``replayed``: whether the steps are graphs (which always run every
+        suppression; an eager step skips the count-dependent ones once no row is below its threshold)."""
         self.replayed = replayed
         self.tensors = {}
         for name, ids in self.ids.items():
@@ -83,9 +75,10 @@ class TokenSuppression:
                 self.tensors[name] = t
         self.new = state("suppress:new", (len(counts),), torch.long)
         self.uploaded = []
-        self.add(counts)
+        self.add(sequences, counts)
 
-    def add(self, counts: list[int]) -> None:
+    def add(self, tokens: list[list[int]], counts: list[int]) -> None:
+        """After a step: each row's count of new tokens (its committed ``tokens`` do not matter here)."""
         capped = [min(c, self.threshold) for c in counts]
         if capped != self.uploaded:
             self.new.copy_(torch.tensor(capped, dtype=torch.long))
@@ -109,12 +102,13 @@ class TokenSuppression:
         new = self.new if logits.dim() == 2 else self.new[:, None].expand(logits.shape[:2])
         return self._apply(logits, new)
 
-    def tree(self, node_logits: torch.Tensor, tokens: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
-        """``node_logits [B, N, V]`` of a tree's nodes (``end`` ``[N]`` or ``[B, N]``), each suppressed for its
+    def tree(self, node_logits: torch.Tensor, tokens: torch.Tensor, end: torch.Tensor,
+             depth: torch.Tensor) -> torch.Tensor:
+        """``node_logits [B, N, V]`` of a tree's nodes (``depth`` ``[N]`` or ``[B, N]``), each suppressed for its
         depth."""
         if not self._counting():
             return self._apply(node_logits, self.new[:, None])
-        return self._apply(node_logits, self.new[:, None] + tree_depths(end, node_logits.shape[1]))
+        return self._apply(node_logits, self.new[:, None] + depth)
 
 
 def reference_suppressed(logits_row: torch.Tensor, new: int, *, eos=(), min_new: int = 0, always=(),
@@ -127,4 +121,4 @@ def reference_suppressed(logits_row: torch.Tensor, new: int, *, eos=(), min_new:
     return out
 
 
-__all__ = ["TokenSuppression", "suppress", "tree_depths", "reference_suppressed"]
+__all__ = ["TokenSuppression", "suppress", "reference_suppressed"]

@@ -39,6 +39,7 @@ class StepInputs:
         cache_len: int64 ``[B]``, each row's committed length (the slot of its ``x``).
         uniforms: float64 ``[B, U]`` in ``[0, 1)``, the step's random numbers (``U``: the finish's
             ``uniforms_per_row``); ``None`` for greedy decoding.
+        depth: int64 ``[V]`` or ``[B, V]``, the tree's node depths (``TreeShape.depth``); ``None`` without a tree.
     """
 
     tokens: torch.Tensor
@@ -47,6 +48,7 @@ class StepInputs:
     cache: object
     cache_len: torch.Tensor
     uniforms: torch.Tensor | None = None
+    depth: torch.Tensor | None = None
 
 
 class Sampler:
@@ -238,7 +240,7 @@ class StepVerifier:
         processors = self.sampler.processors
         if processors is not None:  # the rows tokens are chosen from; the window's guesses need no exactness
             x_logits = processors.rows(x_logits)
-            node_logits = processors.tree(node_logits, node_tokens, inputs.end) if V else node_logits
+            node_logits = processors.tree(node_logits, node_tokens, inputs.end, inputs.depth) if V else node_logits
         if V:
             accept_len, path, emitted = self.sampler.verify_tree(
                 x_logits, node_logits, node_tokens, inputs.end, inputs.num_nodes, self.max_accept,

@@ -174,11 +174,18 @@ def test_sampled_tokens_follow_the_penalised_distribution(lookahead):
     with torch.inference_mode():
         marginals = processed_marginals(model, prompt, params,
                                         lambda row, context, k: reference_penalised(row, context, penalty))
-    gen = torch.Generator().manual_seed(99)
+    samples = sample_and_fit(model, prompt, lookahead, marginals, SAMPLES, 99, repetition_penalty=penalty)
+    assert samples.shape == (SAMPLES, 3)
+
+
+def sample_and_fit(model, prompt, lookahead, marginals, count: int, seed: int, **kwargs) -> torch.Tensor:
+    """Draws ``count`` samples of 3 new tokens (full vocabulary, ``kwargs`` for generate), checks that lookahead
+    accepted a candidate somewhere and that each position fits its exact marginal; returns the samples."""
+    gen = torch.Generator().manual_seed(seed)
     samples, accepted = [], []
-    for _ in range(SAMPLES):
-        out = model.generate(prompt, max_new_tokens=3, lookahead=lookahead, do_sample=True, top_k=0,
-                             repetition_penalty=penalty, generator=gen)
+    for _ in range(count):
+        out = model.generate(prompt, max_new_tokens=3, lookahead=lookahead, do_sample=True, top_k=0, generator=gen,
+                             **kwargs)
         samples.append(out.sequences[0, prompt.shape[1]:].tolist())
         accepted.extend(out.stats.accepted)
     samples = torch.tensor(samples)
@@ -188,6 +195,7 @@ def test_sampled_tokens_follow_the_penalised_distribution(lookahead):
         assert (p[samples[:, pos]] > 0).all()
         pvalue = fit_pvalue(samples[:, pos], p)
         assert pvalue > 1e-3, f"position {pos + 1}: chi-square p-value {pvalue:.2e}"
+    return samples
 
 
 @pytest.mark.gpu

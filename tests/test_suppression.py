@@ -13,12 +13,12 @@ from lookahead.processors import LogitsProcessors
 from lookahead.sampling import SamplingParams, warp_logits
 from lookahead.suppression import TokenSuppression, reference_suppressed
 from lookahead_kernels import StepLayout
+from lookahead_kernels.tree import TreeShape
 
 from .test_batch import mixed_prompts
 from .test_generate import smollm2, tiny_hf_model  # noqa: F401 (smollm2: a fixture)
 from .test_repetition import (CONFIGS, SAMPLED_VOCAB, path_of, processed_marginals, random_tree,  # noqa: F401
-                              tiny)  # (tiny: a fixture)
-from .test_sampling_e2e import fit_pvalue
+                              sample_and_fit, tiny)  # (tiny: a fixture)
 
 
 def _zeros(name, shape, dtype):
@@ -36,10 +36,13 @@ def test_tree_rows_are_suppressed_for_their_depth(seed, replayed):
     kinds = dict(eos=[3, 7], min_new=rng.randint(1, 8), always=[0, 11], at_start=[5, 3])
     counts = [rng.randint(0, 5) for _ in range(B)]
     suppression = TokenSuppression(kinds["eos"], kinds["min_new"], kinds["always"], kinds["at_start"])
-    suppression.start(_zeros, counts, replayed)
+    suppression.start(_zeros, [[]] * B, counts, replayed)
     trees = [random_tree(N, rng) for _ in range(B)]
     end = torch.tensor([e + [N + k + 1 for k in range(padding)] for _, e in trees])
-    got = suppression.tree(logits, tokens, end)
+    # the step's depths, as the tree's encoding gives them (padding: leaves at depth 1)
+    depth = torch.stack([torch.cat([TreeShape.from_parents(parents).depth, torch.ones(padding, dtype=torch.long)])
+                         for parents, _ in trees])
+    got = suppression.tree(logits, tokens, end, depth)
     rows = suppression.rows(logits[:, 0])
     for b, (parents, _) in enumerate(trees):
         assert torch.equal(rows[b], reference_suppressed(logits[b, 0], counts[b], **kinds))
@@ -47,13 +50,13 @@ def test_tree_rows_are_suppressed_for_their_depth(seed, replayed):
             want = reference_suppressed(logits[b, i], counts[b] + len(path_of(i, parents)), **kinds)
             assert torch.equal(got[b, i], want), (b, i)
     # one tree for the whole batch ([N] end), and counts moving on (past every threshold: only `always` is left)
-    suppression.add([c + 1 for c in counts])
-    shared = suppression.tree(logits[:, :N], tokens[:, :N], end[0, :N])
+    suppression.add([[]] * B, [c + 1 for c in counts])
+    shared = suppression.tree(logits[:, :N], tokens[:, :N], end[0, :N], depth[0, :N])
     for b in range(B):
         for i in range(N):
             want = reference_suppressed(logits[b, i], counts[b] + 1 + len(path_of(i, trees[0][0])), **kinds)
             assert torch.equal(shared[b, i], want), (b, i)
-    suppression.add([20] * B)
+    suppression.add([[]] * B, [20] * B)
     assert torch.equal(suppression.rows(logits[:, 0]), reference_suppressed(logits[:, 0], 20, **kinds))
 
 
@@ -190,21 +193,9 @@ def test_sampled_tokens_follow_the_suppressed_distribution(lookahead):
         # (the EOS can only come last: min_new_tokens is 2 of 3)
         marginals = processed_marginals(model, prompt, params,
                                         lambda row, context, k: reference_suppressed(row, k, eos=[eos], min_new=2))
-    gen = torch.Generator().manual_seed(7)
-    samples, accepted = [], []
-    for _ in range(SAMPLES):
-        out = model.generate(prompt, max_new_tokens=3, lookahead=lookahead, do_sample=True, top_k=0,
-                             min_new_tokens=2, eos_token_id=eos, pad_token_id=0, generator=gen)
-        samples.append(out.sequences[0, prompt.shape[1]:].tolist())
-        accepted.extend(out.stats.accepted)
-    samples = torch.tensor(samples)
-    if lookahead is not None:
-        assert max(accepted) >= 2, "no step accepted a candidate: verification was not exercised"
+    samples = sample_and_fit(model, prompt, lookahead, marginals, SAMPLES, 7, min_new_tokens=2, eos_token_id=eos,
+                             pad_token_id=0)
     assert not (samples[:, :2] == eos).any()
-    for pos, p in enumerate(marginals):
-        assert (p[samples[:, pos]] > 0).all()
-        pvalue = fit_pvalue(samples[:, pos], p)
-        assert pvalue > 1e-3, f"position {pos + 1}: chi-square p-value {pvalue:.2e}"
 
 
 @pytest.mark.gpu
