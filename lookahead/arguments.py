@@ -19,7 +19,8 @@
   chooses or verifies a token from, each with its own context (:mod:`lookahead.repetition`); so are
   ``min_new_tokens`` and ``min_length`` (no EOS before that many new tokens, or that total length counting the
   padded prompt; ``min_new_tokens`` wins where both are set), ``suppress_tokens`` and ``begin_suppress_tokens``
-  (:mod:`lookahead.suppression`).
+  (:mod:`lookahead.suppression`); and ``no_repeat_ngram_size``, ``sequence_bias`` and ``bad_words_ids``, each
+  row's and tree node's against its own sequence (:mod:`lookahead.sequence_rules`).
 * ``stop_strings`` (with ``tokenizer=``), ``stopping_criteria`` and ``max_time`` end a row as transformers ends it
   (:mod:`lookahead.stopping`).
 * ``output_scores`` and ``output_logits`` return, for each new token, the row it was chosen from (processed and
@@ -31,7 +32,7 @@
   transformers' sampling loop; lookahead: ``[1, n]`` per step, as its assisted decoding), and ``end()`` is called
   once generation finishes.
 * Anything else, a ``GenerationConfig`` field or keyword set to a value we would have to ignore (``num_beams=4``,
-  ``no_repeat_ngram_size=3``, ``output_attentions=True``...) or an unknown keyword, is a ``ValueError`` naming it.
+  ``typical_p=0.9``, ``output_attentions=True``...) or an unknown keyword, is a ``ValueError`` naming it.
   Values equal to transformers' defaults (``num_beams=1``, ``typical_p=1.0``...) are accepted.
 """
 
@@ -43,12 +44,14 @@ from collections.abc import Mapping
 
 import torch
 
+from .sequence_rules import bad_word_list, check_no_repeat_ngram_size, sequence_biases
+
 DEFAULT_MAX_NEW_TOKENS = 128
 # GenerationConfig fields generate() implements.
 SUPPORTED_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "max_new_tokens", "max_length",
                     "eos_token_id", "pad_token_id", "num_return_sequences", "repetition_penalty", "min_new_tokens",
                     "min_length", "suppress_tokens", "begin_suppress_tokens", "stop_strings", "max_time",
-                    "output_scores", "output_logits")
+                    "output_scores", "output_logits", "no_repeat_ngram_size", "sequence_bias", "bad_words_ids")
 # Fields accepted with any value: they cannot change a decoder-only model's output given a prompt (use_cache=False
 # only makes transformers recompute every position; we always keep a cache), or (for return_dict_in_generate)
 # generate always returns an object with ``.sequences`` anyway.
@@ -72,6 +75,9 @@ class GenerateArguments:
         repetition_penalty: float > 0 (1.0: none).
         min_new_tokens: int >= 0: no EOS before that many new tokens (``min_length`` resolved into it).
         suppress_tokens, begin_suppress_tokens: lists of ids >= 0 (not yet range-checked), maybe empty.
+        no_repeat_ngram_size: int >= 0 (0: none).
+        sequence_bias: ``{tuple of ids: bias}`` in transformers' order, maybe empty (ids not yet range-checked).
+        bad_words_ids: list of tuples of ids, maybe empty (not yet range-checked; the EOS not yet dropped).
         stop_strings: a string, a list of them, or ``None`` (checked by :func:`lookahead.stopping.make_criteria`).
         max_time: seconds, or ``None`` (checked by :class:`lookahead.stopping.Deadline`).
         outputs: which rows of each new token's choice to return: ``"scores"`` (``output_scores``), ``"logits"``
@@ -93,6 +99,9 @@ class GenerateArguments:
     min_new_tokens: int
     suppress_tokens: list
     begin_suppress_tokens: list
+    no_repeat_ngram_size: int
+    sequence_bias: dict
+    bad_words_ids: list
     stop_strings: object
     max_time: object
     outputs: tuple
@@ -147,7 +156,7 @@ def model_generation_config(config, source=None, origin: str = "generation_confi
 
     ``config``: the model's :class:`~lookahead.model.ModelConfig`. ``source``: a ``GenerationConfig`` read from a
     checkpoint (``origin`` names it) or a transformers model's; its fields that generate cannot honour
-    (``no_repeat_ngram_size=3``...) are left out of the copy returned, with a warning naming them, so each later
+    (``num_beams=4``...) are left out of the copy returned, with a warning naming them, so each later
     call does not fail on them. Without ``source``: the config's BOS, EOS and pad ids, as transformers derives a
     generation config from a model config."""
     import copy
@@ -381,7 +390,8 @@ def resolve_generate_arguments(input_ids, *, attention_mask=None, max_new_tokens
                 "max_length": extra.get("max_length"), "num_return_sequences": extra.get("num_return_sequences"),
                 **{k: extra.get(k) for k in ("repetition_penalty", "min_new_tokens", "min_length", "suppress_tokens",
                                              "begin_suppress_tokens", "stop_strings", "max_time", "output_scores",
-                                             "output_logits", "min_p")}}
+                                             "output_logits", "min_p", "no_repeat_ngram_size", "sequence_bias",
+                                             "bad_words_ids")}}
     values = {}
     for config, origin in ((model_generation_config, "in model.generation_config"),
                            (generation_config, "in generation_config")):  # later ones override
@@ -449,7 +459,9 @@ def resolve_generate_arguments(input_ids, *, attention_mask=None, max_new_tokens
         prompts=prompts, padding=padding, max_new_tokens=max_new,
         do_sample=values["do_sample"], temperature=values["temperature"], top_k=values["top_k"],
         top_p=values["top_p"], min_p=values.get("min_p"), repetition_penalty=penalty, min_new_tokens=min_new,
-        **suppressed,
+        **suppressed, no_repeat_ngram_size=check_no_repeat_ngram_size(values.get("no_repeat_ngram_size")),
+        sequence_bias=sequence_biases(values.get("sequence_bias")),
+        bad_words_ids=bad_word_list(values.get("bad_words_ids")),
         stop_strings=values.get("stop_strings"), max_time=values.get("max_time"), outputs=tuple(outputs),
         eos_token_id=eos, pad_token_id=values.get("pad_token_id"), streamer=adapter)
 

@@ -70,6 +70,9 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-new-tokens", type=int, default=None,
                    help="no end-of-sequence token before this many new tokens (default: the model's generation "
                         "config's, else 0)")
+    p.add_argument("--no-repeat-ngram-size", type=int, default=None, metavar="N",
+                   help="never repeat an n-gram of N tokens (0: off; default: the model's generation config's, else "
+                        "off)")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="end the answer right after the token that completes TEXT (repeatable; transformers' "
                         "stop_strings)")
@@ -159,6 +162,11 @@ def _sampling(args) -> dict:
         if args.min_new_tokens < 0:
             raise CliError(f"--min-new-tokens must be >= 0, got {args.min_new_tokens}", status=2)
         processing["min_new_tokens"] = args.min_new_tokens
+    if args.no_repeat_ngram_size is not None:
+        if args.no_repeat_ngram_size < 0:
+            raise CliError(f"--no-repeat-ngram-size must be >= 0 (0: off), got {args.no_repeat_ngram_size}",
+                           status=2)
+        processing["no_repeat_ngram_size"] = args.no_repeat_ngram_size
     if args.stop is not None and not all(args.stop):
         raise CliError("--stop needs a non-empty TEXT", status=2)
     flags = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p}
@@ -183,7 +191,8 @@ def _resolved(model, ids, sampling: dict):
     """The arguments generate resolves for this call (given flags over the model's generation config over
     transformers' defaults): the very resolution the call makes."""
     given = {k: v for k, v in sampling.items() if k != "generator"}
-    extra = {k: given.pop(k) for k in ("repetition_penalty", "min_new_tokens", "min_p") if k in given}
+    extra = {k: given.pop(k) for k in ("repetition_penalty", "min_new_tokens", "min_p", "no_repeat_ngram_size")
+             if k in given}
     return resolve_generate_arguments(ids, model_generation_config=model.generation_config, extra=extra, **given)
 
 
@@ -241,6 +250,7 @@ def cmd_generate(args) -> int:
                               "min_p": used.min_p,
                               "seed": seed},
                           "repetition_penalty": used.repetition_penalty, "min_new_tokens": used.min_new_tokens,
+                          "no_repeat_ngram_size": used.no_repeat_ngram_size,
                           "lookahead": None if la is None else {
                               "window": la.window, "ngram": la.ngram, "guess": la.guess,
                               "max_step_tokens": la.max_step_tokens}}))

@@ -35,6 +35,7 @@ from .controller import make_plan
 from .draft import DraftBuilder, encode_rows, propose_rows
 from .prompt_cache import PromptCache
 from .processors import LogitsProcessors
+from .sequence_rules import bad_words, check_vocabulary
 from .runner import StepRunner, cache_pool, runner_cache
 from .step import build_step, upload
 from .stopping import Deadline, RowStops, make_criteria
@@ -267,8 +268,9 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     ``max_length``, ``num_return_sequences`` (sampling), a ``generation_config`` (keywords override it; it
     overrides ``model.generation_config``, whose set fields are the defaults), ``None`` for an unset parameter
     (transformers' default: top-k 50 when sampling); anything unsupported is a ``ValueError`` naming it.
-    ``min_new_tokens``/``min_length``, ``suppress_tokens``, ``begin_suppress_tokens`` and ``repetition_penalty``
-    process every row a step chooses or verifies from, as transformers' processors do (:mod:`lookahead.processors`).
+    ``min_new_tokens``/``min_length``, ``suppress_tokens``, ``begin_suppress_tokens``, ``repetition_penalty``,
+    ``no_repeat_ngram_size``, ``sequence_bias`` and ``bad_words_ids`` process every row a step chooses or verifies
+    from, as transformers' processors do (:mod:`lookahead.processors`).
     ``stop_strings`` (with ``tokenizer=``), ``stopping_criteria`` (called per row with ``[1, L]`` ids and
     ``scores=None``) and ``max_time`` end a row as transformers ends it (:mod:`lookahead.stopping`).
     ``streamer`` (one prompt only) is a callable called with each step's newly emitted tokens, or an object with
@@ -346,8 +348,11 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
         ids = getattr(args, name)
         if any(t >= cfg.vocab_size for t in ids):
             raise ValueError(f"{name} must hold token ids in [0, {cfg.vocab_size}), got {ids!r}")
+    check_vocabulary("sequence_bias", args.sequence_bias, cfg.vocab_size)
+    check_vocabulary("bad_words_ids", args.bad_words_ids, cfg.vocab_size)
     processors = LogitsProcessors(cfg.vocab_size, args.repetition_penalty, sorted(eos), args.min_new_tokens,
-                                  args.suppress_tokens, args.begin_suppress_tokens)
+                                  args.suppress_tokens, args.begin_suppress_tokens, args.no_repeat_ngram_size,
+                                  args.sequence_bias, bad_words(args.bad_words_ids, eos))
     sampler = Sampler(do_sample, temperature, top_k, top_p, generator, processors, args.outputs, args.min_p)
     rows = [_Row(_Emitter(p.tolist(), max_new_tokens, eos, streamer,
                           RowStops(criteria, pad.tolist(), p.tolist(), max_new_tokens) if criteria else None,
@@ -372,7 +377,7 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     if processors:  # a graph holds the runner's tensors' addresses; the eager loop narrows its own
         processors.start(runner.state if runner is not None else
                          lambda name, shape, dtype: torch.zeros(shape, dtype=dtype, device=device),
-                         [r.emitter.sequence for r in rows], [0] * B, replayed=graphs)
+                         [r.emitter.sequence for r in rows], [0] * B, replayed=graphs, capacity=cache.max_len)
     started += time.perf_counter() - setup_started
     clock = _CallClock(started, runner)
     # A batch too big for any tree at the start decodes plainly, its rows' lookahead state (window, drafts) made

@@ -83,6 +83,7 @@ def _fails_in_one_line(capsys, argv, status=None, contains=""):
     (["generate", "hi", "--min-p", "0.1"], "--min-p needs --do-sample"),
     (["generate", "hi", "--repetition-penalty", "0"], "--repetition-penalty must be a number > 0"),
     (["generate", "hi", "--min-new-tokens", "-1"], "--min-new-tokens must be >= 0"),
+    (["generate", "hi", "--no-repeat-ngram-size", "-2"], "--no-repeat-ngram-size must be >= 0"),
     (["generate", "hi", "--stop", ""], "--stop needs a non-empty TEXT"),
     (["generate", "hi", "--do-sample", "--temperature", "-1"], "--temperature"),
     (["generate", "hi", "--max-step-tokens", "0"], "max_step_tokens"),
@@ -179,6 +180,10 @@ def test_the_checkpoints_generation_config_gives_sampling_defaults(capsys, tiny_
     # --min-new-tokens: as generate's keyword (the tiny model's EOS comes late or never: it must not end early)
     assert main(base + ["--min-new-tokens", "4"]) == 0
     assert json.loads(capsys.readouterr().out)["min_new_tokens"] == 4
+    # --no-repeat-ngram-size: as generate's keyword (a 1-gram: no token twice in the answer or the prompt)
+    assert main(base + ["--no-repeat-ngram-size", "1"]) == 0
+    unique = json.loads(capsys.readouterr().out)
+    assert unique["no_repeat_ngram_size"] == 1 and len(set(unique["tokens"])) == len(unique["tokens"])
 
 
 def test_stop_ends_the_answer_at_the_text(capsys, tiny_gguf):

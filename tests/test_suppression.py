@@ -66,9 +66,9 @@ def test_processors_compose_with_the_penalty():
     logits = torch.randn(2, 5, 9)
     seq = [[1, 2, 3], [4, 4]]
     both = LogitsProcessors(9, 1.5, eos=[2], min_new=3, suppress_tokens=[8])
-    both.start(_zeros, seq, [0, 1], replayed=False)
+    both.start(_zeros, seq, [0, 1], replayed=False, capacity=8)
     penalty_only = LogitsProcessors(9, 1.5)
-    penalty_only.start(_zeros, seq, [0, 1], replayed=False)
+    penalty_only.start(_zeros, seq, [0, 1], replayed=False, capacity=8)
     got = both.rows(logits[:, 0])
     for b in range(2):
         want = reference_suppressed(penalty_only.rows(logits[:, 0])[b], b, eos=[2], min_new=3, always=[8])

@@ -1,0 +1,286 @@
+"""no_repeat_ngram_size, sequence_bias and bad_words_ids: the oracles against transformers' own processors, a
+tree's rows against the oracles (each node's sequence ending with its path), then generate end to end (plain and
+lookahead, greedy identical to transformers' generate; sampled tokens following the processed distribution), and
+the arguments' errors."""
+
+import random
+
+import pytest
+import torch
+from transformers import GenerationConfig
+from transformers.generation.logits_process import (NoBadWordsLogitsProcessor, NoRepeatNGramLogitsProcessor,
+                                                    SequenceBiasLogitsProcessor)
+
+from lookahead import LlamaForCausalLM, LookaheadConfig
+from lookahead.processors import LogitsProcessors
+from lookahead.sampling import SamplingParams
+from lookahead.sequence_rules import (NoRepeatNGram, SequenceBias, TokenHistory, bad_words, reference_no_repeat,
+                                      reference_sequence_bias)
+from lookahead_kernels.tree import TreeShape
+
+from .test_batch import mixed_prompts
+from .test_generate import dev_prompts, smollm2, tiny_hf_model  # noqa: F401 (smollm2: a fixture)
+from .test_repetition import (CONFIGS, SAMPLED_VOCAB, path_of, processed_marginals, random_tree,  # noqa: F401
+                              sample_and_fit, tiny)  # (tiny: a fixture)
+from .test_suppression import hf_generate
+
+
+def _zeros(name, shape, dtype):
+    return torch.zeros(shape, dtype=dtype)
+
+
+BIASES = {(2,): -1.5, (1, 3): 2.0, (0, 1, 3): -0.75, (4, 4): -4.0, (3,): 0.5, (2, 0, 4, 1): 3.0}
+
+
+def test_references_are_transformers_own():
+    """(Sequences at least as long as every bias: transformers 5.17 and later versions differ on shorter ones.)"""
+    rng = random.Random(0)
+    for _ in range(300):
+        seq = [rng.randrange(5) for _ in range(rng.randint(4, 14))]
+        row = torch.randn(5)
+        ids = torch.tensor([seq])
+        for n in (1, 2, 3, 4):
+            want = NoRepeatNGramLogitsProcessor(n)(ids, row[None].clone())[0]
+            assert torch.equal(reference_no_repeat(row, seq, n), want), (seq, n)
+            short = seq[:rng.randint(1, 3)]
+            want = NoRepeatNGramLogitsProcessor(n)(torch.tensor([short]), row[None].clone())[0]
+            assert torch.equal(reference_no_repeat(row, short, n), want), (short, n)
+        want = SequenceBiasLogitsProcessor([[list(s), b] for s, b in BIASES.items()])(ids, row[None].clone())[0]
+        assert torch.equal(reference_sequence_bias(row, seq, BIASES), want), seq
+        words = [[3], [1, 2], [0, 4, 4], [2]]
+        want = NoBadWordsLogitsProcessor(words, eos_token_id=[2])(ids, row[None].clone())[0]
+        assert torch.equal(reference_sequence_bias(row, seq, bad_words([tuple(w) for w in words], [2])), want)
+    # a row's whole sequence as a prefix: biased (today's transformers; 5.17 waited for one more token)
+    assert reference_sequence_bias(torch.zeros(5), [1], {(1, 3): 2.0, (0, 1, 3): 1.0}).tolist() == [0, 0, 0, 2, 0]
+
+
+def _rule(kind, history):
+    if kind == "no_repeat_2":
+        return NoRepeatNGram(2, history), lambda row, seq: reference_no_repeat(row, seq, 2)
+    if kind == "no_repeat_3":
+        return NoRepeatNGram(3, history), lambda row, seq: reference_no_repeat(row, seq, 3)
+    words = bad_words([(3,), (1, 2), (0, 4, 4), (2, 2, 2, 2, 2)], eos=())
+    biases = BIASES if kind == "sequence_bias" else words
+    return SequenceBias(biases, history), lambda row, seq: reference_sequence_bias(row, seq, biases)
+
+
+@pytest.mark.parametrize("kind", ["no_repeat_2", "no_repeat_3", "sequence_bias", "bad_words"])
+@pytest.mark.parametrize("replayed", [False, True])
+@pytest.mark.parametrize("seed", range(4))
+def test_tree_rows_follow_their_own_sequence(seed, replayed, kind):
+    """Each node's row against the oracle over the row's committed sequence followed by the node's path; rows of
+    different lengths (some shorter than an n-gram), a small vocabulary so that n-grams repeat along paths."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    B, N, V, padding = 3, rng.randint(1, 12), 5, 2
+    sequences = [[rng.randrange(V) for _ in range(rng.randint(1, 9))] for _ in range(B)]
+    history = TokenHistory()
+    history.start(_zeros, sequences, 40, replayed)
+    rule, reference = _rule(kind, history)
+    rule.start(_zeros, sequences, [0] * B, replayed)
+    for step in range(3):
+        logits = torch.randn(B, N + padding, V)
+        tokens = torch.randint(0, V, (B, N + padding))
+        trees = [random_tree(N, rng) for _ in range(B)]
+        end = torch.tensor([e + [N + k + 1 for k in range(padding)] for _, e in trees])
+        depth = torch.stack([torch.cat([TreeShape.from_parents(p).depth, torch.ones(padding, dtype=torch.long)])
+                             for p, _ in trees])
+        got = rule.tree(logits, tokens, end, depth)
+        rows = rule.rows(logits[:, 0])
+        for b, (parents, _) in enumerate(trees):
+            assert torch.equal(rows[b], reference(logits[b, 0], sequences[b])), (step, b)
+            for i in range(N):
+                path = [int(tokens[b, j]) for j in reversed(path_of(i, parents))]
+                assert torch.equal(got[b, i], reference(logits[b, i], sequences[b] + path)), (step, b, i)
+        # one tree for the whole batch ([N] end and depth)
+        shared = rule.tree(logits[:, :N], tokens[:, :N], end[0, :N], depth[0, :N])
+        for b in range(B):
+            for i in range(N):
+                path = [int(tokens[b, j]) for j in reversed(path_of(i, trees[0][0]))]
+                assert torch.equal(shared[b, i], reference(logits[b, i], sequences[b] + path)), (step, b, i)
+        added = [[rng.randrange(V) for _ in range(rng.randint(0, 4))] for _ in range(B)]
+        history.add(added)
+        sequences = [s + a for s, a in zip(sequences, added)]
+    history.keep([2, 0])
+    logits = torch.randn(2, V)
+    rows = rule.rows(logits)
+    for r, b in enumerate([2, 0]):
+        assert torch.equal(rows[r], reference(logits[r], sequences[b]))
+
+
+def test_the_processors_keep_transformers_order():
+    """The sequence bias comes before the penalty (which it changes); the bans after it (which they commute with)."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 6)
+    seq = [[1, 3, 1], [0, 4, 4, 1]]
+    both = LogitsProcessors(6, 1.7, no_repeat_ngram_size=2, sequence_bias=BIASES,
+                            bad_words=bad_words([(4, 1, 5)], ()))
+    both.start(_zeros, seq, [0, 0], replayed=False, capacity=8)
+    from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+    hf = LogitsProcessorList([SequenceBiasLogitsProcessor([[list(s), b] for s, b in BIASES.items()]),
+                              RepetitionPenaltyLogitsProcessor(1.7), NoRepeatNGramLogitsProcessor(2),
+                              NoBadWordsLogitsProcessor([[4, 1, 5]])])
+    got = both.rows(logits)
+    for b in range(2):
+        assert torch.equal(got[b], hf(torch.tensor([seq[b]]), logits[b][None].clone())[0])
+
+
+# ---- end to end ------------------------------------------------------------------------------------------------
+
+def _kwargs(kind, hf, ids):
+    """Arguments that change the greedy output of ``ids`` (the sequence bias and the bad words aim at the tokens
+    plain decoding emits)."""
+    plain = hf_generate(hf, ids, 8)[0, ids.shape[1]:].tolist()
+    return {"no_repeat_2": dict(no_repeat_ngram_size=2), "no_repeat_3": dict(no_repeat_ngram_size=3),
+            "sequence_bias": dict(sequence_bias=[[plain[1:3], -30.0], [[plain[4]], -2.0], [plain[:2], 5.0]]),
+            "bad_words": dict(bad_words_ids=[plain[2:4], [plain[5]], plain[:1] + plain[2:3]]),
+            "with_penalty": dict(no_repeat_ngram_size=3, repetition_penalty=1.2,
+                                 bad_words_ids=[plain[3:5]])}[kind]
+
+
+@pytest.mark.parametrize("kind", ["no_repeat_2", "no_repeat_3", "sequence_bias", "bad_words", "with_penalty"])
+def test_greedy_output_is_transformers_own(tiny, kind):
+    hf, model = tiny
+    changed = 0
+    for ids in [p[None] for p in mixed_prompts()]:
+        kwargs = _kwargs(kind, hf, ids)
+        want = hf_generate(hf, ids, 32, **kwargs)
+        changed += not torch.equal(want, hf_generate(hf, ids, 32))
+        for la in CONFIGS:
+            got = model.generate(ids, max_new_tokens=32, lookahead=la, pad_token_id=0, **kwargs)
+            assert torch.equal(got.sequences, want), la
+        # the static-step loop (what CUDA graphs replay), run eagerly
+        static = model.generate(ids, max_new_tokens=32, lookahead=CONFIGS[1], pad_token_id=0, cuda_graphs=False,
+                                _static_steps=True, **kwargs)
+        assert torch.equal(static.sequences, want)
+    assert changed, "the rules changed no output: a weak test"
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_greedy_output_is_transformers_own_in_a_small_vocabulary(n):
+    """16 tokens: the model repeats itself within a few steps, so the rule bans on every prompt."""
+    hf = tiny_hf_model(seed=0, vocab=SAMPLED_VOCAB)
+    model = LlamaForCausalLM.from_hf(hf)
+    for ids in [p[None] % SAMPLED_VOCAB for p in mixed_prompts()]:
+        want = hf_generate(hf, ids, 32, no_repeat_ngram_size=n)
+        assert not torch.equal(want, hf_generate(hf, ids, 32)), "nothing changed: a weak test"
+        for la in CONFIGS[1:]:
+            got = model.generate(ids, max_new_tokens=32, lookahead=la, pad_token_id=0, no_repeat_ngram_size=n)
+            assert torch.equal(got.sequences, want), la
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_each_row_of_a_batch_keeps_its_own_sequence(tiny, static):
+    """Rows of different lengths, stopping apart at an EOS: each bans its own repeats, as it would alone."""
+    hf, model = tiny
+    prompts = mixed_prompts()
+    eos = int(hf_generate(hf, prompts[0][None], 8, no_repeat_ngram_size=2)[0, -1])
+    alone = [hf_generate(hf, p[None], 24, eos_token_id=eos, no_repeat_ngram_size=2)[0, len(p):].tolist()
+             for p in prompts]
+    assert any(eos in ref for ref in alone) and not all(eos in ref for ref in alone), "rows should stop apart"
+    kwargs = dict(cuda_graphs=False, _static_steps=True) if static else {}
+    L = max(len(p) for p in prompts)
+    for la in (None, CONFIGS[1], CONFIGS[3]):
+        out = model.generate(prompts, max_new_tokens=24, lookahead=la, no_repeat_ngram_size=2, eos_token_id=eos,
+                             pad_token_id=0, **kwargs)
+        for b, ref in enumerate(alone):
+            assert out.sequences[b, L: L + len(ref)].tolist() == ref, (la, b)
+
+
+def test_smollm2_dev_prompts_without_repeated_trigrams(smollm2):  # noqa: F811
+    hf, ours, tok = smollm2
+    changed = 0
+    for name in ("mt_bench_dev.jsonl", "humaneval_dev.jsonl"):
+        for ids in dev_prompts(tok, name, 1):
+            want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False,
+                               no_repeat_ngram_size=3)
+            changed += not torch.equal(want, ours.generate(ids, max_new_tokens=48, lookahead=None).sequences)
+            for la in (None, LookaheadConfig(), LookaheadConfig(7, 5, 7)):
+                got = ours.generate(ids, max_new_tokens=48, lookahead=la, no_repeat_ngram_size=3)
+                assert torch.equal(got.sequences, want), (name, la)
+    assert changed, "no answer repeated a trigram: a weak test"
+
+
+def test_fields_from_a_generation_config(tiny):
+    hf, model = tiny
+    ids = mixed_prompts()[0][None]
+    config = GenerationConfig(no_repeat_ngram_size=2, bad_words_ids=[[5, 6]], sequence_bias=[[[7], -3.0]])
+    want = hf_generate(hf, ids, 20, generation_config=config)
+    assert torch.equal(model.generate(ids, max_new_tokens=20, generation_config=config, pad_token_id=0).sequences,
+                       want)
+    want = hf_generate(hf, ids, 20, generation_config=config, no_repeat_ngram_size=0)  # a keyword overrides
+    assert torch.equal(model.generate(ids, max_new_tokens=20, generation_config=config, no_repeat_ngram_size=0,
+                                      pad_token_id=0).sequences, want)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(no_repeat_ngram_size=-1), "no_repeat_ngram_size must be an int >= 0"),
+    (dict(no_repeat_ngram_size=2.0), "no_repeat_ngram_size must be an int >= 0"),
+    (dict(bad_words_ids=[]), "bad_words_ids must be a non-empty list"),
+    (dict(bad_words_ids=[[1], []]), "each bad_words_ids entry must be a non-empty list of token ids"),
+    (dict(bad_words_ids=[[1, -2]]), "each bad_words_ids entry must be a non-empty list of token ids"),
+    (dict(bad_words_ids=[[1, 97]]), r"bad_words_ids must hold token ids in \[0, 97\), got \[97\]"),
+    (dict(sequence_bias={(1,): 2}), None),  # an int bias is a number: accepted
+    (dict(sequence_bias=[[[1], "big"]]), "sequence_bias's bias for \\[1\\] must be a number"),
+    (dict(sequence_bias=[[[1], float("inf")]]), "must be a number \\(finite, or -inf\\)"),
+    (dict(sequence_bias=[[[1], float("nan")]]), "must be a number \\(finite, or -inf\\)"),
+    (dict(sequence_bias=[1, 2]), "sequence_bias must be a list of \\[\\[token ids\\], bias\\] pairs"),
+    (dict(sequence_bias=[]), "sequence_bias is empty"),
+    (dict(sequence_bias={(): 1.0}), "each sequence_bias sequence must be a non-empty list"),
+    (dict(sequence_bias={(200, 1): 1.0}), r"sequence_bias must hold token ids in \[0, 97\), got \[200\]"),
+])
+def test_bad_arguments_are_clear_errors(tiny, kwargs, message):
+    _, model = tiny
+    if message is None:
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, **kwargs)
+        return
+    with pytest.raises(ValueError, match=message):
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, **kwargs)
+
+
+SAMPLES = 1500
+
+
+def test_sampled_tokens_follow_the_distribution_without_repeats():
+    """With lookahead (plain steps process x's row by the same call, which the oracle tests check)."""
+    lookahead = LookaheadConfig(window=4, ngram=3, guess=4)
+    model = LlamaForCausalLM.from_hf(tiny_hf_model(seed=0, vocab=SAMPLED_VOCAB))
+    prompt = model.generate(torch.tensor([[1]]), max_new_tokens=15).sequences
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0)
+    with torch.inference_mode():
+        marginals = processed_marginals(model, prompt, params,
+                                        lambda row, context, k: reference_no_repeat(row, context, 2))
+    # the prompt repeats itself, so the ban moves mass at every position
+    samples = sample_and_fit(model, prompt, lookahead, marginals, SAMPLES, 5, no_repeat_ngram_size=2)
+    P = prompt.shape[1]
+    for s in samples.tolist():  # no new token completes a bigram the sequence before it holds
+        whole = prompt[0].tolist() + s
+        for k in range(P, len(whole)):
+            assert (whole[k - 1], whole[k]) not in set(zip(whole[:k - 1], whole[1:k])), whole
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_keep_the_sequence_rules_exact():
+    """Replayed graphs read the rows' sequences from the runner's state: a second call (the same graphs, another
+    prompt) and a batch equal the eager loop."""
+    from .test_static_steps import cuda_tiny
+
+    model = cuda_tiny()
+    prompts = mixed_prompts()
+    flat = [(1, 1e-3), (64, 1.01e-3), (256, 1.05e-3)]  # the planner takes trees whatever this GPU measures
+    rules = (dict(no_repeat_ngram_size=3), dict(no_repeat_ngram_size=2, bad_words_ids=[[5, 6], [7]]),
+             dict(sequence_bias=[[[1, 2], -3.0], [[9], 1.5]], repetition_penalty=1.2))
+    for la in (None, LookaheadConfig(window=4, ngram=3, guess=4), LookaheadConfig(step_costs=flat)):
+        for kwargs in rules:
+            for ids in (prompts[0], prompts[2], prompts[0]):
+                eager = model.generate(ids[None].cuda(), max_new_tokens=24, lookahead=la, cuda_graphs=False,
+                                       **kwargs).sequences
+                graphs = model.generate(ids[None].cuda(), max_new_tokens=24, lookahead=la, cuda_graphs=True,
+                                        **kwargs).sequences
+                assert torch.equal(graphs, eager), (la, kwargs)
+        batch = model.generate([p.cuda() for p in prompts], max_new_tokens=24, lookahead=la,
+                               **rules[1]).sequences
+        eager = model.generate([p.cuda() for p in prompts], max_new_tokens=24, lookahead=la, cuda_graphs=False,
+                               **rules[1]).sequences
+        assert torch.equal(batch, eager), la
