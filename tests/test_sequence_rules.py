@@ -45,7 +45,7 @@ def test_references_are_transformers_own():
             short = seq[:rng.randint(1, 3)]
             want = NoRepeatNGramLogitsProcessor(n)(torch.tensor([short]), row[None].clone())[0]
             assert torch.equal(reference_no_repeat(row, short, n), want), (short, n)
-        want = SequenceBiasLogitsProcessor([[list(s), b] for s, b in BIASES.items()])(ids, row[None].clone())[0]
+        want = SequenceBiasLogitsProcessor(dict(BIASES))(ids, row[None].clone())[0]
         assert torch.equal(reference_sequence_bias(row, seq, BIASES), want), seq
         words = [[3], [1, 2], [0, 4, 4], [2]]
         want = NoBadWordsLogitsProcessor(words, eos_token_id=[2])(ids, row[None].clone())[0]
@@ -118,7 +118,7 @@ def test_the_processors_keep_transformers_order():
     both.start(_zeros, seq, [0, 0], replayed=False, capacity=8)
     from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
-    hf = LogitsProcessorList([SequenceBiasLogitsProcessor([[list(s), b] for s, b in BIASES.items()]),
+    hf = LogitsProcessorList([SequenceBiasLogitsProcessor(dict(BIASES)),
                               RepetitionPenaltyLogitsProcessor(1.7), NoRepeatNGramLogitsProcessor(2),
                               NoBadWordsLogitsProcessor([[4, 1, 5]])])
     got = both.rows(logits)
