@@ -1,11 +1,13 @@
-"""Lookahead under transformers' repetition penalty: compression and tokens/s against plain decoding.
+"""Lookahead under transformers' repetition penalty and no_repeat_ngram_size: compression and tokens/s against plain
+decoding.
 
-The embedded SmolLM2 on the first prompts of each dev set (chat template, greedy): per penalty, each prompt is
-decoded plainly and with automatic lookahead under that penalty, side by side in one process (order alternating
-between prompts); every pair must be identical. Reported per penalty: the median compression (and per set) and
-the median of lookahead's tokens/s over plain's.
+The embedded SmolLM2 on the first prompts of each dev set (chat template, greedy): per setting (a penalty, or an
+n-gram size never repeated), each prompt is decoded plainly and with automatic lookahead under that setting, side by
+side in one process (order alternating between prompts); every pair must be identical. Reported per setting: the
+median compression (and per set) and the median of lookahead's tokens/s over plain's.
 
     python bench/bench_repetition.py --prompts 4 --tag cpu-avx2
+    python bench/bench_repetition.py --penalties 1.0 --no-repeat-ngram-sizes 3 4 --tag no-repeat-cpu-avx2
 
 Writes bench/results/repetition-<tag>.{json,md}.
 """
@@ -32,7 +34,9 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=4, help="prompts of each dev set")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--penalties", type=float, nargs="+", default=[1.0, 1.05, 1.1, 1.2])
+    ap.add_argument("--penalties", type=float, nargs="*", default=[1.0, 1.05, 1.1, 1.2])
+    ap.add_argument("--no-repeat-ngram-sizes", type=int, nargs="*", default=[],
+                    help="no_repeat_ngram_size settings (each without a penalty)")
     ap.add_argument("--tag", default="cpu")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     args = ap.parse_args(argv)
@@ -41,37 +45,40 @@ def main(argv=None) -> dict:
     prompts = [(set_name(path), ids) for path in DEFAULT_SETS for ids in read_prompts(path, tokenizer)[: args.prompts]]
     model.generate(prompts[0][1], max_new_tokens=16)  # builds and measures what a first call would
     rows = []
-    for penalty in args.penalties:
+    settings = [{"repetition_penalty": p} for p in args.penalties] + \
+        [{"no_repeat_ngram_size": n} for n in args.no_repeat_ngram_sizes]
+    for setting in settings:
+        label = ", ".join(f"{k}={v}" for k, v in setting.items())
         per = []
         for i, (name, ids) in enumerate(prompts):
             runs = {}
             for mode in (["plain", "lookahead"] if i % 2 == 0 else ["lookahead", "plain"]):
                 la = None if mode == "plain" else LookaheadConfig()
-                runs[mode] = model.generate(ids, max_new_tokens=args.max_new_tokens, lookahead=la,
-                                            repetition_penalty=penalty)
+                runs[mode] = model.generate(ids, max_new_tokens=args.max_new_tokens, lookahead=la, **setting)
             if not torch.equal(runs["plain"].sequences, runs["lookahead"].sequences):
-                raise SystemExit(f"penalty {penalty}, {name} prompt {i}: lookahead's output differs from plain's")
+                raise SystemExit(f"{label}, {name} prompt {i}: lookahead's output differs from plain's")
             per.append({"set": name, "compression": runs["lookahead"].stats.compression_ratio,
                         "ratio": runs["lookahead"].stats.tokens_per_second / runs["plain"].stats.tokens_per_second})
-        row = {"penalty": penalty, "compression": statistics.median(r["compression"] for r in per),
+        row = {"setting": label, "penalty": setting.get("repetition_penalty", 1.0),
+               "no_repeat_ngram_size": setting.get("no_repeat_ngram_size", 0), "compression": statistics.median(r["compression"] for r in per),
                "speedup": statistics.median(r["ratio"] for r in per), "identical": len(per), "prompts": len(per)}
         for name in dict.fromkeys(r["set"] for r in per):
             row[f"compression_{name}"] = statistics.mean(r["compression"] for r in per if r["set"] == name)
         rows.append(row)
-        print(f"penalty {penalty}: compression {row['compression']:.2f}, lookahead/plain {row['speedup']:.2f}x",
+        print(f"{label}: compression {row['compression']:.2f}, lookahead/plain {row['speedup']:.2f}x",
               flush=True)
     result = {"machine": machine_info("cpu"), "command": command_line(__file__, argv or sys.argv[1:]),
               "max_new_tokens": args.max_new_tokens, "rows": rows}
     names = [k for k in rows[0] if k.startswith("compression_")]
-    lines = [f"# Lookahead under a repetition penalty ({result['machine']['cpu']})", "",
+    lines = [f"# Lookahead under a repetition penalty or no_repeat_ngram_size ({result['machine']['cpu']})", "",
              f"`{result['command']}` at {result['machine']['git']}: SmolLM2-135M-Instruct, greedy, "
-             f"{args.max_new_tokens} new tokens, automatic lookahead against plain decoding under the same penalty, "
+             f"{args.max_new_tokens} new tokens, automatic lookahead against plain decoding under the same setting, "
              f"{len(prompts)} prompts ({args.prompts} per dev set); every output identical.", "",
-             "| penalty | median compression | " + " | ".join(f"mean compression, {n[12:]}" for n in names)
+             "| setting | median compression | " + " | ".join(f"mean compression, {n[12:]}" for n in names)
              + " | median lookahead/plain tokens/s |",
              "|---|---|" + "---|" * len(names) + "---|"]
     for r in rows:
-        lines.append(f"| {r['penalty']} | {r['compression']:.2f} | "
+        lines.append(f"| {r['setting']} | {r['compression']:.2f} | "
                      + " | ".join(f"{r[n]:.2f}" for n in names) + f" | {r['speedup']:.2f}x |")
     write_results(args.out_dir, f"repetition-{args.tag}", result, "\n".join(lines) + "\n")
     return result
