@@ -383,7 +383,8 @@ def resolve_generate_arguments(input_ids, *, attention_mask=None, max_new_tokens
         raise ValueError(f"generate got unexpected argument(s) {', '.join(unknown)}; it takes input_ids, "
                          f"attention_mask, max_new_tokens, lookahead, do_sample, temperature, top_k, top_p, "
                          f"generator, eos_token_id, pad_token_id, generation_config, streamer, stopping_criteria, "
-                         f"tokenizer, trace, prompt_cache and transformers' GenerationConfig fields")
+                         f"tokenizer, logits_processor, prefix_allowed_tokens_fn, trace, prompt_cache and "
+                         f"transformers' GenerationConfig fields")
     _check_unsupported(extra, "keyword argument")
     explicit = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "temperature": temperature,
                 "top_k": top_k, "top_p": top_p, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id,

@@ -34,6 +34,7 @@ from .config import LookaheadConfig, StepShape
 from .controller import make_plan
 from .draft import DraftBuilder, encode_rows, propose_rows
 from .prompt_cache import PromptCache
+from .custom_processors import make_custom_processors
 from .processors import LogitsProcessors
 from .sequence_rules import bad_words, check_vocabulary
 from .runner import StepRunner, cache_pool, runner_cache
@@ -250,7 +251,8 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
              attention_mask: torch.Tensor | None = None, generation_config=None, streamer=None,
              trace: bool = False, cuda_graphs: bool | None = None, _static_steps: bool | None = None,
              _native_draft: bool | None = None, prompt_cache: PromptCache | None = None,
-             stopping_criteria=None, tokenizer=None, **kwargs) -> GenerateOutput:
+             stopping_criteria=None, tokenizer=None, logits_processor=None, prefix_allowed_tokens_fn=None,
+             **kwargs) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` tokens after each prompt.
 
     ``input_ids``: ``[B, prompt_len]`` (``[prompt_len]`` for one prompt), left-padded rows with an
@@ -271,6 +273,9 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     ``min_new_tokens``/``min_length``, ``suppress_tokens``, ``begin_suppress_tokens``, ``repetition_penalty``,
     ``no_repeat_ngram_size``, ``sequence_bias`` and ``bad_words_ids`` process every row a step chooses or verifies
     from, as transformers' processors do (:mod:`lookahead.processors`).
+    ``logits_processor`` (the caller's processors: callables ``(input_ids, scores) -> scores``, such as a
+    transformers ``LogitsProcessorList``) and ``prefix_allowed_tokens_fn`` run last, on each row with its own
+    sequence (tree nodes too, depth by depth), in the eager loop (:mod:`lookahead.custom_processors`).
     ``stop_strings`` (with ``tokenizer=``), ``stopping_criteria`` (called per row with ``[1, L]`` ids and
     ``scores=None``) and ``max_time`` end a row as transformers ends it (:mod:`lookahead.stopping`).
     ``streamer`` (one prompt only) is a callable called with each step's newly emitted tokens, or an object with
@@ -310,7 +315,10 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
             raise ValueError(f"prompt_cache must be a lookahead.PromptCache or None, got {type(prompt_cache).__name__}")
         if B > 1:
             raise ValueError(f"a prompt_cache follows one sequence but generate got a batch of {B} prompts")
-    graphs, static = _step_path(cuda_graphs, _static_steps, model.device)
+    custom = make_custom_processors(logits_processor, prefix_allowed_tokens_fn, _processor_settings(args),
+                                    cuda_graphs)
+    # the caller's processors are Python: the eager loop runs them
+    graphs, static = _step_path(False if custom is not None else cuda_graphs, _static_steps, model.device)
     if streamer is not None:
         streamer.start(torch.cat([args.padding[0], args.prompts[0]])[None])
     _load_extensions_untimed(lookahead, model.device)
@@ -352,7 +360,7 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     check_vocabulary("bad_words_ids", args.bad_words_ids, cfg.vocab_size)
     processors = LogitsProcessors(cfg.vocab_size, args.repetition_penalty, sorted(eos), args.min_new_tokens,
                                   args.suppress_tokens, args.begin_suppress_tokens, args.no_repeat_ngram_size,
-                                  args.sequence_bias, bad_words(args.bad_words_ids, eos))
+                                  args.sequence_bias, bad_words(args.bad_words_ids, eos), custom)
     sampler = Sampler(do_sample, temperature, top_k, top_p, generator, processors, args.outputs, args.min_p)
     rows = [_Row(_Emitter(p.tolist(), max_new_tokens, eos, streamer,
                           RowStops(criteria, pad.tolist(), p.tolist(), max_new_tokens) if criteria else None,
@@ -491,6 +499,15 @@ def _load_extensions_untimed(lookahead, device: torch.device) -> None:
     except Exception:  # noqa: BLE001 - make_pool reports (or falls back) with the real error
         _POOL_PREBUILD_FAILED.add(cuda)
 
+
+
+def _processor_settings(args) -> set[str]:
+    """The generate arguments in use that make one of transformers' processors."""
+    used = {"repetition_penalty": args.repetition_penalty != 1.0, "no_repeat_ngram_size": args.no_repeat_ngram_size,
+            "bad_words_ids": args.bad_words_ids, "sequence_bias": args.sequence_bias,
+            "min_new_tokens": args.min_new_tokens, "suppress_tokens": args.suppress_tokens,
+            "begin_suppress_tokens": args.begin_suppress_tokens}
+    return {name for name, value in used.items() if value}
 
 
 def _step_path(cuda_graphs, static_steps, device: torch.device) -> tuple[bool, bool]:

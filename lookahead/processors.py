@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from .custom_processors import CustomProcessors
 from .repetition import RepetitionPenalty
 from .sequence_rules import NoRepeatNGram, SequenceBias, TokenHistory
 from .suppression import TokenSuppression
@@ -32,12 +33,14 @@ class LogitsProcessors:
         no_repeat_ngram_size: ban a token that would repeat an n-gram of this size (0: none).
         sequence_bias, bad_words: ``{tuple of ids: bias}`` (:func:`lookahead.sequence_rules.sequence_biases`,
             :func:`~lookahead.sequence_rules.bad_words`), maybe empty.
+        custom: the caller's ``logits_processor`` and ``prefix_allowed_tokens_fn``
+            (:class:`lookahead.custom_processors.CustomProcessors`), last, or ``None``.
         vocab_size: the model's vocabulary.
     """
 
     def __init__(self, vocab_size: int, repetition_penalty: float = 1.0, eos=(), min_new: int = 0,
                  suppress_tokens=(), begin_suppress_tokens=(), no_repeat_ngram_size: int = 0, sequence_bias=None,
-                 bad_words=None):
+                 bad_words=None, custom: CustomProcessors | None = None):
         self.vocab_size = vocab_size
         self.items = []
         self.history = TokenHistory() if no_repeat_ngram_size or sequence_bias or bad_words else None
@@ -52,6 +55,8 @@ class LogitsProcessors:
         eos = [t for t in eos if t < vocab_size]  # an EOS outside the vocabulary is never chosen anyway
         if (min_new > 0 and eos) or suppress_tokens or begin_suppress_tokens:
             self.items.append(TokenSuppression(eos, min_new, suppress_tokens, begin_suppress_tokens))
+        if custom is not None:
+            self.items.append(custom)
 
     def __bool__(self) -> bool:
         return bool(self.items)
