@@ -32,7 +32,7 @@
   transformers' sampling loop; lookahead: ``[1, n]`` per step, as its assisted decoding), and ``end()`` is called
   once generation finishes.
 * Anything else, a ``GenerationConfig`` field or keyword set to a value we would have to ignore (``num_beams=4``,
-  ``typical_p=0.9``, ``output_attentions=True``...) or an unknown keyword, is a ``ValueError`` naming it.
+  ``top_h=0.5``, ``output_attentions=True``...) or an unknown keyword, is a ``ValueError`` naming it.
   Values equal to transformers' defaults (``num_beams=1``, ``typical_p=1.0``...) are accepted.
 """
 
@@ -48,10 +48,11 @@ from .sequence_rules import bad_word_list, check_no_repeat_ngram_size, sequence_
 
 DEFAULT_MAX_NEW_TOKENS = 128
 # GenerationConfig fields generate() implements.
-SUPPORTED_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "max_new_tokens", "max_length",
-                    "eos_token_id", "pad_token_id", "num_return_sequences", "repetition_penalty", "min_new_tokens",
-                    "min_length", "suppress_tokens", "begin_suppress_tokens", "stop_strings", "max_time",
-                    "output_scores", "output_logits", "no_repeat_ngram_size", "sequence_bias", "bad_words_ids")
+SUPPORTED_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
+                    "max_new_tokens", "max_length", "eos_token_id", "pad_token_id", "num_return_sequences",
+                    "repetition_penalty", "min_new_tokens", "min_length", "suppress_tokens", "begin_suppress_tokens",
+                    "stop_strings", "max_time", "output_scores", "output_logits", "no_repeat_ngram_size",
+                    "sequence_bias", "bad_words_ids")
 # Fields accepted with any value: they cannot change a decoder-only model's output given a prompt (use_cache=False
 # only makes transformers recompute every position; we always keep a cache), or (for return_dict_in_generate)
 # generate always returns an object with ``.sequences`` anyway.
@@ -70,8 +71,8 @@ class GenerateArguments:
         padding: per row, LongTensor ``[P_b]``, the stripped left padding as given (``P_b`` may be 0; empty for a
             list of prompts); goes back in front of the output.
         max_new_tokens: resolved int (not yet range-checked against the model).
-        do_sample, temperature, top_k, top_p, min_p: the sampling parameters, unset ones at their defaults
-            (``min_p``: ``None``, off).
+        do_sample, temperature, top_k, top_p, min_p, typical_p, epsilon_cutoff, eta_cutoff: the sampling
+            parameters, unset ones at their defaults (``min_p`` and the last three: ``None``, off).
         repetition_penalty: float > 0 (1.0: none).
         min_new_tokens: int >= 0: no EOS before that many new tokens (``min_length`` resolved into it).
         suppress_tokens, begin_suppress_tokens: lists of ids >= 0 (not yet range-checked), maybe empty.
@@ -95,6 +96,9 @@ class GenerateArguments:
     top_k: object
     top_p: object
     min_p: object
+    typical_p: object
+    epsilon_cutoff: object
+    eta_cutoff: object
     repetition_penalty: float
     min_new_tokens: int
     suppress_tokens: list
@@ -391,7 +395,8 @@ def resolve_generate_arguments(input_ids, *, attention_mask=None, max_new_tokens
                 "max_length": extra.get("max_length"), "num_return_sequences": extra.get("num_return_sequences"),
                 **{k: extra.get(k) for k in ("repetition_penalty", "min_new_tokens", "min_length", "suppress_tokens",
                                              "begin_suppress_tokens", "stop_strings", "max_time", "output_scores",
-                                             "output_logits", "min_p", "no_repeat_ngram_size", "sequence_bias",
+                                             "output_logits", "min_p", "typical_p", "epsilon_cutoff",
+                                             "eta_cutoff", "no_repeat_ngram_size", "sequence_bias",
                                              "bad_words_ids")}}
     values = {}
     for config, origin in ((model_generation_config, "in model.generation_config"),
@@ -459,7 +464,9 @@ def resolve_generate_arguments(input_ids, *, attention_mask=None, max_new_tokens
     return GenerateArguments(
         prompts=prompts, padding=padding, max_new_tokens=max_new,
         do_sample=values["do_sample"], temperature=values["temperature"], top_k=values["top_k"],
-        top_p=values["top_p"], min_p=values.get("min_p"), repetition_penalty=penalty, min_new_tokens=min_new,
+        top_p=values["top_p"], min_p=values.get("min_p"), typical_p=values.get("typical_p"),
+        epsilon_cutoff=values.get("epsilon_cutoff"), eta_cutoff=values.get("eta_cutoff"),
+        repetition_penalty=penalty, min_new_tokens=min_new,
         **suppressed, no_repeat_ngram_size=check_no_repeat_ngram_size(values.get("no_repeat_ngram_size")),
         sequence_bias=sequence_biases(values.get("sequence_bias")),
         bad_words_ids=bad_word_list(values.get("bad_words_ids")),

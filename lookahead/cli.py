@@ -63,6 +63,12 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
                    "generation config's, else 1.0: off)")
     p.add_argument("--min-p", type=float, default=None, help="drop tokens less likely than this fraction of the "
                    "likeliest (default: the model's generation config's, else off)")
+    p.add_argument("--typical-p", type=float, default=None, help="locally typical sampling's mass (default: the "
+                   "model's generation config's, else 1.0: off)")
+    p.add_argument("--epsilon-cutoff", type=float, default=None, help="drop tokens less likely than this (default: "
+                   "the model's generation config's, else off)")
+    p.add_argument("--eta-cutoff", type=float, default=None, help="eta sampling's cutoff (default: the model's "
+                   "generation config's, else off)")
     p.add_argument("--seed", type=int, default=None, help="seed of the sampling generator (default: random)")
     p.add_argument("--repetition-penalty", type=float, default=None,
                    help="transformers' repetition penalty, greedy or sampled (> 1 discourages repeats; default: the "
@@ -169,7 +175,8 @@ def _sampling(args) -> dict:
         processing["no_repeat_ngram_size"] = args.no_repeat_ngram_size
     if args.stop is not None and not all(args.stop):
         raise CliError("--stop needs a non-empty TEXT", status=2)
-    flags = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p}
+    flags = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
+             "typical_p": args.typical_p, "epsilon_cutoff": args.epsilon_cutoff, "eta_cutoff": args.eta_cutoff}
     given = {name: value for name, value in flags.items() if value is not None}
     if not args.do_sample:
         if given:
@@ -182,8 +189,8 @@ def _sampling(args) -> dict:
     try:
         SamplingParams(**{"temperature": 1.0, "top_k": 0, "top_p": 1.0, **given})
     except ValueError as err:
-        raise CliError(str(err).replace("SamplingParams.", "--").replace("top_", "top-").replace("min_", "min-"),
-                       status=2) from None
+        raise CliError(str(err).replace("SamplingParams.", "--").replace("top_", "top-").replace("min_", "min-")
+                       .replace("typical_", "typical-").replace("_cutoff", "-cutoff"), status=2) from None
     return dict(do_sample=True, **given, **processing)
 
 
@@ -191,8 +198,8 @@ def _resolved(model, ids, sampling: dict):
     """The arguments generate resolves for this call (given flags over the model's generation config over
     transformers' defaults): the very resolution the call makes."""
     given = {k: v for k, v in sampling.items() if k != "generator"}
-    extra = {k: given.pop(k) for k in ("repetition_penalty", "min_new_tokens", "min_p", "no_repeat_ngram_size")
-             if k in given}
+    extra = {k: given.pop(k) for k in ("repetition_penalty", "min_new_tokens", "min_p", "typical_p", "epsilon_cutoff",
+                                       "eta_cutoff", "no_repeat_ngram_size") if k in given}
     return resolve_generate_arguments(ids, model_generation_config=model.generation_config, extra=extra, **given)
 
 
@@ -247,8 +254,8 @@ def cmd_generate(args) -> int:
                           "device": str(model.device), "dtype": args.dtype,
                           "sampling": None if not used.do_sample else {
                               "temperature": used.temperature, "top_k": used.top_k, "top_p": used.top_p,
-                              "min_p": used.min_p,
-                              "seed": seed},
+                              "min_p": used.min_p, "typical_p": used.typical_p,
+                              "epsilon_cutoff": used.epsilon_cutoff, "eta_cutoff": used.eta_cutoff, "seed": seed},
                           "repetition_penalty": used.repetition_penalty, "min_new_tokens": used.min_new_tokens,
                           "no_repeat_ngram_size": used.no_repeat_ngram_size,
                           "lookahead": None if la is None else {

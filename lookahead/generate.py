@@ -361,7 +361,8 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     processors = LogitsProcessors(cfg.vocab_size, args.repetition_penalty, sorted(eos), args.min_new_tokens,
                                   args.suppress_tokens, args.begin_suppress_tokens, args.no_repeat_ngram_size,
                                   args.sequence_bias, bad_words(args.bad_words_ids, eos), custom)
-    sampler = Sampler(do_sample, temperature, top_k, top_p, generator, processors, args.outputs, args.min_p)
+    sampler = Sampler(do_sample, temperature, top_k, top_p, generator, processors, args.outputs, args.min_p,
+                      args.typical_p, args.epsilon_cutoff, args.eta_cutoff)
     rows = [_Row(_Emitter(p.tolist(), max_new_tokens, eos, streamer,
                           RowStops(criteria, pad.tolist(), p.tolist(), max_new_tokens) if criteria else None,
                           deadline if deadline.at is not None else None),

@@ -1,11 +1,13 @@
-"""Sampling parameters, logit warping (temperature, top-k, top-p) and row sampling: the CPU path.
+"""Sampling parameters, logit warping (temperature, top-k, top-p, min-p, typical, epsilon and eta cutoffs) and row
+sampling: the CPU path.
 
 ``warp_logits`` turns logits into the probabilities that verification (``verify_tree_sample_reference`` or the
 ``verify_tree_sample`` kernel) and ``sample_rows`` consume. It is plain torch on any device, and it is not fused into
 the GPU's verification kernel (a top-k/top-p over a 128k vocabulary needs a sort or a selection pass of its own). On a
 CPU with the C++ ops built, decoding never calls it: a plain step draws with ``sample_logits`` and a tree step's walk
 warps the rows it reaches (``csrc/sample_warped.cpp``, ``csrc/verify_sample.cpp``); ``warp_logits`` is their
-tests' oracle.
+tests' oracle. The typical, epsilon and eta cutoffs (:attr:`SamplingParams.native` false) are torch only: with them
+the CPU path warps with torch too.
 """
 
 from __future__ import annotations
@@ -36,12 +38,23 @@ class SamplingParams:
             (always at least one token); ``1`` is off.
         min_p: in ``[0, 1]``; then drop the tokens less likely than ``min_p`` times the likeliest (transformers'
             ``MinPLogitsWarper``, after top-p); ``0`` is off.
+        typical_p: in ``(0, 1]``; then keep the tokens whose surprise is closest to the row's entropy, the fewest
+            that hold ``typical_p`` of the mass (transformers' ``TypicalLogitsWarper``, locally typical sampling);
+            ``1`` is off.
+        epsilon_cutoff: in ``[0, 1)``; then drop the tokens less likely than it (transformers'
+            ``EpsilonLogitsWarper``); ``0`` is off.
+        eta_cutoff: in ``[0, 1)``; then drop the tokens less likely than ``min(eta, sqrt(eta) * exp(-entropy))``
+            (transformers' ``EtaLogitsWarper``); ``0`` is off.
+        The cutoffs never drop the likeliest token.
     """
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    typical_p: float = 1.0
+    epsilon_cutoff: float = 0.0
+    eta_cutoff: float = 0.0
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -56,6 +69,18 @@ class SamplingParams:
         m = self.min_p
         if isinstance(m, bool) or not isinstance(m, numbers.Real) or not (0 <= m <= 1):
             raise ValueError(f"SamplingParams.min_p must be a number in [0, 1] (0 = off), got {m!r}")
+        t = self.typical_p
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not (0 < t <= 1):
+            raise ValueError(f"SamplingParams.typical_p must be a number in (0, 1] (1 = off), got {t!r}")
+        for name in ("epsilon_cutoff", "eta_cutoff"):
+            c = getattr(self, name)
+            if isinstance(c, bool) or not isinstance(c, numbers.Real) or not (0 <= c < 1):
+                raise ValueError(f"SamplingParams.{name} must be a number in [0, 1) (0 = off), got {c!r}")
+
+    @property
+    def native(self) -> bool:
+        """Whether the C++ CPU ops implement these parameters (all but the typical, epsilon and eta cutoffs)."""
+        return self.typical_p == 1 and self.epsilon_cutoff == 0 and self.eta_cutoff == 0
 
     @property
     def is_greedy(self) -> bool:
@@ -64,7 +89,8 @@ class SamplingParams:
 
 
 def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities after temperature, top-k, top-p and min-p (in that order, as Hugging Face applies them).
+    """Probabilities after temperature, top-k, top-p, min-p and the typical, epsilon and eta cutoffs (in that
+    order, as Hugging Face applies them).
 
     Args:
         logits: ``[..., V]`` float logits (any float dtype, any device).
@@ -84,6 +110,8 @@ def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         x = logits.float()
         out = torch.zeros_like(x)
         return out.scatter_(-1, x.argmax(-1, keepdim=True), 1.0)
+    if not params.native:
+        return torch.softmax(warp_scores(logits, params), dim=-1)
     probs = torch.softmax(_tempered(logits, params), dim=-1)
     if params.top_p < 1:
         probs = probs * _nucleus(probs, params.top_p)
@@ -107,7 +135,41 @@ def warp_scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         x = x.masked_fill(~_nucleus(torch.softmax(x, dim=-1), params.top_p), float("-inf"))
     if params.min_p > 0:
         x = x.masked_fill(_below_min_p(torch.softmax(x, dim=-1), params.min_p), float("-inf"))
+    if params.typical_p < 1:
+        x = x.masked_fill(_atypical(x, params.typical_p), float("-inf"))
+    for cutoff, entropic in ((params.epsilon_cutoff, False), (params.eta_cutoff, True)):
+        if cutoff > 0:
+            x = x.masked_fill(_below_cutoff(x, cutoff, entropic), float("-inf"))
     return x
+
+
+def _entropy(logp: torch.Tensor) -> torch.Tensor:
+    """``[..., 1]``: the entropy of rows of log-probabilities (removed tokens, ``-inf``, count for nothing)."""
+    return -(logp * logp.exp()).nansum(-1, keepdim=True)
+
+
+def _atypical(x: torch.Tensor, mass: float) -> torch.Tensor:
+    """bool ``[..., V]``: the tokens locally typical sampling removes from scores ``x``. Tokens are ranked by how far
+    their surprise ``-log p`` lies from the row's entropy; the first ones holding ``mass`` of the probability are
+    kept, with every token as close as the last of them (never fewer than one)."""
+    logp = torch.log_softmax(x, dim=-1)
+    distance = (-logp - _entropy(logp)).abs()
+    ranked, order = torch.sort(distance, dim=-1)
+    mass_before = torch.softmax(x.gather(-1, order), dim=-1).cumsum(-1)
+    last = (mass_before < mass).sum(-1, keepdim=True).clamp(max=x.shape[-1] - 1)
+    drop = ranked > ranked.gather(-1, last)
+    drop[..., 0] = False
+    return torch.zeros_like(drop).scatter_(-1, order, drop)
+
+
+def _below_cutoff(x: torch.Tensor, cutoff: float, entropic: bool) -> torch.Tensor:
+    """bool ``[..., V]``: the tokens less likely than ``cutoff`` (epsilon sampling), or with ``entropic`` than
+    ``min(cutoff, sqrt(cutoff) * exp(-entropy))`` (eta sampling); never the likeliest."""
+    logp = torch.log_softmax(x, dim=-1)
+    bound = torch.tensor(cutoff, dtype=x.dtype, device=x.device)
+    if entropic:
+        bound = torch.minimum(bound, math.sqrt(cutoff) * torch.exp(-_entropy(logp)))
+    return (logp.exp() < bound) & (x < x.amax(-1, keepdim=True))
 
 
 def _tempered(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -169,7 +231,7 @@ def sample_logits(logits: torch.Tensor, params: SamplingParams, generator: torch
     target is the uniform times its mass): the same rule up to rounding. Elsewhere (a GPU, whose graph holds this
     step; a CPU without the ops) it is ``sample_rows(warp_logits(...))``."""
     R = logits.shape[0]
-    if logits.device.type == "cpu" and not params.is_greedy and R:
+    if logits.device.type == "cpu" and not params.is_greedy and params.native and R:
         from lookahead_kernels.cpu_ops import cpu_ops_available
 
         if cpu_ops_available(build=False):

@@ -58,7 +58,7 @@ class Sampler:
     seed gives it alone, but each row keeps exactly the model's distribution."""
 
     def __init__(self, do_sample: bool, temperature, top_k, top_p, generator, processors=None, outputs=(),
-                 min_p=None):
+                 min_p=None, typical_p=None, epsilon_cutoff=None, eta_cutoff=None):
         self.params = None
         self.generator = generator
         # a lookahead.processors.LogitsProcessors, or None: applied to the rows a step's tokens are chosen from
@@ -69,7 +69,10 @@ class Sampler:
             from .sampling import SamplingParams  # sampling utilities live beside the verifier's reference
 
             params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
-                                    min_p=0.0 if min_p is None else min_p)
+                                    min_p=0.0 if min_p is None else min_p,
+                                    typical_p=1.0 if typical_p is None else typical_p,
+                                    epsilon_cutoff=0.0 if epsilon_cutoff is None else epsilon_cutoff,
+                                    eta_cutoff=0.0 if eta_cutoff is None else eta_cutoff)
             self.params = None if params.is_greedy else params
 
     @property
@@ -145,7 +148,7 @@ class Sampler:
         else:
             from lookahead_kernels.cpu_ops import cpu_ops_available
 
-            if cpu_ops_available(build=False):  # the walk in C++, warping only the rows it reads
+            if self.params.native and cpu_ops_available(build=False):  # the walk in C++, warping the rows it reads
                 from lookahead_kernels import verify_tree_sample_cpu
 
                 p = self.params

@@ -248,8 +248,8 @@ def test_the_models_generation_config_gives_the_defaults(tiny):
                        run(do_sample=True, temperature=0.7, top_k=3, max_new_tokens=10))
     greedy = fresh_copy(tiny).generate(PROMPT, max_new_tokens=10, lookahead=None).sequences
     assert torch.equal(run(do_sample=False), greedy)
-    model.generation_config.epsilon_cutoff = 3e-4
-    with pytest.raises(ValueError, match=r"epsilon_cutoff=0.0003 \(in model.generation_config\)"):
+    model.generation_config.top_h = 0.4
+    with pytest.raises(ValueError, match=r"top_h=0.4 \(in model.generation_config\)"):
         model.generate(PROMPT, max_new_tokens=2)
     with pytest.raises(ValueError, match="must be a transformers GenerationConfig"):
         model.generation_config = {"max_new_tokens": 3}
@@ -270,11 +270,11 @@ def test_generation_config_json_is_loaded_saved_and_copied(tiny, tmp_path):
     assert written["eos_token_id"] == [3, 4] and written["top_p"] == 0.9
     assert transformers.GenerationConfig.from_pretrained(tmp_path).do_sample is True
     # A checkpoint's field generate cannot honour is left out, with a warning naming it.
-    written["eta_cutoff"] = 4e-4
+    written["top_h"] = 0.3
     (tmp_path / "generation_config.json").write_text(json.dumps(written))
-    with pytest.warns(UserWarning, match=r"sets eta_cutoff=0.0004, which lookahead's generate does not"):
+    with pytest.warns(UserWarning, match=r"sets top_h=0.3, which lookahead's generate does not"):
         loaded = LlamaForCausalLM.from_pretrained(tmp_path)
-    assert loaded.generation_config.eta_cutoff is None and loaded.generation_config.temperature == 0.6
+    assert loaded.generation_config.top_h is None and loaded.generation_config.temperature == 0.6
     assert loaded.generate(PROMPT, max_new_tokens=3, do_sample=False).stats.new_tokens <= 3
     (tmp_path / "generation_config.json").write_text("{not json")
     with pytest.raises(ValueError, match="generation_config.json as a transformers generation config"):
@@ -314,9 +314,9 @@ def test_parameter_counts_as_transformers_gives_them(tiny):
 
 @pytest.mark.parametrize("kwargs,named", [
     (dict(num_beams=4), "num_beams=4"),
-    (dict(typical_p=0.9), "typical_p=0.9"),
+    (dict(top_h=0.5), "top_h=0.5"),
     (dict(output_attentions=True), "output_attentions=True"),
-    (dict(epsilon_cutoff=2e-4), "epsilon_cutoff=0.0002"),
+    (dict(diversity_penalty=0.5), "diversity_penalty=0.5"),
     (dict(generation_config=GenerationConfig(encoder_no_repeat_ngram_size=3)), "encoder_no_repeat_ngram_size=3"),
     (dict(generation_config=GenerationConfig(num_beams=2, length_penalty=0.5)), "length_penalty=0.5"),
     (dict(assistant_model=object()), "assistant_model"),

@@ -61,7 +61,8 @@ def draw(model, prompt, lookahead, params, seed):
     for _ in range(SAMPLES):
         out = model.generate(prompt, max_new_tokens=3, lookahead=lookahead, do_sample=True,
                              temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                             min_p=params.min_p, generator=gen)
+                             min_p=params.min_p, typical_p=params.typical_p, epsilon_cutoff=params.epsilon_cutoff,
+                             eta_cutoff=params.eta_cutoff, generator=gen)
         tokens.append(out.sequences[0, prompt.shape[1]:].tolist())
         accepted.extend(out.stats.accepted)
     return torch.tensor(tokens), accepted
@@ -83,6 +84,8 @@ def fit_pvalue(samples: torch.Tensor, p: torch.Tensor) -> float:
 @pytest.mark.parametrize("params, lookahead", [
     (SamplingParams(temperature=1.0), LookaheadConfig(window=4, ngram=3, guess=4)),
     (SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.2), LookaheadConfig(window=3, ngram=4, guess=3)),
+    # the cutoffs the C++ walk does not know: the torch warp and reference walk, on the CPU too
+    (SamplingParams(temperature=0.9, typical_p=0.8, eta_cutoff=0.02), LookaheadConfig(window=4, ngram=3, guess=4)),
     (SamplingParams(temperature=1.0), None),
 ])
 def test_sampled_tokens_follow_the_models_distribution(model_and_prompt, params, lookahead):
@@ -114,7 +117,8 @@ def test_seeded_sampling_is_reproducible_and_temperature_zero_is_greedy(model_an
 
 @pytest.mark.parametrize("kwargs, word", [({"temperature": -0.5}, "temperature"), ({"top_p": 0.0}, "top_p"),
                                           ({"top_p": 1.5}, "top_p"), ({"top_k": -1}, "top_k"),
-                                          ({"min_p": 1.5}, "min_p"),
+                                          ({"min_p": 1.5}, "min_p"), ({"typical_p": 0.0}, "typical_p"),
+                                          ({"epsilon_cutoff": 1.0}, "epsilon_cutoff"),
                                           ({"generator": 7}, "generator must be a torch.Generator")])
 def test_bad_sampling_arguments_are_rejected(model_and_prompt, kwargs, word):
     model, prompt = model_and_prompt

@@ -762,6 +762,44 @@ def test_warp_matches_hf(temperature, top_k, top_p, min_p):
     torch.testing.assert_close(probs.sum(-1), torch.ones(6))
 
 
+@pytest.mark.parametrize("params", [
+    SamplingParams(typical_p=0.9), SamplingParams(0.7, 0, 1.0, typical_p=0.2), SamplingParams(typical_p=0.999),
+    SamplingParams(epsilon_cutoff=0.003), SamplingParams(1.2, 0, 1.0, epsilon_cutoff=0.2),
+    SamplingParams(eta_cutoff=0.001), SamplingParams(0.8, 0, 1.0, eta_cutoff=0.3),
+    SamplingParams(0.9, 40, 0.95, 0.05, typical_p=0.7, epsilon_cutoff=0.01, eta_cutoff=0.02)],
+    ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}-m{p.min_p}-t{p.typical_p}-e{p.epsilon_cutoff}"
+                  f"-n{p.eta_cutoff}")
+def test_entropy_cutoffs_match_hf(params):
+    """typical_p, epsilon_cutoff and eta_cutoff after the other warpers, as transformers chains them; rows sharp,
+    flat and tied (where removal meets ties, the mask must still be transformers')."""
+    from transformers.generation.logits_process import (EpsilonLogitsWarper, EtaLogitsWarper, MinPLogitsWarper,
+                                                        TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
+                                                        TypicalLogitsWarper)
+
+    from lookahead.sampling import warp_scores
+
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.cat([torch.randn(6, 300, generator=gen) * 4, torch.randn(6, 300, generator=gen) * 0.3,
+                        (torch.randn(4, 300, generator=gen) * 2).round()])
+    scores = TemperatureLogitsWarper(params.temperature)(None, logits.clone())
+    for on, warper in ((params.top_k > 0, lambda: TopKLogitsWarper(params.top_k)),
+                       (params.top_p < 1, lambda: TopPLogitsWarper(params.top_p)),
+                       (params.min_p > 0, lambda: MinPLogitsWarper(params.min_p)),
+                       (params.typical_p < 1, lambda: TypicalLogitsWarper(params.typical_p)),
+                       (params.epsilon_cutoff > 0, lambda: EpsilonLogitsWarper(params.epsilon_cutoff)),
+                       (params.eta_cutoff > 0, lambda: EtaLogitsWarper(params.eta_cutoff, device="cpu"))):
+        if on:
+            scores = warper()(None, scores)
+    ours = warp_scores(logits, params)
+    assert torch.equal(torch.isneginf(ours), torch.isneginf(scores))
+    assert (~torch.isneginf(ours)).sum(-1).min() >= 1 and torch.isneginf(ours).any()
+    torch.testing.assert_close(ours[torch.isfinite(ours)], scores[torch.isfinite(scores)])
+    probs = warp_logits(logits, params)
+    torch.testing.assert_close(probs, torch.softmax(scores, -1))
+    # [..., V] rows: a batch of trees' node rows warp as their flattened rows do
+    assert torch.equal(warp_scores(logits.view(2, 8, 300), params).view(16, 300), ours)
+
+
 @pytest.mark.parametrize("V", [100, 129, 3000])
 @pytest.mark.parametrize("scale", [0.3, 3.0, 12.0])
 @pytest.mark.parametrize("ties", [False, True])
@@ -815,7 +853,8 @@ def test_sample_rows_given_uniforms_draws_what_its_generator_would():
 @pytest.mark.parametrize("params", [SamplingParams(0.7, 0, 0.9), SamplingParams(1.0, 50, 0.95),
                                     SamplingParams(1.3, 0, 0.5), SamplingParams(0.8, 0, 1.0), SamplingParams(1.0, 7, 1.0),
                                     SamplingParams(0.0), SamplingParams(1.0, 0, 1.0, 0.05),
-                                    SamplingParams(0.7, 0, 0.9, 0.3)])
+                                    SamplingParams(0.7, 0, 0.9, 0.3), SamplingParams(0.9, typical_p=0.8),
+                                    SamplingParams(1.0, 0, 0.9, eta_cutoff=0.01)])
 @pytest.mark.parametrize("native", [False, True])
 def test_sample_logits_draws_what_sample_rows_draws_from_the_warped_row(params, native, monkeypatch):
     """``sample_logits`` (a plain step's draw; on the CPU with top-p it reads the nucleus's tokens only) picks the
@@ -866,7 +905,9 @@ def test_sample_warped_never_draws_a_token_without_mass_and_refuses_bad_argument
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(temperature=float("nan")), dict(top_p=0.0),
                                     dict(top_p=1.5), dict(top_k=-1), dict(top_k=2.0), dict(top_k=True),
-                                    dict(temperature="1"), dict(min_p=-0.1), dict(min_p=1.5), dict(min_p="0.1")])
+                                    dict(temperature="1"), dict(min_p=-0.1), dict(min_p=1.5), dict(min_p="0.1"),
+                                    dict(typical_p=0.0), dict(typical_p=1.2), dict(epsilon_cutoff=1.0),
+                                    dict(eta_cutoff=-0.1), dict(eta_cutoff=True)])
 def test_bad_sampling_params(kwargs):
     with pytest.raises(ValueError, match="SamplingParams"):
         SamplingParams(**kwargs)
