@@ -51,24 +51,25 @@ def _add_lookahead_args(p: argparse.ArgumentParser) -> None:
                    help="on CUDA, run each step eagerly instead of replaying captured CUDA graphs (for debugging)")
 
 
+# generate's sampling flags: (flag, type, what it does, its value when neither the call nor the model sets it)
+_SAMPLING_FLAGS = (
+    ("--temperature", float, "sampling temperature", "1.0"),
+    ("--top-k", int, "keep the k most likely tokens, 0: all", "50 as in transformers"),
+    ("--top-p", float, "nucleus sampling mass", "1.0: off"),
+    ("--min-p", float, "drop tokens less likely than this fraction of the likeliest", "off"),
+    ("--typical-p", float, "locally typical sampling's mass", "1.0: off"),
+    ("--epsilon-cutoff", float, "drop tokens less likely than this", "off"),
+    ("--eta-cutoff", float, "eta sampling's cutoff", "off"),
+)
+
+
 def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     """generate's and chat's options: plain or sampled decoding, then the lookahead and model options."""
     p.add_argument("--no-lookahead", action="store_true", help="plain autoregressive decoding")
     p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the model's "
-                   "generation config's, else 1.0)")
-    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens, 0: all (default: "
-                   "the model's generation config's, else 50 as in transformers)")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default: the model's "
-                   "generation config's, else 1.0: off)")
-    p.add_argument("--min-p", type=float, default=None, help="drop tokens less likely than this fraction of the "
-                   "likeliest (default: the model's generation config's, else off)")
-    p.add_argument("--typical-p", type=float, default=None, help="locally typical sampling's mass (default: the "
-                   "model's generation config's, else 1.0: off)")
-    p.add_argument("--epsilon-cutoff", type=float, default=None, help="drop tokens less likely than this (default: "
-                   "the model's generation config's, else off)")
-    p.add_argument("--eta-cutoff", type=float, default=None, help="eta sampling's cutoff (default: the model's "
-                   "generation config's, else off)")
+    for flag, kind, what, unset in _SAMPLING_FLAGS:
+        p.add_argument(flag, type=kind, default=None,
+                       help=f"{what} (default: the model's generation config's, else {unset})")
     p.add_argument("--seed", type=int, default=None, help="seed of the sampling generator (default: random)")
     p.add_argument("--repetition-penalty", type=float, default=None,
                    help="transformers' repetition penalty, greedy or sampled (> 1 discourages repeats; default: the "
@@ -175,8 +176,8 @@ def _sampling(args) -> dict:
         processing["no_repeat_ngram_size"] = args.no_repeat_ngram_size
     if args.stop is not None and not all(args.stop):
         raise CliError("--stop needs a non-empty TEXT", status=2)
-    flags = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
-             "typical_p": args.typical_p, "epsilon_cutoff": args.epsilon_cutoff, "eta_cutoff": args.eta_cutoff}
+    names = [flag[2:].replace("-", "_") for flag, *_ in _SAMPLING_FLAGS]
+    flags = {name: getattr(args, name) for name in names}
     given = {name: value for name, value in flags.items() if value is not None}
     if not args.do_sample:
         if given:

@@ -16,13 +16,12 @@ from lookahead.processors import LogitsProcessors
 from lookahead.sampling import SamplingParams
 from lookahead.sequence_rules import (NoRepeatNGram, SequenceBias, TokenHistory, bad_words, reference_no_repeat,
                                       reference_sequence_bias)
-from lookahead_kernels.tree import TreeShape
 
 from .test_batch import mixed_prompts
 from .test_generate import dev_prompts, smollm2, tiny_hf_model  # noqa: F401 (smollm2: a fixture)
-from .test_repetition import (CONFIGS, SAMPLED_VOCAB, path_of, processed_marginals, random_tree,  # noqa: F401
+from .test_repetition import (CONFIGS, SAMPLED_VOCAB, path_of, processed_marginals,  # noqa: F401
                               sample_and_fit, tiny)  # (tiny: a fixture)
-from .test_suppression import hf_generate
+from .test_suppression import batch_rows_decode_alone, hf_generate, padded_trees
 
 
 def _zeros(name, shape, dtype):
@@ -81,10 +80,7 @@ def test_tree_rows_follow_their_own_sequence(seed, replayed, kind):
     for step in range(3):
         logits = torch.randn(B, N + padding, V)
         tokens = torch.randint(0, V, (B, N + padding))
-        trees = [random_tree(N, rng) for _ in range(B)]
-        end = torch.tensor([e + [N + k + 1 for k in range(padding)] for _, e in trees])
-        depth = torch.stack([torch.cat([TreeShape.from_parents(p).depth, torch.ones(padding, dtype=torch.long)])
-                             for p, _ in trees])
+        trees, end, depth = padded_trees(B, N, padding, rng)
         got = rule.tree(logits, tokens, end, depth)
         rows = rule.rows(logits[:, 0])
         for b, (parents, _) in enumerate(trees):
@@ -174,18 +170,8 @@ def test_greedy_output_is_transformers_own_in_a_small_vocabulary(n):
 def test_each_row_of_a_batch_keeps_its_own_sequence(tiny, static):
     """Rows of different lengths, stopping apart at an EOS: each bans its own repeats, as it would alone."""
     hf, model = tiny
-    prompts = mixed_prompts()
-    eos = int(hf_generate(hf, prompts[0][None], 8, no_repeat_ngram_size=2)[0, -1])
-    alone = [hf_generate(hf, p[None], 24, eos_token_id=eos, no_repeat_ngram_size=2)[0, len(p):].tolist()
-             for p in prompts]
-    assert any(eos in ref for ref in alone) and not all(eos in ref for ref in alone), "rows should stop apart"
-    kwargs = dict(cuda_graphs=False, _static_steps=True) if static else {}
-    L = max(len(p) for p in prompts)
-    for la in (None, CONFIGS[1], CONFIGS[3]):
-        out = model.generate(prompts, max_new_tokens=24, lookahead=la, no_repeat_ngram_size=2, eos_token_id=eos,
-                             pad_token_id=0, **kwargs)
-        for b, ref in enumerate(alone):
-            assert out.sequences[b, L: L + len(ref)].tolist() == ref, (la, b)
+    eos = int(hf_generate(hf, mixed_prompts()[0][None], 8, no_repeat_ngram_size=2)[0, -1])
+    batch_rows_decode_alone(hf, model, eos, static, no_repeat_ngram_size=2)
 
 
 def test_smollm2_dev_prompts_without_repeated_trigrams(smollm2):  # noqa: F811

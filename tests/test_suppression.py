@@ -25,6 +25,16 @@ def _zeros(name, shape, dtype):
     return torch.zeros(shape, dtype=dtype)
 
 
+def padded_trees(B: int, N: int, padding: int, rng: random.Random):
+    """``B`` random trees of ``N`` nodes then ``padding`` padding nodes: ``(trees, end [B, N + padding], depth)``,
+    each tree as ``(parents, end)``, the depths as the tree's encoding gives them (padding: leaves at depth 1)."""
+    trees = [random_tree(N, rng) for _ in range(B)]
+    end = torch.tensor([e + [N + k + 1 for k in range(padding)] for _, e in trees])
+    depth = torch.stack([torch.cat([TreeShape.from_parents(parents).depth, torch.ones(padding, dtype=torch.long)])
+                         for parents, _ in trees])
+    return trees, end, depth
+
+
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("replayed", [False, True])
 def test_tree_rows_are_suppressed_for_their_depth(seed, replayed):
@@ -37,11 +47,7 @@ def test_tree_rows_are_suppressed_for_their_depth(seed, replayed):
     counts = [rng.randint(0, 5) for _ in range(B)]
     suppression = TokenSuppression(kinds["eos"], kinds["min_new"], kinds["always"], kinds["at_start"])
     suppression.start(_zeros, [[]] * B, counts, replayed)
-    trees = [random_tree(N, rng) for _ in range(B)]
-    end = torch.tensor([e + [N + k + 1 for k in range(padding)] for _, e in trees])
-    # the step's depths, as the tree's encoding gives them (padding: leaves at depth 1)
-    depth = torch.stack([torch.cat([TreeShape.from_parents(parents).depth, torch.ones(padding, dtype=torch.long)])
-                         for parents, _ in trees])
+    trees, end, depth = padded_trees(B, N, padding, rng)
     got = suppression.tree(logits, tokens, end, depth)
     rows = suppression.rows(logits[:, 0])
     for b, (parents, _) in enumerate(trees):
@@ -113,16 +119,20 @@ def test_greedy_output_is_transformers_own(tiny, kind):
 def test_each_row_of_a_batch_counts_its_own_tokens(tiny, static):
     """Rows of different prompt lengths stop apart; each suppresses the EOS until its own 10th new token."""
     hf, model = tiny
+    batch_rows_decode_alone(hf, model, early_token(hf, mixed_prompts()[0][None], 2), static, min_new_tokens=10)
+
+
+def batch_rows_decode_alone(hf, model, eos: int, static: bool, **processing) -> None:
+    """Each row of a batch of mixed prompts, under ``processing`` and stopping at ``eos`` apart from the others,
+    equals transformers' output for its prompt alone (plain and lookahead; the static-step loop with ``static``)."""
     prompts = mixed_prompts()
-    eos = early_token(hf, prompts[0][None], 2)
-    alone = [hf_generate(hf, p[None], 24, eos_token_id=eos, min_new_tokens=10)[0, len(p):].tolist()
-             for p in prompts]
+    alone = [hf_generate(hf, p[None], 24, eos_token_id=eos, **processing)[0, len(p):].tolist() for p in prompts]
     assert any(eos in ref for ref in alone) and not all(eos in ref for ref in alone), "rows should stop apart"
     kwargs = dict(cuda_graphs=False, _static_steps=True) if static else {}
     L = max(len(p) for p in prompts)
     for la in (None, CONFIGS[1], CONFIGS[3]):
-        out = model.generate(prompts, max_new_tokens=24, lookahead=la, min_new_tokens=10, eos_token_id=eos,
-                             pad_token_id=0, **kwargs)
+        out = model.generate(prompts, max_new_tokens=24, lookahead=la, eos_token_id=eos, pad_token_id=0,
+                             **processing, **kwargs)
         for b, ref in enumerate(alone):
             assert out.sequences[b, L: L + len(ref)].tolist() == ref, (la, b)
 
