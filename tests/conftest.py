@@ -51,6 +51,17 @@ def smollm2_transformers():
                                                              dtype=torch.float32).eval()
 
 
+@pytest.fixture(scope="session")
+def smollm2(smollm2_transformers):
+    """``(transformers' model, ours from it, the tokenizer)``: SmolLM2 for the tests that compare decoding with
+    transformers on the dev prompts, built once for the session (about 19 s a build; the tests only decode)."""
+    from lookahead import LlamaForCausalLM
+    from lookahead.loading import default_gguf_path, load_tokenizer
+
+    hf = smollm2_transformers
+    return hf, LlamaForCausalLM.from_hf(hf), load_tokenizer(default_gguf_path())
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
     config.addinivalue_line("markers", "slow: long-running end-to-end test")

@@ -252,14 +252,6 @@ def test_bad_lengths_and_options_are_rejected(tiny):
 
 
 # ---- the embedded default model on the dev prompt sets --------------------------------------------------------
-@pytest.fixture(scope="module")
-def smollm2(smollm2_transformers):
-    from lookahead.loading import default_gguf_path, load_tokenizer
-
-    hf = smollm2_transformers
-    return hf, LlamaForCausalLM.from_hf(hf), load_tokenizer(default_gguf_path())
-
-
 def dev_prompts(tok, name, count):
     from lookahead.cli import read_prompts
 

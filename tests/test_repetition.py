@@ -12,7 +12,7 @@ from lookahead.sampling import SamplingParams, warp_logits
 from lookahead_kernels import StepLayout
 
 from .test_batch import mixed_prompts
-from .test_generate import dev_prompts, hf_greedy, smollm2, tiny_hf_model  # noqa: F401 (smollm2: a fixture)
+from .test_generate import dev_prompts, hf_greedy, tiny_hf_model
 from .test_sampling_e2e import fit_pvalue
 
 
@@ -121,7 +121,7 @@ def test_each_row_of_a_batch_keeps_its_own_context(tiny, static):
             assert out.sequences[b, L: L + len(ref)].tolist() == ref, (la, b)
 
 
-def test_smollm2_dev_prompts_under_a_penalty(smollm2):  # noqa: F811
+def test_smollm2_dev_prompts_under_a_penalty(smollm2):
     hf, ours, tok = smollm2
     for name in ("mt_bench_dev.jsonl", "humaneval_dev.jsonl"):
         for ids in dev_prompts(tok, name, 2):

@@ -18,7 +18,7 @@ from lookahead.sequence_rules import (NoRepeatNGram, SequenceBias, TokenHistory,
                                       reference_sequence_bias)
 
 from .test_batch import mixed_prompts
-from .test_generate import dev_prompts, smollm2, tiny_hf_model  # noqa: F401 (smollm2: a fixture)
+from .test_generate import dev_prompts, tiny_hf_model
 from .test_repetition import (CONFIGS, SAMPLED_VOCAB, path_of, processed_marginals,  # noqa: F401
                               sample_and_fit, tiny)  # (tiny: a fixture)
 from .test_suppression import batch_rows_decode_alone, hf_generate, padded_trees
@@ -174,7 +174,7 @@ def test_each_row_of_a_batch_keeps_its_own_sequence(tiny, static):
     batch_rows_decode_alone(hf, model, eos, static, no_repeat_ngram_size=2)
 
 
-def test_smollm2_dev_prompts_without_repeated_trigrams(smollm2):  # noqa: F811
+def test_smollm2_dev_prompts_without_repeated_trigrams(smollm2):
     hf, ours, tok = smollm2
     changed = 0
     for name in ("mt_bench_dev.jsonl", "humaneval_dev.jsonl"):

@@ -8,7 +8,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from lookahead import LlamaForCausalLM, LookaheadConfig
 
 from .test_batch import mixed_prompts
-from .test_generate import dev_prompts, smollm2, tiny_hf_model  # noqa: F401 (smollm2: a fixture)
+from .test_generate import dev_prompts, tiny_hf_model
 
 CONFIGS = [None, LookaheadConfig(window=4, ngram=3, guess=4), LookaheadConfig(),
            LookaheadConfig(max_step_tokens=16, sources=("pool",))]
@@ -86,7 +86,7 @@ def test_rows_of_a_left_padded_batch_stop_apart(tiny, static):
         assert all(s.shape[0] == 1 for s in criterion.seen) and any(s.shape[1] == L + 1 for s in criterion.seen)
 
 
-def test_stop_strings_match_transformers_on_smollm2(smollm2):  # noqa: F811
+def test_stop_strings_match_transformers_on_smollm2(smollm2):
     """transformers' own StopStringCriteria: a stop string across token boundaries, or overhanging the last token
     ("return" stops at "returns"), ends the answer where transformers' generate ends it."""
     hf, ours, tok = smollm2

@@ -16,7 +16,7 @@ from lookahead_kernels import StepLayout
 from lookahead_kernels.tree import TreeShape
 
 from .test_batch import mixed_prompts
-from .test_generate import smollm2, tiny_hf_model  # noqa: F401 (smollm2: a fixture)
+from .test_generate import tiny_hf_model
 from .test_repetition import (CONFIGS, SAMPLED_VOCAB, path_of, processed_marginals, random_tree,  # noqa: F401
                               sample_and_fit, tiny)  # (tiny: a fixture)
 
@@ -137,7 +137,7 @@ def batch_rows_decode_alone(hf, model, eos: int, static: bool, **processing) -> 
             assert out.sequences[b, L: L + len(ref)].tolist() == ref, (la, b)
 
 
-def test_smollm2_short_answers_held_past_their_end(smollm2):  # noqa: F811
+def test_smollm2_short_answers_held_past_their_end(smollm2):
     """The real model's own EOS ends these answers at their 12th token; held off until then, the answer goes on
     (the EOS's row is a tree node where a step accepts the answer's last words)."""
     hf, ours, tok = smollm2

@@ -1042,3 +1042,21 @@ def test_sampler_verifies_a_cpu_tree_the_same_with_or_without_the_cpp_walk(param
     native = sampler.verify_tree(x, nodes, tokens, end, n, depth, uniforms=u)
     monkeypatch.setattr(cpu_ops, "cpu_ops_available", lambda build=True: False)
     assert_same(sampler.verify_tree(x, nodes.nan_to_num(0.0), tokens, end, n, depth, uniforms=u), native)
+
+
+def test_sampler_walks_a_cpu_tree_with_torch_under_the_entropy_cutoffs():
+    """The C++ walk does not know typical_p or the epsilon and eta cutoffs: with them, ``Sampler.verify_tree`` takes
+    the torch warp and reference walk even where the C++ ops are built."""
+    from lookahead.verification import Sampler
+
+    sampler = Sampler(True, 0.9, 0, 1.0, torch.Generator().manual_seed(0), typical_p=0.8, eta_cutoff=0.02)
+    params = sampler.params
+    assert not params.native
+    gen = torch.Generator().manual_seed(8)
+    B, vocab = 4, 300
+    x, nodes, tokens, end, n, depth = sample_tree_case(B, 9, vocab, "bushy", gen, pad=True)
+    x, nodes = (x.log() * 3).float(), (nodes.log() * 3).float().nan_to_num(0.0)
+    u = draw_tree_uniforms(B, tokens.shape[1], generator=gen)
+    want = verify_tree_sample_reference(warp_logits(x, params), warp_logits(nodes, params), tokens, end, n, depth,
+                                        uniforms=u)
+    assert_same(sampler.verify_tree(x, nodes, tokens, end, n, depth, uniforms=u), want)
