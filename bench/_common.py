@@ -21,16 +21,28 @@ DATA = os.path.join(ROOT, "..", "shared", "data")
 DEFAULT_SETS = [os.path.join(DATA, "mt_bench_dev.jsonl"), os.path.join(DATA, "humaneval_dev.jsonl")]
 
 
-def add_prompt_set_args(ap, prompts: int, max_new_tokens: int) -> None:
-    """The options of a bench that decodes the first ``--prompts`` prompts of each of ``--sets`` on the CPU and
-    writes ``<out-dir>/<name>-<tag>.*``, or only re-renders a results file (``--render``)."""
+def add_run_args(ap, prompts: int, max_new_tokens: int) -> None:
+    """The options of a bench that decodes the first ``--prompts`` prompts of each of ``--sets`` on the CPU with
+    ``--threads`` and writes ``<out-dir>/<name>-<tag>.*``."""
     ap.add_argument("--sets", nargs="+", default=DEFAULT_SETS)
     ap.add_argument("--prompts", type=int, default=prompts, help="first N prompts of each set")
     ap.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tag", default="cpu")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+
+
+def add_prompt_set_args(ap, prompts: int, max_new_tokens: int) -> None:
+    """:func:`add_run_args`, and ``--render``: only re-render a results file."""
+    add_run_args(ap, prompts, max_new_tokens)
     ap.add_argument("--render", metavar="JSON", help="only re-write the markdown (and plot) of a results file")
+
+
+def first_prompts(sets: list[str], tokenizer, count: int) -> list[tuple[str, object]]:
+    """``(set name, ids [1, L])`` for the first ``count`` prompts of each set (chat template applied)."""
+    from lookahead.cli import read_prompts
+
+    return [(set_name(path), ids) for path in sets for ids in read_prompts(path, tokenizer)[:count]]
 
 
 def set_name(path: str) -> str:

@@ -24,23 +24,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from _common import DEFAULT_SETS, command_line, machine_info, write_results  # noqa: E402
+from _common import add_run_args, command_line, first_prompts, machine_info, write_results  # noqa: E402
 
 from lookahead import LookaheadConfig, load_default  # noqa: E402
-from lookahead.cli import read_prompts  # noqa: E402
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=2, help="prompts of each dev set")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    add_run_args(ap, prompts=2, max_new_tokens=64)
     ap.add_argument("--typical-p", type=float, default=0.9)
-    ap.add_argument("--tag", default="cpu")
-    ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     args = ap.parse_args(argv)
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     model, tokenizer = load_default()
-    prompts = [ids for path in DEFAULT_SETS for ids in read_prompts(path, tokenizer)[: args.prompts]]
+    prompts = [ids for _, ids in first_prompts(args.sets, tokenizer, args.prompts)]
     model.generate(prompts[0], max_new_tokens=16)  # builds and measures what a first call would
     rows = []
     for setting in ({}, {"typical_p": args.typical_p}):

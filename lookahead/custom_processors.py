@@ -113,10 +113,10 @@ class CustomProcessors:
                               and (parents[i] < 0 or reachable[parents[i]])]
                 if not candidates:
                     break
-                # each candidate's token in its parent's processed row (row 0: x's), read back at once
-                parent_rows = torch.cat([self.x_rows[b][None], out[b]])
-                scores = parent_rows[torch.tensor([parents[i] + 1 for i in candidates], device=out.device),
-                                     torch.tensor([host_tokens[b][i] for i in candidates], device=out.device)]
+                # each candidate's token in its parent's processed row (x's where it has none), read back at once
+                parent = torch.tensor([parents[i] for i in candidates], device=out.device)
+                token = torch.tensor([host_tokens[b][i] for i in candidates], device=out.device)
+                scores = torch.where(parent < 0, self.x_rows[b, token], out[b, parent.clamp(min=0), token])
                 group = [i for i, s in zip(candidates, scores.tolist()) if s != NEG_INF]
                 if not group:
                     break

@@ -32,12 +32,12 @@ from lookahead_kernels import StepLayout
 from .arguments import resolve_generate_arguments
 from .config import LookaheadConfig, StepShape
 from .controller import make_plan
-from .draft import DraftBuilder, encode_rows, propose_rows
-from .prompt_cache import PromptCache
 from .custom_processors import make_custom_processors
+from .draft import DraftBuilder, encode_rows, propose_rows
 from .processors import LogitsProcessors
-from .sequence_rules import bad_words, check_vocabulary
+from .prompt_cache import PromptCache
 from .runner import StepRunner, cache_pool, runner_cache
+from .sequence_rules import bad_words, check_vocabulary
 from .step import build_step, upload
 from .stopping import Deadline, RowStops, make_criteria
 from .successors import SuccessorTable, record_step
@@ -352,12 +352,10 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     eos = _eos_set(model, eos_token_id)
     criteria = make_criteria(stopping_criteria, args.stop_strings, tokenizer)
     deadline = Deadline(args.max_time, called)
-    for name in ("suppress_tokens", "begin_suppress_tokens"):
-        ids = getattr(args, name)
-        if any(t >= cfg.vocab_size for t in ids):
-            raise ValueError(f"{name} must hold token ids in [0, {cfg.vocab_size}), got {ids!r}")
-    check_vocabulary("sequence_bias", args.sequence_bias, cfg.vocab_size)
-    check_vocabulary("bad_words_ids", args.bad_words_ids, cfg.vocab_size)
+    for name, sequences in (("suppress_tokens", [args.suppress_tokens]),
+                            ("begin_suppress_tokens", [args.begin_suppress_tokens]),
+                            ("sequence_bias", args.sequence_bias), ("bad_words_ids", args.bad_words_ids)):
+        check_vocabulary(name, sequences, cfg.vocab_size)
     processors = LogitsProcessors(cfg.vocab_size, args.repetition_penalty, sorted(eos), args.min_new_tokens,
                                   args.suppress_tokens, args.begin_suppress_tokens, args.no_repeat_ngram_size,
                                   args.sequence_bias, bad_words(args.bad_words_ids, eos), custom)

@@ -312,6 +312,7 @@ def bad_words(words: list[tuple], eos) -> dict:
 
 
 def check_vocabulary(name: str, sequences, vocab_size: int) -> None:
+    """``ValueError`` naming ``name`` unless every id of ``sequences`` (token id lists) is below ``vocab_size``."""
     bad = sorted({t for s in sequences for t in s if t >= vocab_size})
     if bad:
         raise ValueError(f"{name} must hold token ids in [0, {vocab_size}), got {bad}")
