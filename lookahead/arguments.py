@@ -16,15 +16,21 @@
   (greedy; when sampling, temperature 1, top-k 50, top-p 1, no repetition penalty) and ours for the length (128
   new tokens); the EOS is the model's.
 * ``repetition_penalty`` as transformers applies it (before temperature, top-k and top-p), to every row a step
-  chooses or verifies a token from, each with its own context (:mod:`lookahead.repetition`); so are
-  ``min_new_tokens`` and ``min_length`` (no EOS before that many new tokens, or that total length counting the
-  padded prompt; ``min_new_tokens`` wins where both are set), ``suppress_tokens`` and ``begin_suppress_tokens``
-  (:mod:`lookahead.suppression`); and ``no_repeat_ngram_size``, ``sequence_bias`` and ``bad_words_ids``, each
-  row's and tree node's against its own sequence (:mod:`lookahead.sequence_rules`).
+  chooses or verifies a token from, each with its own context, and ``encoder_repetition_penalty`` with its prompt
+  (:mod:`lookahead.repetition`); so are ``min_new_tokens`` and ``min_length`` (no EOS before that many new
+  tokens, or that total length counting the padded prompt; ``min_new_tokens`` wins where both are set),
+  ``forced_bos_token_id``, ``forced_eos_token_id``, ``remove_invalid_values``,
+  ``exponential_decay_length_penalty``, ``suppress_tokens`` and ``begin_suppress_tokens``
+  (:mod:`lookahead.length_rules`); and ``no_repeat_ngram_size``, ``encoder_no_repeat_ngram_size``,
+  ``sequence_bias`` and ``bad_words_ids``, each row's and tree node's against its own sequence
+  (:mod:`lookahead.sequence_rules`).
 * ``stop_strings`` (with ``tokenizer=``), ``stopping_criteria`` and ``max_time`` end a row as transformers ends it
   (:mod:`lookahead.stopping`).
 * ``output_scores`` and ``output_logits`` return, for each new token, the row it was chosen from (processed and
-  warped as transformers reports it, or raw), whether the token came from a plain step or a verified tree node.
+  warped as transformers reports it, log-softmaxed with ``renormalize_logits``, or raw), whether the token came from
+  a plain step or a verified tree node.
+* Fields that choose how transformers computes, not what (``OUTPUT_NEUTRAL_FIELDS``: ``cache_implementation="static"``,
+  ``prompt_lookup_num_tokens``...) are accepted; our own cache, steps and drafts serve them.
 * ``num_return_sequences=n`` (sampling only) draws ``n`` sequences per prompt, as rows ``b * n .. b * n + n - 1``.
 * A streamer is a plain callable (called with each step's new token ids, a ``list[int]``) or an object with
   ``put``/``end`` (transformers' ``TextStreamer``, ``TextIteratorStreamer``): ``put`` receives the prompt first
@@ -32,13 +38,14 @@
   transformers' sampling loop; lookahead: ``[1, n]`` per step, as its assisted decoding), and ``end()`` is called
   once generation finishes.
 * Anything else, a ``GenerationConfig`` field or keyword set to a value we would have to ignore (``num_beams=4``,
-  ``top_h=0.5``, ``output_attentions=True``...) or an unknown keyword, is a ``ValueError`` naming it.
+  ``guidance_scale=1.5``, ``output_attentions=True``...) or an unknown keyword, is a ``ValueError`` naming it.
   Values equal to transformers' defaults (``num_beams=1``, ``typical_p=1.0``...) are accepted.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from collections.abc import Mapping
 
@@ -52,7 +59,16 @@ SUPPORTED_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "typi
                     "max_new_tokens", "max_length", "eos_token_id", "pad_token_id", "num_return_sequences",
                     "repetition_penalty", "min_new_tokens", "min_length", "suppress_tokens", "begin_suppress_tokens",
                     "stop_strings", "max_time", "output_scores", "output_logits", "no_repeat_ngram_size",
-                    "sequence_bias", "bad_words_ids")
+                    "sequence_bias", "bad_words_ids", "encoder_repetition_penalty", "encoder_no_repeat_ngram_size",
+                    "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
+                    "exponential_decay_length_penalty", "renormalize_logits", "top_h")
+# Fields that choose how transformers computes, never what it outputs: accepted, our own cache, steps and drafts
+# serve them (prompt lookup's n-gram drafts are among lookahead's own guesses). ``cache_implementation`` only at
+# the values that keep the output exact (a quantized cache changes it); ``None``: any value.
+OUTPUT_NEUTRAL_FIELDS = {"cache_implementation": ("dynamic", "static", "offloaded", "offloaded_static"),
+                         "compile_config": None, "disable_compile": None, "prefill_chunk_size": None,
+                         "max_cache_len": None, "low_memory": None, "prompt_lookup_num_tokens": None,
+                         "max_matching_ngram_size": None}
 # Fields accepted with any value: they cannot change a decoder-only model's output given a prompt (use_cache=False
 # only makes transformers recompute every position; we always keep a cache), or (for return_dict_in_generate)
 # generate always returns an object with ``.sequences`` anyway.
@@ -79,6 +95,14 @@ class GenerateArguments:
         no_repeat_ngram_size: int >= 0 (0: none).
         sequence_bias: ``{tuple of ids: bias}`` in transformers' order, maybe empty (ids not yet range-checked).
         bad_words_ids: list of tuples of ids, maybe empty (not yet range-checked; the EOS not yet dropped).
+        prompt_penalty: ``encoder_repetition_penalty``, float > 0 (1.0: none).
+        prompt_ngram_size: ``encoder_no_repeat_ngram_size``, int >= 0 (0: none).
+        forced_bos_token_id: int or ``None``; forced_eos_token_id: list of ids, maybe empty (not yet
+            range-checked).
+        remove_invalid_values, renormalize_logits: bools.
+        decay: ``exponential_decay_length_penalty`` as ``(int start, float factor)``, or ``None``.
+        top_h: in ``(0, 1]``, or ``None`` (off).
+        padded_length: the prompt's length as transformers counts it (a batch's longest, padding included).
         stop_strings: a string, a list of them, or ``None`` (checked by :func:`lookahead.stopping.make_criteria`).
         max_time: seconds, or ``None`` (checked by :class:`lookahead.stopping.Deadline`).
         outputs: which rows of each new token's choice to return: ``"scores"`` (``output_scores``), ``"logits"``
@@ -106,6 +130,15 @@ class GenerateArguments:
     no_repeat_ngram_size: int
     sequence_bias: dict
     bad_words_ids: list
+    prompt_penalty: float
+    prompt_ngram_size: int
+    forced_bos_token_id: object
+    forced_eos_token_id: list
+    remove_invalid_values: bool
+    decay: object
+    renormalize_logits: bool
+    top_h: object
+    padded_length: int
     stop_strings: object
     max_time: object
     outputs: tuple
@@ -213,6 +246,12 @@ def unsupported_fields(fields: dict) -> list[str]:
             continue
         if name in defaults and _same(value, defaults[name]):
             continue
+        if name in OUTPUT_NEUTRAL_FIELDS:
+            allowed = OUTPUT_NEUTRAL_FIELDS[name]
+            if allowed is None or value in allowed:
+                continue
+            bad.append(f"{name}={value!r} (only {', '.join(map(repr, allowed))} keep the output exact)")
+            continue
         bad.append(f"{name}={value!r}")
     return bad
 
@@ -274,11 +313,44 @@ def check_ids_dtype(t: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} must hold integer token ids, got dtype {t.dtype}")
 
 
-def check_repetition_penalty(penalty) -> float:
-    """``penalty`` as a float; ``ValueError`` unless it is a finite number > 0."""
+def check_repetition_penalty(penalty, name: str = "repetition_penalty") -> float:
+    """``penalty`` as a float; ``ValueError`` (naming the argument ``name``) unless it is a finite number > 0."""
     if isinstance(penalty, bool) or not isinstance(penalty, numbers.Real) or not 0 < penalty < float("inf"):
-        raise ValueError(f"repetition_penalty must be a number > 0 (1.0: none), got {penalty!r}")
+        raise ValueError(f"{name} must be a number > 0 (1.0: none), got {penalty!r}")
     return float(penalty)
+
+
+def _optional_int(value):
+    return None if value is None else int(value.item() if isinstance(value, torch.Tensor) else value)
+
+
+def _id_list(value) -> list[int]:
+    """An id or a list of them (already checked) as a list."""
+    if value is None:
+        return []
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def _decay(value):
+    """``exponential_decay_length_penalty`` as ``(start, factor)``, or ``None``."""
+    if value is None:
+        return None
+    if (not isinstance(value, (list, tuple)) or len(value) != 2 or isinstance(value[0], bool)
+            or not isinstance(value[0], numbers.Integral) or isinstance(value[1], bool)
+            or not isinstance(value[1], numbers.Real) or not math.isfinite(value[1])):
+        raise ValueError(f"exponential_decay_length_penalty must be (start_index, decay_factor): an int and a "
+                         f"finite number, got {value!r}")
+    return int(value[0]), float(value[1])
+
+
+def _top_h(value):
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value <= 1:
+        raise ValueError(f"top_h must be a number in (0, 1] (None: off), got {value!r}")
+    return float(value)
 
 
 def _min_new_tokens(min_new_tokens, min_length, given_len: int) -> int:
@@ -397,7 +469,11 @@ def resolve_generate_arguments(input_ids, *, attention_mask=None, max_new_tokens
                                              "begin_suppress_tokens", "stop_strings", "max_time", "output_scores",
                                              "output_logits", "min_p", "typical_p", "epsilon_cutoff",
                                              "eta_cutoff", "no_repeat_ngram_size", "sequence_bias",
-                                             "bad_words_ids")}}
+                                             "bad_words_ids", "encoder_repetition_penalty",
+                                             "encoder_no_repeat_ngram_size", "forced_bos_token_id",
+                                             "forced_eos_token_id", "remove_invalid_values",
+                                             "exponential_decay_length_penalty", "renormalize_logits",
+                                             "top_h")}}
     values = {}
     for config, origin in ((model_generation_config, "in model.generation_config"),
                            (generation_config, "in generation_config")):  # later ones override
@@ -445,6 +521,12 @@ def resolve_generate_arguments(input_ids, *, attention_mask=None, max_new_tokens
     penalty = check_repetition_penalty(values["repetition_penalty"])
     min_new = _min_new_tokens(values.get("min_new_tokens"), values.get("min_length"), given_len)
     suppressed = {name: _token_list(name, values.get(name)) for name in ("suppress_tokens", "begin_suppress_tokens")}
+    flags = {}
+    for name in ("remove_invalid_values", "renormalize_logits"):
+        flag = values.get(name)
+        if flag is not None and not isinstance(flag, bool):
+            raise ValueError(f"{name} must be a bool, got {flag!r}")
+        flags[name] = bool(flag)
     outputs = []
     for name, kept in (("output_scores", "scores"), ("output_logits", "logits")):
         flag = values.get(name)
@@ -455,6 +537,8 @@ def resolve_generate_arguments(input_ids, *, attention_mask=None, max_new_tokens
 
     _check_token_id("eos_token_id", values.get("eos_token_id"), allow_list=True)
     _check_token_id("pad_token_id", values.get("pad_token_id"), allow_list=False)
+    _check_token_id("forced_bos_token_id", values.get("forced_bos_token_id"), allow_list=False)
+    _check_token_id("forced_eos_token_id", values.get("forced_eos_token_id"), allow_list=True)
     eos = values.get("eos_token_id")
     if isinstance(eos, torch.Tensor):
         eos = eos.tolist()
@@ -470,6 +554,14 @@ def resolve_generate_arguments(input_ids, *, attention_mask=None, max_new_tokens
         **suppressed, no_repeat_ngram_size=check_no_repeat_ngram_size(values.get("no_repeat_ngram_size")),
         sequence_bias=sequence_biases(values.get("sequence_bias")),
         bad_words_ids=bad_word_list(values.get("bad_words_ids")),
+        prompt_penalty=check_repetition_penalty(values.get("encoder_repetition_penalty", 1.0),
+                                                "encoder_repetition_penalty"),
+        prompt_ngram_size=check_no_repeat_ngram_size(values.get("encoder_no_repeat_ngram_size"),
+                                                     "encoder_no_repeat_ngram_size"),
+        forced_bos_token_id=_optional_int(values.get("forced_bos_token_id")),
+        forced_eos_token_id=_id_list(values.get("forced_eos_token_id")), **flags,
+        decay=_decay(values.get("exponential_decay_length_penalty")), top_h=_top_h(values.get("top_h")),
+        padded_length=given_len,
         stop_strings=values.get("stop_strings"), max_time=values.get("max_time"), outputs=tuple(outputs),
         eos_token_id=eos, pad_token_id=values.get("pad_token_id"), streamer=adapter)
 

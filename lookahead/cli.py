@@ -54,6 +54,8 @@ def _add_lookahead_args(p: argparse.ArgumentParser) -> None:
 # generate's sampling flags: (flag, type, what it does, its value when neither the call nor the model sets it)
 _SAMPLING_FLAGS = (
     ("--temperature", float, "sampling temperature", "1.0"),
+    ("--top-h", float, "keep the likeliest tokens while their entropy stays within this fraction of the top "
+                       "100's", "off"),
     ("--top-k", int, "keep the k most likely tokens, 0: all", "50 as in transformers"),
     ("--top-p", float, "nucleus sampling mass", "1.0: off"),
     ("--min-p", float, "drop tokens less likely than this fraction of the likeliest", "off"),
@@ -200,7 +202,7 @@ def _resolved(model, ids, sampling: dict):
     transformers' defaults): the very resolution the call makes."""
     given = {k: v for k, v in sampling.items() if k != "generator"}
     extra = {k: given.pop(k) for k in ("repetition_penalty", "min_new_tokens", "min_p", "typical_p", "epsilon_cutoff",
-                                       "eta_cutoff", "no_repeat_ngram_size") if k in given}
+                                       "eta_cutoff", "top_h", "no_repeat_ngram_size") if k in given}
     return resolve_generate_arguments(ids, model_generation_config=model.generation_config, extra=extra, **given)
 
 
@@ -256,7 +258,8 @@ def cmd_generate(args) -> int:
                           "sampling": None if not used.do_sample else {
                               "temperature": used.temperature, "top_k": used.top_k, "top_p": used.top_p,
                               "min_p": used.min_p, "typical_p": used.typical_p,
-                              "epsilon_cutoff": used.epsilon_cutoff, "eta_cutoff": used.eta_cutoff, "seed": seed},
+                              "epsilon_cutoff": used.epsilon_cutoff, "eta_cutoff": used.eta_cutoff,
+                              "top_h": used.top_h, "seed": seed},
                           "repetition_penalty": used.repetition_penalty, "min_new_tokens": used.min_new_tokens,
                           "no_repeat_ngram_size": used.no_repeat_ngram_size,
                           "lookahead": None if la is None else {

@@ -140,7 +140,17 @@ _BUILT_IN = {"RepetitionPenaltyLogitsProcessor": "repetition_penalty",
              "SequenceBiasLogitsProcessor": "sequence_bias", "MinLengthLogitsProcessor": "min_length",
              "MinNewTokensLengthLogitsProcessor": "min_new_tokens", "SuppressTokensLogitsProcessor": "suppress_tokens",
              "SuppressTokensAtBeginLogitsProcessor": "begin_suppress_tokens",
-             "PrefixConstrainedLogitsProcessor": "prefix_allowed_tokens_fn"}
+             "PrefixConstrainedLogitsProcessor": "prefix_allowed_tokens_fn",
+             "EncoderRepetitionPenaltyLogitsProcessor": "encoder_repetition_penalty",
+             "EncoderNoRepeatNGramLogitsProcessor": "encoder_no_repeat_ngram_size",
+             "ForcedBOSTokenLogitsProcessor": "forced_bos_token_id",
+             "ForcedEOSTokenLogitsProcessor": "forced_eos_token_id",
+             "InfNanRemoveLogitsProcessor": "remove_invalid_values",
+             "ExponentialDecayLengthPenalty": "exponential_decay_length_penalty"}
+# Rules transformers applies after prefix_allowed_tokens_fn that do not commute with it (a forced row replaces the
+# constraint's; the others change its -inf scores): with the constraint run last here, the two orders would differ.
+_AFTER_PREFIX = ("forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
+                 "exponential_decay_length_penalty")
 
 
 def make_custom_processors(logits_processor, prefix_allowed_tokens_fn, settings: set[str],
@@ -162,6 +172,10 @@ def make_custom_processors(logits_processor, prefix_allowed_tokens_fn, settings:
     if not logits_processor and prefix_allowed_tokens_fn is None:
         return None
     if prefix_allowed_tokens_fn is not None:
+        clash = [name for name in _AFTER_PREFIX if name in settings]
+        if clash:
+            raise ValueError(f"prefix_allowed_tokens_fn together with {', '.join(clash)} is not supported: "
+                             f"transformers applies the constraint first, and here it runs last")
         settings = settings | {"prefix_allowed_tokens_fn"}
     if settings & {"min_length", "min_new_tokens"}:
         settings = settings | {"min_length", "min_new_tokens"}

@@ -354,13 +354,18 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     deadline = Deadline(args.max_time, called)
     for name, sequences in (("suppress_tokens", [args.suppress_tokens]),
                             ("begin_suppress_tokens", [args.begin_suppress_tokens]),
-                            ("sequence_bias", args.sequence_bias), ("bad_words_ids", args.bad_words_ids)):
+                            ("sequence_bias", args.sequence_bias), ("bad_words_ids", args.bad_words_ids),
+                            ("forced_bos_token_id", [[] if args.forced_bos_token_id is None
+                                                     else [args.forced_bos_token_id]]),
+                            ("forced_eos_token_id", [args.forced_eos_token_id])):
         check_vocabulary(name, sequences, cfg.vocab_size)
-    processors = LogitsProcessors(cfg.vocab_size, args.repetition_penalty, sorted(eos), args.min_new_tokens,
-                                  args.suppress_tokens, args.begin_suppress_tokens, args.no_repeat_ngram_size,
-                                  args.sequence_bias, bad_words(args.bad_words_ids, eos), custom)
+    processors = LogitsProcessors(
+        cfg.vocab_size, args.repetition_penalty, eos=sorted(eos), prompt_penalty=args.prompt_penalty,
+        no_repeat_ngram_size=args.no_repeat_ngram_size, prompt_ngram_size=args.prompt_ngram_size,
+        sequence_bias=args.sequence_bias, bad_words=bad_words(args.bad_words_ids, eos),
+        length=_length_rules(args, max_new_tokens), custom=custom)
     sampler = Sampler(do_sample, temperature, top_k, top_p, generator, processors, args.outputs, args.min_p,
-                      args.typical_p, args.epsilon_cutoff, args.eta_cutoff)
+                      args.typical_p, args.epsilon_cutoff, args.eta_cutoff, args.top_h, args.renormalize_logits)
     rows = [_Row(_Emitter(p.tolist(), max_new_tokens, eos, streamer,
                           RowStops(criteria, pad.tolist(), p.tolist(), max_new_tokens) if criteria else None,
                           deadline if deadline.at is not None else None),
@@ -505,8 +510,24 @@ def _processor_settings(args) -> set[str]:
     used = {"repetition_penalty": args.repetition_penalty != 1.0, "no_repeat_ngram_size": args.no_repeat_ngram_size,
             "bad_words_ids": args.bad_words_ids, "sequence_bias": args.sequence_bias,
             "min_new_tokens": args.min_new_tokens, "suppress_tokens": args.suppress_tokens,
-            "begin_suppress_tokens": args.begin_suppress_tokens}
+            "begin_suppress_tokens": args.begin_suppress_tokens,
+            "encoder_repetition_penalty": args.prompt_penalty != 1.0,
+            "encoder_no_repeat_ngram_size": args.prompt_ngram_size,
+            "forced_bos_token_id": args.forced_bos_token_id is not None and args.padded_length == 1,
+            "forced_eos_token_id": args.forced_eos_token_id, "remove_invalid_values": args.remove_invalid_values,
+            "exponential_decay_length_penalty": args.decay is not None}
     return {name for name, value in used.items() if value}
+
+
+def _length_rules(args, max_new_tokens: int) -> dict:
+    """:class:`lookahead.length_rules.LengthRules`' keywords (but the EOS) for the call's arguments. transformers
+    forces a first token only where the padded prompt is one token, and then moves ``begin_suppress_tokens`` to
+    the second."""
+    forced_first = args.forced_bos_token_id if args.padded_length == 1 else None
+    return dict(min_new=args.min_new_tokens, forced_first=forced_first, forced_last=args.forced_eos_token_id,
+                last=max_new_tokens - 1, remove_invalid=args.remove_invalid_values, decay=args.decay,
+                always=args.suppress_tokens, at_start=args.begin_suppress_tokens,
+                begin=1 if args.forced_bos_token_id is not None and args.padded_length == 1 else 0)
 
 
 def _step_path(cuda_graphs, static_steps, device: torch.device) -> tuple[bool, bool]:

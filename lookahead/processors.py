@@ -2,14 +2,16 @@
 argmax, applied to every row a step chooses or verifies a token from (``x``'s row and the tree's nodes; the
 window's guesses need no exactness), each with its own context.
 
-Three kinds, each in its own module: the repetition penalty (:mod:`lookahead.repetition`, the row's tokens), the
-token suppressions (:mod:`lookahead.suppression`, the row's count of new tokens) and the rules on a row's recent
-tokens (:mod:`lookahead.sequence_rules`: ``no_repeat_ngram_size``, ``sequence_bias``, ``bad_words_ids``, which
-read the rows' committed sequences, one :class:`~lookahead.sequence_rules.TokenHistory` they share). Each keeps
-its per-row state on the model's device in tensors a ``state(name, shape, dtype)`` factory gives it (a runner's,
-whose addresses captured graphs hold, or the call's own), and updates it from the host after each step. All take
-the same calls: ``start(state, sequences, counts, replayed)``, ``add(tokens, counts)``, ``keep(rows)``,
-``rows(logits)``, ``tree(node_logits, tokens, end, depth)`` and ``key``.
+Four kinds, each in its own module: the repetition penalties (:mod:`lookahead.repetition`, the row's tokens or
+its prompt's), the rules that count a row's new tokens (:mod:`lookahead.length_rules`: the EOS held off, forced
+tokens, the EOS's length penalty, the suppressions), the rules on a row's recent tokens
+(:mod:`lookahead.sequence_rules`: ``no_repeat_ngram_size``, ``encoder_no_repeat_ngram_size``, ``sequence_bias``,
+``bad_words_ids``, which read the rows' committed sequences, one :class:`~lookahead.sequence_rules.TokenHistory`
+they share) and the caller's own (:mod:`lookahead.custom_processors`). Each keeps its per-row state on the model's
+device in tensors a ``state(name, shape, dtype)`` factory gives it (a runner's, whose addresses captured graphs
+hold, or the call's own), and updates it from the host after each step. All take the same calls:
+``start(state, sequences, counts, replayed)``, ``add(tokens, counts)``, ``keep(rows)``, ``rows(logits)``,
+``tree(node_logits, tokens, end, depth)`` and ``key``.
 """
 
 from __future__ import annotations
@@ -17,44 +19,54 @@ from __future__ import annotations
 import torch
 
 from .custom_processors import CustomProcessors
-from .repetition import RepetitionPenalty
-from .sequence_rules import NoRepeatNGram, SequenceBias, TokenHistory
-from .suppression import TokenSuppression
+from .length_rules import LengthRules
+from .repetition import PromptPenalty, RepetitionPenalty
+from .sequence_rules import NoRepeatNGram, PromptNGrams, SequenceBias, TokenHistory
 
 
 class LogitsProcessors:
-    """The processors of one ``generate`` call, in transformers' order (the sequence bias, the penalty, the repeated
-    n-grams, the bad words, then the suppressions).
+    """The processors of one ``generate`` call, in transformers' order: the sequence bias, the prompt's penalty,
+    the repetition penalty, the repeated n-grams, the prompt's n-grams, the bad words, the length rules, then the
+    caller's.
 
     Args:
+        vocab_size: the model's vocabulary.
         repetition_penalty: transformers' ``repetition_penalty`` (1.0: none).
-        eos: the EOS ids; ``min_new``: suppress them until a row has that many new tokens.
-        suppress_tokens, begin_suppress_tokens: ids suppressed always, and for the first new token.
-        no_repeat_ngram_size: ban a token that would repeat an n-gram of this size (0: none).
+        prompt_penalty: ``encoder_repetition_penalty`` (1.0: none).
+        no_repeat_ngram_size, prompt_ngram_size: ban a token that would repeat an n-gram of this size of the row's
+            sequence, or of its prompt (``encoder_no_repeat_ngram_size``) (0: none).
         sequence_bias, bad_words: ``{tuple of ids: bias}`` (:func:`lookahead.sequence_rules.sequence_biases`,
             :func:`~lookahead.sequence_rules.bad_words`), maybe empty.
+        eos: the EOS ids; ``length``: the keywords of :class:`lookahead.length_rules.LengthRules` but ``eos``
+            (``min_new``, ``forced_first``, ``forced_last``, ``last``, ``remove_invalid``, ``decay``, ``always``,
+            ``at_start``, ``begin``).
         custom: the caller's ``logits_processor`` and ``prefix_allowed_tokens_fn``
             (:class:`lookahead.custom_processors.CustomProcessors`), last, or ``None``.
-        vocab_size: the model's vocabulary.
     """
 
-    def __init__(self, vocab_size: int, repetition_penalty: float = 1.0, eos=(), min_new: int = 0,
-                 suppress_tokens=(), begin_suppress_tokens=(), no_repeat_ngram_size: int = 0, sequence_bias=None,
-                 bad_words=None, custom: CustomProcessors | None = None):
+    def __init__(self, vocab_size: int, repetition_penalty: float = 1.0, *, eos=(), prompt_penalty: float = 1.0,
+                 no_repeat_ngram_size: int = 0, prompt_ngram_size: int = 0, sequence_bias=None, bad_words=None,
+                 length: dict | None = None, custom: CustomProcessors | None = None):
         self.vocab_size = vocab_size
         self.items = []
-        self.history = TokenHistory() if no_repeat_ngram_size or sequence_bias or bad_words else None
+        needs_history = no_repeat_ngram_size or prompt_ngram_size or sequence_bias or bad_words
+        self.history = TokenHistory() if needs_history else None
         if sequence_bias:
             self.items.append(SequenceBias(sequence_bias, self.history))
+        if prompt_penalty != 1.0:
+            self.items.append(PromptPenalty(prompt_penalty, vocab_size))
         if repetition_penalty != 1.0:
             self.items.append(RepetitionPenalty(repetition_penalty, vocab_size))
         if no_repeat_ngram_size:
             self.items.append(NoRepeatNGram(no_repeat_ngram_size, self.history))
+        if prompt_ngram_size:
+            self.items.append(PromptNGrams(prompt_ngram_size, self.history))
         if bad_words:
             self.items.append(SequenceBias(bad_words, self.history, name="bad_words"))
         eos = [t for t in eos if t < vocab_size]  # an EOS outside the vocabulary is never chosen anyway
-        if (min_new > 0 and eos) or suppress_tokens or begin_suppress_tokens:
-            self.items.append(TokenSuppression(eos, min_new, suppress_tokens, begin_suppress_tokens))
+        rules = LengthRules(eos, **(length or {}))
+        if rules:
+            self.items.append(rules)
         if custom is not None:
             self.items.append(custom)
 

@@ -1,4 +1,5 @@
-"""transformers' ``repetition_penalty`` on a step's logits rows, for plain and lookahead steps alike.
+"""transformers' ``repetition_penalty`` (and ``encoder_repetition_penalty``, :class:`PromptPenalty`) on a step's
+logits rows, for plain and lookahead steps alike.
 
 Each row's scores for the tokens already in its context are penalised as transformers'
 ``RepetitionPenaltyLogitsProcessor`` does (``s / p`` where ``s > 0``, ``s * p`` otherwise), before temperature,
@@ -92,6 +93,42 @@ class RepetitionPenalty:
         return penalise_tree(node_logits, self.seen, tokens, end, self.penalty)
 
 
+class PromptPenalty:
+    """transformers' ``encoder_repetition_penalty`` (a decoder-only model's encoder ids are its prompt): the scores
+    of each row's prompt tokens (the row's own, without a batch's left padding) get the penalty's inverse, which
+    favours them: the same for every row a step chooses from, so a tree's nodes need no path."""
+
+    def __init__(self, penalty: float, vocab_size: int):
+        self.penalty = float(penalty)
+        self.vocab_size = vocab_size
+        self.seen: torch.Tensor | None = None
+
+    @property
+    def key(self) -> tuple:
+        return ("prompt_penalty", self.penalty)
+
+    def start(self, state, sequences: list[list[int]], counts: list[int], replayed: bool) -> None:
+        """Marks each row's prompt: its sequence without its ``counts`` new tokens."""
+        self.seen = state("prompt_penalty:seen", (len(sequences), self.vocab_size), torch.bool)
+        self.seen.zero_()
+        flat = [b * self.vocab_size + v for b, (s, c) in enumerate(zip(sequences, counts)) for v in s[:len(s) - c]]
+        if flat:
+            self.seen.view(-1)[torch.tensor(flat, device=self.seen.device)] = True
+
+    def add(self, tokens, counts) -> None:
+        pass
+
+    def keep(self, kept: list[int]) -> None:
+        self.seen = self.seen[torch.as_tensor(kept, device=self.seen.device)]
+
+    def rows(self, logits: torch.Tensor) -> torch.Tensor:
+        return penalise_rows(logits, self.seen, 1 / self.penalty)
+
+    def tree(self, node_logits: torch.Tensor, tokens: torch.Tensor, end: torch.Tensor,
+             depth: torch.Tensor | None = None) -> torch.Tensor:
+        return penalise_rows(node_logits, self.seen, 1 / self.penalty)
+
+
 def reference_penalised(logits_row: torch.Tensor, context: list[int], penalty: float) -> torch.Tensor:
     """The oracle: one row ``[V]`` penalised for the tokens of ``context``, as transformers does it."""
     ids = torch.tensor(sorted(set(context)), dtype=torch.long, device=logits_row.device)
@@ -100,4 +137,4 @@ def reference_penalised(logits_row: torch.Tensor, context: list[int], penalty: f
     return out
 
 
-__all__ = ["RepetitionPenalty", "penalise", "penalise_rows", "penalise_tree", "reference_penalised"]
+__all__ = ["RepetitionPenalty", "PromptPenalty", "penalise", "penalise_rows", "penalise_tree", "reference_penalised"]

@@ -1,13 +1,13 @@
-"""Sampling parameters, logit warping (temperature, top-k, top-p, min-p, typical, epsilon and eta cutoffs) and row
-sampling: the CPU path.
+"""Sampling parameters, logit warping (temperature, top-h, top-k, top-p, min-p, typical, epsilon and eta cutoffs)
+and row sampling: the CPU path.
 
 ``warp_logits`` turns logits into the probabilities that verification (``verify_tree_sample_reference`` or the
 ``verify_tree_sample`` kernel) and ``sample_rows`` consume. It is plain torch on any device, and it is not fused into
 the GPU's verification kernel (a top-k/top-p over a 128k vocabulary needs a sort or a selection pass of its own). On a
 CPU with the C++ ops built, decoding never calls it: a plain step draws with ``sample_logits`` and a tree step's walk
 warps the rows it reaches (``csrc/sample_warped.cpp``, ``csrc/verify_sample.cpp``); ``warp_logits`` is their
-tests' oracle. The typical, epsilon and eta cutoffs (:attr:`SamplingParams.native` false) are torch only: with them
-the CPU path warps with torch too.
+tests' oracle. Top-h and the typical, epsilon and eta cutoffs (:attr:`SamplingParams.native` false) are torch only:
+with them the CPU path warps with torch too.
 """
 
 from __future__ import annotations
@@ -46,6 +46,9 @@ class SamplingParams:
         eta_cutoff: in ``[0, 1)``; then drop the tokens less likely than ``min(eta, sqrt(eta) * exp(-entropy))``
             (transformers' ``EtaLogitsWarper``); ``0`` is off.
         The cutoffs never drop the likeliest token.
+        top_h: in ``[0, 1]``; after the temperature, keep the likeliest tokens (of the 100 likeliest) while their
+            entropy terms sum to at most ``top_h`` times those 100's entropy, the likeliest always (transformers'
+            ``TopHLogitsWarper``); ``0`` is off.
     """
 
     temperature: float = 1.0
@@ -55,6 +58,7 @@ class SamplingParams:
     typical_p: float = 1.0
     epsilon_cutoff: float = 0.0
     eta_cutoff: float = 0.0
+    top_h: float = 0.0
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -76,11 +80,15 @@ class SamplingParams:
             c = getattr(self, name)
             if isinstance(c, bool) or not isinstance(c, numbers.Real) or not (0 <= c < 1):
                 raise ValueError(f"SamplingParams.{name} must be a number in [0, 1) (0 = off), got {c!r}")
+        h = self.top_h
+        if isinstance(h, bool) or not isinstance(h, numbers.Real) or not (0 <= h <= 1):
+            raise ValueError(f"SamplingParams.top_h must be a number in [0, 1] (0 = off), got {h!r}")
 
     @property
     def native(self) -> bool:
-        """Whether the C++ CPU ops implement these parameters (all but the typical, epsilon and eta cutoffs)."""
-        return self.typical_p == 1 and self.epsilon_cutoff == 0 and self.eta_cutoff == 0
+        """Whether the C++ CPU ops implement these parameters (all but top-h and the typical, epsilon and eta
+        cutoffs)."""
+        return self.typical_p == 1 and self.epsilon_cutoff == 0 and self.eta_cutoff == 0 and self.top_h == 0
 
     @property
     def is_greedy(self) -> bool:
@@ -89,8 +97,8 @@ class SamplingParams:
 
 
 def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities after temperature, top-k, top-p, min-p and the typical, epsilon and eta cutoffs (in that
-    order, as Hugging Face applies them).
+    """Probabilities after temperature, top-h, top-k, top-p, min-p and the typical, epsilon and eta cutoffs (in
+    that order, as Hugging Face applies them).
 
     Args:
         logits: ``[..., V]`` float logits (any float dtype, any device).
@@ -143,6 +151,25 @@ def warp_scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return x
 
 
+TOP_H_CANDIDATES = 100  # transformers' TopHLogitsWarper looks at this many of the likeliest tokens
+
+
+def _outside_top_h(x: torch.Tensor, top_h: float) -> torch.Tensor:
+    """bool ``[..., V]``: the tokens top-h drops from scores ``x``, computed with transformers' own operations (a
+    categorical over the likeliest ``TOP_H_CANDIDATES``, its entropy and the running sum of its entropy terms), so
+    that ties and roundings fall the same way."""
+    V = x.shape[-1]
+    rows = x.reshape(-1, V)
+    top, index = torch.topk(rows, min(TOP_H_CANDIDATES, V), dim=-1, largest=True, sorted=True)
+    dist = torch.distributions.Categorical(logits=top, validate_args=False)  # no host check: graphs hold it
+    probs = dist.probs
+    tau = (dist.entropy() * top_h).unsqueeze(-1)
+    keep = torch.cumsum(-probs * torch.log(probs), dim=-1) <= tau
+    keep[:, 0] = True
+    kept = torch.zeros_like(rows, dtype=torch.bool).scatter_(1, index, keep)
+    return ~kept.reshape(x.shape)
+
+
 def _entropy(logp: torch.Tensor) -> torch.Tensor:
     """``[..., 1]``: the entropy of rows of log-probabilities (removed tokens, ``-inf``, count for nothing)."""
     return -(logp * logp.exp()).nansum(-1, keepdim=True)
@@ -173,8 +200,10 @@ def _below_cutoff(x: torch.Tensor, cutoff: float, entropic: bool) -> torch.Tenso
 
 
 def _tempered(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """float32 logits over the temperature, those below the top-k's k-th largest at -inf."""
+    """float32 logits over the temperature, those top-h drops and those below the top-k's k-th largest at -inf."""
     x = logits.float() / params.temperature
+    if params.top_h > 0:
+        x = x.masked_fill(_outside_top_h(x, params.top_h), float("-inf"))
     if 0 < params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))

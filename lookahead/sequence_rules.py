@@ -1,6 +1,6 @@
 """transformers' processors that read a row's recent tokens, on a step's logits rows for plain and lookahead steps
 alike: ``no_repeat_ngram_size`` (a token that would repeat an n-gram of the row's sequence scores ``-inf``),
-``sequence_bias`` (a bias on a sequence's last token where the sequence's other tokens end the row's sequence)
+``encoder_no_repeat_ngram_size`` (the same for the n-grams of the row's prompt), ``sequence_bias`` (a bias on a sequence's last token where the sequence's other tokens end the row's sequence)
 and ``bad_words_ids`` (the same with ``-inf``).
 
 What a row's rules see is the sequence its token would follow: the committed sequence (prompt included) for
@@ -107,6 +107,20 @@ def _as_queries(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return rows, torch.zeros(rows.shape[:2], dtype=torch.long, device=rows.device)
 
 
+def _ngram_bans(history: TokenHistory, n: int, prefix: torch.Tensor, lengths: torch.Tensor,
+                span: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The n-grams among each row's first ``lengths [B]`` committed tokens (of the first ``span`` columns) that
+    ``prefix [B, R, n - 1]`` starts: (their last tokens, hit) ``[B, R, P]``."""
+    B, R, _ = prefix.shape
+    if span < n:
+        empty = torch.zeros(B, R, 0, dtype=torch.long, device=prefix.device)
+        return empty, empty.bool()
+    windows = history.tokens[:, :span].unfold(1, n, 1)  # [B, P, n]
+    whole = torch.arange(windows.shape[1], device=prefix.device) + n - 1 < lengths[:, None]  # [B, P]
+    hit = (windows[:, None, :, :-1] == prefix[:, :, None, :]).all(-1) & whole[:, None, :]
+    return windows[:, None, :, -1].expand(B, R, -1), hit
+
+
 class NoRepeatNGram:
     """transformers' ``no_repeat_ngram_size``: a row's token scores ``-inf`` where it would complete an n-gram
     its sequence already holds (the last ``n - 1`` tokens followed by it)."""
@@ -128,22 +142,10 @@ class NoRepeatNGram:
     def keep(self, kept) -> None:
         pass
 
-    def _committed_bans(self, prefix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The committed sequence's n-grams that ``prefix [B, R, n - 1]`` starts: (next tokens, hit) ``[B, R, P]``."""
-        h, n = self.history, self.n
-        B, R, _ = prefix.shape
-        span = h.span
-        if span < n:
-            empty = torch.zeros(B, R, 0, dtype=torch.long, device=prefix.device)
-            return empty, empty.bool()
-        windows = h.tokens[:, :span].unfold(1, n, 1)  # [B, P, n]
-        whole = torch.arange(windows.shape[1], device=prefix.device) + n - 1 < h.lengths[:, None]  # [B, P]
-        hit = (windows[:, None, :, :-1] == prefix[:, :, None, :]).all(-1) & whole[:, None, :]
-        return windows[:, None, :, -1].expand(B, R, -1), hit
-
     def rows(self, logits: torch.Tensor) -> torch.Tensor:
         rows, depth = _as_queries(logits)
-        index, hit = self._committed_bans(self.history.tails(self.n - 1, depth))
+        h = self.history
+        index, hit = _ngram_bans(h, self.n, h.tails(self.n - 1, depth), h.lengths, h.span)
         out = _ban(rows, index, hit)
         return out[:, 0] if logits.dim() == 2 else out
 
@@ -158,7 +160,8 @@ class NoRepeatNGram:
         depth = depth.expand(B, N)
         last = self.history.tails(self.n, depth, tokens, end)  # [B, N, n]
         prefix = last[:, :, 1:]  # what a node's token would follow
-        index, hit = self._committed_bans(prefix)
+        h = self.history
+        index, hit = _ngram_bans(h, self.n, prefix, h.lengths, h.span)
         on_path = ancestor_matrix(end.expand(B, N)).transpose(1, 2)  # [B, i, j]
         # n-gram ending at node j: last[j][:-1] then token j; it bans token j's repeat at node i when i's prefix
         # equals its first n - 1 tokens (a position before the sequence's start never matches, so an n-gram
@@ -166,6 +169,53 @@ class NoRepeatNGram:
         path_hit = on_path & (last[:, None, :, :-1] == prefix[:, :, None, :]).all(-1)
         index = torch.cat([index, tokens[:, None, :].expand(B, N, N)], dim=2)
         return _ban(node_logits, index, torch.cat([hit, path_hit], dim=2))
+
+
+class PromptNGrams:
+    """transformers' ``encoder_no_repeat_ngram_size`` (a decoder-only model's encoder ids are its prompt): a row's
+    token scores ``-inf`` where it would complete an n-gram of the row's prompt (the row's own, without a batch's
+    left padding). A node's last ``n - 1`` tokens may lie on its path; the n-grams are the prompt's alone."""
+
+    def __init__(self, n: int, history: TokenHistory):
+        self.n = int(n)
+        self.history = history
+        self.lengths: torch.Tensor | None = None
+        self.longest = 0
+
+    @property
+    def key(self) -> tuple:
+        return ("prompt_ngrams", self.n)
+
+    def start(self, state, sequences, counts, replayed) -> None:
+        prompt = [len(s) - c for s, c in zip(sequences, counts)]
+        self.lengths = state("prompt_ngrams:lengths", (len(prompt),), torch.long)
+        self.lengths.copy_(torch.tensor(prompt, dtype=torch.long))
+        # a graph reads every column (a later call's prompts may be longer); an eager step only the prompts'
+        self.longest = None if replayed else max(prompt, default=0)
+
+    def add(self, tokens, counts) -> None:
+        pass
+
+    def keep(self, kept) -> None:
+        self.lengths = self.lengths[torch.as_tensor(kept, device=self.lengths.device)]
+
+    def _apply(self, rows: torch.Tensor, depth: torch.Tensor, tokens=None, end=None) -> torch.Tensor:
+        h = self.history
+        span = h.tokens.shape[1] if self.longest is None else self.longest
+        index, hit = _ngram_bans(h, self.n, h.tails(self.n - 1, depth, tokens, end), self.lengths, span)
+        return _ban(rows, index, hit)
+
+    def rows(self, logits: torch.Tensor) -> torch.Tensor:
+        rows, depth = _as_queries(logits)
+        out = self._apply(rows, depth)
+        return out[:, 0] if logits.dim() == 2 else out
+
+    def tree(self, node_logits: torch.Tensor, tokens: torch.Tensor, end: torch.Tensor,
+             depth: torch.Tensor) -> torch.Tensor:
+        B, N, _ = node_logits.shape
+        if N == 0:
+            return node_logits
+        return self._apply(node_logits, depth.expand(B, N), tokens, end)
 
 
 class SequenceBias:
@@ -252,12 +302,12 @@ class SequenceBias:
 
 # ---- arguments ---------------------------------------------------------------------------------------------------
 
-def check_no_repeat_ngram_size(value) -> int:
-    """``value`` as an int >= 0 (0: off)."""
+def check_no_repeat_ngram_size(value, name: str = "no_repeat_ngram_size") -> int:
+    """``value`` as an int >= 0 (0: off); ``name`` is the argument's."""
     if value is None:
         return 0
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise ValueError(f"no_repeat_ngram_size must be an int >= 0 (0: off), got {value!r}")
+        raise ValueError(f"{name} must be an int >= 0 (0: off), got {value!r}")
     return int(value)
 
 
@@ -332,6 +382,19 @@ def reference_no_repeat(logits_row: torch.Tensor, sequence: list[int], n: int) -
     return out
 
 
+def reference_prompt_ngrams(logits_row: torch.Tensor, prompt: list[int], sequence: list[int],
+                            n: int) -> torch.Tensor:
+    """The oracle: a row ``[V]`` after ``sequence``, the tokens completing an n-gram of ``prompt`` at ``-inf``."""
+    out = logits_row.clone()
+    if len(sequence) < n - 1:
+        return out
+    prefix = sequence[len(sequence) - n + 1:] if n > 1 else []
+    for p in range(len(prompt) - n + 1):
+        if prompt[p: p + n - 1] == prefix:
+            out[prompt[p + n - 1]] = NEG_INF
+    return out
+
+
 def reference_sequence_bias(logits_row: torch.Tensor, sequence: list[int], biases: dict) -> torch.Tensor:
     """The oracle: a row ``[V]`` after ``sequence`` with ``biases`` (``{ids: bias}``) added as transformers adds
     them (one-token biases first, then each longer sequence's whose other tokens end ``sequence``, by length)."""
@@ -347,5 +410,6 @@ def reference_sequence_bias(logits_row: torch.Tensor, sequence: list[int], biase
     return logits_row + bias
 
 
-__all__ = ["TokenHistory", "NoRepeatNGram", "SequenceBias", "check_no_repeat_ngram_size", "sequence_biases",
-           "bad_word_list", "bad_words", "check_vocabulary", "reference_no_repeat", "reference_sequence_bias"]
+__all__ = ["TokenHistory", "NoRepeatNGram", "PromptNGrams", "SequenceBias", "check_no_repeat_ngram_size",
+           "sequence_biases", "bad_word_list", "bad_words", "check_vocabulary", "reference_no_repeat",
+           "reference_prompt_ngrams", "reference_sequence_bias"]

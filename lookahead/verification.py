@@ -58,13 +58,15 @@ class Sampler:
     seed gives it alone, but each row keeps exactly the model's distribution."""
 
     def __init__(self, do_sample: bool, temperature, top_k, top_p, generator, processors=None, outputs=(),
-                 min_p=None, typical_p=None, epsilon_cutoff=None, eta_cutoff=None):
+                 min_p=None, typical_p=None, epsilon_cutoff=None, eta_cutoff=None, top_h=None,
+                 renormalize: bool = False):
         self.params = None
         self.generator = generator
         # a lookahead.processors.LogitsProcessors, or None: applied to the rows a step's tokens are chosen from
         self.processors = processors if processors else None
         # which rows each emitted token's choice came from a step returns: "logits" (raw), "scores" (processed)
         self.outputs = tuple(outputs)
+        self.renormalize = renormalize  # transformers' renormalize_logits: the scores reported are log-softmaxed
         if do_sample:
             from .sampling import SamplingParams  # sampling utilities live beside the verifier's reference
 
@@ -72,7 +74,8 @@ class Sampler:
                                     min_p=0.0 if min_p is None else min_p,
                                     typical_p=1.0 if typical_p is None else typical_p,
                                     epsilon_cutoff=0.0 if epsilon_cutoff is None else epsilon_cutoff,
-                                    eta_cutoff=0.0 if eta_cutoff is None else eta_cutoff)
+                                    eta_cutoff=0.0 if eta_cutoff is None else eta_cutoff,
+                                    top_h=0.0 if top_h is None else top_h)
             self.params = None if params.is_greedy else params
 
     @property
@@ -83,12 +86,14 @@ class Sampler:
     def key(self):
         """What a captured graph of a finish depends on of the sampler: its parameters (``None``: greedy) and its
         logits processors' constants."""
-        return self.params, None if self.processors is None else self.processors.key, self.outputs
+        return (self.params, None if self.processors is None else self.processors.key, self.outputs,
+                self.renormalize)
 
     def kept_rows(self, raw: torch.Tensor, processed: torch.Tensor) -> torch.Tensor | None:
         """float32 ``[B, K, R, vocab]``: of the rows ``[B, R, vocab]`` tokens were chosen from, those
         :attr:`outputs` names, in its order: ``raw`` logits, and the scores transformers reports (``processed``,
-        then warped when sampling: :func:`lookahead.sampling.warp_scores`); ``None`` when none is wanted."""
+        then warped when sampling: :func:`lookahead.sampling.warp_scores`, then log-softmaxed with
+        ``renormalize``); ``None`` when none is wanted."""
         if not self.outputs:
             return None
         kept = []
@@ -98,7 +103,8 @@ class Sampler:
             else:
                 from .sampling import warp_scores
 
-                kept.append(processed.float() if self.greedy else warp_scores(processed, self.params))
+                scores = processed.float() if self.greedy else warp_scores(processed, self.params)
+                kept.append(torch.log_softmax(scores, dim=-1) if self.renormalize else scores)
         return torch.stack(kept, 1)
 
     def draw(self, out: torch.Tensor) -> torch.Tensor:

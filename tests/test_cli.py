@@ -86,6 +86,7 @@ def _fails_in_one_line(capsys, argv, status=None, contains=""):
     (["generate", "hi", "--no-repeat-ngram-size", "-2"], "--no-repeat-ngram-size must be >= 0"),
     (["generate", "hi", "--do-sample", "--epsilon-cutoff", "1.5"], "--epsilon-cutoff must be a number in"),
     (["generate", "hi", "--typical-p", "0.5"], "--typical-p needs --do-sample"),
+    (["generate", "hi", "--do-sample", "--top-h", "1.5"], "--top-h must be a number in"),
     (["generate", "hi", "--stop", ""], "--stop needs a non-empty TEXT"),
     (["generate", "hi", "--do-sample", "--temperature", "-1"], "--temperature"),
     (["generate", "hi", "--max-step-tokens", "0"], "max_step_tokens"),
@@ -148,7 +149,8 @@ def test_sampling_dtype_and_seed_on_a_tiny_gguf(capsys, tiny_gguf):
     assert results[0]["tokens"] == results[1]["tokens"]  # same seed, same sample
     assert results[0]["dtype"] == "bfloat16" and results[0]["device"] == "cpu"
     assert results[0]["sampling"] == {"temperature": 0.9, "top_k": 20, "top_p": 1.0, "min_p": None,
-                                      "typical_p": None, "epsilon_cutoff": None, "eta_cutoff": None, "seed": 5}
+                                      "typical_p": None, "epsilon_cutoff": None, "eta_cutoff": None, "top_h": None,
+                                      "seed": 5}
     assert main(["generate", "abc", "--raw", "--model", tiny_gguf, "--max-new-tokens", "3", "--no-lookahead"]) == 0
     assert "[plain] " in capsys.readouterr().err
     # --no-cuda-graphs matters on CUDA only; on the CPU it is accepted and changes nothing.
@@ -173,12 +175,14 @@ def test_the_checkpoints_generation_config_gives_sampling_defaults(capsys, tiny_
     assert main(base + ["--do-sample", "--top-p", "0.9", "--seed", "1"]) == 0
     assert json.loads(capsys.readouterr().out)["sampling"] == {
         "temperature": 0.6, "top_k": 50, "top_p": 0.9, "min_p": None, "typical_p": None, "epsilon_cutoff": None,
-        "eta_cutoff": None, "seed": 1}
+        "eta_cutoff": None, "top_h": None, "seed": 1}
     assert main(base + ["--do-sample", "--min-p", "0.1", "--seed", "1"]) == 0
     assert json.loads(capsys.readouterr().out)["sampling"]["min_p"] == 0.1
     assert main(base + ["--do-sample", "--typical-p", "0.8", "--eta-cutoff", "0.01", "--seed", "1"]) == 0
     cut = json.loads(capsys.readouterr().out)["sampling"]
     assert cut["typical_p"] == 0.8 and cut["eta_cutoff"] == 0.01
+    assert main(base + ["--do-sample", "--top-h", "0.7", "--seed", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["sampling"]["top_h"] == 0.7
     # --repetition-penalty works greedy too, as generate's keyword does
     assert main(base + ["--repetition-penalty", "1.5"]) == 0
     penalised = json.loads(capsys.readouterr().out)

@@ -203,6 +203,10 @@ def test_generation_config_and_keyword_overrides(tiny):
     # transformers' own defaults and harmless fields are accepted
     model.generate(PROMPT, max_new_tokens=2, num_beams=1, repetition_penalty=1.0, use_cache=True,
                    generation_config=GenerationConfig(bos_token_id=1, num_return_sequences=1))
+    # and so are the fields that choose how transformers computes, not what: our cache, steps and drafts serve them
+    neutral = dict(cache_implementation="static", prompt_lookup_num_tokens=10, max_matching_ngram_size=2,
+                   disable_compile=True, prefill_chunk_size=4, max_cache_len=64)
+    assert new_tokens(model.generate(PROMPT, max_new_tokens=12, lookahead=LA, **neutral), n) == full
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -248,8 +252,8 @@ def test_the_models_generation_config_gives_the_defaults(tiny):
                        run(do_sample=True, temperature=0.7, top_k=3, max_new_tokens=10))
     greedy = fresh_copy(tiny).generate(PROMPT, max_new_tokens=10, lookahead=None).sequences
     assert torch.equal(run(do_sample=False), greedy)
-    model.generation_config.top_h = 0.4
-    with pytest.raises(ValueError, match=r"top_h=0.4 \(in model.generation_config\)"):
+    model.generation_config.guidance_scale = 1.5
+    with pytest.raises(ValueError, match=r"guidance_scale=1.5 \(in model.generation_config\)"):
         model.generate(PROMPT, max_new_tokens=2)
     with pytest.raises(ValueError, match="must be a transformers GenerationConfig"):
         model.generation_config = {"max_new_tokens": 3}
@@ -270,11 +274,11 @@ def test_generation_config_json_is_loaded_saved_and_copied(tiny, tmp_path):
     assert written["eos_token_id"] == [3, 4] and written["top_p"] == 0.9
     assert transformers.GenerationConfig.from_pretrained(tmp_path).do_sample is True
     # A checkpoint's field generate cannot honour is left out, with a warning naming it.
-    written["top_h"] = 0.3
+    written["guidance_scale"] = 3.0
     (tmp_path / "generation_config.json").write_text(json.dumps(written))
-    with pytest.warns(UserWarning, match=r"sets top_h=0.3, which lookahead's generate does not"):
+    with pytest.warns(UserWarning, match=r"sets guidance_scale=3.0, which lookahead's generate does not"):
         loaded = LlamaForCausalLM.from_pretrained(tmp_path)
-    assert loaded.generation_config.top_h is None and loaded.generation_config.temperature == 0.6
+    assert loaded.generation_config.guidance_scale is None and loaded.generation_config.temperature == 0.6
     assert loaded.generate(PROMPT, max_new_tokens=3, do_sample=False).stats.new_tokens <= 3
     (tmp_path / "generation_config.json").write_text("{not json")
     with pytest.raises(ValueError, match="generation_config.json as a transformers generation config"):
@@ -314,10 +318,10 @@ def test_parameter_counts_as_transformers_gives_them(tiny):
 
 @pytest.mark.parametrize("kwargs,named", [
     (dict(num_beams=4), "num_beams=4"),
-    (dict(top_h=0.5), "top_h=0.5"),
+    (dict(cache_implementation="quantized"), "cache_implementation='quantized' (only 'dynamic'"),
     (dict(output_attentions=True), "output_attentions=True"),
     (dict(diversity_penalty=0.5), "diversity_penalty=0.5"),
-    (dict(generation_config=GenerationConfig(encoder_no_repeat_ngram_size=3)), "encoder_no_repeat_ngram_size=3"),
+    (dict(generation_config=GenerationConfig(penalty_alpha=0.6)), "penalty_alpha=0.6"),
     (dict(generation_config=GenerationConfig(num_beams=2, length_penalty=0.5)), "length_penalty=0.5"),
     (dict(assistant_model=object()), "assistant_model"),
     (dict(foo=1), "foo"),

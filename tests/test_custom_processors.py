@@ -14,7 +14,7 @@ from .test_batch import mixed_prompts
 from .test_generate import tiny_hf_model
 from .test_repetition import (CONFIGS, SAMPLED_VOCAB, path_of, processed_marginals, random_tree,  # noqa: F401
                               sample_and_fit, tiny)  # (tiny: a fixture)
-from .test_suppression import hf_generate
+from .test_length_rules import hf_generate
 
 
 class FollowerBan(LogitsProcessor):

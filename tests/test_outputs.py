@@ -29,7 +29,8 @@ def close(got: torch.Tensor, want: torch.Tensor) -> bool:
     return same_inf and torch.allclose(got[finite].double(), want[finite].double(), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("processing", [{}, dict(repetition_penalty=1.3, min_new_tokens=16)])
+@pytest.mark.parametrize("processing", [{}, dict(repetition_penalty=1.3, min_new_tokens=16),
+                                        dict(renormalize_logits=True, exponential_decay_length_penalty=(3, 1.2))])
 def test_greedy_scores_and_logits_are_transformers_own(tiny, processing):
     hf, model = tiny
     for ids in [p[None] for p in mixed_prompts()[:3]]:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lookahead import LlamaForCausalLM, LookaheadConfig
-from lookahead.repetition import penalise_rows, penalise_tree, reference_penalised
+from lookahead.repetition import PromptPenalty, penalise_rows, penalise_tree, reference_penalised
 from lookahead.sampling import SamplingParams, warp_logits
 from lookahead_kernels import StepLayout
 
@@ -66,6 +66,26 @@ def test_tree_rows_are_penalised_for_their_path(seed, penalty):
     rows = penalise_rows(logits[:, 0], seen, penalty)
     for b in range(B):
         assert torch.equal(rows[b], reference_penalised(logits[b, 0], seen[b].nonzero().flatten().tolist(), penalty))
+
+
+@pytest.mark.parametrize("penalty", [1.3, 0.7])
+def test_the_prompt_penalty_is_transformers_own(penalty):
+    """encoder_repetition_penalty: every row of a step (x's and each node's) gets transformers' processor's
+    result for the row's prompt, whatever tokens followed it."""
+    from transformers.generation.logits_process import EncoderRepetitionPenaltyLogitsProcessor
+
+    torch.manual_seed(0)
+    B, N, V = 3, 5, 11
+    prompts = [[1, 4, 4, 9], [0], [10, 2, 3, 2]]
+    sequences = [p + [5, 6] for p in prompts]  # two new tokens each: not part of the prompt
+    rule = PromptPenalty(penalty, V)
+    rule.start(lambda name, shape, dtype: torch.zeros(shape, dtype=dtype), sequences, [2, 2, 2], False)
+    logits = torch.randn(B, N, V)
+    tree = rule.tree(logits, torch.zeros(B, N, dtype=torch.long), torch.arange(1, N + 1))
+    rows = rule.rows(logits[:, 0])
+    for b, prompt in enumerate(prompts):
+        want = EncoderRepetitionPenaltyLogitsProcessor(penalty, torch.tensor([prompt]))(None, logits[b].clone())
+        assert torch.equal(tree[b], want) and torch.equal(rows[b], want[0]), b
 
 
 # ---- end to end ------------------------------------------------------------------------------------------------

@@ -62,7 +62,7 @@ def draw(model, prompt, lookahead, params, seed):
         out = model.generate(prompt, max_new_tokens=3, lookahead=lookahead, do_sample=True,
                              temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                              min_p=params.min_p, typical_p=params.typical_p, epsilon_cutoff=params.epsilon_cutoff,
-                             eta_cutoff=params.eta_cutoff, generator=gen)
+                             eta_cutoff=params.eta_cutoff, top_h=params.top_h or None, generator=gen)
         tokens.append(out.sequences[0, prompt.shape[1]:].tolist())
         accepted.extend(out.stats.accepted)
     return torch.tensor(tokens), accepted
@@ -84,8 +84,9 @@ def fit_pvalue(samples: torch.Tensor, p: torch.Tensor) -> float:
 @pytest.mark.parametrize("params, lookahead", [
     (SamplingParams(temperature=1.0), LookaheadConfig(window=4, ngram=3, guess=4)),
     (SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.2), LookaheadConfig(window=3, ngram=4, guess=3)),
-    # the cutoffs the C++ walk does not know: the torch warp and reference walk, on the CPU too
-    (SamplingParams(temperature=0.9, typical_p=0.8, eta_cutoff=0.02), LookaheadConfig(window=4, ngram=3, guess=4)),
+    # the warpers the C++ walk does not know: the torch warp and reference walk, on the CPU too
+    (SamplingParams(temperature=0.9, typical_p=0.8, eta_cutoff=0.02, top_h=0.9),
+     LookaheadConfig(window=4, ngram=3, guess=4)),
     (SamplingParams(temperature=1.0), None),
 ])
 def test_sampled_tokens_follow_the_models_distribution(model_and_prompt, params, lookahead):

@@ -1,4 +1,4 @@
-"""no_repeat_ngram_size, sequence_bias and bad_words_ids: the oracles against transformers' own processors, a
+"""no_repeat_ngram_size, encoder_no_repeat_ngram_size, sequence_bias and bad_words_ids: the oracles against transformers' own processors, a
 tree's rows against the oracles (each node's sequence ending with its path), then generate end to end (plain and
 lookahead, greedy identical to transformers' generate; sampled tokens following the processed distribution), and
 the arguments' errors."""
@@ -8,20 +8,20 @@ import random
 import pytest
 import torch
 from transformers import GenerationConfig
-from transformers.generation.logits_process import (NoBadWordsLogitsProcessor, NoRepeatNGramLogitsProcessor,
-                                                    SequenceBiasLogitsProcessor)
+from transformers.generation.logits_process import (EncoderNoRepeatNGramLogitsProcessor, NoBadWordsLogitsProcessor,
+                                                    NoRepeatNGramLogitsProcessor, SequenceBiasLogitsProcessor)
 
 from lookahead import LlamaForCausalLM, LookaheadConfig
 from lookahead.processors import LogitsProcessors
 from lookahead.sampling import SamplingParams
-from lookahead.sequence_rules import (NoRepeatNGram, SequenceBias, TokenHistory, bad_words, reference_no_repeat,
-                                      reference_sequence_bias)
+from lookahead.sequence_rules import (NoRepeatNGram, PromptNGrams, SequenceBias, TokenHistory, bad_words,
+                                      reference_no_repeat, reference_prompt_ngrams, reference_sequence_bias)
 
 from .test_batch import mixed_prompts
 from .test_generate import dev_prompts, tiny_hf_model
 from .test_repetition import (CONFIGS, SAMPLED_VOCAB, path_of, processed_marginals,  # noqa: F401
                               sample_and_fit, tiny)  # (tiny: a fixture)
-from .test_suppression import batch_rows_decode_alone, hf_generate, padded_trees
+from .test_length_rules import batch_rows_decode_alone, hf_generate, padded_trees
 
 
 def _zeros(name, shape, dtype):
@@ -44,6 +44,9 @@ def test_references_are_transformers_own():
             short = seq[:rng.randint(1, 3)]
             want = NoRepeatNGramLogitsProcessor(n)(torch.tensor([short]), row[None].clone())[0]
             assert torch.equal(reference_no_repeat(row, short, n), want), (short, n)
+            prompt = seq[:rng.randint(1, len(seq))]
+            want = EncoderNoRepeatNGramLogitsProcessor(n, torch.tensor([prompt]))(ids, row[None].clone())[0]
+            assert torch.equal(reference_prompt_ngrams(row, prompt, seq, n), want), (prompt, seq, n)
         want = SequenceBiasLogitsProcessor(dict(BIASES))(ids, row[None].clone())[0]
         assert torch.equal(reference_sequence_bias(row, seq, BIASES), want), seq
         words = [[3], [1, 2], [0, 4, 4], [2]]
@@ -53,17 +56,21 @@ def test_references_are_transformers_own():
     assert reference_sequence_bias(torch.zeros(5), [1], {(1, 3): 2.0, (0, 1, 3): 1.0}).tolist() == [0, 0, 0, 2, 0]
 
 
-def _rule(kind, history):
-    if kind == "no_repeat_2":
-        return NoRepeatNGram(2, history), lambda row, seq: reference_no_repeat(row, seq, 2)
-    if kind == "no_repeat_3":
-        return NoRepeatNGram(3, history), lambda row, seq: reference_no_repeat(row, seq, 3)
+def _rule(kind, history, prompts):
+    """The rule and its oracle ``(row, sequence, b)`` (``b``: the row of the batch whose prompt it reads)."""
+    if kind.startswith("no_repeat_"):
+        n = int(kind[-1])
+        return NoRepeatNGram(n, history), lambda row, seq, b: reference_no_repeat(row, seq, n)
+    if kind.startswith("prompt_ngrams_"):
+        n = int(kind[-1])
+        return PromptNGrams(n, history), lambda row, seq, b: reference_prompt_ngrams(row, prompts[b], seq, n)
     words = bad_words([(3,), (1, 2), (0, 4, 4), (2, 2, 2, 2, 2)], eos=())
     biases = BIASES if kind == "sequence_bias" else words
-    return SequenceBias(biases, history), lambda row, seq: reference_sequence_bias(row, seq, biases)
+    return SequenceBias(biases, history), lambda row, seq, b: reference_sequence_bias(row, seq, biases)
 
 
-@pytest.mark.parametrize("kind", ["no_repeat_2", "no_repeat_3", "sequence_bias", "bad_words"])
+@pytest.mark.parametrize("kind", ["no_repeat_2", "no_repeat_3", "sequence_bias", "bad_words", "prompt_ngrams_1",
+                                  "prompt_ngrams_3"])
 @pytest.mark.parametrize("replayed", [False, True])
 @pytest.mark.parametrize("seed", range(4))
 def test_tree_rows_follow_their_own_sequence(seed, replayed, kind):
@@ -75,7 +82,7 @@ def test_tree_rows_follow_their_own_sequence(seed, replayed, kind):
     sequences = [[rng.randrange(V) for _ in range(rng.randint(1, 9))] for _ in range(B)]
     history = TokenHistory()
     history.start(_zeros, sequences, 40, replayed)
-    rule, reference = _rule(kind, history)
+    rule, reference = _rule(kind, history, [list(s) for s in sequences])
     rule.start(_zeros, sequences, [0] * B, replayed)
     for step in range(3):
         logits = torch.randn(B, N + padding, V)
@@ -84,24 +91,25 @@ def test_tree_rows_follow_their_own_sequence(seed, replayed, kind):
         got = rule.tree(logits, tokens, end, depth)
         rows = rule.rows(logits[:, 0])
         for b, (parents, _) in enumerate(trees):
-            assert torch.equal(rows[b], reference(logits[b, 0], sequences[b])), (step, b)
+            assert torch.equal(rows[b], reference(logits[b, 0], sequences[b], b)), (step, b)
             for i in range(N):
                 path = [int(tokens[b, j]) for j in reversed(path_of(i, parents))]
-                assert torch.equal(got[b, i], reference(logits[b, i], sequences[b] + path)), (step, b, i)
+                assert torch.equal(got[b, i], reference(logits[b, i], sequences[b] + path, b)), (step, b, i)
         # one tree for the whole batch ([N] end and depth)
         shared = rule.tree(logits[:, :N], tokens[:, :N], end[0, :N], depth[0, :N])
         for b in range(B):
             for i in range(N):
                 path = [int(tokens[b, j]) for j in reversed(path_of(i, trees[0][0]))]
-                assert torch.equal(shared[b, i], reference(logits[b, i], sequences[b] + path)), (step, b, i)
+                assert torch.equal(shared[b, i], reference(logits[b, i], sequences[b] + path, b)), (step, b, i)
         added = [[rng.randrange(V) for _ in range(rng.randint(0, 4))] for _ in range(B)]
         history.add(added)
         sequences = [s + a for s, a in zip(sequences, added)]
     history.keep([2, 0])
+    rule.keep([2, 0])
     logits = torch.randn(2, V)
     rows = rule.rows(logits)
     for r, b in enumerate([2, 0]):
-        assert torch.equal(rows[r], reference(logits[r], sequences[b]))
+        assert torch.equal(rows[r], reference(logits[r], sequences[b], b))
 
 
 def test_the_processors_keep_transformers_order():
@@ -132,10 +140,12 @@ def _kwargs(kind, hf, ids):
             "sequence_bias": dict(sequence_bias=[[plain[1:3], -30.0], [[plain[4]], -2.0], [plain[:2], 5.0]]),
             "bad_words": dict(bad_words_ids=[plain[2:4], [plain[5]], plain[:1] + plain[2:3]]),
             "with_penalty": dict(no_repeat_ngram_size=3, repetition_penalty=1.2,
-                                 bad_words_ids=[plain[3:5]])}[kind]
+                                 bad_words_ids=[plain[3:5]]),
+            "prompt_rules": dict(encoder_no_repeat_ngram_size=2, encoder_repetition_penalty=1.6)}[kind]
 
 
-@pytest.mark.parametrize("kind", ["no_repeat_2", "no_repeat_3", "sequence_bias", "bad_words", "with_penalty"])
+@pytest.mark.parametrize("kind", ["no_repeat_2", "no_repeat_3", "sequence_bias", "bad_words", "with_penalty",
+                                  "prompt_rules"])
 def test_greedy_output_is_transformers_own(tiny, kind):
     hf, model = tiny
     changed = 0
@@ -167,11 +177,13 @@ def test_greedy_output_is_transformers_own_in_a_small_vocabulary(n):
 
 
 @pytest.mark.parametrize("static", [False, True])
-def test_each_row_of_a_batch_keeps_its_own_sequence(tiny, static):
-    """Rows of different lengths, stopping apart at an EOS: each bans its own repeats, as it would alone."""
+@pytest.mark.parametrize("rule", ["no_repeat_ngram_size", "encoder_no_repeat_ngram_size"])
+def test_each_row_of_a_batch_keeps_its_own_sequence(tiny, static, rule):
+    """Rows of different lengths, stopping apart at an EOS: each bans its own repeats (or its own prompt's
+    n-grams), as it would alone."""
     hf, model = tiny
-    eos = int(hf_generate(hf, mixed_prompts()[0][None], 8, no_repeat_ngram_size=2)[0, -1])
-    batch_rows_decode_alone(hf, model, eos, static, no_repeat_ngram_size=2)
+    eos = int(hf_generate(hf, mixed_prompts()[0][None], 8, **{rule: 2})[0, -1])
+    batch_rows_decode_alone(hf, model, eos, static, **{rule: 2})
 
 
 def test_smollm2_dev_prompts_without_repeated_trigrams(smollm2):

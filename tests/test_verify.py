@@ -766,15 +766,16 @@ def test_warp_matches_hf(temperature, top_k, top_p, min_p):
     SamplingParams(typical_p=0.9), SamplingParams(0.7, 0, 1.0, typical_p=0.2), SamplingParams(typical_p=0.999),
     SamplingParams(epsilon_cutoff=0.003), SamplingParams(1.2, 0, 1.0, epsilon_cutoff=0.2),
     SamplingParams(eta_cutoff=0.001), SamplingParams(0.8, 0, 1.0, eta_cutoff=0.3),
-    SamplingParams(0.9, 40, 0.95, 0.05, typical_p=0.7, epsilon_cutoff=0.01, eta_cutoff=0.02)],
+    SamplingParams(0.9, 40, 0.95, 0.05, typical_p=0.7, epsilon_cutoff=0.01, eta_cutoff=0.02),
+    SamplingParams(top_h=0.4), SamplingParams(1.3, 0, 1.0, top_h=0.9), SamplingParams(0.7, 20, 1.0, 0.05, top_h=0.6)],
     ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}-m{p.min_p}-t{p.typical_p}-e{p.epsilon_cutoff}"
-                  f"-n{p.eta_cutoff}")
+                  f"-n{p.eta_cutoff}-h{p.top_h}")
 def test_entropy_cutoffs_match_hf(params):
-    """typical_p, epsilon_cutoff and eta_cutoff after the other warpers, as transformers chains them; rows sharp,
-    flat and tied (where removal meets ties, the mask must still be transformers')."""
+    """top_h, typical_p, epsilon_cutoff and eta_cutoff among the other warpers, as transformers chains them; rows
+    sharp, flat and tied (where removal meets ties, the mask must still be transformers')."""
     from transformers.generation.logits_process import (EpsilonLogitsWarper, EtaLogitsWarper, MinPLogitsWarper,
-                                                        TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
-                                                        TypicalLogitsWarper)
+                                                        TemperatureLogitsWarper, TopHLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper, TypicalLogitsWarper)
 
     from lookahead.sampling import warp_scores
 
@@ -782,7 +783,8 @@ def test_entropy_cutoffs_match_hf(params):
     logits = torch.cat([torch.randn(6, 300, generator=gen) * 4, torch.randn(6, 300, generator=gen) * 0.3,
                         (torch.randn(4, 300, generator=gen) * 2).round()])
     scores = TemperatureLogitsWarper(params.temperature)(None, logits.clone())
-    for on, warper in ((params.top_k > 0, lambda: TopKLogitsWarper(params.top_k)),
+    for on, warper in ((params.top_h > 0, lambda: TopHLogitsWarper(params.top_h)),
+                       (params.top_k > 0, lambda: TopKLogitsWarper(params.top_k)),
                        (params.top_p < 1, lambda: TopPLogitsWarper(params.top_p)),
                        (params.min_p > 0, lambda: MinPLogitsWarper(params.min_p)),
                        (params.typical_p < 1, lambda: TypicalLogitsWarper(params.typical_p)),

@@ -1,6 +1,8 @@
-"""min_new_tokens, min_length, suppress_tokens and begin_suppress_tokens: a tree's rows against a per-node oracle,
-then generate end to end (plain and lookahead, greedy identical to transformers' generate; sampled tokens
-following the suppressed distribution), and the arguments' errors."""
+"""The rules that count a row's new tokens (min_new_tokens, min_length, forced_bos_token_id, forced_eos_token_id,
+remove_invalid_values, exponential_decay_length_penalty, suppress_tokens, begin_suppress_tokens): the oracle against
+transformers' processors, a tree's rows against the oracle per node, then generate end to end (plain and lookahead,
+greedy identical to transformers' generate; sampled tokens following the processed distribution), and the
+arguments' errors."""
 
 import random
 
@@ -11,7 +13,7 @@ from transformers import GenerationConfig
 from lookahead import LlamaForCausalLM, LookaheadConfig
 from lookahead.processors import LogitsProcessors
 from lookahead.sampling import SamplingParams, warp_logits
-from lookahead.suppression import TokenSuppression, reference_suppressed
+from lookahead.length_rules import LengthRules, reference_length_rules
 from lookahead_kernels import StepLayout
 from lookahead_kernels.tree import TreeShape
 
@@ -35,35 +37,82 @@ def padded_trees(B: int, N: int, padding: int, rng: random.Random):
     return trees, end, depth
 
 
-@pytest.mark.parametrize("seed", range(6))
+def _random_rules(rng: random.Random) -> dict:
+    """Some of the rules, at random (the EOS always: the minimum and the decay read it)."""
+    rules = dict(eos=[3, 7], min_new=rng.randint(0, 8))
+    if rng.random() < 0.5:
+        rules.update(always=[0, 11], at_start=[5, 3], begin=rng.randint(0, 1))
+    if rng.random() < 0.5:
+        rules.update(forced_first=rng.randrange(13))
+    if rng.random() < 0.5:
+        rules.update(forced_last=rng.sample(range(13), rng.randint(1, 2)), last=rng.randint(0, 9))
+    if rng.random() < 0.5:
+        rules.update(decay=(rng.randint(0, 4), rng.choice([1.3, 0.7, 2.0])))
+    rules.update(remove_invalid=rng.random() < 0.5)
+    return rules
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal, NaN where NaN."""
+    return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def test_the_oracle_is_transformers_processors():
+    """reference_length_rules against transformers' own processors, in their order, on rows holding NaN and
+    infinities, for counts around every threshold."""
+    from transformers import (ExponentialDecayLengthPenalty, ForcedBOSTokenLogitsProcessor,
+                              ForcedEOSTokenLogitsProcessor, InfNanRemoveLogitsProcessor, LogitsProcessorList,
+                              MinNewTokensLengthLogitsProcessor, SuppressTokensAtBeginLogitsProcessor,
+                              SuppressTokensLogitsProcessor)
+
+    torch.manual_seed(0)
+    V, L, eos = 13, 1, [3, 7]
+    row = torch.randn(V)
+    row[2], row[5], row[9] = float("nan"), float("inf"), float("-inf")
+    rules = dict(eos=eos, min_new=2, forced_first=4, forced_last=[6, 7], last=5, remove_invalid=True,
+                 decay=(1, 1.7), always=[0, 11], at_start=[5, 3], begin=1)
+    hf = LogitsProcessorList([
+        MinNewTokensLengthLogitsProcessor(L, 2, eos), ForcedBOSTokenLogitsProcessor(4),
+        ForcedEOSTokenLogitsProcessor(L + 6, [6, 7]), InfNanRemoveLogitsProcessor(),
+        ExponentialDecayLengthPenalty((1, 1.7), eos, L), SuppressTokensLogitsProcessor([0, 11]),
+        SuppressTokensAtBeginLogitsProcessor([5, 3], L + 1)])
+    for new in range(9):
+        want = hf(torch.zeros(1, L + new, dtype=torch.long), row[None].clone())[0]
+        got = reference_length_rules(row, new, **rules)
+        assert _same(got, want), new
+
+
+@pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("replayed", [False, True])
-def test_tree_rows_are_suppressed_for_their_depth(seed, replayed):
+def test_tree_rows_are_processed_for_their_depth(seed, replayed):
     rng = random.Random(seed)
     torch.manual_seed(seed)
     B, N, V, padding = 3, rng.randint(1, 12), 13, 2
     logits = torch.randn(B, N + padding, V)
+    logits[0, :, 4] = float("nan")
+    logits[1, :, 3] = float("inf")
     tokens = torch.randint(0, V, (B, N + padding))
-    kinds = dict(eos=[3, 7], min_new=rng.randint(1, 8), always=[0, 11], at_start=[5, 3])
+    kinds = _random_rules(rng)
     counts = [rng.randint(0, 5) for _ in range(B)]
-    suppression = TokenSuppression(kinds["eos"], kinds["min_new"], kinds["always"], kinds["at_start"])
+    suppression = LengthRules(**kinds)
     suppression.start(_zeros, [[]] * B, counts, replayed)
     trees, end, depth = padded_trees(B, N, padding, rng)
     got = suppression.tree(logits, tokens, end, depth)
     rows = suppression.rows(logits[:, 0])
     for b, (parents, _) in enumerate(trees):
-        assert torch.equal(rows[b], reference_suppressed(logits[b, 0], counts[b], **kinds))
+        assert _same(rows[b], reference_length_rules(logits[b, 0], counts[b], **kinds))
         for i in range(N):
-            want = reference_suppressed(logits[b, i], counts[b] + len(path_of(i, parents)), **kinds)
-            assert torch.equal(got[b, i], want), (b, i)
+            want = reference_length_rules(logits[b, i], counts[b] + len(path_of(i, parents)), **kinds)
+            assert _same(got[b, i], want), (b, i)
     # one tree for the whole batch ([N] end), and counts moving on (past every threshold: only `always` is left)
     suppression.add([[]] * B, [c + 1 for c in counts])
     shared = suppression.tree(logits[:, :N], tokens[:, :N], end[0, :N], depth[0, :N])
     for b in range(B):
         for i in range(N):
-            want = reference_suppressed(logits[b, i], counts[b] + 1 + len(path_of(i, trees[0][0])), **kinds)
-            assert torch.equal(shared[b, i], want), (b, i)
+            want = reference_length_rules(logits[b, i], counts[b] + 1 + len(path_of(i, trees[0][0])), **kinds)
+            assert _same(shared[b, i], want), (b, i)
     suppression.add([[]] * B, [20] * B)
-    assert torch.equal(suppression.rows(logits[:, 0]), reference_suppressed(logits[:, 0], 20, **kinds))
+    assert _same(suppression.rows(logits[:, 0]), reference_length_rules(logits[:, 0], 20, **kinds))
 
 
 def test_processors_compose_with_the_penalty():
@@ -71,15 +120,15 @@ def test_processors_compose_with_the_penalty():
     torch.manual_seed(0)
     logits = torch.randn(2, 5, 9)
     seq = [[1, 2, 3], [4, 4]]
-    both = LogitsProcessors(9, 1.5, eos=[2], min_new=3, suppress_tokens=[8])
+    both = LogitsProcessors(9, 1.5, eos=[2], length=dict(min_new=3, always=[8]))
     both.start(_zeros, seq, [0, 1], replayed=False, capacity=8)
     penalty_only = LogitsProcessors(9, 1.5)
     penalty_only.start(_zeros, seq, [0, 1], replayed=False, capacity=8)
     got = both.rows(logits[:, 0])
     for b in range(2):
-        want = reference_suppressed(penalty_only.rows(logits[:, 0])[b], b, eos=[2], min_new=3, always=[8])
+        want = reference_length_rules(penalty_only.rows(logits[:, 0])[b], b, eos=[2], min_new=3, always=[8])
         assert torch.equal(got[b], want)
-    assert not LogitsProcessors(9, 1.0, eos=[2], min_new=0)  # nothing to do: no processors at all
+    assert not LogitsProcessors(9, 1.0, eos=[2], length=dict(min_new=0))  # nothing to do: no processors at all
 
 
 # ---- end to end ------------------------------------------------------------------------------------------------
@@ -113,6 +162,38 @@ def test_greedy_output_is_transformers_own(tiny, kind):
         static = model.generate(ids, max_new_tokens=32, lookahead=CONFIGS[1], eos_token_id=eos, pad_token_id=0,
                                 cuda_graphs=False, _static_steps=True, **kwargs)
         assert torch.equal(static.sequences, want)
+
+
+def _same_as_transformers(hf, model, ids, max_new_tokens, **kwargs):
+    """Our output (plain, two lookahead configurations and the static-step loop) equals transformers' greedy one;
+    returns it."""
+    want = hf_generate(hf, ids, max_new_tokens, **kwargs)
+    for la, extra in ((None, {}), (CONFIGS[1], {}), (CONFIGS[3], {}),
+                      (CONFIGS[1], dict(cuda_graphs=False, _static_steps=True))):
+        got = model.generate(ids, max_new_tokens=max_new_tokens, lookahead=la, pad_token_id=0, **kwargs, **extra)
+        assert torch.equal(got.sequences, want), (la, extra, kwargs)
+    return want
+
+
+def test_forced_tokens_and_the_length_penalty_are_transformers_own(tiny):
+    """forced_eos_token_id ends the output at its last allowed token; exponential_decay_length_penalty raises the
+    EOS until it ends the output sooner; forced_bos_token_id (a one-token prompt) forces the first token and moves
+    begin_suppress_tokens to the second; remove_invalid_values rides along (the model's scores are all finite)."""
+    hf, model = tiny
+    for ids in [p[None] for p in mixed_prompts()[:3]]:
+        forced = early_token(hf, ids, 5)
+        want = _same_as_transformers(hf, model, ids, 12, forced_eos_token_id=forced, eos_token_id=forced,
+                                     remove_invalid_values=True)
+        assert want[0, -1] == forced and forced not in want[0, ids.shape[1]:-1].tolist(), "a weak test"
+        eos = early_token(hf, ids, 14)
+        free = hf_generate(hf, ids, 20, eos_token_id=eos)
+        decayed = _same_as_transformers(hf, model, ids, 20, eos_token_id=eos,
+                                        exponential_decay_length_penalty=(2, 1.6))
+        assert decayed.shape[1] < free.shape[1], "the penalty changed nothing: a weak test"
+    one = mixed_prompts()[1][None]
+    second = early_token(hf, torch.cat([one, torch.tensor([[7]])], 1), 0)
+    want = _same_as_transformers(hf, model, one, 10, forced_bos_token_id=7, begin_suppress_tokens=[second])
+    assert want[0, 1] == 7 and want[0, 2] != second
 
 
 @pytest.mark.parametrize("static", [False, True])
@@ -177,6 +258,17 @@ def test_fields_from_a_generation_config(tiny):
     (dict(begin_suppress_tokens=[1.5]), "begin_suppress_tokens must be a list of token ids"),
     (dict(suppress_tokens=[97]), r"suppress_tokens must hold token ids in \[0, 97\)"),
     (dict(begin_suppress_tokens=[3, 200]), r"begin_suppress_tokens must hold token ids in \[0, 97\)"),
+    (dict(forced_bos_token_id=-1), "forced_bos_token_id must be an int >= 0"),
+    (dict(forced_eos_token_id=[3, 97]), r"forced_eos_token_id must hold token ids in \[0, 97\)"),
+    (dict(exponential_decay_length_penalty=(1,)), r"exponential_decay_length_penalty must be \(start_index"),
+    (dict(exponential_decay_length_penalty=(1, float("nan"))), "an int and a finite number"),
+    (dict(remove_invalid_values="yes"), "remove_invalid_values must be a bool"),
+    (dict(renormalize_logits=1), "renormalize_logits must be a bool"),
+    (dict(do_sample=True, top_h=1.5), r"top_h must be a number in \(0, 1\]"),
+    (dict(encoder_repetition_penalty=0.0), "encoder_repetition_penalty must be a number > 0"),
+    (dict(encoder_no_repeat_ngram_size=-1), "encoder_no_repeat_ngram_size must be an int >= 0"),
+    (dict(forced_eos_token_id=3, prefix_allowed_tokens_fn=lambda b, ids: [1, 2]),
+     "prefix_allowed_tokens_fn together with forced_eos_token_id is not supported"),
 ])
 def test_bad_arguments_are_clear_errors(tiny, kwargs, message):
     _, model = tiny
@@ -202,7 +294,7 @@ def test_sampled_tokens_follow_the_suppressed_distribution(lookahead):
         assert first[eos] > 0.05
         # (the EOS can only come last: min_new_tokens is 2 of 3)
         marginals = processed_marginals(model, prompt, params,
-                                        lambda row, context, k: reference_suppressed(row, k, eos=[eos], min_new=2))
+                                        lambda row, context, k: reference_length_rules(row, k, eos=[eos], min_new=2))
     samples = sample_and_fit(model, prompt, lookahead, marginals, SAMPLES, 7, min_new_tokens=2, eos_token_id=eos,
                              pad_token_id=0)
     assert not (samples[:, :2] == eos).any()
