@@ -171,7 +171,24 @@ class NoRepeatNGram:
         return _ban(node_logits, index, torch.cat([hit, path_hit], dim=2))
 
 
-class PromptNGrams:
+class _TailRule:
+    """A rule whose rows read only their sequence's last tokens: ``x``'s rows and a tree's nodes take the same
+    ``_apply(rows [B, R, V], depth [B, R], tokens, end)``, a node's path through ``tokens``/``end``."""
+
+    def rows(self, logits: torch.Tensor) -> torch.Tensor:
+        rows, depth = _as_queries(logits)
+        out = self._apply(rows, depth)
+        return out[:, 0] if logits.dim() == 2 else out
+
+    def tree(self, node_logits: torch.Tensor, tokens: torch.Tensor, end: torch.Tensor,
+             depth: torch.Tensor) -> torch.Tensor:
+        B, N, _ = node_logits.shape
+        if N == 0:
+            return node_logits
+        return self._apply(node_logits, depth.expand(B, N), tokens, end)
+
+
+class PromptNGrams(_TailRule):
     """transformers' ``encoder_no_repeat_ngram_size`` (a decoder-only model's encoder ids are its prompt): a row's
     token scores ``-inf`` where it would complete an n-gram of the row's prompt (the row's own, without a batch's
     left padding). A node's last ``n - 1`` tokens may lie on its path; the n-grams are the prompt's alone."""
@@ -205,20 +222,8 @@ class PromptNGrams:
         index, hit = _ngram_bans(h, self.n, h.tails(self.n - 1, depth, tokens, end), self.lengths, span)
         return _ban(rows, index, hit)
 
-    def rows(self, logits: torch.Tensor) -> torch.Tensor:
-        rows, depth = _as_queries(logits)
-        out = self._apply(rows, depth)
-        return out[:, 0] if logits.dim() == 2 else out
 
-    def tree(self, node_logits: torch.Tensor, tokens: torch.Tensor, end: torch.Tensor,
-             depth: torch.Tensor) -> torch.Tensor:
-        B, N, _ = node_logits.shape
-        if N == 0:
-            return node_logits
-        return self._apply(node_logits, depth.expand(B, N), tokens, end)
-
-
-class SequenceBias:
+class SequenceBias(_TailRule):
     """transformers' ``sequence_bias`` (and ``bad_words_ids``: every bias ``-inf``): a sequence's bias is added to
     its last token's score where the row's sequence ends with the sequence's other tokens; a one-token sequence's
     bias applies always. Biases of sequences sharing a last token add up in transformers' order (one-token biases
@@ -286,18 +291,6 @@ class SequenceBias:
             bias = bias.scatter_add_(2, t["slots"].expand(B, R, -1), added)
         columns = t["columns"]
         return rows.index_copy(2, columns, rows.index_select(2, columns) + bias)
-
-    def rows(self, logits: torch.Tensor) -> torch.Tensor:
-        rows, depth = _as_queries(logits)
-        out = self._apply(rows, depth)
-        return out[:, 0] if logits.dim() == 2 else out
-
-    def tree(self, node_logits: torch.Tensor, tokens: torch.Tensor, end: torch.Tensor,
-             depth: torch.Tensor) -> torch.Tensor:
-        B, N, _ = node_logits.shape
-        if N == 0:
-            return node_logits
-        return self._apply(node_logits, depth.expand(B, N), tokens, end)
 
 
 # ---- arguments ---------------------------------------------------------------------------------------------------
