@@ -121,6 +121,11 @@ wait_build() { [ -n "$BUILD_PID" ] && { wait "$BUILD_PID"; BUILD_PID=""; tail -n
 
 TIMEOUT_FLAG=()
 $PY -c "import pytest_timeout" 2>/dev/null && TIMEOUT_FLAG=(--timeout=150)
+# The test parts spend most of their time compiling kernels and loading SmolLM2 on the host: spread them over the
+# machine's cores with pytest-xdist where it is installed (the GPU image has it; each worker has its own CUDA
+# context; the caches they share are written atomically).
+WORKERS=()
+$PY -c "import xdist" 2>/dev/null && WORKERS=(-n "${TEST_WORKERS:-$([ $DRY = 1 ] && echo 2 || echo 8)}")
 
 wants env && part env 40 $PY bench/gpu_env.py "${DRYFLAG[@]}" --out-dir "$WORK" --revision-file "$ROOT/.device-model/REVISION"
 KTESTS=(tests/test_gpu_kernels.py tests/test_layer_ops.py tests/test_kv_compact.py tests/test_runner.py tests/test_attention.py tests/test_verify.py)
@@ -144,7 +149,7 @@ wants model && part model 90 env PYTHON="$PY" bash scripts/gpu_model_setup.sh
 if [ $DRY = 1 ]; then
   wants e2e && part e2e 600 $PY bench/gpu_e2e.py --dry-run --sets "${SETS[@]}" --out-dir "$WORK"
 else
-  wants e2e && part e2e 190 $PY bench/gpu_e2e.py --limit "${E2E_LIMIT:-16}" --hf-limit 6 --sets "${SETS[@]}" \
+  wants e2e && part e2e 190 $PY bench/gpu_e2e.py --limit "${E2E_LIMIT:-16}" --hf-limit "${HF_LIMIT:-4}" --sets "${SETS[@]}" \
     --out-dir "$WORK" \
     --systems ours-plain ours-lookahead ours-fixed-15-5-15 hf-greedy hf-prompt-lookup
 fi
@@ -157,10 +162,12 @@ else  # issue 12's GPU figure: lookahead against plain at 1, 4 and 16 rows (grap
   wants batchbf16 && part batchbf16 90 $PY bench/bench_batch.py --device cuda --dtype bfloat16 --prompts 16 \
     --batch-sizes 1 16 --repeats 1 --max-new-tokens 64 --sets "${SETS[@]}" --out-dir "$WORK"
 fi
-wants gputests && part gputests 330 $PY -m pytest -q -p no:cacheprovider -rfE -m gpu "${TIMEOUT_FLAG[@]}" tests \
-  --ignore=tests/test_gpu_kernels.py
-# Last: 150 tests compiling their kernels took more than 150 s on an H100 (71 done); they get what is left.
-wants ktests && part ktests 330 $PY -m pytest -q -p no:cacheprovider -rfE "${TIMEOUT_FLAG[@]}" "${KTESTS[@]}"
+# Last: the tests. 150 kernel tests compiling their kernels one after another took more than 150 s on an H100
+# (71 done); spread over the workers they get what is left.
+wants gputests && part gputests 330 $PY -m pytest -q -p no:cacheprovider -rfE -m gpu "${WORKERS[@]}" \
+  "${TIMEOUT_FLAG[@]}" tests --ignore=tests/test_gpu_kernels.py
+wants ktests && part ktests 330 $PY -m pytest -q -p no:cacheprovider -rfE "${WORKERS[@]}" "${TIMEOUT_FLAG[@]}" \
+  "${KTESTS[@]}"
 wait_build
 pack
 echo "run_gpu.sh done in $(( $(date +%s) - START ))s; parts:"; column -t "$WORK/parts.tsv" 2>/dev/null || cat "$WORK/parts.tsv"
