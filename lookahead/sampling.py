@@ -193,9 +193,9 @@ def _below_cutoff(x: torch.Tensor, cutoff: float, entropic: bool) -> torch.Tenso
     """bool ``[..., V]``: the tokens less likely than ``cutoff`` (epsilon sampling), or with ``entropic`` than
     ``min(cutoff, sqrt(cutoff) * exp(-entropy))`` (eta sampling); never the likeliest."""
     logp = torch.log_softmax(x, dim=-1)
-    bound = torch.tensor(cutoff, dtype=x.dtype, device=x.device)
+    bound = cutoff  # compared in x's dtype; no tensor made from a host number (a CUDA graph capture refuses the copy)
     if entropic:
-        bound = torch.minimum(bound, math.sqrt(cutoff) * torch.exp(-_entropy(logp)))
+        bound = (math.sqrt(cutoff) * torch.exp(-_entropy(logp))).clamp(max=cutoff)
     return (logp.exp() < bound) & (x < x.amax(-1, keepdim=True))
 
 

@@ -1,7 +1,8 @@
 """transformers' processors that read a row's recent tokens, on a step's logits rows for plain and lookahead steps
 alike: ``no_repeat_ngram_size`` (a token that would repeat an n-gram of the row's sequence scores ``-inf``),
-``encoder_no_repeat_ngram_size`` (the same for the n-grams of the row's prompt), ``sequence_bias`` (a bias on a sequence's last token where the sequence's other tokens end the row's sequence)
-and ``bad_words_ids`` (the same with ``-inf``).
+``encoder_no_repeat_ngram_size`` (the same for the n-grams of the row's prompt), ``sequence_bias`` (a bias on a
+sequence's last token where the sequence's other tokens end the row's sequence) and ``bad_words_ids`` (the same
+with ``-inf``).
 
 What a row's rules see is the sequence its token would follow: the committed sequence (prompt included) for
 ``x``'s row, and for a tree node's row that sequence followed by the tokens of the node's path (its ancestors and
