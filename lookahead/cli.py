@@ -147,7 +147,7 @@ def _describe(la: LookaheadConfig | None) -> str:
     if la is None:
         return "plain"
     parts = [f"{k}={v}" for k, v in (("W", la.window), ("N", la.ngram), ("G", la.guess),
-                                      ("max-step-tokens", la.max_step_tokens)) if v is not None]
+                                     ("max-step-tokens", la.max_step_tokens)) if v is not None]
     return "lookahead " + (" ".join(parts) if parts else "auto")
 
 

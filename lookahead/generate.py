@@ -504,7 +504,6 @@ def _load_extensions_untimed(lookahead, device: torch.device) -> None:
         _POOL_PREBUILD_FAILED.add(cuda)
 
 
-
 def _processor_settings(args) -> set[str]:
     """The generate arguments in use that make one of transformers' processors."""
     used = {"repetition_penalty": args.repetition_penalty != 1.0, "no_repeat_ngram_size": args.no_repeat_ngram_size,
@@ -868,4 +867,3 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
         # planner's next choices.
         plan.planner.host.observe(len(active), sum(t.num_nodes for t in trees), host_seconds + host.verify_seconds)
     return emitted_total
-

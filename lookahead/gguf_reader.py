@@ -212,6 +212,7 @@ def model_config(gguf: GGUFFile) -> ModelConfig:
     if vocab is None:
         tokens = meta.get("tokenizer.ggml.tokens")
         vocab = tokens.length if isinstance(tokens, StringArray) else names["token_embd.weight"].shape[0]
+
     def has(suffix: str) -> bool:
         return any(n.startswith("blk.") and n.endswith(suffix) for n in names)
 

@@ -283,7 +283,7 @@ class StepVerifier:
         past the accepted ones: ``x``'s row again, ignored), as :meth:`Sampler.kept_rows` keeps them."""
         if not self.sampler.outputs:
             return None
-        B, vocab = logits.shape[0], logits.shape[-1]
+        vocab = logits.shape[-1]
         taken = path.clamp_min(0)[..., None].expand(-1, -1, vocab)
         raw = torch.cat([logits[:, :1], logits[:, self.node_rows].gather(1, taken)], 1)
         processed = torch.cat([x_logits[:, None], node_logits.gather(1, taken)], 1)

@@ -1,7 +1,7 @@
-"""no_repeat_ngram_size, encoder_no_repeat_ngram_size, sequence_bias and bad_words_ids: the oracles against transformers' own processors, a
-tree's rows against the oracles (each node's sequence ending with its path), then generate end to end (plain and
-lookahead, greedy identical to transformers' generate; sampled tokens following the processed distribution), and
-the arguments' errors."""
+"""no_repeat_ngram_size, encoder_no_repeat_ngram_size, sequence_bias and bad_words_ids: the oracles against
+transformers' own processors, a tree's rows against the oracles (each node's sequence ending with its path), then
+generate end to end (plain and lookahead, greedy identical to transformers' generate; sampled tokens following the
+processed distribution), and the arguments' errors."""
 
 import random
 
