@@ -60,8 +60,6 @@ def _syncs(func, args, kwargs) -> bool:
     if func in (torch.repeat_interleave, torch.Tensor.repeat_interleave):
         return isinstance(args[1] if len(args) > 1 else kwargs.get("repeats"), torch.Tensor) \
             and kwargs.get("output_size") is None
-    if func is torch.Tensor.to:
-        return any(a == "cpu" or a == torch.device("cpu") for a in list(args[1:]) + [kwargs.get("device")])
     return False
 
 
@@ -81,7 +79,7 @@ def _allowed_or_site():
 
 class HostSyncGuard(TorchFunctionMode):
     """Records ``(file, function, line, operation)`` for every operation of ``_SYNCING`` (and boolean-mask
-    indexing, ``torch.where(cond)``, ``repeat_interleave`` without its output size, ``.to("cpu")``) called from the
+    indexing, ``torch.where(cond)``, ``repeat_interleave`` without its output size) called from the
     project's code outside ``CPU_ONLY``."""
 
     def __init__(self):
