@@ -8,6 +8,11 @@ lent. On the CPU the static path runs the same finish eagerly, so here it runs u
 ``TorchFunctionMode`` that records every such operation with its call site. The branches a CPU takes where CUDA
 takes a kernel of its own (``CPU_ONLY``: the verification references, the C++ ops, the CPU's checks) are allowed;
 everything else a finish calls is the code a graph holds, and must record nothing.
+
+A replay also reads its inputs and state where its capture did: a processor that replaces a state tensor (rather
+than writing it in place) leaves the graph reading the old one. So each finish's reads of tensors it did not make
+are kept per graph (runner, shape, finish), with the processors started as on the graph path (every rule every
+step); a later run of the same graph must read nothing its earlier runs did not.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from lookahead import LlamaForCausalLM, LookaheadConfig
 from lookahead_kernels import cpu_ops
+from lookahead.processors import LogitsProcessors
 from lookahead.runner import StepRunner
 
 from .test_generate import tiny_hf_model
@@ -77,14 +83,30 @@ def _allowed_or_site():
     return None if 'device.type == "cpu"' in text else (file, name, line)
 
 
+def _storages(value):
+    """The data pointers of the tensors in ``value`` (nested lists, tuples and dicts)."""
+    if isinstance(value, torch.Tensor):
+        return [value.untyped_storage().data_ptr()]
+    if isinstance(value, (list, tuple)):
+        return [p for v in value for p in _storages(v)]
+    if isinstance(value, dict):
+        return [p for v in value.values() for p in _storages(v)]
+    return []
+
+
 class HostSyncGuard(TorchFunctionMode):
     """Records ``(file, function, line, operation)`` for every operation of ``_SYNCING`` (and boolean-mask
     indexing, ``torch.where(cond)``, ``repeat_interleave`` without its output size) called from the
-    project's code outside ``CPU_ONLY``."""
+    project's code outside ``CPU_ONLY``.
+
+    Also keeps, per use, the storages its operations read that they did not make (``outside``): a graph's state
+    and buffers; a replay reads them where its capture did."""
 
     def __init__(self):
         super().__init__()
         self.found = []
+        self.made: set = set()
+        self.outside: set = set()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -92,15 +114,21 @@ class HostSyncGuard(TorchFunctionMode):
             site = _allowed_or_site()
             if site is not None:
                 self.found.append((*site, getattr(func, "__name__", str(func))))
-        return func(*args, **kwargs)
+        self.outside.update(p for p in _storages((args, kwargs)) if p not in self.made)
+        out = func(*args, **kwargs)
+        self.made.update(_storages(out))
+        return out
 
 
 @pytest.fixture
 def guarded(monkeypatch):
     """Runs every static step's finish under one :class:`HostSyncGuard` (the forward before it unguarded: on CUDA it
-    is the model's own kernels) and returns it; ``guard.finishes`` lists the finishes run."""
+    is the model's own kernels) and returns it; ``guard.finishes`` lists the finishes run, ``guard.moved`` the
+    finishes that read state at other addresses than the first finish of their graph did (which a replay would
+    not see)."""
     guard = HostSyncGuard()
     guard.finishes = []  # (the finish's kind, its tree's size)
+    guard.moved = []
 
     def step(self, buf, finish):
         logits = self._forward(buf)
@@ -110,11 +138,24 @@ def guarded(monkeypatch):
         guard.finishes.append((type(finish).__name__, shape.tree_budget if shape is not None else 0))
         # Inside the finish the C++ ops count as absent: a CPU then takes the torch code a GPU's graph holds (the
         # warps and draws) where it would take its own C++ walk and draw.
+        guard.made, guard.outside = set(_storages(logits)), set()  # a replay writes its logits where its capture did
         with guard, monkeypatch.context() as m:
             m.setattr(cpu_ops, "cpu_ops_available", lambda build=True: False)
-            return finish(logits, self._inputs(buf))
+            out = finish(logits, self._inputs(buf))
+        # Per runner (its graphs), per graph as StepRunner keys them: nothing that graph's earlier runs did not
+        # read (a tensor replaced rather than written in place shows up at a new address).
+        read = self.__dict__.setdefault("_reads_seen_by_test", {})
+        key = (buf.shape, None if buf.inputs.rows is None else buf.inputs.rows.numel(), finish.key)
+        if key in read and not guard.outside <= read[key]:
+            guard.moved.append((key, sorted(guard.outside - read[key])))
+        read.setdefault(key, set()).update(guard.outside)
+        return out
 
     monkeypatch.setattr(StepRunner, "_step", step)
+    # The processors as a graph runs them: every rule on every step (an eager step skips those no row needs).
+    start = LogitsProcessors.start
+    monkeypatch.setattr(LogitsProcessors, "start", lambda self, state, sequences, counts, replayed, capacity:
+                        start(self, state, sequences, counts, True, capacity))
     return guard
 
 
@@ -173,7 +214,9 @@ def test_a_step_s_finish_holds_no_host_sync(tiny, guarded, name, la):
     if kwargs.get("do_sample"):
         kwargs["generator"] = torch.Generator().manual_seed(0)
     tiny.generate(ids, max_new_tokens=16, lookahead=la, pad_token_id=0, **STATIC, **kwargs)
+    tiny.generate(ids[:, 1:], max_new_tokens=12, lookahead=la, pad_token_id=0, **STATIC, **kwargs)  # a later call
     assert guarded.finishes
+    assert not guarded.moved, f"a finish read state its graph's capture did not: {guarded.moved[:3]}"
     if la is not None:
         assert any(kind == "StepVerifier" and nodes for kind, nodes in guarded.finishes), "no tree step ran"
     assert not guarded.found, "\n".join(f"{f}:{line} in {fn}: {op}" for f, fn, line, op in sorted(set(guarded.found)))
