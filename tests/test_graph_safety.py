@@ -5,9 +5,11 @@ verification, the window's guesses, the successor tops, KV compaction) in the st
 operation that waits for the device (``.item()``, ``bool(tensor)``, ``nonzero``, a boolean-mask index...) or copies
 from pageable host memory (``torch.tensor(list)``), and the ``gpu`` tests that capture it run only where a GPU is
 lent. On the CPU the static path runs the same finish eagerly, so here it runs under :class:`HostSyncGuard`, a
-``TorchFunctionMode`` that records every such operation with its call site. The branches a CPU takes where CUDA
-takes a kernel of its own (``CPU_ONLY``: the verification references, the C++ ops, the CPU's checks) are allowed;
-everything else a finish calls is the code a graph holds, and must record nothing.
+``TorchFunctionMode`` that records every such operation with its call site. Inside the finish the C++ ops count as
+absent, so the CPU takes the torch warps and draws a graph holds; the branches it takes where CUDA launches a
+kernel of its own (``CPU_ONLY``: the verification and compaction references; a sync on the line of a
+``device.type == "cpu"`` test) are allowed. Everything else a finish calls is the code a graph holds, and must
+record nothing.
 
 A replay also reads its inputs and state where its capture did: a processor that replaces a state tensor (rather
 than writing it in place) leaves the graph reading the old one. So each finish's reads of tensors it did not make
@@ -25,9 +27,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from lookahead import LlamaForCausalLM, LookaheadConfig
-from lookahead_kernels import cpu_ops
 from lookahead.processors import LogitsProcessors
 from lookahead.runner import StepRunner
+from lookahead_kernels import cpu_ops
 
 from .test_generate import tiny_hf_model
 
