@@ -512,21 +512,26 @@ def _processor_settings(args) -> set[str]:
             "begin_suppress_tokens": args.begin_suppress_tokens,
             "encoder_repetition_penalty": args.prompt_penalty != 1.0,
             "encoder_no_repeat_ngram_size": args.prompt_ngram_size,
-            "forced_bos_token_id": args.forced_bos_token_id is not None and args.padded_length == 1,
+            "forced_bos_token_id": _forced_first(args) is not None,
             "forced_eos_token_id": args.forced_eos_token_id, "remove_invalid_values": args.remove_invalid_values,
             "exponential_decay_length_penalty": args.decay is not None}
     return {name for name, value in used.items() if value}
 
 
+def _forced_first(args):
+    """The token forced first, or ``None``: transformers forces ``forced_bos_token_id`` only where the padded
+    prompt is one token."""
+    return args.forced_bos_token_id if args.padded_length == 1 else None
+
+
 def _length_rules(args, max_new_tokens: int) -> dict:
-    """:class:`lookahead.length_rules.LengthRules`' keywords (but the EOS) for the call's arguments. transformers
-    forces a first token only where the padded prompt is one token, and then moves ``begin_suppress_tokens`` to
-    the second."""
-    forced_first = args.forced_bos_token_id if args.padded_length == 1 else None
+    """:class:`lookahead.length_rules.LengthRules`' keywords (but the EOS) for the call's arguments. Where a first
+    token is forced, transformers moves ``begin_suppress_tokens`` to the second."""
+    forced_first = _forced_first(args)
     return dict(min_new=args.min_new_tokens, forced_first=forced_first, forced_last=args.forced_eos_token_id,
                 last=max_new_tokens - 1, remove_invalid=args.remove_invalid_values, decay=args.decay,
                 always=args.suppress_tokens, at_start=args.begin_suppress_tokens,
-                begin=1 if args.forced_bos_token_id is not None and args.padded_length == 1 else 0)
+                begin=0 if forced_first is None else 1)
 
 
 def _step_path(cuda_graphs, static_steps, device: torch.device) -> tuple[bool, bool]:
