@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cpu_ops.h"
@@ -36,6 +37,13 @@ using cpu_vec::exp_nonpositive;
 using cpu_vec::load;
 using cpu_vec::splat;
 using cpu_vec::store;
+
+#ifndef FEW512
+#define FEW512 8
+#endif
+#ifndef FEW256
+#define FEW256 4
+#endif
 
 struct Args {
   const float* q;
@@ -52,13 +60,73 @@ struct Args {
   float scale;
 };
 
+// The lanes of L vectors of L lanes transposed in place (r[d] lane u becomes r[u] lane d): log2(L) rounds of
+// interleaving row i with row i + L/2, a perfect shuffle each round.
+template <typename V>
+__attribute__((always_inline)) inline void transpose(V* r) {
+  constexpr int L = cpu_vec::Traits<V>::lanes;
+  for (int round = 1; round < L; round *= 2) {
+    V n[L];
+    for (int i = 0; i < L / 2; ++i) {
+      if constexpr (L == 16) {
+        n[2 * i] = __builtin_shufflevector(r[i], r[i + 8], 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+        n[2 * i + 1] = __builtin_shufflevector(r[i], r[i + 8], 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30,
+                                               15, 31);
+      } else {
+        static_assert(L == 8, "16 or 8 lanes");
+        n[2 * i] = __builtin_shufflevector(r[i], r[i + 4], 0, 8, 1, 9, 2, 10, 3, 11);
+        n[2 * i + 1] = __builtin_shufflevector(r[i], r[i + 4], 4, 12, 5, 13, 6, 14, 7, 15);
+      }
+    }
+    for (int i = 0; i < L; ++i) r[i] = n[i];
+  }
+}
+
+// Scores of a task's R rows (R below the lanes: a plain step's 3 rows of a GQA group use 3 of 16 lanes in the loop
+// that puts rows in lanes) with keys in the lanes instead: each block of L keys' [L, D] slice of K transposed into
+// D vectors (lane u: key j + u), then row i's L scores as acc += kt[d] * q_i[d] over d in order. For every (row,
+// key) these are the very FMAs, in the same order from the same zero, of group_task's rows-in-lanes loop, so a
+// row's scores are the same bits whichever loop the task's row count picks. Writes scores [keys, L] as that loop
+// does; returns how many keys it scored (whole blocks of L; the loop below takes the rest).
+template <typename V, int NV, int R>
+__attribute__((always_inline)) inline int64_t few_row_scores(const float* kb, int64_t k_ss, int64_t keys,
+                                                             const float* qt, float* scores) {
+  constexpr int L = cpu_vec::Traits<V>::lanes;
+  constexpr int64_t D = NV * L;
+  V kt[D];
+  int64_t j = 0;
+  for (; j + L <= keys; j += L) {
+    for (int c = 0; c < NV; ++c) {
+      V r[L];
+      for (int u = 0; u < L; ++u) r[u] = load<V>(kb + (j + u) * k_ss + c * L);
+      transpose(r);
+      for (int d = 0; d < L; ++d) kt[c * L + d] = r[d];
+    }
+    V acc[R] = {};
+    for (int64_t d = 0; d < D; ++d)
+      for (int i = 0; i < R; ++i) acc[i] += kt[d] * splat<V>(qt[d * L + i]);
+    for (int i = 0; i < R; ++i)
+      for (int u = 0; u < L; ++u) scores[(j + u) * L + i] = acc[i][u];
+  }
+  return j;
+}
+
+template <typename V, int NV, int... Rs>
+__attribute__((always_inline)) inline int64_t few_row_scores_for(int64_t rows, const float* kb, int64_t k_ss,
+                                                                 int64_t keys, const float* qt, float* scores,
+                                                                 std::integer_sequence<int, Rs...>) {
+  int64_t done = 0;
+  ((rows == Rs + 1 ? (done = few_row_scores<V, NV, Rs + 1>(kb, k_ss, keys, qt, scores), 0) : 0), ...);
+  return done;
+}
+
 // One task: up to L query rows of sequence b that share the KV head kv, L the lanes of the vector type V; row r of
 // the group is token r / G, query head kv * G + r % G. Scores and probabilities are [keys, L rows] (rows in vector
 // lanes); the output is accumulated row by row over D in vectors (NV = D / L of them). KEYS keys are scored at once
 // (independent accumulators hide the FMA latency); the output holds CHUNK vectors of accumulators: CHUNK / NV rows
 // at a time, or, where one row's NV exceed CHUNK, one row and CHUNK of its vectors at a time. Both are sized to
 // the registers of the instruction set V is compiled for.
-template <typename V, int NV, int KEYS, int CHUNK>
+template <typename V, int NV, int KEYS, int CHUNK, int FEW>
 __attribute__((always_inline)) inline void group_task(const Args& a, int64_t b, int64_t kv, int64_t r0, float* scores,
                                                       float* qt) {
   constexpr int L = cpu_vec::Traits<V>::lanes;
@@ -75,8 +143,11 @@ __attribute__((always_inline)) inline void group_task(const Args& a, int64_t b, 
     const float* qr = a.q + b * a.q_sb + t * a.q_st + h * a.q_sh;
     for (int64_t d = 0; d < D; ++d) qt[d * L + i] = qr[d] * a.scale;
   }
-  // Scores, KEYS keys at a time.
+  // Scores: a task of few rows with keys in the lanes, then (the rest, or every key of a fuller task) KEYS keys at a
+  // time with rows in the lanes.
   int64_t j = 0;
+  if (rows <= FEW)
+    j = few_row_scores_for<V, NV>(rows, kb, a.k_ss, keys, qt, scores, std::make_integer_sequence<int, FEW>{});
   for (; j + KEYS <= keys; j += KEYS) {
     V acc[KEYS] = {};
     for (int64_t d = 0; d < D; ++d) {
@@ -141,15 +212,15 @@ __attribute__((always_inline)) inline void group_task(const Args& a, int64_t b, 
 using TaskFn = void (*)(const Args&, int64_t, int64_t, int64_t, float*, float*);
 
 // D = 16, 32, 64, 128 or 256 (checked by the caller), in vectors of L lanes.
-#define CPU_ATTENTION_TASK(NAME, V, KEYS, CHUNK)                                                           \
+#define CPU_ATTENTION_TASK(NAME, V, KEYS, CHUNK, FEW)                                                           \
   void NAME(const Args& a, int64_t b, int64_t kv, int64_t r0, float* scores, float* qt) {                 \
     constexpr int L = cpu_vec::Traits<V>::lanes;                                                            \
     switch (a.D) {                                                                                          \
-      case 16: group_task<V, 16 / L, KEYS, CHUNK>(a, b, kv, r0, scores, qt); break;                         \
-      case 32: group_task<V, 32 / L, KEYS, CHUNK>(a, b, kv, r0, scores, qt); break;                         \
-      case 64: group_task<V, 64 / L, KEYS, CHUNK>(a, b, kv, r0, scores, qt); break;                         \
-      case 128: group_task<V, 128 / L, KEYS, CHUNK>(a, b, kv, r0, scores, qt); break;                       \
-      default: group_task<V, 256 / L, KEYS, CHUNK>(a, b, kv, r0, scores, qt); break;                        \
+      case 16: group_task<V, 16 / L, KEYS, CHUNK, FEW>(a, b, kv, r0, scores, qt); break;                         \
+      case 32: group_task<V, 32 / L, KEYS, CHUNK, FEW>(a, b, kv, r0, scores, qt); break;                         \
+      case 64: group_task<V, 64 / L, KEYS, CHUNK, FEW>(a, b, kv, r0, scores, qt); break;                         \
+      case 128: group_task<V, 128 / L, KEYS, CHUNK, FEW>(a, b, kv, r0, scores, qt); break;                       \
+      default: group_task<V, 256 / L, KEYS, CHUNK, FEW>(a, b, kv, r0, scores, qt); break;                        \
     }                                                                                                       \
   }
 
@@ -157,9 +228,9 @@ using TaskFn = void (*)(const Args&, int64_t, int64_t, int64_t, float*, float*);
 // AVX2; cpu_vec.h says why) and blocking that fits its 32 or 16 registers; chosen at run time as the GEMM chooses
 // (tests force narrower ones). Before, one source of 16-lane vectors compiled by target_clones for "avx2" (no
 // FMA) spent 0.43-0.6 ms a layer at T=1 on a Zen 1 EPYC (bench/results/forward-cpu-avx2.md).
-__attribute__((target("avx512f,fma"))) CPU_ATTENTION_TASK(task_avx512, cpu_vec::v16sf, 8, 16)
-__attribute__((target("avx2,fma"))) CPU_ATTENTION_TASK(task_avx2, cpu_vec::v8sf, 8, 8)
-CPU_ATTENTION_TASK(task_scalar, cpu_vec::v8sf, 4, 4)
+__attribute__((target("avx512f,fma"))) CPU_ATTENTION_TASK(task_avx512, cpu_vec::v16sf, 8, 16, FEW512)
+__attribute__((target("avx2,fma"))) CPU_ATTENTION_TASK(task_avx2, cpu_vec::v8sf, 8, 8, FEW256)
+CPU_ATTENTION_TASK(task_scalar, cpu_vec::v8sf, 4, 4, 0)
 
 struct Task {
   TaskFn run;
