@@ -184,6 +184,10 @@ inline void store_rows(const float* buf, int64_t M, float* y, int64_t n, int64_t
 // One quantised group for all of a step's rows (one function per row count): sums into buf [M, 32].
 using GroupFn = void (*)(const float*, int64_t, const uint8_t*, float*);
 
+// An instruction set's GEMM over groups [g0, g1): (x, M, w, g0, g1, buf, scratch, rows_per, y, n, bias).
+using GroupsFn = void (*)(const float*, int64_t, const Packed&, int64_t, int64_t, float*, float*, int64_t, float*,
+                          int64_t, const float*);
+
 // One block of R rows (R = 1 .. the kernel's most): as SMALL_GEMM_KERNEL's NAME##_block says.
 using BlockFn = void (*)(const float*, int64_t, int64_t, const float*, float*, bool, const char*);
 
@@ -271,6 +275,24 @@ void run_groups(const BlockFn* blocks, const float* x, int64_t M, const Packed& 
   }
 }
 
+// Groups [g0, g1) of a quantised or mixed weight for a step of M rows, each by its format's kernel that expands the
+// integers in registers (tables q4, q8, q8h, q8m indexed by M - 1); a mixed weight's group of no quantised form
+// by `f32` on its float32 columns.
+static void fused_groups(const GroupFn* q4, const GroupFn* q8, const GroupFn* q8h, const GroupFn* q8m, GroupsFn f32,
+                         const float* x, int64_t M, const Packed& w, int64_t g0, int64_t g1, float* buf,
+                         float* scratch, int64_t rows_per, float* y, int64_t n, const float* bias) {
+  for (int64_t g = g0; g < g1; ++g) {
+    Format f;
+    const uint8_t* src = w.group(g, &f);
+    if (f == kF32) {
+      f32(x, M, w, g, g + 1, buf, scratch, rows_per, y, n, bias);
+      continue;
+    }
+    (f == kQ4 ? q4 : f == kQ8 ? q8 : f == kQ8H ? q8h : q8m)[M - 1](x, w.K, src, buf);
+    store_rows(buf, M, y, n, g * kCols, bias);
+  }
+}
+
 #pragma GCC push_options
 #pragma GCC target("avx512f,fma")
 SMALL_GEMM_KERNEL(k512, 16, 12)
@@ -354,16 +376,8 @@ static void k512_fused_groups(const float* x, int64_t M, const Packed& w, int64_
   constexpr auto rows = std::make_integer_sequence<int, kFusedRowsAvx512>{};  // one kernel per row count
   static constexpr auto q4 = k512_quantised_kernels<kQ4>(rows), q8 = k512_quantised_kernels<kQ8>(rows),
                         q8h = k512_quantised_kernels<kQ8H>(rows), q8m = k512_quantised_kernels<kQ8M>(rows);
-  for (int64_t g = g0; g < g1; ++g) {
-    Format f;
-    const uint8_t* src = w.group(g, &f);
-    if (f == kF32) {  // a group of a mixed weight that is no quantised form: its float32 columns
-      k512_groups(x, M, w, g, g + 1, buf, scratch, rows_per, y, n, bias);
-      continue;
-    }
-    (f == kQ4 ? q4 : f == kQ8 ? q8 : f == kQ8H ? q8h : q8m)[M - 1](x, w.K, src, buf);
-    store_rows(buf, M, y, n, g * kCols, bias);
-  }
+  fused_groups(q4.data(), q8.data(), q8h.data(), q8m.data(), k512_groups, x, M, w, g0, g1, buf, scratch, rows_per, y,
+               n, bias);
 }
 #pragma GCC pop_options
 
@@ -491,31 +505,27 @@ static constexpr std::array<GroupFn, sizeof...(Rs)> quantised_kernels(std::integ
   return {k256_quantised_group<Rs + 1, F>...};
 }
 
+// The f32 layout's groups on AVX2.
+static void k256_f32_groups(const float* x, int64_t M, const Packed& w, int64_t g0, int64_t g1, float* buf,
+                            float* scratch, int64_t rows_per, float* y, int64_t n, const float* bias) {
+  static constexpr BlockFn blocks[] = {k256_block<1>, k256_block<2>, k256_block<3>};
+  run_groups(blocks, x, M, w, g0, g1, buf, scratch, rows_per, y, n, bias);
+}
+
 static void k256_groups(const float* x, int64_t M, const Packed& w, int64_t g0, int64_t g1, float* buf,
                         float* scratch, int64_t rows_per, float* y, int64_t n, const float* bias) {
-  static constexpr BlockFn blocks[] = {k256_block<1>, k256_block<2>, k256_block<3>};
   if (w.format == kF32) {  // linear hands quantised blocks only to steps of at most kFusedRowsAvx2 rows
-    run_groups(blocks, x, M, w, g0, g1, buf, scratch, rows_per, y, n, bias);
+    k256_f32_groups(x, M, w, g0, g1, buf, scratch, rows_per, y, n, bias);
     return;
   }
   constexpr auto rows = std::make_integer_sequence<int, kFusedRowsAvx2>{};  // one kernel per row count
   static constexpr auto q4 = quantised_kernels<kQ4>(rows), q8 = quantised_kernels<kQ8>(rows),
                         q8h = quantised_kernels<kQ8H>(rows), q8m = quantised_kernels<kQ8M>(rows);
-  for (int64_t g = g0; g < g1; ++g) {
-    Format f;
-    const uint8_t* src = w.group(g, &f);
-    if (f == kF32) {  // a group of a mixed weight that is no quantised form: its float32 columns
-      run_groups(blocks, x, M, w, g, g + 1, buf, scratch, rows_per, y, n, bias);
-      continue;
-    }
-    (f == kQ4 ? q4 : f == kQ8 ? q8 : f == kQ8H ? q8h : q8m)[M - 1](x, w.K, src, buf);
-    store_rows(buf, M, y, n, g * kCols, bias);
-  }
+  fused_groups(q4.data(), q8.data(), q8h.data(), q8m.data(), k256_f32_groups, x, M, w, g0, g1, buf, scratch, rows_per,
+               y, n, bias);
 }
 #pragma GCC pop_options
 
-using GroupsFn = void (*)(const float*, int64_t, const Packed&, int64_t, int64_t, float*, float*, int64_t, float*,
-                          int64_t, const float*);
 
 // Other CPUs: one row at a time, a plain loop per output column over k in order.
 static void scalar_block(const float* x, int64_t, int64_t kn, const float* w, float* buf, bool first, const char*) {
