@@ -38,12 +38,13 @@ using cpu_vec::load;
 using cpu_vec::splat;
 using cpu_vec::store;
 
-#ifndef FEW512
-#define FEW512 8
-#endif
-#ifndef FEW256
-#define FEW256 4
-#endif
+// A task of at most this many rows scores with keys in the vector lanes (few_row_scores). Its cost per block of L
+// keys and L of D is L loads, L log2(L) shuffles and L R FMAs, against L * L FMAs with rows in the lanes: even near
+// R = 12 (16 lanes). Measured on a 2-core Zen 4, SmolLM2's heads (9 over 3), one layer, caches warm, 150 / 1000
+// keys (microseconds, rows in lanes against keys in lanes): 3 rows 23.7 / 92.4 against 18.0 / 64.1, 6 rows 17.6
+// / 110.6 against 15.5 / 97.4, 9 rows 19.4 / 131.6 against 18.7 / 124.2, 12 rows 19.9 / 109.9 against 20.8 / 118.6.
+constexpr int kFewRowsAvx512 = 8;
+constexpr int kFewRowsAvx2 = 4;  // 8 lanes: even near R = 5
 
 struct Args {
   const float* q;
@@ -212,24 +213,24 @@ __attribute__((always_inline)) inline void group_task(const Args& a, int64_t b, 
 using TaskFn = void (*)(const Args&, int64_t, int64_t, int64_t, float*, float*);
 
 // D = 16, 32, 64, 128 or 256 (checked by the caller), in vectors of L lanes.
-#define CPU_ATTENTION_TASK(NAME, V, KEYS, CHUNK, FEW)                                                           \
-  void NAME(const Args& a, int64_t b, int64_t kv, int64_t r0, float* scores, float* qt) {                 \
-    constexpr int L = cpu_vec::Traits<V>::lanes;                                                            \
-    switch (a.D) {                                                                                          \
-      case 16: group_task<V, 16 / L, KEYS, CHUNK, FEW>(a, b, kv, r0, scores, qt); break;                         \
-      case 32: group_task<V, 32 / L, KEYS, CHUNK, FEW>(a, b, kv, r0, scores, qt); break;                         \
-      case 64: group_task<V, 64 / L, KEYS, CHUNK, FEW>(a, b, kv, r0, scores, qt); break;                         \
-      case 128: group_task<V, 128 / L, KEYS, CHUNK, FEW>(a, b, kv, r0, scores, qt); break;                       \
-      default: group_task<V, 256 / L, KEYS, CHUNK, FEW>(a, b, kv, r0, scores, qt); break;                        \
-    }                                                                                                       \
+#define CPU_ATTENTION_TASK(NAME, V, KEYS, CHUNK, FEW)                                                              \
+  void NAME(const Args& a, int64_t b, int64_t kv, int64_t r0, float* scores, float* qt) {                          \
+    constexpr int L = cpu_vec::Traits<V>::lanes;                                                                   \
+    switch (a.D) {                                                                                                 \
+      case 16: group_task<V, 16 / L, KEYS, CHUNK, FEW>(a, b, kv, r0, scores, qt); break;                           \
+      case 32: group_task<V, 32 / L, KEYS, CHUNK, FEW>(a, b, kv, r0, scores, qt); break;                           \
+      case 64: group_task<V, 64 / L, KEYS, CHUNK, FEW>(a, b, kv, r0, scores, qt); break;                           \
+      case 128: group_task<V, 128 / L, KEYS, CHUNK, FEW>(a, b, kv, r0, scores, qt); break;                         \
+      default: group_task<V, 256 / L, KEYS, CHUNK, FEW>(a, b, kv, r0, scores, qt); break;                          \
+    }                                                                                                              \
   }
 
 // One build per instruction set, each with the vectors one of its registers holds (16 lanes with AVX-512, 8 with
 // AVX2; cpu_vec.h says why) and blocking that fits its 32 or 16 registers; chosen at run time as the GEMM chooses
 // (tests force narrower ones). Before, one source of 16-lane vectors compiled by target_clones for "avx2" (no
 // FMA) spent 0.43-0.6 ms a layer at T=1 on a Zen 1 EPYC (bench/results/forward-cpu-avx2.md).
-__attribute__((target("avx512f,fma"))) CPU_ATTENTION_TASK(task_avx512, cpu_vec::v16sf, 8, 16, FEW512)
-__attribute__((target("avx2,fma"))) CPU_ATTENTION_TASK(task_avx2, cpu_vec::v8sf, 8, 8, FEW256)
+__attribute__((target("avx512f,fma"))) CPU_ATTENTION_TASK(task_avx512, cpu_vec::v16sf, 8, 16, kFewRowsAvx512)
+__attribute__((target("avx2,fma"))) CPU_ATTENTION_TASK(task_avx2, cpu_vec::v8sf, 8, 8, kFewRowsAvx2)
 CPU_ATTENTION_TASK(task_scalar, cpu_vec::v8sf, 4, 4, 0)
 
 struct Task {
