@@ -305,7 +305,8 @@ static inline void k512_expand(const uint8_t* q, int64_t k, __m512 d0, __m512 d1
                                __m512& w1) {
   if constexpr (F == kQ4) {  // columns 0-15: the low nibbles of the row's 16 bytes, 16-31: the high ones
     const __m128i by = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * 16));
-    const __m128i lo = _mm_and_si128(by, _mm_set1_epi8(15)), hi = _mm_and_si128(_mm_srli_epi16(by, 4), _mm_set1_epi8(15));
+    const __m128i low4 = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(by, low4), hi = _mm_and_si128(_mm_srli_epi16(by, 4), low4);
     w0 = _mm512_fmadd_ps(d0, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), m0);
     w1 = _mm512_fmadd_ps(d1, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), m1);
   } else {
