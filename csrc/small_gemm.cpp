@@ -77,7 +77,7 @@ constexpr int64_t kCols = 32;  // output columns per packed group
 #endif
 constexpr int64_t kKB = SMALL_GEMM_KB;  // k rows per block: 64 * 32 floats = 8 KB (measured best of 64/128/256)
 static_assert(kKB % 32 == 0, "a GEMM block holds whole quantised blocks");
-// Up to this many rows a step reads a quantised weight's blocks (expanded once per block into L1, other than AVX2);
+// Without AVX2, up to this many rows a step reads a quantised weight's blocks (expanded once per block into L1);
 // beyond, it reads the f32 layout beside them.
 // Measured on a Zen 1 EPYC, SmolLM2's linear layers (minimum of 15 rounds): 3 rows 26.3 ms in registers against
 // 29.0 from f32; 4 rows 30.0 against 35.0; 5 rows through L1 34.3 against 32.4.
@@ -192,7 +192,8 @@ using GroupsFn = void (*)(const float*, int64_t, const Packed&, int64_t, int64_t
 using BlockFn = void (*)(const float*, int64_t, int64_t, const float*, float*, bool, const char*);
 
 // Expands `blocks` quantised blocks of 32 x 32 weights at `src` into out [32 * blocks, 32] floats: q4 (kNibbles,
-// column c's q in byte c % 16) or q8m (a byte a q), both d * q + m.
+// column c's q in byte c % 16) or q8m (a byte a q), both d * q + m. Only CPUs without AVX2 read weights this way
+// (AVX2 and AVX-512 expand them in registers), so these are plain loops, compiled once.
 template <bool kNibbles>
 static inline void expand_affine(const uint8_t* src, int64_t blocks, float* out) {
   constexpr int64_t bytes = kNibbles ? kQ4Bytes : kQ8MBytes;
@@ -215,13 +216,10 @@ static inline void expand_affine(const uint8_t* src, int64_t blocks, float* out)
   }
 }
 
-__attribute__((target_clones("avx512f", "avx2", "default")))
 void expand_q4(const uint8_t* src, int64_t blocks, float* out) { expand_affine<true>(src, blocks, out); }
 
-__attribute__((target_clones("avx512f", "avx2", "default")))
 void expand_q8m(const uint8_t* src, int64_t blocks, float* out) { expand_affine<false>(src, blocks, out); }
 
-__attribute__((target_clones("avx512f", "avx2", "default")))
 void expand_q8(const uint8_t* src, int64_t blocks, float* out) {
   for (int64_t b = 0; b < blocks; ++b, src += kQ8Bytes, out += kQK * kCols) {
     float d[kCols];
@@ -232,7 +230,6 @@ void expand_q8(const uint8_t* src, int64_t blocks, float* out) {
   }
 }
 
-__attribute__((target_clones("avx512f", "avx2", "default")))
 void expand_q8h(const uint8_t* src, int64_t blocks, float* out) {
   for (int64_t b = 0; b < blocks; ++b, src += kQ8HBytes, out += kQK * kCols) {
     float d[2][kCols];
@@ -245,7 +242,8 @@ void expand_q8h(const uint8_t* src, int64_t blocks, float* out) {
 
 // Groups [g0, g1) of the packed weight: each K block is read by every pass of rows_per rows (blocks[r - 1] runs a
 // pass of r rows) before the next block, and each group's sums are stored once its last block is done. A quantised
-// block is expanded into `scratch` [kKB, 32] first; the passes then read it from L1.
+// block (only without AVX2: the other sets expand in registers) is expanded into `scratch` [kKB, 32] first; the
+// passes then read it from L1.
 void run_groups(const BlockFn* blocks, const float* x, int64_t M, const Packed& w, int64_t g0, int64_t g1,
                 float* buf, float* scratch, int64_t rows_per, float* y, int64_t n, const float* bias) {
   const int64_t K = w.K;
@@ -555,11 +553,12 @@ std::string& isa_override() {
   return isa;
 }
 
-// The instruction set's kernels, the most rows one pass of the f32 layout takes, and the most rows that read a
-// quantised weight's blocks.
-GroupsFn pick(int64_t* max_rows, int64_t* fused_rows) {
+// The instruction set's kernels, the most rows one pass of the f32 layout takes, the most rows that read a
+// quantised weight's blocks, and whether those blocks are expanded through an L1 buffer (then a thread needs one).
+GroupsFn pick(int64_t* max_rows, int64_t* fused_rows, bool* via_l1) {
   const std::string isa = current_isa();
   *fused_rows = isa == "avx2" ? kFusedRowsAvx2 : isa == "avx512" ? kFusedRowsAvx512 : kFusedRows;
+  *via_l1 = isa != "avx2" && isa != "avx512";
   if (isa == "avx512") { *max_rows = 12; return k512_fused_groups; }
   if (isa == "avx2") { *max_rows = 3; return k256_groups; }
   *max_rows = 1;
@@ -1035,7 +1034,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, cons
   Packed w = view(packed, "lookahead_gemm.linear");
   const int64_t M = x.size(0), K = x.size(1), groups = w.groups;
   int64_t max_rows = 0, fused_rows = 0;
-  const GroupsFn run = pick(&max_rows, &fused_rows);
+  bool via_l1 = false;
+  const GroupsFn run = pick(&max_rows, &fused_rows, &via_l1);
   if (M > fused_rows) w = {kF32, w.K, w.groups, w.f32, nullptr};  // bound by the FMAs: no expansion
   TORCH_CHECK_VALUE(w.K == K, "lookahead_gemm.linear: x has K=", K, " but the weight has K=", w.K);
   TORCH_CHECK_VALUE(n > (groups - 1) * kCols && n <= groups * kCols, "lookahead_gemm.linear: n=", n,
@@ -1057,7 +1057,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, cons
   float* yp = y.data_ptr<float>();
   // Each thread takes a contiguous range of groups: the weight is split, never a row's sum.
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    std::vector<float> buf(M * kCols + (w.format == kF32 ? 0 : kKB * kCols));
+    std::vector<float> buf(M * kCols + (via_l1 && w.format != kF32 ? kKB * kCols : 0));
     run(xp, M, w, g0, g1, buf.data(), buf.data() + M * kCols, rows_per, yp, n, b);
   });
   return y;
