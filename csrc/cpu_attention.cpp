@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -38,13 +39,14 @@ using cpu_vec::load;
 using cpu_vec::splat;
 using cpu_vec::store;
 
-// A task of at most this many rows scores with keys in the vector lanes (few_row_scores). Its cost per block of L
-// keys and L of D is L loads, L log2(L) shuffles and L R FMAs, against L * L FMAs with rows in the lanes: even near
-// R = 12 (16 lanes). Measured on a 2-core Zen 4, SmolLM2's heads (9 over 3), one layer, caches warm, 150 / 1000
-// keys (microseconds, rows in lanes against keys in lanes): 3 rows 23.7 / 92.4 against 18.0 / 64.1, 6 rows 17.6
-// / 110.6 against 15.5 / 97.4, 9 rows 19.4 / 131.6 against 18.7 / 124.2, 12 rows 19.9 / 109.9 against 20.8 / 118.6.
-constexpr int kFewRowsAvx512 = 8;
-constexpr int kFewRowsAvx2 = 4;  // 8 lanes: even near R = 5
+// A task of at most this many rows runs few_row_task (keys in the vector lanes). Measured on a 2-core Zen 4,
+// SmolLM2's heads (9 over 3), 30 layers, against rows in the lanes (ms, 150 / 1000 keys), one thread with caches
+// warm: 6 rows 0.66 / 3.39 against 0.74 / 4.04, 9 rows 0.87 / 4.52 against 0.91 / 5.07, 12 rows 0.97 / 5.14 against
+// 0.93 / 5.15, 15 rows 1.15 / 6.30 against 0.99 / 5.59; two threads, each layer's K and V cold: 12 rows 1.56 / 6.52
+// against 1.64 / 7.23, 15 rows 1.75 / 7.50 against 1.72 / 7.69. With 8 lanes (AVX2, forced on that CPU) 6 rows
+// were even and 9 lost.
+constexpr int kFewRowsAvx512 = 12;
+constexpr int kFewRowsAvx2 = 4;
 
 struct Args {
   const float* q;
@@ -83,42 +85,137 @@ __attribute__((always_inline)) inline void transpose(V* r) {
   }
 }
 
-// Scores of a task's R rows (R below the lanes: a plain step's 3 rows of a GQA group use 3 of 16 lanes in the loop
-// that puts rows in lanes) with keys in the lanes instead: each block of L keys' [L, D] slice of K transposed into
-// D vectors (lane u: key j + u), then row i's L scores as acc += kt[d] * q_i[d] over d in order. For every (row,
-// key) these are the very FMAs, in the same order from the same zero, of group_task's rows-in-lanes loop, so a
-// row's scores are the same bits whichever loop the task's row count picks. Writes scores [keys, L] as that loop
-// does; returns how many keys it scored (whole blocks of L; the loop below takes the rest).
-template <typename V, int NV, int R>
-__attribute__((always_inline)) inline int64_t few_row_scores(const float* kb, int64_t k_ss, int64_t keys,
-                                                             const float* qt, float* scores) {
+// Scores of R rows over NB blocks of L keys from kb (K's rows k_ss apart), into scores[i * stride + u] (row i, key
+// u of the blocks): each block's [L, D] slice of K transposed a vector of L dims at a time (lane u: key u), then
+// acc += k[d] * q_i[d] over d in order; qt [D, L] holds the rows' scaled queries (row i in lane i). V's rows of the
+// same keys (vb, v_ss apart) are prefetched for the output pass.
+template <typename V, int NV, int R, int NB>
+__attribute__((always_inline)) inline void few_row_block_scores(const float* kb, int64_t k_ss, const float* vb,
+                                                                int64_t v_ss, const float* qt, float* scores,
+                                                                int64_t stride) {
   constexpr int L = cpu_vec::Traits<V>::lanes;
   constexpr int64_t D = NV * L;
-  V kt[D];
-  int64_t j = 0;
-  for (; j + L <= keys; j += L) {
+  V kt[NB][D];
+  for (int bk = 0; bk < NB; ++bk)
     for (int c = 0; c < NV; ++c) {
       V r[L];
-      for (int u = 0; u < L; ++u) r[u] = load<V>(kb + (j + u) * k_ss + c * L);
+      const float* kp = kb + bk * L * k_ss + c * L;
+      const float* vp = vb + bk * L * v_ss + c * L;
+      for (int u = 0; u < L; ++u) {
+        r[u] = load<V>(kp);
+        __builtin_prefetch(vp, 0, 2);
+        kp += k_ss;
+        vp += v_ss;
+        asm("" : "+r"(kp), "+r"(vp));  // stepped: the compiler would keep 2 L offsets, which spill
+      }
       transpose(r);
-      for (int d = 0; d < L; ++d) kt[c * L + d] = r[d];
+      for (int d = 0; d < L; ++d) kt[bk][c * L + d] = r[d];
     }
-    V acc[R] = {};
-    for (int64_t d = 0; d < D; ++d)
-      for (int i = 0; i < R; ++i) acc[i] += kt[d] * splat<V>(qt[d * L + i]);
-    for (int i = 0; i < R; ++i)
-      for (int u = 0; u < L; ++u) scores[(j + u) * L + i] = acc[i][u];
-  }
-  return j;
+  V acc[NB][R] = {};
+  for (int64_t d = 0; d < D; ++d)
+    for (int i = 0; i < R; ++i) {
+      const V qd = splat<V>(qt[d * L + i]);
+      for (int bk = 0; bk < NB; ++bk) acc[bk][i] += kt[bk][d] * qd;
+    }
+  for (int bk = 0; bk < NB; ++bk)
+    for (int i = 0; i < R; ++i) store(scores + i * stride + bk * L, acc[bk][i]);
 }
 
-template <typename V, int NV, int... Rs>
-__attribute__((always_inline)) inline int64_t few_row_scores_for(int64_t rows, const float* kb, int64_t k_ss,
-                                                                 int64_t keys, const float* qt, float* scores,
-                                                                 std::integer_sequence<int, Rs...>) {
-  int64_t done = 0;
-  ((rows == Rs + 1 ? (done = few_row_scores<V, NV, Rs + 1>(kb, k_ss, keys, qt, scores), 0) : 0), ...);
-  return done;
+// One task of R rows (R at most FEW: a plain step's 3 rows of a GQA group would use 3 of 16 lanes with rows in the
+// lanes) computed with keys in the lanes instead, every value as group_task computes it:
+// - the scores (few_row_block_scores): for every (row, key) the very FMAs of group_task's loops, in the same order
+//   from the same zero; keys past the last whole block as group_task scores them;
+// - the softmax per row over [R, keys] (keys in lanes: R / L vectors of exps a key, not one): the same exp of the
+//   same differences from the same exact max, and each row's sum in key order;
+// - the output as group_task's, from the same probabilities in the same order.
+// So a row's result is the same bits whichever path its step's size picks. `scores` holds [R, keys rounded up to
+// L]. V's rows are prefetched while K streams in for the scores, so the output pass finds them in the caches.
+template <typename V, int NV, int CHUNK, int R>
+__attribute__((always_inline)) inline void few_row_task(const Args& a, int64_t b, int64_t kv, int64_t r0,
+                                                        float* scores, float* qt) {
+  constexpr int L = cpu_vec::Traits<V>::lanes;
+  constexpr int64_t D = NV * L;
+  const int64_t G = a.Hq / a.Hkv, T = a.T, n = a.cache_len[b], keys = n + T;
+  const int64_t stride = (keys + L - 1) / L * L;
+  const float* kb = a.k + b * a.k_sb + kv * a.k_sh;
+  const float* vb = a.v + b * a.v_sb + kv * a.v_sh;
+  const bool* vis = a.visible + b * a.vis_sb;
+  std::fill(qt, qt + D * L, 0.f);
+  for (int i = 0; i < R; ++i) {
+    const int64_t r = r0 + i, t = r / G, h = kv * G + r % G;
+    const float* qr = a.q + b * a.q_sb + t * a.q_st + h * a.q_sh;
+    for (int64_t d = 0; d < D; ++d) qt[d * L + i] = qr[d] * a.scale;
+  }
+  // Two or four blocks at once where R is small: R * NB independent sums hide the FMA's latency.
+  constexpr int NB = std::max<int>(1, std::min<int>(R >= 4 ? 1 : (R == 1 ? 4 : 2), 4096 / (D * L)));
+  int64_t j = 0;
+  for (; j + NB * L <= keys; j += NB * L)
+    few_row_block_scores<V, NV, R, NB>(kb + j * a.k_ss, a.k_ss, vb + j * a.v_ss, a.v_ss, qt, scores + j, stride);
+  for (; j + L <= keys; j += L)
+    few_row_block_scores<V, NV, R, 1>(kb + j * a.k_ss, a.k_ss, vb + j * a.v_ss, a.v_ss, qt, scores + j, stride);
+  for (; j < keys; ++j) {
+    V acc = {};
+    for (int64_t d = 0; d < D; ++d) acc += splat<V>(kb[j * a.k_ss + d]) * load<V>(qt + d * L);
+    for (int i = 0; i < R; ++i) scores[i * stride + j] = acc[i];
+  }
+  const float neg_inf = -INFINITY;
+  for (int i = 0; i < R; ++i) {
+    float* row = scores + i * stride;
+    const bool* row_vis = vis + ((r0 + i) / G) * T;
+    for (int64_t s = 0; s < T; ++s)
+      if (!row_vis[s]) row[n + s] = neg_inf;
+    for (int64_t s = keys; s < stride; ++s) row[s] = neg_inf;  // the last block's lanes past the keys: p = 0
+  }
+  float inv[R];
+  for (int i = 0; i < R; ++i) {
+    float* row = scores + i * stride;
+    V m = splat<V>(neg_inf);
+    for (int64_t s = 0; s < stride; s += L) {
+      const V x = load<V>(row + s);
+      m = x > m ? x : m;
+    }
+    float mx = neg_inf;
+    for (int u = 0; u < L; ++u) mx = m[u] > mx ? m[u] : mx;
+    const V shift = splat<V>(mx == neg_inf ? 0.f : mx);
+    for (int64_t s = 0; s < stride; s += L) {
+      const V x = load<V>(row + s);
+      V p = exp_nonpositive(x - shift);
+      p = x == neg_inf ? V{} : p;
+      store(row + s, p);
+    }
+  }
+  // Each row's sum in key order, as group_task's lanes sum; the rows' sums side by side.
+  float l[R] = {};
+  for (int64_t s = 0; s < keys; ++s)
+    for (int i = 0; i < R; ++i) l[i] += scores[i * stride + s];
+  for (int i = 0; i < R; ++i) inv[i] = l[i] > 0.f ? 1.f / l[i] : 0.f;
+  constexpr int kChunk = NV >= CHUNK ? 1 : (CHUNK / NV < R ? CHUNK / NV : R);
+  constexpr int WB = NV >= CHUNK ? CHUNK : NV;
+  for (int c0 = 0; c0 < R; c0 += kChunk) {
+    const int cn = std::min(kChunk, R - c0);
+    for (int w0 = 0; w0 < NV; w0 += WB) {
+      V o[kChunk][WB] = {};
+      for (int64_t s = 0; s < keys; ++s) {
+        const float* vr = vb + s * a.v_ss + w0 * L;
+        for (int i = 0; i < kChunk; ++i) {  // rows past R repeat row c0's work, unused
+          const V ps = splat<V>(scores[(c0 + (i < cn ? i : 0)) * stride + s]);
+          for (int w = 0; w < WB; ++w) o[i][w] += ps * load<V>(vr + w * L);
+        }
+      }
+      for (int i = 0; i < cn; ++i) {
+        const int64_t r = r0 + c0 + i, t = r / G, h = kv * G + r % G;
+        float* dst = a.out + ((b * T + t) * a.Hq + h) * D + w0 * L;
+        for (int w = 0; w < WB; ++w) store(dst + w * L, o[i][w] * inv[c0 + i]);
+      }
+    }
+  }
+}
+
+template <typename V, int NV, int CHUNK, int... Rs>
+__attribute__((always_inline)) inline void few_row_task_for(int64_t rows, const Args& a, int64_t b, int64_t kv,
+                                                            int64_t r0, float* scores, float* qt,
+                                                            std::integer_sequence<int, Rs...>) {
+  ((rows == Rs + 1 ? (few_row_task<V, NV, CHUNK, Rs + 1>(a, b, kv, r0, scores, qt), 0) : 0), ...);
 }
 
 // One task: up to L query rows of sequence b that share the KV head kv, L the lanes of the vector type V; row r of
@@ -134,6 +231,12 @@ __attribute__((always_inline)) inline void group_task(const Args& a, int64_t b, 
   constexpr int64_t D = NV * L;
   const int64_t G = a.Hq / a.Hkv, T = a.T, n = a.cache_len[b], keys = n + T;
   const int64_t rows = std::min<int64_t>(L, G * T - r0);
+  if constexpr (FEW > 0) {
+    if (rows <= FEW) {
+      few_row_task_for<V, NV, CHUNK>(rows, a, b, kv, r0, scores, qt, std::make_integer_sequence<int, FEW>{});
+      return;
+    }
+  }
   const float* kb = a.k + b * a.k_sb + kv * a.k_sh;
   const float* vb = a.v + b * a.v_sb + kv * a.v_sh;
   const bool* vis = a.visible + b * a.vis_sb;
@@ -144,11 +247,8 @@ __attribute__((always_inline)) inline void group_task(const Args& a, int64_t b, 
     const float* qr = a.q + b * a.q_sb + t * a.q_st + h * a.q_sh;
     for (int64_t d = 0; d < D; ++d) qt[d * L + i] = qr[d] * a.scale;
   }
-  // Scores: a task of few rows with keys in the lanes, then (the rest, or every key of a fuller task) KEYS keys at a
-  // time with rows in the lanes.
+  // Scores: KEYS keys at a time, then one at a time.
   int64_t j = 0;
-  if (rows <= FEW)
-    j = few_row_scores_for<V, NV>(rows, kb, a.k_ss, keys, qt, scores, std::make_integer_sequence<int, FEW>{});
   for (; j + KEYS <= keys; j += KEYS) {
     V acc[KEYS] = {};
     for (int64_t d = 0; d < D; ++d) {
@@ -293,9 +393,12 @@ at::Tensor step_attention(const at::Tensor& q, const at::Tensor& k_cache, const 
   const int64_t work_per_task = task.rows * (longest + T) * D;
   const int64_t grain = std::max<int64_t>(1, (1 << 18) / std::max<int64_t>(work_per_task, 1));
   at::parallel_for(0, B * Hkv * chunks, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores((longest + T) * task.rows), qt(D * task.rows);
+    // Scores: [keys, L] with rows in the lanes, or [R, keys rounded up to L] for few rows; every entry a task reads
+    // it writes first, so left uninitialised (zeroing 128 KB a task at 2000 keys cost 0.1 ms a SmolLM2 step).
+    const std::unique_ptr<float[]> scores(new float[(longest + T + task.rows) * task.rows]);
+    const std::unique_ptr<float[]> qt(new float[D * task.rows]);
     for (int64_t i = begin; i < end; ++i)
-      task.run(a, i / (Hkv * chunks), (i / chunks) % Hkv, (i % chunks) * task.rows, scores.data(), qt.data());
+      task.run(a, i / (Hkv * chunks), (i / chunks) % Hkv, (i % chunks) * task.rows, scores.get(), qt.get());
   });
   return out;
 }

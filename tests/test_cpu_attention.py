@@ -98,12 +98,13 @@ def test_blind_rows_get_zeros_like_the_reference():
     assert torch.allclose(out[0, 0], k[0, 0, 0].expand(2, 16))
 
 
-@pytest.mark.parametrize("T", [2, 3, 5, 12])
+@pytest.mark.parametrize("T", [2, 3, 4, 5, 12])
 def test_a_row_does_not_depend_on_the_step_or_batch_around_it(T, isa):
     """Bit-identical per-row results whatever else the step feeds: the plain step's x and a lookahead step's x
     see the same keys, so their outputs (and so greedy decisions) are equal, not merely close. A task of few rows
-    scores with keys in the vector lanes, a fuller one with rows in them: T=1 and 2 take the first (3 and 6 rows of
-    a GQA group of 3), T=5 the second, T=12 both (rows 16, 16, 4); 40 + T and 61 + T keys leave partial blocks."""
+    runs with keys in the vector lanes, a fuller one with rows in them. With 16 lanes T=1 to 4 take the first (3 to
+    12 rows of a GQA group of 3), T=5 the second, T=12 both (rows 16, 16, 4); with 8 lanes T=1 the first, T=2 the
+    second, T=3 both (8 and 1). 40 + T and 61 + T keys leave partial blocks."""
     torch.manual_seed(T)
     k, v = torch.randn(2, 80, 3, 64), torch.randn(2, 80, 3, 64)
     q = torch.randn(2, T, 9, 64)
@@ -114,6 +115,25 @@ def test_a_row_does_not_depend_on_the_step_or_batch_around_it(T, isa):
                                             layout=StepLayout(1, 1))
         assert torch.equal(big[b, :1], alone[0])
     check(big, attention_dense_reference(q, k, v, cache_len=lens, layout=StepLayout.prefill(T)), torch.float32)
+
+
+@pytest.mark.parametrize("d", [16, 64, 256])
+@pytest.mark.parametrize("rows", list(range(1, 13)))
+def test_every_count_of_few_rows_matches_the_oracle_and_the_full_path(rows, d, isa):
+    """One plain step of ``rows`` query heads over one KV head: every row count the keys-in-lanes path takes
+    (up to 12 on AVX-512), its key blocks taken 4, 2 or 1 at a time, over 7 to 150 keys; each row equal, bit for
+    bit, to the same query inside a 16-token step (rows in the lanes), and close to the oracle."""
+    torch.manual_seed(rows * 1000 + d)
+    T, lens = 16, torch.tensor([6, 70, 149])
+    k, v = torch.randn(3, 170, 1, d), torch.randn(3, 170, 1, d)
+    q = torch.randn(3, T, rows, d)
+    big = cpu_attention.attention_cpu(q, k, v, cache_len=lens, layout=StepLayout.prefill(T))
+    k1, v1 = k.clone(), v.clone()
+    for b, n in enumerate(lens.tolist()):  # rows past a one-token step's keys must not be read
+        k1[b, n + 1:], v1[b, n + 1:] = float("nan"), float("nan")
+    alone = cpu_attention.attention_cpu(q[:, :1], k1, v1, cache_len=lens, layout=StepLayout(1, 1))
+    assert torch.equal(big[:, :1], alone)
+    check(alone, attention_dense_reference(q[:, :1], k, v, cache_len=lens, layout=StepLayout(1, 1)), torch.float32)
 
 
 def test_agrees_with_attention_torch_on_the_model_path():
