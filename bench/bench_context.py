@@ -1,0 +1,143 @@
+"""Decoding speed against prompt length: our plain decoding and automatic lookahead, one prompt at a time.
+
+A long prompt makes every step dearer (each new token attends over all the keys before it) and gives the guesses
+more text to copy. Each prompt is a coding question after a context of HumanEval's dev prompts (code), cut to the
+token count asked for, in the chat template. Both systems decode it greedily, ``--repeats`` times each, the order
+alternating; the best time per new token (prefill excluded) counts, and their outputs must be identical.
+
+    python bench/bench_context.py --threads 2 --lengths 50 500 1000 2000 4000 --tag cpu
+
+Writes bench/results/context-<tag>.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+from _common import DATA, command_line, machine_info, pyplot, render, write_results  # noqa: E402
+
+from lookahead import LookaheadConfig, load_default  # noqa: E402
+
+QUESTION = "Write a Python function that returns the sum of the squares of a list, then explain it."
+
+
+def prompt_of_length(tokenizer, context_ids: list[int], length: int) -> torch.Tensor:
+    """The chat prompt ``[1, ~length]``: as much of the context as fits before the question (none below the
+    question's own length)."""
+    def build(n):
+        text = (tokenizer.decode(context_ids[:n]) + "\n\n" + QUESTION) if n else QUESTION
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             return_tensors="pt", return_dict=True)["input_ids"]
+
+    overhead = build(0).shape[1]
+    n = max(0, min(length - overhead, len(context_ids)))
+    return build(n)
+
+
+def measure(model, ids: torch.Tensor, max_new_tokens: int, repeats: int) -> dict:
+    runs = {"plain": [], "lookahead": []}
+    outputs, compression = {}, {}
+    for r in range(repeats):
+        for name in (("plain", "lookahead") if r % 2 == 0 else ("lookahead", "plain")):
+            out = model.generate(ids, max_new_tokens=max_new_tokens,
+                                 lookahead=LookaheadConfig() if name == "lookahead" else None)
+            s = out.stats
+            runs[name].append((s.seconds - s.prefill_seconds) / max(s.new_tokens, 1))
+            outputs[name], compression[name] = out.sequences, s.compression_ratio
+    plain, la = min(runs["plain"]), min(runs["lookahead"])
+    return {"prompt_tokens": ids.shape[1], "new_tokens": outputs["plain"].shape[1] - ids.shape[1],
+            "plain_ms_per_token": 1000 * plain, "lookahead_ms_per_token": 1000 * la,
+            "plain_runs_ms": [1000 * t for t in runs["plain"]],
+            "lookahead_runs_ms": [1000 * t for t in runs["lookahead"]],
+            "speedup": plain / la, "compression": compression["lookahead"],
+            "identical": bool(torch.equal(outputs["plain"], outputs["lookahead"]))}
+
+
+def markdown(result: dict) -> str:
+    m = result["machine"]
+    lines = [f"# Decoding speed against prompt length ({m.get('cpu', 'cpu')}, {result['threads']} threads)", "",
+             f"`{result['command']}` at git {m.get('git', '?')}, torch {m.get('torch', '?')}; "
+             f"{result['max_new_tokens']} new tokens a prompt, greedy, best of {result['repeats']} runs a system, "
+             f"prefill excluded; load average at the start {m.get('load_average')}.", "",
+             "| prompt tokens | plain ms/token | lookahead ms/token | lookahead vs plain | compression | identical |",
+             "|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['prompt_tokens']} | {r['plain_ms_per_token']:.2f} | {r['lookahead_ms_per_token']:.2f} | "
+                     f"{r['speedup']:.2f}x | {r['compression']:.2f} | {r['identical']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: str) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    rows = result["rows"]
+    x = [r["prompt_tokens"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(x, [r["plain_ms_per_token"] for r in rows], "o-", label="plain decoding")
+    ax.plot(x, [r["lookahead_ms_per_token"] for r in rows], "s-", label="automatic lookahead")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("ms per new token (lower is better)")
+    ax.set_title(f"SmolLM2-135M, {result['machine'].get('cpu', 'cpu')}, {result['threads']} threads", fontsize=9)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[50, 500, 1000, 2000, 4000],
+                    help="prompt lengths in tokens (about)")
+    ap.add_argument("--context", default=os.path.join(DATA, "humaneval_dev.jsonl"),
+                    help="a JSONL set whose 'prompt' fields, joined, are the context")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tag", default="cpu")
+    ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    ap.add_argument("--render", metavar="JSON", help="only re-write the markdown and plot of a results file")
+    args = ap.parse_args(argv)
+    if args.render:
+        render(args.render, markdown, plot)
+        return 0
+    if any(n < 1 for n in args.lengths) or args.repeats < 1 or args.max_new_tokens < 1:
+        ap.error("--lengths, --repeats and --max-new-tokens must be positive")
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_default()
+    with open(args.context) as f:
+        text = "".join(json.loads(line)["prompt"] for line in f if line.strip())
+    context_ids = tokenizer(text)["input_ids"]
+    limit = model.config.max_position_embeddings - args.max_new_tokens - 64
+    if max(args.lengths) > limit:
+        ap.error(f"--lengths must stay below {limit} tokens for this model and --max-new-tokens")
+    measure(model, prompt_of_length(tokenizer, context_ids, 50), 16, 1)  # warm-up: packing, cost table
+    rows = []
+    for length in args.lengths:
+        rows.append(measure(model, prompt_of_length(tokenizer, context_ids, length), args.max_new_tokens,
+                            args.repeats))
+        r = rows[-1]
+        print(f"{r['prompt_tokens']} tokens: plain {r['plain_ms_per_token']:.2f} ms/token, lookahead "
+              f"{r['lookahead_ms_per_token']:.2f} ({r['speedup']:.2f}x, compression {r['compression']:.2f}), "
+              f"identical {r['identical']}", file=sys.stderr, flush=True)
+    result = {"command": command_line(__file__, sys.argv[1:] if argv is None else argv),
+              "machine": machine_info("cpu"), "threads": args.threads, "max_new_tokens": args.max_new_tokens,
+              "repeats": args.repeats, "rows": rows}
+    base = write_results(args.out_dir, f"context-{args.tag}", result, markdown(result))
+    plot(result, base + ".png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
