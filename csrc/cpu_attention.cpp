@@ -85,6 +85,19 @@ __attribute__((always_inline)) inline void transpose(V* r) {
   }
 }
 
+// qt [D, L]: the task's `rows` query rows (row r of the group: token r / G, query head kv * G + r % G), transposed
+// and scaled (row i in lane i, the unused lanes zero).
+template <int L>
+inline void load_queries(const Args& a, int64_t b, int64_t kv, int64_t r0, int64_t rows, float* qt) {
+  const int64_t G = a.Hq / a.Hkv, D = a.D;
+  std::fill(qt, qt + D * L, 0.f);
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t r = r0 + i, t = r / G, h = kv * G + r % G;
+    const float* qr = a.q + b * a.q_sb + t * a.q_st + h * a.q_sh;
+    for (int64_t d = 0; d < D; ++d) qt[d * L + i] = qr[d] * a.scale;
+  }
+}
+
 // Scores of R rows over NB blocks of L keys from kb (K's rows k_ss apart), into scores[i * stride + u] (row i, key
 // u of the blocks): each block's [L, D] slice of K transposed a vector of L dims at a time (lane u: key u), then
 // acc += k[d] * q_i[d] over d in order; qt [D, L] holds the rows' scaled queries (row i in lane i). V's rows of the
@@ -140,12 +153,7 @@ __attribute__((always_inline)) inline void few_row_task(const Args& a, int64_t b
   const float* kb = a.k + b * a.k_sb + kv * a.k_sh;
   const float* vb = a.v + b * a.v_sb + kv * a.v_sh;
   const bool* vis = a.visible + b * a.vis_sb;
-  std::fill(qt, qt + D * L, 0.f);
-  for (int i = 0; i < R; ++i) {
-    const int64_t r = r0 + i, t = r / G, h = kv * G + r % G;
-    const float* qr = a.q + b * a.q_sb + t * a.q_st + h * a.q_sh;
-    for (int64_t d = 0; d < D; ++d) qt[d * L + i] = qr[d] * a.scale;
-  }
+  load_queries<L>(a, b, kv, r0, R, qt);
   // Two or four blocks at once where R is small: R * NB independent sums hide the FMA's latency.
   constexpr int NB = std::max<int>(1, std::min<int>(R >= 4 ? 1 : (R == 1 ? 4 : 2), 4096 / (D * L)));
   int64_t j = 0;
@@ -240,13 +248,7 @@ __attribute__((always_inline)) inline void group_task(const Args& a, int64_t b, 
   const float* kb = a.k + b * a.k_sb + kv * a.k_sh;
   const float* vb = a.v + b * a.v_sb + kv * a.v_sh;
   const bool* vis = a.visible + b * a.vis_sb;
-  // qt [D, L]: the rows' queries, transposed and scaled (unused lanes zero).
-  std::fill(qt, qt + D * L, 0.f);
-  for (int64_t i = 0; i < rows; ++i) {
-    const int64_t r = r0 + i, t = r / G, h = kv * G + r % G;
-    const float* qr = a.q + b * a.q_sb + t * a.q_st + h * a.q_sh;
-    for (int64_t d = 0; d < D; ++d) qt[d * L + i] = qr[d] * a.scale;
-  }
+  load_queries<L>(a, b, kv, r0, rows, qt);
   // Scores: KEYS keys at a time, then one at a time.
   int64_t j = 0;
   for (; j + KEYS <= keys; j += KEYS) {
