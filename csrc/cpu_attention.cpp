@@ -237,7 +237,7 @@ __attribute__((always_inline)) inline void group_task(const Args& a, int64_t b, 
                                                       float* qt) {
   constexpr int L = cpu_vec::Traits<V>::lanes;
   constexpr int64_t D = NV * L;
-  const int64_t G = a.Hq / a.Hkv, T = a.T, n = a.cache_len[b], keys = n + T;
+  const int64_t G = a.Hq / a.Hkv, T = a.T, n = a.cache_len[b];
   const int64_t rows = std::min<int64_t>(L, G * T - r0);
   if constexpr (FEW > 0) {
     if (rows <= FEW) {
@@ -248,6 +248,17 @@ __attribute__((always_inline)) inline void group_task(const Args& a, int64_t b, 
   const float* kb = a.k + b * a.k_sb + kv * a.k_sh;
   const float* vb = a.v + b * a.v_sb + kv * a.v_sh;
   const bool* vis = a.visible + b * a.vis_sb;
+  // Keys after the last step key any of the task's rows sees are skipped: their weights are zeros (a prefill's
+  // causal block gives a task early in the step half the keys or fewer; the work on the rest was half a long
+  // prompt's attention).
+  int64_t seen = 0;  // step keys up to the last one visible to a row of the task
+  for (int64_t t = r0 / G; t <= (r0 + rows - 1) / G; ++t)
+    for (int64_t s = T; s > seen; --s)
+      if (vis[t * T + s - 1]) {
+        seen = s;
+        break;
+      }
+  const int64_t keys = n + seen;
   load_queries<L>(a, b, kv, r0, rows, qt);
   // Scores: KEYS keys at a time, then one at a time.
   int64_t j = 0;
@@ -268,7 +279,7 @@ __attribute__((always_inline)) inline void group_task(const Args& a, int64_t b, 
   const float neg_inf = -INFINITY;
   for (int64_t i = 0; i < rows; ++i) {
     const bool* row_vis = vis + ((r0 + i) / G) * T;
-    for (int64_t s = 0; s < T; ++s)
+    for (int64_t s = 0; s < seen; ++s)
       if (!row_vis[s]) scores[(n + s) * L + i] = neg_inf;
   }
   // Softmax per lane: max, exp, sum. A lane that sees nothing keeps max -inf: its weights are all zero.

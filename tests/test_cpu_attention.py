@@ -98,6 +98,29 @@ def test_blind_rows_get_zeros_like_the_reference():
     assert torch.allclose(out[0, 0], k[0, 0, 0].expand(2, 16))
 
 
+@pytest.mark.parametrize("T", [1, 7, 40])
+def test_any_visibility_block_matches_a_float64_softmax(T, isa):
+    """The op takes any [T, T] visibility (a task skips the step keys after the last one its rows see): random
+    blocks where early rows see late keys, rows that see only some keys, and rows that see nothing past the prefix,
+    against a softmax over each row's visible keys in float64."""
+    torch.manual_seed(T)
+    n, Hkv, G, D = 9, 2, 3, 32
+    q = torch.randn(1, T, Hkv * G, D)
+    k, v = torch.randn(1, n + T, Hkv, D), torch.randn(1, n + T, Hkv, D)
+    visible = torch.rand(1, T, T) < 0.3
+    visible[0, 0, -1] = True
+    visible[0, -1] = False
+    out = torch.ops.lookahead_cpu.step_attention(q, k, v, torch.tensor([n]), visible, D ** -0.5)
+    ref = torch.empty(1, T, Hkv * G, D, dtype=torch.float64)
+    for t in range(T):
+        seen = torch.cat([torch.ones(n, dtype=torch.bool), visible[0, t]])
+        for h in range(Hkv * G):
+            keys, values = k[0, :, h // G].double()[seen], v[0, :, h // G].double()[seen]
+            weights = torch.softmax(keys @ q[0, t, h].double() * D ** -0.5, dim=0)
+            ref[0, t, h] = weights @ values
+    check(out, ref, torch.float32)
+
+
 @pytest.mark.parametrize("T", [2, 3, 4, 5, 12])
 def test_a_row_does_not_depend_on_the_step_or_batch_around_it(T, isa):
     """Bit-identical per-row results whatever else the step feeds: the plain step's x and a lookahead step's x
