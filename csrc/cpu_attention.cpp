@@ -134,6 +134,45 @@ __attribute__((always_inline)) inline void few_row_block_scores(const float* kb,
     for (int i = 0; i < R; ++i) store(scores + i * stride + bk * L, acc[bk][i]);
 }
 
+// Rows weighted_values takes a pass over the keys: CHUNK accumulators (sized to the registers of the instruction
+// set) of NV vectors a row, at most MAXR rows.
+template <int NV, int CHUNK, int MAXR>
+constexpr int rows_per_pass() { return NV >= CHUNK ? 1 : (CHUNK / NV < MAXR ? CHUNK / NV : MAXR); }
+
+// The output of a task's `rows` rows (row r0 + i of the GQA group) from their unnormalised weights, row i's for key
+// s at p[i * row_stride + s * key_stride], and inv[i] = 1 / their sum: for each (row, vector of D) the weighted sum
+// of V's rows in key order, then scaled. A pass's rows past `rows` read p's next rows, which must be readable (their
+// sums are dropped).
+template <typename V, int NV, int CHUNK, int MAXR>
+__attribute__((always_inline)) inline void weighted_values(const Args& a, int64_t b, int64_t kv, int64_t r0,
+                                                           int64_t rows, int64_t keys, const float* p,
+                                                           int64_t row_stride, int64_t key_stride, const float* inv) {
+  constexpr int L = cpu_vec::Traits<V>::lanes;
+  constexpr int64_t D = NV * L;
+  const int64_t G = a.Hq / a.Hkv, T = a.T;
+  const float* vb = a.v + b * a.v_sb + kv * a.v_sh;
+  constexpr int kChunk = rows_per_pass<NV, CHUNK, MAXR>();
+  constexpr int WB = NV >= CHUNK ? CHUNK : NV;
+  for (int64_t c0 = 0; c0 < rows; c0 += kChunk) {
+    const int64_t cn = std::min<int64_t>(kChunk, rows - c0);
+    for (int w0 = 0; w0 < NV; w0 += WB) {
+      V o[kChunk][WB] = {};
+      for (int64_t s = 0; s < keys; ++s) {
+        const float* vr = vb + s * a.v_ss + w0 * L;
+        for (int i = 0; i < kChunk; ++i) {
+          const V ps = splat<V>(p[(c0 + i) * row_stride + s * key_stride]);
+          for (int w = 0; w < WB; ++w) o[i][w] += ps * load<V>(vr + w * L);
+        }
+      }
+      for (int64_t i = 0; i < cn; ++i) {
+        const int64_t r = r0 + c0 + i, t = r / G, h = kv * G + r % G;
+        float* dst = a.out + ((b * T + t) * a.Hq + h) * D + w0 * L;
+        for (int w = 0; w < WB; ++w) store(dst + w * L, o[i][w] * inv[c0 + i]);
+      }
+    }
+  }
+}
+
 // One task of R rows (R at most FEW: a plain step's 3 rows of a GQA group would use 3 of 16 lanes with rows in the
 // lanes) computed with keys in the lanes instead, every value as group_task computes it:
 // - the scores (few_row_block_scores): for every (row, key) the very FMAs of group_task's loops, in the same order
@@ -142,7 +181,8 @@ __attribute__((always_inline)) inline void few_row_block_scores(const float* kb,
 //   same differences from the same exact max, and each row's sum in key order;
 // - the output as group_task's, from the same probabilities in the same order.
 // So a row's result is the same bits whichever path its step's size picks. `scores` holds [R, keys rounded up to
-// L]. V's rows are prefetched while K streams in for the scores, so the output pass finds them in the caches.
+// L] (and zero rows up to the output's last pass). V's rows are prefetched while K streams in for the scores, so
+// the output pass finds them in the caches.
 template <typename V, int NV, int CHUNK, int R>
 __attribute__((always_inline)) inline void few_row_task(const Args& a, int64_t b, int64_t kv, int64_t r0,
                                                         float* scores, float* qt) {
@@ -197,26 +237,9 @@ __attribute__((always_inline)) inline void few_row_task(const Args& a, int64_t b
   for (int64_t s = 0; s < keys; ++s)
     for (int i = 0; i < R; ++i) l[i] += scores[i * stride + s];
   for (int i = 0; i < R; ++i) inv[i] = l[i] > 0.f ? 1.f / l[i] : 0.f;
-  constexpr int kChunk = NV >= CHUNK ? 1 : (CHUNK / NV < R ? CHUNK / NV : R);
-  constexpr int WB = NV >= CHUNK ? CHUNK : NV;
-  for (int c0 = 0; c0 < R; c0 += kChunk) {
-    const int cn = std::min(kChunk, R - c0);
-    for (int w0 = 0; w0 < NV; w0 += WB) {
-      V o[kChunk][WB] = {};
-      for (int64_t s = 0; s < keys; ++s) {
-        const float* vr = vb + s * a.v_ss + w0 * L;
-        for (int i = 0; i < kChunk; ++i) {  // rows past R repeat row c0's work, unused
-          const V ps = splat<V>(scores[(c0 + (i < cn ? i : 0)) * stride + s]);
-          for (int w = 0; w < WB; ++w) o[i][w] += ps * load<V>(vr + w * L);
-        }
-      }
-      for (int i = 0; i < cn; ++i) {
-        const int64_t r = r0 + c0 + i, t = r / G, h = kv * G + r % G;
-        float* dst = a.out + ((b * T + t) * a.Hq + h) * D + w0 * L;
-        for (int w = 0; w < WB; ++w) store(dst + w * L, o[i][w] * inv[c0 + i]);
-      }
-    }
-  }
+  constexpr int kPass = rows_per_pass<NV, CHUNK, R>(), kPadded = (R + kPass - 1) / kPass * kPass;
+  std::fill(scores + R * stride, scores + kPadded * stride, 0.f);  // the last pass's rows past R
+  weighted_values<V, NV, CHUNK, R>(a, b, kv, r0, R, keys, scores, stride, 1, inv);
 }
 
 template <typename V, int NV, int CHUNK, int... Rs>
@@ -246,7 +269,6 @@ __attribute__((always_inline)) inline void group_task(const Args& a, int64_t b, 
     }
   }
   const float* kb = a.k + b * a.k_sb + kv * a.k_sh;
-  const float* vb = a.v + b * a.v_sb + kv * a.v_sh;
   const bool* vis = a.visible + b * a.vis_sb;
   // Keys after the last step key any of the task's rows sees are skipped: their weights are zeros (a prefill's
   // causal block gives a task early in the step half the keys or fewer; the work on the rest was half a long
@@ -299,28 +321,7 @@ __attribute__((always_inline)) inline void group_task(const Args& a, int64_t b, 
   }
   float inv[L];
   for (int i = 0; i < L; ++i) inv[i] = l[i] > 0.f ? 1.f / l[i] : 0.f;
-  // Output: kChunk rows of WB vectors each per pass over the keys.
-  constexpr int kChunk = NV >= CHUNK ? 1 : CHUNK / NV;
-  constexpr int WB = NV >= CHUNK ? CHUNK : NV;
-  for (int64_t c0 = 0; c0 < rows; c0 += kChunk) {
-    const int64_t cn = std::min<int64_t>(kChunk, rows - c0);
-    for (int w0 = 0; w0 < NV; w0 += WB) {
-      V o[kChunk][WB] = {};
-      for (int64_t s = 0; s < keys; ++s) {
-        const float* vr = vb + s * a.v_ss + w0 * L;
-        const float* p = scores + s * L + c0;
-        for (int i = 0; i < kChunk; ++i) {  // lanes past `rows` hold zeros: harmless
-          const V ps = splat<V>(p[i]);
-          for (int w = 0; w < WB; ++w) o[i][w] += ps * load<V>(vr + w * L);
-        }
-      }
-      for (int64_t i = 0; i < cn; ++i) {
-        const int64_t r = r0 + c0 + i, t = r / G, h = kv * G + r % G;
-        float* dst = a.out + ((b * T + t) * a.Hq + h) * D + w0 * L;
-        for (int w = 0; w < WB; ++w) store(dst + w * L, o[i][w] * inv[c0 + i]);
-      }
-    }
-  }
+  weighted_values<V, NV, CHUNK, L>(a, b, kv, r0, rows, keys, scores, 1, L, inv);
 }
 
 using TaskFn = void (*)(const Args&, int64_t, int64_t, int64_t, float*, float*);
@@ -406,8 +407,8 @@ at::Tensor step_attention(const at::Tensor& q, const at::Tensor& k_cache, const 
   const int64_t work_per_task = task.rows * (longest + T) * D;
   const int64_t grain = std::max<int64_t>(1, (1 << 18) / std::max<int64_t>(work_per_task, 1));
   at::parallel_for(0, B * Hkv * chunks, grain, [&](int64_t begin, int64_t end) {
-    // Scores: [keys, L] with rows in the lanes, or [R, keys rounded up to L] for few rows; every entry a task reads
-    // it writes first, so left uninitialised (zeroing 128 KB a task at 2000 keys cost 0.1 ms a SmolLM2 step).
+    // Scores: [keys, L] with rows in the lanes, or [R (< L), keys rounded up to L] for few rows; every entry a task
+    // reads it writes first, so left uninitialised (zeroing 128 KB a task at 2000 keys cost 0.1 ms a SmolLM2 step).
     const std::unique_ptr<float[]> scores(new float[(longest + T + task.rows) * task.rows]);
     const std::unique_ptr<float[]> qt(new float[D * task.rows]);
     for (int64_t i = begin; i < end; ++i)

@@ -525,7 +525,6 @@ static void k256_groups(const float* x, int64_t M, const Packed& w, int64_t g0, 
 }
 #pragma GCC pop_options
 
-
 // Other CPUs: one row at a time, a plain loop per output column over k in order.
 static void scalar_block(const float* x, int64_t, int64_t kn, const float* w, float* buf, bool first, const char*) {
   for (int64_t c = 0; c < kCols; ++c) {

@@ -13,9 +13,9 @@ behind that stream. Two packed paths, both on a copy made at first use (the para
   of 32, as GGUF's Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K and Q8_0 give it, or per 16, as Q3_K and Q6_K do) is also
   packed as those integers, 0.19x to 0.31x the float32 bytes: steps of up to 8 rows (AVX2; 12 with AVX-512, 4
   without AVX2) read them, expanded in the GEMM to the very same floats, so the results are the float32 layout's,
-  bit for bit, for fewer bytes read; larger steps read the float32 layout. The packed copy takes as much memory as the weights (1.2x to
-  1.3x for quantised ones). Where it cannot be built (no compiler, ``LOOKAHEAD_CPU_GEMM=0``) this falls back to
-  ``"onednn"``.
+  bit for bit, for fewer bytes read; larger steps read the float32 layout. The packed copy takes as much memory
+  as the weights (1.2x to 1.3x for quantised ones). Where it cannot be built (no compiler,
+  ``LOOKAHEAD_CPU_GEMM=0``) this falls back to ``"onednn"``.
 * ``"onednn"``: torch's oneDNN (mkldnn) linear on a weight reordered once into its blocked layout.
 
 Everything else (another dtype or device, autograd through the weight, a torch built without oneDNN) takes
