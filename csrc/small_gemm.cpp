@@ -128,20 +128,20 @@ struct Packed {
   }
 };
 
-// A quantised group's blocks are one stream per thread. Prefetching into L2 the whole block kPrefetchBlocks ahead,
-// every 64-byte line of it, beats the hardware prefetcher alone wherever a block takes a while: on AVX2 at every row
-// count, on AVX-512 from 4 rows. Measured on a 2-core Zen 4, SmolLM2's 120 decoder linear layers as random Q4_1
-// weights (in one process, 21-31 rounds alternating, medians of the per-round ratios against the first line alone):
-// AVX2 (forced) 0.99 / 0.97 / 0.87 / 0.86 / 0.90 / 0.94 at 1 / 2 / 3 / 4 / 6 / 8 rows; AVX-512 1.02 / 1.03 / 1.01 at
-// 1-3 rows (the prefetch instructions cost more than they bring), 0.98 / 0.95 / 0.95 at 4 / 6 / 8.
-constexpr int64_t kPrefetchBlocks = 8;
+// A quantised group's blocks are one stream per thread, which the hardware prefetcher follows. Prefetching into L2
+// the whole block 8 blocks ahead, every 64-byte line of it, beats it wherever a block takes a while: on AVX2 at every
+// row count, on AVX-512 from 4 rows; below, one line 4 blocks ahead serves best (the prefetch instructions for the
+// whole block cost more than they bring there). Measured on a 2-core Zen 4, SmolLM2's 120 decoder linear layers as
+// random Q4_1 weights (in one process, 21-41 rounds alternating, medians of the per-round ratios against one line 8
+// blocks ahead): the whole block, AVX2 (forced) 0.99 / 0.97 / 0.87 / 0.86 / 0.90 / 0.94 at 1 / 2 / 3 / 4 / 6 / 8
+// rows, AVX-512 1.02 / 1.03 / 1.01 at 1-3 rows, 0.98 / 0.95 / 0.95 at 4 / 6 / 8 rows (4 or 12 blocks ahead instead
+// of 8: within 1%); one line 4 blocks ahead, AVX-512, 0.93-0.98 at 1 row, 0.94-0.98 at 2, 0.97 at 3 (in four runs).
 template <bool kWhole>
 inline void prefetch_block(const uint8_t* block, int64_t bytes) {
-  const uint8_t* ahead = block + kPrefetchBlocks * bytes;
   if constexpr (kWhole) {
-    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(ahead + line, 0, 2);
+    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(block + 8 * bytes + line, 0, 2);
   } else {
-    __builtin_prefetch(ahead, 0, 2);  // the hardware prefetcher misses the first lines of a stream
+    __builtin_prefetch(block + 4 * bytes, 0, 2);
   }
 }
 
