@@ -22,6 +22,17 @@
 //     down packed by lookahead_gemm::pack from weights [(Hq+2Hkv)*D, hidden], [hidden, Hq*D], [2*intermediate,
 //     hidden] (gate rows first, then up) and [hidden, intermediate]; biases float32 [n] or None. Returns the last
 //     layer's output [B, T, hidden].
+//   rotary_tables(positions, inv_freq) -> (cos, sin)
+//     positions int64 [...], inv_freq float32 [D/2] -> cos, sin float32 [..., D]: each angle float(p) * inv_freq[j]
+//     in float32, its cosine and sine in double rounded to float, the D/2 columns repeated.
+//   forward_step(input_ids, positions, max_positions, inv_freq, embed, k_cache!, v_cache!, cache_len, visible,
+//                scale, eps, num_heads, num_kv_heads, intermediate_size, <decoder_stack's per-layer lists>,
+//                final_norm, final_eps, head, logits_rows?) -> Tensor
+//     A whole step: the embedding rows of input_ids [B, T] (int64 or int32, in [0, V)), the rotary tables of
+//     positions [B, T] (in [0, max_positions)), decoder_stack, the final RMSNorm of the rows logits_rows (int64 [R],
+//     negative from the end; None: all T) and the projection by head (embed [V, hidden]'s shape, packed): logits
+//     float32 [B, R, V]. Why one op: after a step has streamed the weights through the caches, each torch op
+//     called from Python between the large ones cost 15-150 us (session 35: 5% of a SmolLM2 plain step).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -31,6 +42,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
+#include <vector>
 
 #include "cpu_ops.h"
 #include "cpu_vec.h"
@@ -251,13 +264,128 @@ at::Tensor decoder_stack(const at::Tensor& x, const at::Tensor& cos, const at::T
   return h;
 }
 
+// cos and sin [n, 2 half] of the rotary embedding at positions pos[0 .. n): angle j = float(pos) * inv_freq[j] in
+// float32 (as the model's torch path computes it), its cosine and sine in double rounded to float, columns
+// [0, half) repeated in [half, 2 half).
+void rotary_tables_into(const int64_t* pos, int64_t n, const float* inv_freq, int64_t half, float* cos, float* sin) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float p = static_cast<float>(pos[i]);
+    float* c = cos + i * 2 * half;
+    float* s = sin + i * 2 * half;
+    for (int64_t j = 0; j < half; ++j) {
+      const double a = static_cast<double>(p * inv_freq[j]);
+      c[j] = c[half + j] = static_cast<float>(std::cos(a));
+      s[j] = s[half + j] = static_cast<float>(std::sin(a));
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary_tables(const at::Tensor& positions, const at::Tensor& inv_freq) {
+  TORCH_CHECK_VALUE(positions.scalar_type() == at::kLong && positions.device().is_cpu(),
+                    "lookahead_cpu.rotary_tables: positions must be an int64 CPU tensor, got ",
+                    positions.scalar_type(), " on ", positions.device());
+  TORCH_CHECK_VALUE(inv_freq.dim() == 1 && inv_freq.scalar_type() == at::kFloat && inv_freq.device().is_cpu(),
+                    "lookahead_cpu.rotary_tables: inv_freq must be a float32 CPU tensor [D / 2], got ",
+                    inv_freq.scalar_type(), " ", inv_freq.sizes());
+  const at::Tensor pos = positions.contiguous(), freq = inv_freq.contiguous();
+  const int64_t half = freq.size(0);
+  std::vector<int64_t> shape(pos.sizes().begin(), pos.sizes().end());
+  shape.push_back(2 * half);
+  at::Tensor cos = at::empty(shape, freq.options()), sin = at::empty(shape, freq.options());
+  rotary_tables_into(pos.data_ptr<int64_t>(), pos.numel(), freq.data_ptr<float>(), half, cos.data_ptr<float>(),
+                     sin.data_ptr<float>());
+  return {cos, sin};
+}
+
+at::Tensor forward_step(const at::Tensor& input_ids, const at::Tensor& positions, int64_t max_positions,
+                        const at::Tensor& inv_freq, const at::Tensor& embed, at::Tensor& k_all, at::Tensor& v_all,
+                        const at::Tensor& cache_len, const at::Tensor& visible, double scale, double eps,
+                        int64_t num_heads, int64_t num_kv_heads, int64_t intermediate_size, at::TensorList attn_norm,
+                        at::TensorList qkv, const c10::List<c10::optional<at::Tensor>>& qkv_bias, at::TensorList o,
+                        const c10::List<c10::optional<at::Tensor>>& o_bias, at::TensorList mlp_norm,
+                        at::TensorList gate_up, const c10::List<c10::optional<at::Tensor>>& gate_up_bias,
+                        at::TensorList down, const c10::List<c10::optional<at::Tensor>>& down_bias,
+                        const at::Tensor& final_norm, double final_eps, const at::Tensor& head,
+                        const c10::optional<at::Tensor>& logits_rows) {
+  TORCH_CHECK_VALUE(input_ids.dim() == 2 && input_ids.device().is_cpu() &&
+                        (input_ids.scalar_type() == at::kLong || input_ids.scalar_type() == at::kInt),
+                    "lookahead_cpu.forward_step: input_ids must be an int64 or int32 CPU tensor [B, T], got ",
+                    input_ids.scalar_type(), " ", input_ids.sizes());
+  const int64_t B = input_ids.size(0), T = input_ids.size(1);
+  TORCH_CHECK_VALUE(positions.sizes() == input_ids.sizes() && positions.device().is_cpu() &&
+                        (positions.scalar_type() == at::kLong || positions.scalar_type() == at::kInt),
+                    "lookahead_cpu.forward_step: positions must be an integer CPU tensor [B=", B, ", T=", T,
+                    "], got ", positions.scalar_type(), " ", positions.sizes());
+  TORCH_CHECK_VALUE(embed.dim() == 2 && embed.scalar_type() == at::kFloat && embed.device().is_cpu() &&
+                        final_norm.dim() == 1 && final_norm.size(0) == embed.size(1),
+                    "lookahead_cpu.forward_step: embed must be float32 [V, hidden] and final_norm [hidden], got ",
+                    embed.sizes(), " and ", final_norm.sizes());
+  const int64_t V = embed.size(0), hidden = embed.size(1);
+  const at::Tensor ids = input_ids.to(at::kLong).contiguous(), pos = positions.to(at::kLong).contiguous();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  if (B * T > 0) {
+    const auto [id_lo, id_hi] = std::minmax_element(ip, ip + B * T);
+    TORCH_CHECK_VALUE(*id_lo >= 0 && *id_hi < V, "input_ids must lie in [0, vocab_size=", V, "), got min ", *id_lo,
+                      " max ", *id_hi);
+    const auto [p_lo, p_hi] = std::minmax_element(pp, pp + B * T);
+    TORCH_CHECK_VALUE(*p_lo >= 0 && *p_hi < max_positions, "positions must lie in [0, max_position_embeddings=",
+                      max_positions, "), got min ", *p_lo, " max ", *p_hi);
+  }
+  // The rows whose logits are wanted (Python's indexing: -T .. T - 1), all T by default.
+  std::vector<int64_t> rows;
+  if (logits_rows.has_value() && logits_rows->defined()) {
+    const at::Tensor r = logits_rows->to(at::kLong).contiguous();
+    TORCH_CHECK_VALUE(r.dim() == 1, "logits_rows must be None or an integer tensor [R], got ", r.sizes());
+    for (int64_t i = 0; i < r.numel(); ++i) {
+      const int64_t v = r.data_ptr<int64_t>()[i];
+      TORCH_CHECK_VALUE(v >= -T && v < T, "logits_rows must index the step's T=", T, " tokens, got ", r);
+      rows.push_back(v < 0 ? v + T : v);
+    }
+  } else {
+    for (int64_t t = 0; t < T; ++t) rows.push_back(t);
+  }
+  const int64_t R = static_cast<int64_t>(rows.size());
+  // The embedding rows, then the rotary tables from the positions.
+  at::Tensor x = at::empty({B, T, hidden}, embed.options());
+  const float* ep = embed.data_ptr<float>();
+  const int64_t estride = embed.stride(0);
+  TORCH_CHECK_VALUE(embed.stride(1) == 1, "lookahead_cpu.forward_step: embed must have contiguous rows");
+  for (int64_t i = 0; i < B * T; ++i)
+    std::memcpy(x.data_ptr<float>() + i * hidden, ep + ip[i] * estride, hidden * sizeof(float));
+  const auto [cos, sin] = rotary_tables(pos, inv_freq);
+  const at::Tensor h = decoder_stack(x, cos, sin, k_all, v_all, cache_len, visible, scale, eps, num_heads,
+                                     num_kv_heads, intermediate_size, attn_norm, qkv, qkv_bias, o, o_bias, mlp_norm,
+                                     gate_up, gate_up_bias, down, down_bias);
+  // The final norm of the rows wanted, then the vocabulary projection.
+  at::Tensor picked = at::empty({B * R, hidden}, embed.options());
+  const float* hp = h.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < R; ++i)
+      std::memcpy(picked.data_ptr<float>() + (b * R + i) * hidden, hp + (b * T + rows[i]) * hidden,
+                  hidden * sizeof(float));
+  check_vector(final_norm, hidden, "final_norm");
+  const at::Tensor normed = rms_norm(picked, final_norm, final_eps);
+  return small_gemm::linear(normed, head, V, c10::nullopt).view({B, R, V});
+}
+
 }  // namespace cpu_layer
 
 TORCH_LIBRARY_FRAGMENT(lookahead_cpu, m) {
+  m.def("rotary_tables(Tensor positions, Tensor inv_freq) -> (Tensor, Tensor)");
+  m.def("forward_step(Tensor input_ids, Tensor positions, int max_positions, Tensor inv_freq, Tensor embed, "
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_len, Tensor visible, float scale, float eps, "
+        "int num_heads, int num_kv_heads, int intermediate_size, Tensor[] attn_norm, Tensor[] qkv, Tensor?[] qkv_bias, "
+        "Tensor[] o, Tensor?[] o_bias, Tensor[] mlp_norm, Tensor[] gate_up, Tensor?[] gate_up_bias, Tensor[] down, "
+        "Tensor?[] down_bias, Tensor final_norm, float final_eps, Tensor head, Tensor? logits_rows) -> Tensor");
   m.def("decoder_stack(Tensor x, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_len, "
         "Tensor visible, float scale, float eps, int num_heads, int num_kv_heads, int intermediate_size, "
         "Tensor[] attn_norm, Tensor[] qkv, Tensor?[] qkv_bias, Tensor[] o, Tensor?[] o_bias, Tensor[] mlp_norm, "
         "Tensor[] gate_up, Tensor?[] gate_up_bias, Tensor[] down, Tensor?[] down_bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(lookahead_cpu, CPU, m) { m.impl("decoder_stack", &cpu_layer::decoder_stack); }
+TORCH_LIBRARY_IMPL(lookahead_cpu, CPU, m) {
+  m.impl("decoder_stack", &cpu_layer::decoder_stack);
+  m.impl("rotary_tables", &cpu_layer::rotary_tables);
+  m.impl("forward_step", &cpu_layer::forward_step);
+}

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from lookahead_kernels.cpu_attention import CpuStepAttention
-from lookahead_kernels.cpu_layer import decoder_stack_cpu
+from lookahead_kernels.cpu_layer import decoder_stack_cpu, forward_step_cpu
 from lookahead_kernels.layer_ops_ref import apply_rotary, rms_norm_reference, silu_mul_reference, write_rows
 from lookahead_kernels.layout import StepLayout
 
@@ -497,6 +497,13 @@ class DecoderLayer(nn.Module):
 # ---------------------------------------------------------------------------------------------------------------
 # The model
 # ---------------------------------------------------------------------------------------------------------------
+def _cpu_ops_built() -> bool:
+    """Whether the C++ CPU ops are (or can be) loaded; the first call may build them."""
+    from lookahead_kernels.cpu_ops import cpu_ops_available
+
+    return cpu_ops_available()
+
+
 def _torch_attention() -> AttentionFn:
     from lookahead_kernels import attention_torch
     return attention_torch
@@ -653,15 +660,21 @@ class LlamaForCausalLM(nn.Module):
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[B, T, head_dim]`` in the model dtype for LongTensor ``positions [B, T]``.
 
-        Computed from the positions each step (B*T*D/2 products), so no table bounds the positions.
+        Computed from the positions each step (B*T*D/2 products), so no table bounds the positions. In float32 on
+        the CPU by the C++ op ``lookahead_cpu::rotary_tables`` (the cosines and sines in double, rounded), which
+        :meth:`forward`'s fused CPU step computes too: whichever computes a position's keys, they are the same.
         """
         inv_freq = self.rope_inv_freq_bits.view(torch.float32)
+        if positions.device.type == "cpu" and self.dtype == torch.float32 and _cpu_ops_built():
+            return torch.ops.lookahead_cpu.rotary_tables(positions.to(torch.int64), inv_freq)
         freqs = positions[..., None].float() * inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)
         return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
 
     # ---- forward ----------------------------------------------------------------------------------------------
-    def _check_inputs(self, input_ids, positions, cache, layout, logits_rows) -> None:
+    def _check_inputs(self, input_ids, positions, cache, layout, logits_rows, values: bool = True) -> None:
+        """ValueError unless the step's arguments fit the model; ``values=False`` leaves the token ids', positions'
+        and logits rows' ranges to the caller (the fused CPU step checks them in C++)."""
         if not isinstance(layout, StepLayout):
             raise ValueError(f"layout must be a StepLayout, got {type(layout).__name__}")
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
@@ -694,11 +707,11 @@ class LlamaForCausalLM(nn.Module):
             if not isinstance(logits_rows, torch.Tensor) or logits_rows.dim() != 1 \
                     or logits_rows.is_floating_point() or logits_rows.dtype == torch.bool:
                 raise ValueError(f"logits_rows must be None or an integer tensor [R], got {logits_rows!r}")
-            if logits_rows.device.type == "cpu" and logits_rows.numel() and \
+            if values and logits_rows.device.type == "cpu" and logits_rows.numel() and \
                     (int(logits_rows.min()) < -T or int(logits_rows.max()) >= T):
                 raise ValueError(f"logits_rows must index the step's T={T} tokens, got {logits_rows.tolist()}")
         # Value checks need the data on the host; on an accelerator they would cost a sync per step.
-        if input_ids.device.type == "cpu":
+        if values and input_ids.device.type == "cpu":
             if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
                 raise ValueError(f"input_ids must lie in [0, vocab_size={self.config.vocab_size}), got "
                                  f"min {int(input_ids.min())} max {int(input_ids.max())}")
@@ -754,8 +767,47 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"a decoding step needs positions, cache, cache_len and layout; missing {missing} "
                              f"(or call model(input_ids) alone to score whole sequences)")
+        if attention is None and input_ids.device.type == "cpu" and self.dtype == torch.float32:
+            logits = self._fused_step(input_ids, positions, cache, cache_len, layout, logits_rows)
+            if logits is not None:
+                return logits
         return self.logits(self.hidden(input_ids, positions, cache, cache_len, layout, logits_rows,
                                        attention=attention))
+
+    def _fused_step(self, input_ids, positions, cache, cache_len, layout, logits_rows) -> torch.Tensor | None:
+        """:meth:`forward`'s logits in one C++ op, ``lookahead_cpu::forward_step`` (float32 on the CPU, every layer
+        fused, the head packed for our GEMM): the embedding, rotary tables, decoder stack, final norm and
+        vocabulary projection; None where it does not apply (then the step runs as :meth:`hidden` and
+        :meth:`logits`). Why: after a step has streamed the weights through the caches, each torch op called from
+        Python costs 15-150 us instead of 2-20 (session 33); the ~20 between the two large ops cost a SmolLM2 step
+        ~0.5 ms of ~7 (session 35)."""
+        self._check_inputs(input_ids, positions, cache, layout, logits_rows, values=False)
+        starts = _as_row_starts(cache_len, input_ids.shape[0], input_ids.device, "cache_len")
+        _check_row_range(starts, layout.T, cache.max_len, "cache_len")
+        attend = _cpu_attention(self, layout, starts, input_ids.shape[0])
+        # The embedding's output has the embedding weight's dtype, device and need of gradients.
+        stack = self._fused_stack(self.embed.weight, attend)
+        head = self._packed_head() if stack is not None else None
+        if head is None:
+            return None
+        return forward_step_cpu(input_ids, positions, self.config.max_position_embeddings,
+                                self.rope_inv_freq_bits.view(torch.float32), self.embed.weight, cache.k, cache.v,
+                                attend, stack, self.norm.weight, self.norm.eps, head, logits_rows)
+
+    def _packed_head(self) -> torch.Tensor | None:
+        """The vocabulary projection's weight packed for our GEMM, or None where :meth:`logits` takes another path
+        (the "torch" or oneDNN linear mode, gradients)."""
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        if not cpu_linear.packed_applies(self.norm.weight, weight):
+            return None
+        if self.lm_head is None:
+            pack = self._tied_head_pack if self._cpu_linear_mode != "torch" else None
+        else:
+            pack = self.lm_head.pack if self.lm_head.mode != "torch" and self.lm_head.bias is None else None
+        if pack is None:
+            return None
+        backend, packed = pack.get(weight)
+        return packed if backend == "gemm" else None
 
     def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                cache_len: int | torch.Tensor, layout: StepLayout, logits_rows: torch.Tensor | None = None,

@@ -47,3 +47,35 @@ def decoder_stack_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_c
         x, cos, sin, k_cache, v_cache, attend.cache_len, attend.visible, 1.0 / math.sqrt(cos.shape[-1]), eps,
         num_heads, num_kv_heads, intermediate_size, attn_norm, qkv, qkv_bias, o, o_bias, mlp_norm, gate_up,
         gate_up_bias, down, down_bias)
+
+
+def forward_step_cpu(input_ids: torch.Tensor, positions: torch.Tensor, max_positions: int, inv_freq: torch.Tensor,
+                     embed: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attend: CpuStepAttention,
+                     stack: dict, final_norm: torch.Tensor, final_eps: float, head: torch.Tensor,
+                     logits_rows: torch.Tensor | None) -> torch.Tensor:
+    """A whole step's logits, float32 on the CPU, in one call (``lookahead_cpu::forward_step``): the embedding rows,
+    the rotary tables (as ``lookahead_cpu::rotary_tables``), :func:`decoder_stack_cpu`, the final RMSNorm of the
+    rows wanted and the vocabulary projection.
+
+    Args:
+        input_ids: int64 or int32 ``[B, T]``, each in ``[0, V)``.
+        positions: int64 or int32 ``[B, T]``, each in ``[0, max_positions)``.
+        inv_freq: float32 ``[D / 2]``, the rotary inverse frequencies.
+        embed: float32 ``[V, hidden]``, the embedding matrix.
+        k_cache, v_cache, attend: as :func:`decoder_stack_cpu` takes them.
+        stack: :func:`decoder_stack_cpu`'s keyword arguments (the model's shape and per-layer weights).
+        final_norm: float32 ``[hidden]``; final_eps: its epsilon.
+        head: the ``[V, hidden]`` vocabulary projection packed by ``torch.ops.lookahead_gemm.pack``.
+        logits_rows: int64 ``[R]`` step indices (negative ones count from the end), or None for all ``T``.
+    Returns:
+        float32 ``[B, R or T, V]``.
+    Raises:
+        ValueError: a token id, position or logits row out of range (the messages of the model's own checks), or
+            what :func:`decoder_stack_cpu` refuses.
+    """
+    return torch.ops.lookahead_cpu.forward_step(
+        input_ids, positions, max_positions, inv_freq, embed, k_cache, v_cache, attend.cache_len, attend.visible,
+        1.0 / math.sqrt(inv_freq.shape[0] * 2), stack["eps"], stack["num_heads"], stack["num_kv_heads"],
+        stack["intermediate_size"], stack["attn_norm"], stack["qkv"], stack["qkv_bias"], stack["o"],
+        stack["o_bias"], stack["mlp_norm"], stack["gate_up"], stack["gate_up_bias"], stack["down"],
+        stack["down_bias"], final_norm, final_eps, head, logits_rows)

@@ -42,6 +42,7 @@ def _registered() -> bool:
     try:
         return torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_cpu::step_attention", "CPU") and \
             torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_cpu::decoder_stack", "CPU") and \
+            torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_cpu::forward_step", "CPU") and \
             torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_gemm::linear", "CPU") and \
             torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_draft::propose", "CPU") and \
             torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_draft::top_successors", "CPU") and \

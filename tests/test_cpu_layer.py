@@ -222,3 +222,82 @@ def test_op_checks_its_arguments():
 def test_opcheck():
     torch.library.opcheck(torch.ops.lookahead_cpu.decoder_stack, _op_args(), test_utils=("test_schema",
                                                                                          "test_autograd_registration"))
+
+
+# The fused CPU step: lookahead_cpu::forward_step (embedding, rotary tables, the stack, final norm and projection).
+@pytest.mark.parametrize("bias", [False, True])  # tied head (the embedding), an lm_head of its own
+def test_the_fused_step_gives_the_split_path_s_logits(bias):
+    model = random_model(48, 80, 4, 2, 16, bias)
+    lens = [6, 2]
+    layout = StepLayout.prefill(4)
+    ids = torch.randint(0, model.config.vocab_size, (2, 4))
+    positions = torch.tensor(lens)[:, None] + layout.position_offsets()
+    split = copy.deepcopy(model)
+    split._fused_step = lambda *args: None  # hidden() + logits(): the torch final norm, the head's own call
+    for rows in (None, torch.tensor([3, -4, 1])):
+        cache = poisoned_cache(model, 2, lens, 4)
+        split_cache = copy.deepcopy(cache)
+        with torch.inference_mode():
+            fused = model(ids, positions, cache, torch.tensor(lens), layout, rows)
+            want = split(ids, positions, split_cache, torch.tensor(lens), layout, rows)
+        assert fused.shape == want.shape == (2, 4 if rows is None else 3, model.config.vocab_size)
+        assert torch.isfinite(fused).all()
+        assert (fused - want).abs().max() <= 1e-5 * (1 + want.abs().max())
+        assert torch.equal(step_rows_of(cache, lens, 4), step_rows_of(split_cache, lens, 4))  # the same keys
+
+
+def test_the_fused_step_applies_only_to_the_packed_gemm():
+    model = random_model(64, 96, 4, 2, 16, False)
+    ids = torch.randint(0, model.config.vocab_size, (1, 2))
+    for mode, used in (("packed", True), ("onednn", False), ("torch", False)):
+        model.set_cpu_linear(mode)
+        got = run_step(model, poisoned_cache(model, 1, [3], 2), ids, StepLayout.prefill(2), [3])
+        assert torch.isfinite(got).all()
+        with torch.inference_mode():
+            assert (model._packed_head() is not None) == used
+    with torch.enable_grad():  # gradients: the Python layers, which autograd sees
+        model.set_cpu_linear("packed")
+        assert model._fused_step(ids, torch.tensor([[3, 4]]), poisoned_cache(model, 1, [3], 2), 3,
+                                 StepLayout.prefill(2), None) is None
+
+
+def test_the_fused_step_checks_ids_positions_and_rows():
+    model = random_model(64, 96, 4, 2, 16, False)
+    cache = poisoned_cache(model, 1, [3], 2)
+    V = model.config.vocab_size
+    with torch.inference_mode():
+        with pytest.raises(ValueError, match=rf"input_ids must lie in \[0, vocab_size={V}\), got min 0 max {V}"):
+            model(torch.tensor([[0, V]]), torch.tensor([[3, 4]]), cache, 3, StepLayout.prefill(2))
+        with pytest.raises(ValueError, match=r"positions must lie in \[0, max_position_embeddings=512\)"):
+            model(torch.tensor([[0, 1]]), torch.tensor([[-1, 4]]), cache, 3, StepLayout.prefill(2))
+        with pytest.raises(ValueError, match="logits_rows must index the step's T=2 tokens"):
+            model(torch.tensor([[0, 1]]), torch.tensor([[3, 4]]), cache, 3, StepLayout.prefill(2), torch.tensor([2]))
+        ok = model(torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([[3, 4]]), cache, 3, StepLayout.prefill(2))
+    assert torch.isfinite(ok).all()
+
+
+def test_rotary_tables_are_float64_cosines_of_the_float32_angles():
+    inv = torch.rand(24, dtype=torch.float64).float() * 0.9 + 1e-4
+    positions = torch.randint(0, 40000, (3, 5))
+    cos, sin = torch.ops.lookahead_cpu.rotary_tables(positions, inv)
+    assert cos.shape == sin.shape == (3, 5, 48) and cos.dtype == torch.float32
+    angles = (positions[..., None].float() * inv).double()  # the angle rounded to float32, as the torch path does
+    for got, want in ((cos, angles.cos()), (sin, angles.sin())):
+        assert torch.equal(got[..., :24], got[..., 24:])
+        assert (got[..., :24].double() - want).abs().max() <= 2 ** -24  # within rounding to float32
+    with pytest.raises(ValueError, match="positions must be an int64"):
+        torch.ops.lookahead_cpu.rotary_tables(positions.float(), inv)
+
+
+def test_opcheck_of_the_fused_step():
+    model = random_model(64, 96, 4, 2, 16, False)
+    args = _op_args()
+    cache = model.new_cache(1, 8)
+    with torch.inference_mode():
+        head = model._packed_head()
+    step_args = (torch.tensor([[1, 2]]), torch.tensor([[3, 4]]), 512, model.rope_inv_freq_bits.view(torch.float32),
+                 model.embed.weight.detach(), cache.k, cache.v) + args[5:] + (torch.ones(64), 1e-6, head, None)
+    torch.library.opcheck(torch.ops.lookahead_cpu.forward_step, step_args,
+                          test_utils=("test_schema", "test_autograd_registration"))
+    torch.library.opcheck(torch.ops.lookahead_cpu.rotary_tables, (torch.tensor([[3, 4]]), torch.ones(8)),
+                          test_utils=("test_schema", "test_autograd_registration"))
