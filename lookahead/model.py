@@ -785,6 +785,8 @@ class LlamaForCausalLM(nn.Module):
         starts = _as_row_starts(cache_len, input_ids.shape[0], input_ids.device, "cache_len")
         _check_row_range(starts, layout.T, cache.max_len, "cache_len")
         attend = _cpu_attention(self, layout, starts, input_ids.shape[0])
+        if self.embed.weight.stride(-1) != 1:  # the op copies contiguous embedding rows
+            return None
         # The embedding's output has the embedding weight's dtype, device and need of gradients.
         stack = self._fused_stack(self.embed.weight, attend)
         head = self._packed_head() if stack is not None else None
