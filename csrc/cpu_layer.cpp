@@ -32,7 +32,7 @@
 //     positions [B, T] (in [0, max_positions)), decoder_stack, the final RMSNorm of the rows logits_rows (int64 [R],
 //     negative from the end; None: all T) and the projection by head (embed [V, hidden]'s shape, packed): logits
 //     float32 [B, R, V]. Why one op: after a step has streamed the weights through the caches, each torch op
-//     called from Python between the large ones cost 15-150 us (session 35: 5% of a SmolLM2 plain step).
+//     called from Python between the large ones cost 15-150 us (session 35: 2-5% of a SmolLM2 step).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -780,7 +780,7 @@ class LlamaForCausalLM(nn.Module):
         vocabulary projection; None where it does not apply (then the step runs as :meth:`hidden` and
         :meth:`logits`). Why: after a step has streamed the weights through the caches, each torch op called from
         Python costs 15-150 us instead of 2-20 (session 33); the ~20 between the two large ops cost a SmolLM2 step
-        ~0.5 ms of ~7 (session 35)."""
+        2-5% (session 35)."""
         self._check_inputs(input_ids, positions, cache, layout, logits_rows, values=False)
         starts = _as_row_starts(cache_len, input_ids.shape[0], input_ids.device, "cache_len")
         _check_row_range(starts, layout.T, cache.max_len, "cache_len")
