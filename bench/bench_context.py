@@ -23,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from _common import DATA, command_line, machine_info, pyplot, render, write_results  # noqa: E402
+from _common import DATA, add_output_args, command_line, machine_info, pyplot, render, write_results  # noqa: E402
 
 from lookahead import LookaheadConfig, load_default  # noqa: E402
 
@@ -102,12 +102,8 @@ def main(argv=None) -> int:
                     help="prompt lengths in tokens (about)")
     ap.add_argument("--context", default=os.path.join(DATA, "humaneval_dev.jsonl"),
                     help="a JSONL set whose 'prompt' fields, joined, are the context")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--tag", default="cpu")
-    ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
-    ap.add_argument("--render", metavar="JSON", help="only re-write the markdown and plot of a results file")
+    add_output_args(ap, max_new_tokens=128, render=True)
     args = ap.parse_args(argv)
     if args.render:
         render(args.render, markdown, plot)

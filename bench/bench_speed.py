@@ -29,7 +29,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from _common import DEFAULT_SETS, command_line, machine_info, pyplot, read_results, set_name  # noqa: E402
+from _common import (DEFAULT_SETS, add_output_args, command_line, machine_info, pyplot, read_results,  # noqa: E402
+                     set_name)
 
 from lookahead import LookaheadConfig, load_default  # noqa: E402
 from lookahead.cli import read_prompts  # noqa: E402
@@ -93,12 +94,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sets", nargs="+", default=DEFAULT_SETS)
     ap.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--limit", type=int, default=None, help="first N prompts of each set")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--tag", default="cpu")
-    ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
-    ap.add_argument("--render", metavar="JSON", help="only re-write the markdown and plot of a results file")
+    add_output_args(ap, max_new_tokens=128, render=True)
     args = ap.parse_args(argv)
     if args.render:
         result, base = read_results(args.render)

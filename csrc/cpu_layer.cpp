@@ -317,10 +317,11 @@ at::Tensor forward_step(const at::Tensor& input_ids, const at::Tensor& positions
                     "lookahead_cpu.forward_step: positions must be an integer CPU tensor [B=", B, ", T=", T,
                     "], got ", positions.scalar_type(), " ", positions.sizes());
   TORCH_CHECK_VALUE(embed.dim() == 2 && embed.scalar_type() == at::kFloat && embed.device().is_cpu() &&
-                        final_norm.dim() == 1 && final_norm.size(0) == embed.size(1),
-                    "lookahead_cpu.forward_step: embed must be float32 [V, hidden] and final_norm [hidden], got ",
-                    embed.sizes(), " and ", final_norm.sizes());
+                        embed.stride(1) == 1,
+                    "lookahead_cpu.forward_step: embed must be float32 [V, hidden] with contiguous rows, got ",
+                    embed.scalar_type(), " ", embed.sizes());
   const int64_t V = embed.size(0), hidden = embed.size(1);
+  check_vector(final_norm, hidden, "final_norm");
   const at::Tensor ids = input_ids.to(at::kLong).contiguous(), pos = positions.to(at::kLong).contiguous();
   const int64_t* ip = ids.data_ptr<int64_t>();
   const int64_t* pp = pos.data_ptr<int64_t>();
@@ -350,7 +351,6 @@ at::Tensor forward_step(const at::Tensor& input_ids, const at::Tensor& positions
   at::Tensor x = at::empty({B, T, hidden}, embed.options());
   const float* ep = embed.data_ptr<float>();
   const int64_t estride = embed.stride(0);
-  TORCH_CHECK_VALUE(embed.stride(1) == 1, "lookahead_cpu.forward_step: embed must have contiguous rows");
   for (int64_t i = 0; i < B * T; ++i)
     std::memcpy(x.data_ptr<float>() + i * hidden, ep + ip[i] * estride, hidden * sizeof(float));
   const auto [cos, sin] = rotary_tables(pos, inv_freq);
@@ -364,7 +364,6 @@ at::Tensor forward_step(const at::Tensor& input_ids, const at::Tensor& positions
     for (int64_t i = 0; i < R; ++i)
       std::memcpy(picked.data_ptr<float>() + (b * R + i) * hidden, hp + (b * T + rows[i]) * hidden,
                   hidden * sizeof(float));
-  check_vector(final_norm, hidden, "final_norm");
   const at::Tensor normed = rms_norm(picked, final_norm, final_eps);
   return small_gemm::linear(normed, head, V, c10::nullopt).view({B, R, V});
 }
