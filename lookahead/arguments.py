@@ -26,6 +26,9 @@
   (:mod:`lookahead.sequence_rules`).
 * ``stop_strings`` (with ``tokenizer=``), ``stopping_criteria`` and ``max_time`` end a row as transformers ends it
   (:mod:`lookahead.stopping`).
+* The output is the ``sequences`` tensor with ``stats`` (and ``scores``, ``logits``) as attributes
+  (:class:`lookahead.generate.GenerateOutput`); with ``return_dict_in_generate=True`` its integer index reads it as
+  transformers' output object (``out[0]``: ``sequences``).
 * ``output_scores`` and ``output_logits`` return, for each new token, the row it was chosen from (processed and
   warped as transformers reports it, log-softmaxed with ``renormalize_logits``, or raw), whether the token came from
   a plain step or a verified tree node.
@@ -61,7 +64,7 @@ SUPPORTED_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "typi
                     "stop_strings", "max_time", "output_scores", "output_logits", "no_repeat_ngram_size",
                     "sequence_bias", "bad_words_ids", "encoder_repetition_penalty", "encoder_no_repeat_ngram_size",
                     "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
-                    "exponential_decay_length_penalty", "renormalize_logits", "top_h")
+                    "exponential_decay_length_penalty", "renormalize_logits", "top_h", "return_dict_in_generate")
 # Fields that choose how transformers computes, never what it outputs: accepted, our own cache, steps and drafts
 # serve them (prompt lookup's n-gram drafts are among lookahead's own guesses). ``cache_implementation`` only at
 # the values that keep the output exact (a quantized cache changes it); ``None``: any value.
@@ -70,9 +73,8 @@ OUTPUT_NEUTRAL_FIELDS = {"cache_implementation": ("dynamic", "static", "offloade
                          "max_cache_len": None, "low_memory": None, "prompt_lookup_num_tokens": None,
                          "max_matching_ngram_size": None}
 # Fields accepted with any value: they cannot change a decoder-only model's output given a prompt (use_cache=False
-# only makes transformers recompute every position; we always keep a cache), or (for return_dict_in_generate)
-# generate always returns an object with ``.sequences`` anyway.
-INERT_FIELDS = ("bos_token_id", "transformers_version", "return_dict_in_generate", "use_cache")
+# only makes transformers recompute every position; we always keep a cache).
+INERT_FIELDS = ("bos_token_id", "transformers_version", "use_cache")
 # transformers' values for supported fields that nobody set (GenerationConfig._get_default_generation_params).
 SAMPLING_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "num_return_sequences": 1,
                      "repetition_penalty": 1.0}
@@ -100,6 +102,8 @@ class GenerateArguments:
         forced_bos_token_id: int or ``None``; forced_eos_token_id: list of ids, maybe empty (not yet
             range-checked).
         remove_invalid_values, renormalize_logits: bools.
+        return_dict_in_generate: bool: whether the output's integer index reads it as transformers' output object
+            (``out[0]``: ``sequences``) rather than as the tokens (:class:`lookahead.generate.GenerateOutput`).
         decay: ``exponential_decay_length_penalty`` as ``(int start, float factor)``, or ``None``.
         top_h: in ``(0, 1]``, or ``None`` (off).
         padded_length: the prompt's length as transformers counts it (a batch's longest, padding included).
@@ -137,6 +141,7 @@ class GenerateArguments:
     remove_invalid_values: bool
     decay: object
     renormalize_logits: bool
+    return_dict_in_generate: bool
     top_h: object
     padded_length: int
     stop_strings: object
@@ -473,7 +478,7 @@ def resolve_generate_arguments(input_ids, *, attention_mask=None, max_new_tokens
                                              "encoder_no_repeat_ngram_size", "forced_bos_token_id",
                                              "forced_eos_token_id", "remove_invalid_values",
                                              "exponential_decay_length_penalty", "renormalize_logits",
-                                             "top_h")}}
+                                             "top_h", "return_dict_in_generate")}}
     values = {}
     for config, origin in ((model_generation_config, "in model.generation_config"),
                            (generation_config, "in generation_config")):  # later ones override
@@ -522,7 +527,7 @@ def resolve_generate_arguments(input_ids, *, attention_mask=None, max_new_tokens
     min_new = _min_new_tokens(values.get("min_new_tokens"), values.get("min_length"), given_len)
     suppressed = {name: _token_list(name, values.get(name)) for name in ("suppress_tokens", "begin_suppress_tokens")}
     flags = {}
-    for name in ("remove_invalid_values", "renormalize_logits"):
+    for name in ("remove_invalid_values", "renormalize_logits", "return_dict_in_generate"):
         flag = values.get(name)
         if flag is not None and not isinstance(flag, bool):
             raise ValueError(f"{name} must be a bool, got {flag!r}")

@@ -21,6 +21,7 @@ Two ways to run a step's forward ("run", part 3 of ``shared/design/decode-loop.m
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from typing import Iterable
@@ -132,19 +133,69 @@ class GenerationStats:
         return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-@dataclasses.dataclass
-class GenerateOutput:
-    """``sequences``: LongTensor ``[B, L + new]``, each row its prompt as given (left padding included; a list's
-    shorter prompts left-padded to ``L``) followed by its new tokens, then ``pad_token_id`` after its end (``new``:
-    the longest row's new tokens); ``stats``: :class:`GenerationStats`. With ``output_scores``/``output_logits``,
-    ``scores``/``logits`` are transformers' (a tuple of float32 ``[B, vocab]``, one per new token: the row the
-    token was chosen from, processed and warped as the choice saw it, or raw; NaN in a row that had ended), else
-    ``None``."""
+class GenerateOutput(torch.Tensor):
+    """What :func:`generate` returns: the LongTensor ``sequences`` ``[B, L + new]`` itself, as transformers'
+    ``generate`` returns it, with the rest as attributes.
 
-    sequences: torch.Tensor
-    stats: GenerationStats
-    scores: tuple | None = None
-    logits: tuple | None = None
+    Each row is its prompt as given (left padding included; a list's shorter prompts left-padded to ``L``) followed
+    by its new tokens, then ``pad_token_id`` after its end (``new``: the longest row's new tokens). So
+    transformers' habits work: ``tokenizer.decode(out[0])``, ``tokenizer.batch_decode(out)``, ``out[0, L:]``,
+    ``out.shape``; torch ops on it give plain tensors.
+
+    Attributes:
+        sequences: the same tokens as a plain LongTensor (transformers' ``return_dict_in_generate=True`` habit).
+        stats: :class:`GenerationStats`.
+        scores, logits: with ``output_scores``/``output_logits``, transformers' (a tuple of float32 ``[B, vocab]``,
+            one per new token: the row the token was chosen from, processed and warped as the choice saw it, or
+            raw; NaN in a row that had ended), else ``None``.
+
+    ``out["sequences"]`` (``"scores"``, ``"logits"``, ``"stats"``) reads an attribute. With
+    ``return_dict_in_generate=True`` an integer index reads it as transformers' output object does: ``out[0]`` is
+    ``sequences``, then ``scores`` and ``logits`` where returned (:meth:`to_tuple`); otherwise it indexes the tokens.
+    """
+
+    # Results of torch ops (indexing included) are plain tensors, without this class's attributes.
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __new__(cls, sequences: torch.Tensor, stats: GenerationStats, scores: tuple | None = None,
+                logits: tuple | None = None, return_dict_in_generate: bool = False):
+        out = torch.Tensor._make_subclass(cls, sequences, False)
+        out.stats, out.scores, out.logits = stats, scores, logits
+        out.return_dict_in_generate = return_dict_in_generate
+        return out
+
+    def __init__(self, *args, **kwargs):  # all set in __new__ (torch.Tensor's __init__ takes no arguments)
+        pass
+
+    @property
+    def sequences(self) -> torch.Tensor:
+        return self.as_subclass(torch.Tensor)
+
+    def to_tuple(self) -> tuple:
+        """transformers' ``ModelOutput.to_tuple``: ``sequences``, then ``scores`` and ``logits`` where returned."""
+        return tuple(v for v in (self.sequences, self.scores, self.logits) if v is not None)
+
+    def __getitem__(self, key):
+        if isinstance(key, str):
+            if key not in ("sequences", "scores", "logits", "stats") or getattr(self, key) is None:
+                raise KeyError(f"{key!r}: the output holds sequences, stats"
+                               f"{', scores' if self.scores is not None else ''}"
+                               f"{', logits' if self.logits is not None else ''}")
+            return getattr(self, key)
+        if self.return_dict_in_generate and isinstance(key, (int, slice)):
+            return self.to_tuple()[key]
+        return super().__getitem__(key)
+
+    def __reduce_ex__(self, protocol):
+        return (_rebuild_output, (self.sequences, self.stats, self.scores, self.logits,
+                                  self.return_dict_in_generate))
+
+    def __deepcopy__(self, memo):
+        return _rebuild_output(*copy.deepcopy(self.__reduce_ex__(2)[1], memo))
+
+
+def _rebuild_output(sequences, stats, scores, logits, return_dict_in_generate) -> GenerateOutput:
+    return GenerateOutput(sequences, stats, scores, logits, return_dict_in_generate)
 
 
 def _check_prompt(prompt: torch.Tensor, vocab_size: int, b: int, batch: int) -> torch.Tensor:
@@ -447,7 +498,7 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     kept = _kept_outputs(rows, sampler.outputs, args.prompts[0].device)
     return GenerateOutput(_sequences(rows, args.padding, _pad_id(model, args.pad_token_id, eos_token_id),
                                      args.prompts[0].device), stats, scores=kept.get("scores"),
-                          logits=kept.get("logits"))
+                          logits=kept.get("logits"), return_dict_in_generate=args.return_dict_in_generate)
 
 
 def _kept_outputs(rows, outputs: tuple, device) -> dict:

@@ -316,6 +316,59 @@ def test_parameter_counts_as_transformers_gives_them(tiny):
     assert model.get_input_embeddings() is model.embed
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_the_output_is_the_sequences_tensor_as_transformers_returns_it(tiny, tokenizer, mode):
+    """``tokenizer.decode(out[0])``, ``batch_decode(out)``, ``out[0, L:]``: the habits of transformers' default
+    ``return_dict_in_generate=False``; the statistics stay attributes, and torch ops give plain tensors."""
+    _, model = tiny
+    inputs = tokenizer(["w5 w6 w7 w8 w9 w10", "w11 w12 w13"], return_tensors="pt", padding=True, padding_side="left")
+    out = model.generate(**inputs, max_new_tokens=10, lookahead=MODES[mode], pad_token_id=0)
+    seq = out.sequences
+    assert type(seq) is torch.Tensor and seq.dtype == torch.long and torch.equal(out, seq)
+    assert out.shape == seq.shape == (2, 16) and len(out) == 2 and out.tolist() == seq.tolist()
+    assert torch.equal(out[0], seq[0]) and torch.equal(out[1, 6:], seq[1, 6:]) and type(out[0]) is torch.Tensor
+    assert tokenizer.decode(out[0], skip_special_tokens=True) == tokenizer.decode(seq[0].tolist(),
+                                                                                  skip_special_tokens=True)
+    assert tokenizer.batch_decode(out) == [tokenizer.decode(row.tolist()) for row in seq]
+    assert type(out + 1) is torch.Tensor and type(out.clone()) is torch.Tensor
+    assert out["sequences"] is not None and torch.equal(out["sequences"], seq) and out["stats"] is out.stats
+    assert out.stats.new_tokens == 20 and out.scores is None and out.logits is None
+    with pytest.raises(KeyError, match="sequences, stats"):
+        out["scores"]
+
+
+def test_the_output_survives_pickle_and_deepcopy(tiny):
+    import copy
+    import pickle
+
+    _, model = tiny
+    out = model.generate(PROMPT, max_new_tokens=6, lookahead=LA, output_scores=True)
+    for copied in (pickle.loads(pickle.dumps(out)), copy.deepcopy(out)):
+        assert type(copied) is type(out) and torch.equal(copied, out)
+        assert copied.stats.steps == out.stats.steps and len(copied.scores) == 6
+        assert torch.equal(copied.scores[0], out.scores[0])
+
+
+@pytest.mark.parametrize("where", ["keyword", "generation_config"])
+def test_return_dict_in_generate_indexes_as_transformers_output_object(tiny, where):
+    """transformers returns a ``ModelOutput`` there: ``out[0]`` is ``sequences``, then the scores and logits asked
+    for; the attributes work either way."""
+    _, model = tiny
+    kwargs = dict(output_scores=True, output_logits=True)
+    if where == "keyword":
+        kwargs["return_dict_in_generate"] = True
+    else:
+        kwargs["generation_config"] = GenerationConfig(return_dict_in_generate=True, max_new_tokens=5)
+    out = model.generate(PROMPT, max_new_tokens=5, **kwargs)
+    assert torch.equal(out[0], out.sequences) and out[1] is out.scores and out[2] is out.logits
+    assert out[-1] is out.logits and len(out.to_tuple()) == 3 and out["logits"] is out.logits
+    assert torch.equal(out[0, 0], out.sequences[0, 0])  # a tuple index reads the tokens
+    plain = model.generate(PROMPT, max_new_tokens=5, return_dict_in_generate=False)
+    assert torch.equal(plain[0], plain.sequences[0])
+    with pytest.raises(ValueError, match="return_dict_in_generate must be a bool"):
+        model.generate(PROMPT, max_new_tokens=5, return_dict_in_generate="yes")
+
+
 @pytest.mark.parametrize("kwargs,named", [
     (dict(num_beams=4), "num_beams=4"),
     (dict(cache_implementation="quantized"), "cache_implementation='quantized' (only 'dynamic'"),
