@@ -463,8 +463,45 @@ def local_path(path, gguf_file: str | None = None) -> Path:
                          f"({type(err).__name__}: {reason})") from None
 
 
-def from_pretrained(path, dtype: torch.dtype | None = None, device=None,
-                    gguf_file: str | None = None, *, cache: bool = True) -> LlamaForCausalLM:
+_DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def load_options(dtype=None, device=None, torch_dtype=None, device_map=None) -> tuple:
+    """``(dtype or None, torch.device)`` from transformers' spellings as well as ours: ``torch_dtype``
+    (transformers 4's name for ``dtype``), a dtype named by a string (``"bfloat16"``; ``"auto"``: the checkpoint's),
+    and ``device_map`` (a device, its name or index, ``{"": device}``, or ``"auto"``: CUDA where present, else the
+    CPU). One device holds the whole model: a map over several is a ``ValueError``, as are both spellings at
+    once."""
+    if torch_dtype is not None:
+        if dtype is not None:
+            raise ValueError("give dtype or torch_dtype (transformers 4's name for it), not both")
+        dtype = torch_dtype
+    if isinstance(dtype, str):
+        if dtype != "auto" and dtype not in _DTYPE_NAMES:
+            raise ValueError(f"dtype {dtype!r} is not one we load; use 'auto' (the checkpoint's), "
+                             f"{', '.join(map(repr, _DTYPE_NAMES))} or a torch.dtype")
+        dtype = None if dtype == "auto" else _DTYPE_NAMES[dtype]
+    _check_dtype(dtype)
+    if device_map is not None:
+        if device is not None:
+            raise ValueError("give device or device_map, not both")
+        if isinstance(device_map, dict):
+            if set(device_map) != {""}:
+                raise ValueError(f"device_map={device_map!r} splits the model over several devices; we load it "
+                                 f"whole onto one: pass device_map={{'': device}} or device=")
+            device_map = device_map[""]
+        if device_map == "auto":
+            device_map = "cuda" if torch.cuda.is_available() else "cpu"
+        device = device_map
+    try:
+        return dtype, torch.device(device if device is not None else "cpu")
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device {device!r} is not a torch device (e.g. 'cpu', 'cuda', 'cuda:1', 0)") from exc
+
+
+def from_pretrained(path, dtype: torch.dtype | str | None = None, device=None,
+                    gguf_file: str | None = None, *, cache: bool = True, torch_dtype=None,
+                    device_map=None) -> LlamaForCausalLM:
     """Load a checkpoint from disk.
 
     Args:
@@ -472,14 +509,15 @@ def from_pretrained(path, dtype: torch.dtype | None = None, device=None,
             ``model.safetensors.index.json`` or not), a directory holding ``gguf_file``, or a ``.gguf`` file; or a
             Hugging Face Hub id (``owner/name``, where no such local path exists), downloaded into the Hub cache
             (its config, safetensors and tokenizer files, or only ``gguf_file``) unless already there.
-        dtype: parameter dtype; default: the checkpoint's (float32 for GGUF, which is dequantised).
+        dtype: parameter dtype, or its name; default (and ``"auto"``): the checkpoint's (float32 for GGUF, which
+            is dequantised).
         device: default CPU.
         gguf_file: name of a GGUF file inside ``path``.
         cache: for a GGUF, use (and fill) the converted-weights cache in :func:`cache_dir`.
+        torch_dtype, device_map: transformers' spellings (:func:`load_options`).
     Raises ``ValueError`` for missing or unsupported files and architectures.
     """
-    _check_dtype(dtype)
-    device = torch.device(device if device is not None else "cpu")
+    dtype, device = load_options(dtype, device, torch_dtype, device_map)
     path = local_path(path, gguf_file)
     if not path.exists():
         raise ValueError(f"{path} does not exist")
@@ -573,18 +611,18 @@ def load_tokenizer(path, *, cache: bool = True):
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def load_default(dtype: torch.dtype = torch.float32, device="cpu"):
+def load_default(dtype: torch.dtype | str = torch.float32, device="cpu"):
     """SmolLM2-135M-Instruct (GGUF Q4_1, dequantised) and its tokenizer: ``(model, tokenizer)``.
 
     The first call converts the GGUF (~12 s here: 3 s the weights, 9 s the tokenizer); later ones read the cache
     (:func:`cache_dir`) in about 1.5 s."""
     path = default_gguf_path()
-    _check_dtype(dtype)
+    dtype, device = load_options(dtype, device)
     digest = file_sha256(path)  # both cache entries' key: one read of the file, not two (0.13 s each here)
-    model = _load_gguf(path.parent, path.name, dtype, torch.device(device if device is not None else "cpu"),
-                       digest=digest)
+    model = _load_gguf(path.parent, path.name, dtype, device, digest=digest)
     return model, _load_gguf_tokenizer(path, True, digest)
 
 
-__all__ = ["convert_hf_state_dict", "from_hf", "from_pretrained", "is_hub_id", "local_path", "load_default",
-           "load_tokenizer", "default_gguf_path", "cache_dir", "file_sha256", "DEFAULT_GGUF_FILE", "CACHE_DIR_ENV"]
+__all__ = ["convert_hf_state_dict", "from_hf", "from_pretrained", "load_options", "is_hub_id", "local_path",
+           "load_default", "load_tokenizer", "default_gguf_path", "cache_dir", "file_sha256", "DEFAULT_GGUF_FILE",
+           "CACHE_DIR_ENV"]

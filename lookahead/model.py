@@ -617,11 +617,18 @@ class LlamaForCausalLM(nn.Module):
         return from_hf(model)
 
     @classmethod
-    def from_pretrained(cls, path, dtype: torch.dtype | None = None, device=None,
-                        gguf_file: str | None = None) -> "LlamaForCausalLM":
-        """Load a Hugging Face directory (config.json + safetensors) or a GGUF file; see :mod:`lookahead.loading`."""
+    def from_pretrained(cls, path, dtype: torch.dtype | str | None = None, device=None,
+                        gguf_file: str | None = None, *, torch_dtype=None, device_map=None,
+                        **kwargs) -> "LlamaForCausalLM":
+        """Load a Hugging Face directory (config.json + safetensors), a GGUF file or a Hub id; see
+        :func:`lookahead.loading.from_pretrained`. transformers' ``torch_dtype``, ``dtype="auto"`` and
+        ``device_map`` (one device) are taken too; any other keyword is a ``ValueError`` naming it."""
         from .loading import from_pretrained
-        return from_pretrained(path, dtype=dtype, device=device, gguf_file=gguf_file)
+        if kwargs:
+            raise ValueError(f"from_pretrained does not take {', '.join(sorted(kwargs))}; it takes path, dtype (or "
+                             f"torch_dtype), device (or device_map) and gguf_file")
+        return from_pretrained(path, dtype=dtype, device=device, gguf_file=gguf_file, torch_dtype=torch_dtype,
+                               device_map=device_map)
 
     def save_pretrained(self, directory):
         """Write the model as a Hugging Face directory (``config.json`` + ``model.safetensors``) that transformers

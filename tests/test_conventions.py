@@ -287,6 +287,39 @@ def test_generation_config_json_is_loaded_saved_and_copied(tiny, tmp_path):
     assert LlamaForCausalLM.from_pretrained(tmp_path).generation_config.do_sample is None
 
 
+def test_from_pretrained_takes_transformers_spellings(tiny, tmp_path):
+    """``torch_dtype``, a dtype's name or ``"auto"``, ``device_map`` on one device; the same weights either way."""
+    _, model = tiny
+    model.save_pretrained(tmp_path)
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    for kwargs, dtype, device in [
+        (dict(torch_dtype=torch.bfloat16), torch.bfloat16, "cpu"),
+        (dict(dtype="float16"), torch.float16, "cpu"),
+        (dict(dtype="auto", device_map="cpu"), torch.float32, "cpu"),
+        (dict(device_map={"": "cpu"}), torch.float32, "cpu"),
+        (dict(device_map="auto"), torch.float32, auto),
+    ]:
+        loaded = LlamaForCausalLM.from_pretrained(tmp_path, **kwargs)
+        assert loaded.dtype == dtype and loaded.device.type == device, kwargs
+        assert torch.equal(loaded.embed.weight.float().cpu(), model.embed.weight.to(dtype).float())
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(dtype=torch.float16, torch_dtype=torch.bfloat16), "dtype or torch_dtype"),
+    (dict(dtype="int8"), "dtype 'int8' is not one we load"),
+    (dict(torch_dtype=torch.int8), "floating torch.dtype"),
+    (dict(device_map={"model.layers.0": 0, "lm_head": 1}), "splits the model over several devices"),
+    (dict(device="cpu", device_map="cpu"), "device or device_map"),
+    (dict(device="gpu7"), "not a torch device"),
+    (dict(low_cpu_mem_usage=True, trust_remote_code=True), "does not take low_cpu_mem_usage, trust_remote_code"),
+])
+def test_from_pretrained_refuses_what_it_cannot_honour(tiny, tmp_path, kwargs, message):
+    _, model = tiny
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        LlamaForCausalLM.from_pretrained(tmp_path, **kwargs)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_num_return_sequences_draws_each_prompt_n_times(tiny, mode):
     _, model = tiny
