@@ -101,6 +101,19 @@ class ModelConfig:
         else:
             object.__setattr__(self, "eos_token_id", tuple(int(t) for t in self.eos_token_id))
 
+    # transformers' names of three fields, for code written against its configs (``model.config.num_hidden_layers``).
+    @property
+    def num_hidden_layers(self) -> int:
+        return self.num_layers
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.num_heads
+
+    @property
+    def num_key_value_heads(self) -> int:
+        return self.num_kv_heads
+
     @property
     def hf_eos_token_id(self) -> int | list[int] | None:
         """The EOS ids as transformers' configs write them: ``None``, one int, or a list."""

@@ -347,6 +347,9 @@ def test_parameter_counts_as_transformers_gives_them(tiny):
     assert model.num_parameters() == hf.num_parameters()
     assert model.num_parameters(exclude_embeddings=True) == hf.num_parameters(exclude_embeddings=True)
     assert model.get_input_embeddings() is model.embed
+    for name in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "vocab_size",
+                 "intermediate_size", "max_position_embeddings", "head_dim"):
+        assert getattr(model.config, name) == getattr(hf.config, name), name
 
 
 @pytest.mark.parametrize("mode", MODES)
