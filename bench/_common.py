@@ -79,6 +79,7 @@ def git_revision(root: str | None = None) -> str:
 
 
 def cpu_model() -> str:
+    # lookahead.controller.cpu_model_name's twin: the GPU run's env part calls this before lookahead may import.
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

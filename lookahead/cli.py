@@ -392,8 +392,11 @@ def git_revision() -> str:
 
 
 def machine_info(device: str) -> dict:
-    info = {"device": device, "torch": torch.__version__, "python": platform.python_version(),
-            "platform": platform.platform(), "cpu_count": os.cpu_count(), "git": git_revision()}
+    from .controller import cpu_model_name
+
+    info = {"device": device, "cpu": cpu_model_name(), "torch": torch.__version__,
+            "python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
+            "git": git_revision()}
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
     return info

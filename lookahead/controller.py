@@ -26,6 +26,7 @@ import itertools
 import json
 import operator
 import os
+import platform
 import sys
 import time
 
@@ -98,9 +99,8 @@ class StepCosts:
         return self.tokens[-1]
 
 
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
+def cpu_model_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` says, else ``"cpu"``."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -108,7 +108,11 @@ def _device_name(device: torch.device) -> str:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return "cpu"
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model_name()
 
 
 def cost_key(model) -> str:
