@@ -348,6 +348,9 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     (``stats.reused_tokens``), and after the call it holds this prompt and its new tokens.
     ``_native_draft`` (private, for tests and benches) picks the draft builder: ``True`` the C++ one, ``False`` its
     Python reference, ``None`` the C++ one where it builds.
+
+    Returns a :class:`GenerateOutput`: the LongTensor of the sequences ``[B, L + new]`` itself, with ``stats`` (and
+    ``scores``/``logits`` when asked) as attributes.
     """
     called = time.perf_counter()
     args = resolve_generate_arguments(
