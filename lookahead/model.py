@@ -801,16 +801,23 @@ class LlamaForCausalLM(nn.Module):
         :meth:`logits`). Why: after a step has streamed the weights through the caches, each torch op called from
         Python costs 15-150 us instead of 2-20 (session 33); the ~20 between the two large ops cost a SmolLM2 step
         2-5% (session 35)."""
+        from lookahead_kernels.cpu_attention import cpu_attention_applies
+
+        # First what does not depend on the step (contiguous embedding rows, our attention, a packed head): where the
+        # op does not apply, the split path then checks the step once, not twice.
+        if self.embed.weight.stride(-1) != 1 \
+                or not cpu_attention_applies(self.device, self.dtype, self.config.head_dim):
+            return None
+        head = self._packed_head()
+        if head is None:
+            return None
         self._check_inputs(input_ids, positions, cache, layout, logits_rows, values=False)
         starts = _as_row_starts(cache_len, input_ids.shape[0], input_ids.device, "cache_len")
         _check_row_range(starts, layout.T, cache.max_len, "cache_len")
         attend = _cpu_attention(self, layout, starts, input_ids.shape[0])
-        if self.embed.weight.stride(-1) != 1:  # the op copies contiguous embedding rows
-            return None
         # The embedding's output has the embedding weight's dtype, device and need of gradients.
         stack = self._fused_stack(self.embed.weight, attend)
-        head = self._packed_head() if stack is not None else None
-        if head is None:
+        if stack is None:
             return None
         return forward_step_cpu(input_ids, positions, self.config.max_position_embeddings,
                                 self.rope_inv_freq_bits.view(torch.float32), self.embed.weight, cache.k, cache.v,
