@@ -814,7 +814,7 @@ class LlamaForCausalLM(nn.Module):
         self._check_inputs(input_ids, positions, cache, layout, logits_rows, values=False)
         starts = _as_row_starts(cache_len, input_ids.shape[0], input_ids.device, "cache_len")
         _check_row_range(starts, layout.T, cache.max_len, "cache_len")
-        attend = _cpu_attention(self, layout, starts, input_ids.shape[0])
+        attend = CpuStepAttention(layout, starts, input_ids.shape[0])  # it applies (above)
         # The embedding's output has the embedding weight's dtype, device and need of gradients.
         stack = self._fused_stack(self.embed.weight, attend)
         if stack is None:
