@@ -106,8 +106,8 @@ class GenerationStats:
             ``seconds``. Where the forward is cheap (a GPU) this bounds the speed.
         accepted: per step, the tokens it emitted over all rows (accepted candidate tokens plus bonus tokens).
         trace: per lookahead step, a :class:`StepTrace` when ``generate`` was called with ``trace=True``, else
-            ``None``. For analysing guess quality (``bench/bench_guesses.py``); it costs host memory per step.
-            For a batch, each row's trace is in ``rows[b].trace``.
+            ``None``. For analysing guess quality (``bench/bench_tree.py``, ``bench/bench_calibration.py``); it
+            costs host memory per step. For a batch, each row's trace is in ``rows[b].trace``.
         rows: per row, its :class:`GenerationStats` (``None`` on a row's own statistics).
     """
 
