@@ -9,6 +9,8 @@
 #   stepcost   t(T) at 7B/8B shape, bf16, eager and CUDA-graph, plain decoding vs bandwidth (bench/gpu_step_cost.py)
 #   kernels    attention vs SDPA (dense mask) vs FlexAttention, T=120, contexts 1k-32k (bench/gpu_kernels.py)
 #   verify     verification microseconds (bench/bench_verify.py)
+#   linear     a step's linear layers, cuBLAS against our row-invariant kernel, SmolLM2 fp32 and 7B bf16, M = 1-128,
+#              and tile sizes of ours (bench/gpu_linear.py)
 #   pool       n-gram pool microseconds (bench/bench_pool.py)
 #   profile    where a SmolLM2 step's device time goes: kernel tables at T = 1, 16, 128 and the step menu's graph
 #              replays (bench/gpu_profile.py smolstep steps; a diagnostic, printed to profile.log)
@@ -17,8 +19,8 @@
 #   batch      SmolLM2 batches of 1, 4, 16 rows: lookahead against plain (bench/bench_batch.py --device cuda)
 #   batchbf16  the same in bfloat16, 1 and 16 rows (tensor cores keep a step's cost flat to larger sizes)
 #   gputests   every other test marked gpu (pytest -m gpu), bf16 identity counts included
-#   ktests     kernel tests on CUDA: tests/test_gpu_kernels.py, test_layer_ops.py, test_kv_compact.py, test_runner.py, test_attention.py,
-#              test_verify.py
+#   ktests     kernel tests on CUDA: tests/test_gpu_kernels.py, test_step_linear.py, test_layer_ops.py,
+#              test_kv_compact.py, test_runner.py, test_attention.py, test_verify.py
 #
 # Each part runs under `timeout` with its own budget, clipped to what is left of RUN_GPU_BUDGET (default 560 s,
 # under the device tool's 600 s per command); a part that fails or times out is recorded and the next one runs.
@@ -35,11 +37,11 @@ PARTS=()
 for a in "$@"; do
   case "$a" in
     --dry-run) DRY=1 ;;
-    env|build|ktests|stepcost|kernels|verify|pool|profile|model|e2e|batch|batchbf16|gputests) PARTS+=("$a") ;;
-    *) echo "unknown part '$a'; parts: env build ktests stepcost kernels verify pool profile model e2e batch batchbf16 gputests" >&2; exit 2 ;;
+    env|build|ktests|stepcost|kernels|verify|linear|pool|profile|model|e2e|batch|batchbf16|gputests) PARTS+=("$a") ;;
+    *) echo "unknown part '$a'; parts: env build ktests stepcost kernels verify linear pool profile model e2e batch batchbf16 gputests" >&2; exit 2 ;;
   esac
 done
-[ ${#PARTS[@]} -eq 0 ] && PARTS=(env build ktests stepcost kernels verify pool profile model e2e batch batchbf16 gputests)
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(env build ktests stepcost kernels verify linear pool profile model e2e batch batchbf16 gputests)
 wants() { local p; for p in "${PARTS[@]}"; do [ "$p" = "$1" ] && return 0; done; return 1; }
 
 OUT=${OUT:-$ROOT/gpu-out}
@@ -128,7 +130,8 @@ WORKERS=()
 $PY -c "import xdist" 2>/dev/null && WORKERS=(-n "${TEST_WORKERS:-$([ $DRY = 1 ] && echo 2 || echo 8)}")
 
 wants env && part env 40 $PY bench/gpu_env.py "${DRYFLAG[@]}" --out-dir "$WORK" --revision-file "$ROOT/.device-model/REVISION"
-KTESTS=(tests/test_gpu_kernels.py tests/test_layer_ops.py tests/test_kv_compact.py tests/test_runner.py tests/test_attention.py tests/test_verify.py)
+KTESTS=(tests/test_gpu_kernels.py tests/test_step_linear.py tests/test_layer_ops.py tests/test_kv_compact.py tests/test_runner.py
+        tests/test_attention.py tests/test_verify.py)
 [ $DRY = 1 ] && KTESTS=(tests/test_gpu_kernels.py)  # the interpreter takes minutes over the other two
 wants stepcost && part stepcost 130 $PY bench/gpu_step_cost.py "${DRYFLAG[@]}" --out-dir "$WORK"
 wants kernels && part kernels 150 $PY bench/gpu_kernels.py "${DRYFLAG[@]}" --out-dir "$WORK"
@@ -137,6 +140,7 @@ if [ $DRY = 1 ]; then
 else
   wants verify && part verify 60 $PY bench/bench_verify.py --out-dir "$WORK"
 fi
+wants linear && part linear 60 $PY bench/gpu_linear.py "${DRYFLAG[@]}" --out-dir "$WORK"
 wait_build
 if [ $DRY = 1 ]; then
   wants pool && part pool 60 $PY bench/bench_pool.py --steps 50 --warmup 10 --vocab 49152 --out-dir "$WORK"
@@ -149,9 +153,10 @@ wants model && part model 90 env PYTHON="$PY" bash scripts/gpu_model_setup.sh
 if [ $DRY = 1 ]; then
   wants e2e && part e2e 600 $PY bench/gpu_e2e.py --dry-run --sets "${SETS[@]}" --out-dir "$WORK"
 else
-  wants e2e && part e2e 190 $PY bench/gpu_e2e.py --limit "${E2E_LIMIT:-16}" --hf-limit "${HF_LIMIT:-4}" --sets "${SETS[@]}" \
+  wants e2e && part e2e 220 $PY bench/gpu_e2e.py --limit "${E2E_LIMIT:-16}" --hf-limit "${HF_LIMIT:-4}" --sets "${SETS[@]}" \
     --out-dir "$WORK" \
-    --systems ours-plain ours-lookahead ours-fixed-15-5-15 hf-greedy hf-prompt-lookup
+    --systems ours-plain ours-lookahead ours-fixed-15-5-15 hf-greedy hf-prompt-lookup ours-plain-kernel-linear \
+    ours-lookahead-kernel-linear
 fi
 if [ $DRY = 1 ]; then  # the batches' loop as a GPU runs it (static steps, a planner that learns), on the CPU
   wants batch && part batch 150 $PY bench/bench_batch.py --dry-run --prompts 4 --batch-sizes 1 4 --max-new-tokens 8 \

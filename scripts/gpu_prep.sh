@@ -20,7 +20,7 @@ cat <<'TXT'
 
 A lease is 900 s of device time, the machine's start included (bench/GPU_RUN.md). Lease 1:
 Call 1 (run, timeout_s 330, carry [".device-model/part-a", ".device-model/wheels", ".device-model/SHA256", ".device-model/data", ".device-model/REVISION"]):
-  mkdir -p /root/model && cp .device-model/part-a /root/model/ && RUN_GPU_BUDGET=300 bash bench/run_gpu.sh env build stepcost kernels verify ktests
+  mkdir -p /root/model && cp .device-model/part-a /root/model/ && RUN_GPU_BUDGET=300 bash bench/run_gpu.sh env build stepcost kernels verify linear ktests
 Call 2, at once after it (the machine stays warm 30 s), RUN_GPU_BUDGET = what status reports left minus about 60 s
 (at most 560) (carry [".device-model/part-b", ".device-model/wheels", ".device-model/SHA256", ".device-model/data", ".device-model/REVISION"]):
   RUN_GPU_BUDGET=<left - 60> bash bench/run_gpu.sh build model e2e batch gputests
