@@ -674,10 +674,10 @@ class LlamaForCausalLM(nn.Module):
 
     def set_gpu_linear(self, mode: str) -> None:
         """How linear layers (the vocabulary projection included) run on CUDA: ``"torch"`` (default: ``F.linear``,
-        cuBLAS) or ``"kernel"`` (:func:`lookahead_kernels.step_linear.step_linear`: one Triton kernel for every
-        step size, so each row's linear layers give the same bits in a plain step and in a lookahead step, in any
-        dtype; cuBLAS picks another kernel, and another rounding, as the rows grow. The step attention's split-KV
-        count still follows the step's rows). Graphs captured for the other mode are dropped; the planner's step
+        cuBLAS) or ``"kernel"`` (:func:`lookahead_kernels.step_linear.step_linear`: one Triton kernel for every step
+        size, so each row's linear layers give the same bits in a plain step and in a lookahead step, in any dtype;
+        cuBLAS picks another kernel, and another rounding, as the rows grow. The step attention still sums a token's
+        keys in blocks placed by the step's layout). Graphs captured for the other mode are dropped; the planner's step
         costs are kept per mode."""
         if mode not in cpu_linear.GPU_LINEAR_MODES:
             raise ValueError(f"GPU linear mode must be one of {cpu_linear.GPU_LINEAR_MODES}, got {mode!r}")

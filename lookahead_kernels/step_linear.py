@@ -3,12 +3,13 @@
 ``y[M, N] = x[M, K] @ weight[N, K]^T (+ bias)`` for the few to few hundred rows of a step. Why a kernel of our own
 where cuBLAS is at hand:
 
-* **The same numbers for a row whatever the step's size.** cuBLAS picks its kernel by shape: a one-row step ran a
-  GEMV and a 16-row step a tiled GEMM (session 5's profile of SmolLM2 on an H100), which sum each output in another
-  order. Greedy lookahead then equals plain decoding only as long as no near-tie flips between the two roundings.
-  Here every call of one weight runs one configuration (tile sizes chosen from ``N`` and ``K`` only; rows in tiles
-  of ``BLOCK_M``, each row computed alone by the same instructions, K in the same order), so a row's output is bit
-  for bit the same in a step of 1 row or 200.
+* **The same numbers for a row whatever the step's size.** cuBLAS picks its kernel by shape: a one-row step ran a GEMV
+  and a 16-row step a tiled GEMM (session 5's profile of SmolLM2 on an H100), which sum each output in another order,
+  one of the two reasons (the other: the step attention sums a token's keys in blocks placed by the step's layout) why a
+  token's logits on a GPU may round differently in a lookahead step than in a plain step, so that greedy lookahead
+  equals plain decoding there only while no near-tie flips. Here every call of one weight runs one configuration (tile
+  sizes chosen from ``N`` and ``K`` only; rows in tiles of ``BLOCK_M``, each row computed alone by the same
+  instructions, K in the same order), so a row's output is bit for bit the same in a step of 1 row or 200.
 * **A larger step that costs little more than one row.** The same profile had cuBLAS's float32 GEMMs at 16 rows
   take 2.4x its one-row GEMV, most of SmolLM2's ``t(16) / t(1) = 1.53`` that bounds what lookahead can gain on
   that model; a skinny tile reads each weight once for every row of the step.
