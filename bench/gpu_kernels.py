@@ -25,7 +25,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from gpu_util import ResultFile, header, parse_dtype, pick_device  # noqa: E402
+from gpu_util import ResultFile, header, interpret_kernels_on_cpu, parse_dtype, pick_device  # noqa: E402
 
 MODELS = [("llama2-7b", 32, 32, 128), ("llama3-8b", 32, 8, 128)]
 STEPS = [(15, 5, 15), (15, 5, 60, "tree")]
@@ -96,12 +96,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     args = ap.parse_args(argv)
     device = pick_device(args.dry_run, args.device)
-    if device.type == "cpu":
-        # Must precede the kernels' definition; the interpreter also needs the NumPy >= 2.4 fix under Triton 3.6.
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        from lookahead_kernels.interpreter_compat import patch_interpreter_index
-
-        patch_interpreter_index()
+    interpret_kernels_on_cpu(device)  # before the kernels are defined
     from torch.nn.attention.flex_attention import flex_attention
 
     from bench_attention import copy_bandwidth_gbs, cpu_timer, cuda_timer, run_config, step_name

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from gpu_util import ResultFile, header, pick_device  # noqa: E402
+from gpu_util import ResultFile, header, interpret_kernels_on_cpu, pick_device  # noqa: E402
 
 # name -> (dtype, layers, per-layer weights [(N, K)], head (N, K))
 SHAPES = {
@@ -95,12 +95,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     args = ap.parse_args(argv)
     device = pick_device(args.dry_run, args.device)
-    if device.type == "cpu":
-        # Must precede the kernel's definition; the interpreter also needs the NumPy >= 2.4 fix under Triton 3.6.
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        from lookahead_kernels.interpreter_compat import patch_interpreter_index
-
-        patch_interpreter_index()
+    interpret_kernels_on_cpu(device)  # before the kernel is defined
     from bench_attention import cpu_timer, cuda_timer
 
     from lookahead_kernels import step_linear as sl

@@ -183,6 +183,18 @@ def header(device, argv, script: str) -> dict:
             "command": command_line(script, list(argv))}
 
 
+def interpret_kernels_on_cpu(device: torch.device) -> None:
+    """On the CPU (a dry run), run Triton kernels under the interpreter. Call it before the kernels are defined
+    (their modules' first import): a script may set ``TRITON_INTERPRET``, a library may not. Also applies the fix
+    Triton 3.6's interpreter needs under NumPy >= 2.4."""
+    if device.type != "cpu":
+        return
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    from lookahead_kernels.interpreter_compat import patch_interpreter_index
+
+    patch_interpreter_index()
+
+
 def pick_device(dry_run: bool, requested: str | None) -> torch.device:
     """``cuda`` for a real run (a clear error without one); the CPU for a dry run unless told otherwise."""
     if requested:
