@@ -8,8 +8,7 @@ import torch.nn.functional as F
 
 from tests.sm90_compile import run_compile_script
 from tests.test_attention import check
-
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+from tests.test_layer_ops import DTYPES, rand
 
 
 @pytest.fixture(scope="module")
@@ -17,11 +16,6 @@ def sl():
     from lookahead_kernels import step_linear
 
     return step_linear
-
-
-def rand(*shape, dtype, device, seed=0, scale=1.0):
-    g = torch.Generator().manual_seed(seed)
-    return (scale * torch.randn(*shape, generator=g)).to(dtype=dtype, device=device)
 
 
 SHAPES = [
