@@ -18,6 +18,7 @@
 #   e2e        SmolLM2 end to end, fp32 speed + identity (bench/gpu_e2e.py) -> e2e-gpu-<device>.json
 #   batch      SmolLM2 batches of 1, 4, 16 rows: lookahead against plain (bench/bench_batch.py --device cuda)
 #   batchbf16  the same in bfloat16, 1 and 16 rows (tensor cores keep a step's cost flat to larger sizes)
+#   batchkernel  the same in float32 with the linear layers in our Triton kernel (--gpu-linear kernel), 1 and 16 rows
 #   gputests   every other test marked gpu (pytest -m gpu), bf16 identity counts included
 #   ktests     kernel tests on CUDA: tests/test_gpu_kernels.py, test_step_linear.py, test_layer_ops.py,
 #              test_kv_compact.py, test_runner.py, test_attention.py, test_verify.py
@@ -37,11 +38,11 @@ PARTS=()
 for a in "$@"; do
   case "$a" in
     --dry-run) DRY=1 ;;
-    env|build|ktests|stepcost|kernels|verify|linear|pool|profile|model|e2e|batch|batchbf16|gputests) PARTS+=("$a") ;;
-    *) echo "unknown part '$a'; parts: env build ktests stepcost kernels verify linear pool profile model e2e batch batchbf16 gputests" >&2; exit 2 ;;
+    env|build|ktests|stepcost|kernels|verify|linear|pool|profile|model|e2e|batch|batchbf16|batchkernel|gputests) PARTS+=("$a") ;;
+    *) echo "unknown part '$a'; parts: env build ktests stepcost kernels verify linear pool profile model e2e batch batchbf16 batchkernel gputests" >&2; exit 2 ;;
   esac
 done
-[ ${#PARTS[@]} -eq 0 ] && PARTS=(env build ktests stepcost kernels verify linear pool profile model e2e batch batchbf16 gputests)
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(env build ktests stepcost kernels verify linear pool profile model e2e batch batchbf16 batchkernel gputests)
 wants() { local p; for p in "${PARTS[@]}"; do [ "$p" = "$1" ] && return 0; done; return 1; }
 
 OUT=${OUT:-$ROOT/gpu-out}
@@ -165,6 +166,8 @@ else  # issue 12's GPU figure: lookahead against plain at 1, 4 and 16 rows (grap
   wants batch && part batch 150 $PY bench/bench_batch.py --device cuda --prompts 16 --batch-sizes 1 4 16 \
     --repeats 1 --max-new-tokens 64 --sets "${SETS[@]}" --out-dir "$WORK"
   wants batchbf16 && part batchbf16 90 $PY bench/bench_batch.py --device cuda --dtype bfloat16 --prompts 16 \
+    --batch-sizes 1 16 --repeats 1 --max-new-tokens 64 --sets "${SETS[@]}" --out-dir "$WORK"
+  wants batchkernel && part batchkernel 90 $PY bench/bench_batch.py --device cuda --gpu-linear kernel --prompts 16 \
     --batch-sizes 1 16 --repeats 1 --max-new-tokens 64 --sets "${SETS[@]}" --out-dir "$WORK"
 fi
 # Last: the tests. 150 kernel tests compiling their kernels one after another took more than 150 s on an H100
