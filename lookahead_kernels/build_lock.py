@@ -11,6 +11,7 @@ a leftover one before calling torch.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import sys
 
@@ -45,3 +46,12 @@ def exclusive_build(name: str):
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def extension_name(base: str, source_dir) -> str:
+    """``base`` and a digest of ``source_dir``'s absolute path: the name (and so the build directory) of an extension
+    built from that directory. Each checkout then builds into a directory of its own: torch rebuilds an extension
+    whose build file names other source paths, so two checkouts sharing one name (a CI clone beside a working tree)
+    rebuilt each other's library in turn, a minute or more each time, without the line a build announces."""
+    digest = hashlib.sha1(os.path.abspath(os.fspath(source_dir)).encode()).hexdigest()[:8]
+    return f"{base}_{digest}"

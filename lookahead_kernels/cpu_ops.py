@@ -7,8 +7,9 @@ serve the GPU path too: the draft is built on the host, and the successor table'
 (``csrc/row_topk.cpp``, same namespace), sampled tree verification from the logits (``csrc/verify_sample.cpp``)
 and a plain step's sampled draw (``csrc/sample_warped.cpp``), same namespace.
 
-All live in one library, built with ninja into torch's extensions directory on first use (``scripts/setup.sh``
-builds it at install time) and loaded by later processes in about a second. It is compiled with OpenMP: ATen's
+All live in one library, built with ninja into torch's extensions directory on first use (a subdirectory per
+checkout: :func:`lookahead_kernels.build_lock.extension_name`; ``scripts/setup.sh`` builds it at install time) and
+loaded by later processes in about a second. It is compiled with OpenMP: ATen's
 ``at::parallel_for`` is an OpenMP pragma in its headers, so without ``-fopenmp`` the ops would run on one thread
 whatever ``torch.set_num_threads`` says (measured: the vocabulary projection at one row took 2.8 ms on one core,
 1.3 ms on two). At run time the library binds to the libgomp torch has loaded: one thread pool for both.
@@ -23,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from .build_lock import exclusive_build
+from .build_lock import exclusive_build, extension_name
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
-_NAME = "lookahead_cpu_ops"
+_NAME = extension_name("lookahead_cpu_ops", _CSRC)
 _SOURCES = ("small_gemm.cpp", "cpu_attention.cpp", "cpu_layer.cpp", "draft_tree.cpp", "row_topk.cpp",
             "verify_sample.cpp", "sample_warped.cpp")
 _HEADERS = ("cpu_ops.h", "cpu_vec.h")  # a change to one rebuilds the library too
@@ -53,7 +54,7 @@ def _registered() -> bool:
 
 
 def load_cpu_ops(verbose: bool = False) -> None:
-    """Build (first time, 10-60 s, announced on stderr) and load the CPU ops.
+    """Build (first time, about a minute on 2 cores, announced on stderr) and load the CPU ops.
 
     Raises:
         CpuOpsError: the build or load failed (no compiler or ninja, say); the message says why.
@@ -73,7 +74,7 @@ def load_cpu_ops(verbose: bool = False) -> None:
         except (OSError, RuntimeError):
             stale = True
         if stale:
-            print(f"lookahead: building the CPU ops extension {_NAME} (first use only; takes 10-60 s)...",
+            print(f"lookahead: building the CPU ops extension {_NAME} (first use only; about a minute on 2 cores)...",
                   file=sys.stderr, flush=True)
         try:
             with exclusive_build(_NAME):

@@ -7,10 +7,10 @@ and ``csrc/ngram_pool.cpp``):
 * ``lookup(conts, stamp, key) -> (out, count)``.
 
 Nothing is built at import. The first :func:`load_pool_extension` call compiles with ninja into torch's
-extensions directory (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``); later processes reuse
-the build, and within a process an already registered library is not loaded again. A build (as opposed to
-loading an existing one) prints one line on stderr first; ``scripts/setup.sh`` builds the CPU library at
-install time.
+extensions directory (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``; a subdirectory per
+checkout, :func:`lookahead_kernels.build_lock.extension_name`); later processes reuse the build, and within a
+process an already registered library is not loaded again. A build (as opposed to loading an existing one) prints
+one line on stderr first; ``scripts/setup.sh`` builds the CPU library at install time.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from .build_lock import exclusive_build
+from .build_lock import exclusive_build, extension_name
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
-_CPU_NAME = "lookahead_pool_cpu"
-_CUDA_NAME = "lookahead_pool_cuda"
+_CPU_NAME = extension_name("lookahead_pool_cpu", _CSRC)
+_CUDA_NAME = extension_name("lookahead_pool_cuda", _CSRC)
 
 
 class PoolExtensionError(RuntimeError):

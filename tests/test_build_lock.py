@@ -62,3 +62,17 @@ def test_live_builds_of_one_extension_take_turns(build_dir):
         (build_dir / "lock").unlink()  # torch releases its lock before the load returns
     thread.join(timeout=10)
     assert entered.is_set()
+
+
+def test_each_checkout_builds_into_a_directory_of_its_own(tmp_path):
+    """Two source trees never share a build directory (torch rebuilt a library whose build file named the other
+    tree's sources, silently); one tree always gets the same one, and the name stays a C identifier."""
+    from lookahead_kernels import cpu_ops, pool_ext
+    from lookahead_kernels.build_lock import extension_name
+
+    a = extension_name("lookahead_cpu_ops", tmp_path / "a" / "csrc")
+    b = extension_name("lookahead_cpu_ops", tmp_path / "b" / "csrc")
+    assert a != b and a == extension_name("lookahead_cpu_ops", tmp_path / "a" / "csrc")
+    assert a.startswith("lookahead_cpu_ops_") and a.isidentifier()
+    assert cpu_ops._NAME == extension_name("lookahead_cpu_ops", cpu_ops._CSRC)
+    assert pool_ext._CPU_NAME == extension_name("lookahead_pool_cpu", pool_ext._CSRC) != cpu_ops._NAME
