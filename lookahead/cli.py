@@ -15,9 +15,7 @@ import torch
 
 from .arguments import check_repetition_penalty, resolve_generate_arguments
 from .config import LookaheadConfig
-
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from .loading import DTYPES
 
 
 class CliError(Exception):

@@ -463,7 +463,8 @@ def local_path(path, gguf_file: str | None = None) -> Path:
                          f"({type(err).__name__}: {reason})") from None
 
 
-_DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# The dtypes a model loads in, by name (the command line's --dtype too).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def load_options(dtype=None, device=None, torch_dtype=None, device_map=None) -> tuple:
@@ -477,10 +478,10 @@ def load_options(dtype=None, device=None, torch_dtype=None, device_map=None) -> 
             raise ValueError("give dtype or torch_dtype (transformers 4's name for it), not both")
         dtype = torch_dtype
     if isinstance(dtype, str):
-        if dtype != "auto" and dtype not in _DTYPE_NAMES:
+        if dtype != "auto" and dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one we load; use 'auto' (the checkpoint's), "
-                             f"{', '.join(map(repr, _DTYPE_NAMES))} or a torch.dtype")
-        dtype = None if dtype == "auto" else _DTYPE_NAMES[dtype]
+                             f"{', '.join(map(repr, DTYPES))} or a torch.dtype")
+        dtype = None if dtype == "auto" else DTYPES[dtype]
     _check_dtype(dtype)
     if device_map is not None:
         if device is not None:
