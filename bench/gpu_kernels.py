@@ -25,7 +25,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from gpu_util import ResultFile, header, interpret_kernels_on_cpu, parse_dtype, pick_device  # noqa: E402
+from gpu_util import (ResultFile, add_device_args, header, interpret_kernels_on_cpu, parse_dtype,  # noqa: E402
+                      pick_device)
 
 MODELS = [("llama2-7b", 32, 32, 128), ("llama3-8b", 32, 8, 128)]
 STEPS = [(15, 5, 15), (15, 5, 60, "tree")]
@@ -91,9 +92,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--flex-contexts", type=int, nargs="*", default=FLEX_CONTEXTS,
                     help="contexts at which FlexAttention is timed too (each shape is a compile of seconds)")
-    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU under Triton's interpreter")
-    ap.add_argument("--device", help="default: cuda, or cpu with --dry-run")
-    ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    add_device_args(ap, "tiny shapes on the CPU under Triton's interpreter")
     args = ap.parse_args(argv)
     device = pick_device(args.dry_run, args.device)
     interpret_kernels_on_cpu(device)  # before the kernels are defined

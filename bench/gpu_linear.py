@@ -30,7 +30,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from gpu_util import ResultFile, header, interpret_kernels_on_cpu, pick_device  # noqa: E402
+from gpu_util import ResultFile, add_device_args, header, interpret_kernels_on_cpu, pick_device  # noqa: E402
 
 # name -> (dtype, layers, per-layer weights [(N, K)], head (N, K))
 SHAPES = {
@@ -98,9 +98,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=ROWS)
     ap.add_argument("--no-sweep", dest="sweep", action="store_false", help="skip the tile-size sweep")
-    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU under Triton's interpreter")
-    ap.add_argument("--device", help="default: cuda, or cpu with --dry-run")
-    ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    add_device_args(ap, "tiny shapes on the CPU under Triton's interpreter")
     args = ap.parse_args(argv)
     device = pick_device(args.dry_run, args.device)
     interpret_kernels_on_cpu(device)  # before the kernel is defined

@@ -29,7 +29,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from gpu_util import (DRY_MODELS, ResultFile, capture_graph, copy_bandwidth_gbs, header,  # noqa: E402
+from gpu_util import (DRY_MODELS, ResultFile, add_device_args, capture_graph, copy_bandwidth_gbs, header,  # noqa: E402
                       kv_bytes_per_token, parse_dtype, pick_device, random_model, synchronize, time_ms,
                       weight_bytes_per_token)
 
@@ -128,9 +128,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--reps", type=int, help="timed calls per row (default 10; dry run 2)")
     ap.add_argument("--no-graphs", action="store_true", help="eager timings only")
-    ap.add_argument("--dry-run", action="store_true", help="tiny models, short contexts, on the CPU")
-    ap.add_argument("--device", help="default: cuda, or cpu with --dry-run")
-    ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    add_device_args(ap, "tiny models, short contexts, on the CPU")
     args = ap.parse_args(argv)
     device = pick_device(args.dry_run, args.device)
     dtype = parse_dtype(args.dtype)

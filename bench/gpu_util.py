@@ -183,6 +183,14 @@ def header(device, argv, script: str) -> dict:
             "command": command_line(script, list(argv))}
 
 
+def add_device_args(ap, dry_run_help: str) -> None:
+    """The options every ``bench/gpu_*.py`` script takes: ``--dry-run`` (what it shrinks to on the CPU),
+    ``--device`` and ``--out-dir``; :func:`pick_device` reads the first two."""
+    ap.add_argument("--dry-run", action="store_true", help=dry_run_help)
+    ap.add_argument("--device", help="default: cuda, or cpu with --dry-run")
+    ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+
+
 def interpret_kernels_on_cpu(device: torch.device) -> None:
     """On the CPU (a dry run), run Triton kernels under the interpreter. Call it before the kernels are defined
     (their modules' first import): a script may set ``TRITON_INTERPRET``, a library may not. Also applies the fix
