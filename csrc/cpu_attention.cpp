@@ -297,12 +297,26 @@ __attribute__((always_inline)) inline void group_task(const Args& a, int64_t b, 
     for (int64_t d = 0; d < D; ++d) acc += splat<V>(kb[j * a.k_ss + d]) * load<V>(qt + d * L);
     store(scores + j * L, acc);
   }
-  // The step's own keys: hidden ones get -inf.
+  // The step's own keys: hidden ones get -inf. The G rows of a token share its visibility row, read once, 8 keys at
+  // a time where all 8 are visible (a prefill's causal rows almost everywhere): key by key for every row, this loop
+  // was a sixth of a long prompt's attention.
   const float neg_inf = -INFINITY;
-  for (int64_t i = 0; i < rows; ++i) {
-    const bool* row_vis = vis + ((r0 + i) / G) * T;
-    for (int64_t s = 0; s < seen; ++s)
-      if (!row_vis[s]) scores[(n + s) * L + i] = neg_inf;
+  constexpr uint64_t kAllVisible = 0x0101010101010101ull;  // 8 bools, each true (stored as byte 1)
+  for (int64_t t = r0 / G; t <= (r0 + rows - 1) / G; ++t) {
+    const bool* row_vis = vis + t * T;
+    const int64_t i0 = std::max(r0, t * G) - r0, i1 = std::min(r0 + rows, (t + 1) * G) - r0;
+    for (int64_t s = 0; s < seen; ++s) {
+      if (s + 8 <= seen) {
+        uint64_t word;
+        std::memcpy(&word, row_vis + s, 8);
+        if (word == kAllVisible) {
+          s += 7;
+          continue;
+        }
+      }
+      if (!row_vis[s])
+        for (int64_t i = i0; i < i1; ++i) scores[(n + s) * L + i] = neg_inf;
+    }
   }
   // Softmax per lane: max, exp, sum. A lane that sees nothing keeps max -inf: its weights are all zero.
   V m = splat<V>(neg_inf);
@@ -340,12 +354,12 @@ using TaskFn = void (*)(const Args&, int64_t, int64_t, int64_t, float*, float*);
   }
 
 // One build per instruction set, each with the vectors one of its registers holds (16 lanes with AVX-512, 8 with
-// AVX2; cpu_vec.h says why) and blocking that fits its 32 or 16 registers; chosen at run time as the GEMM chooses
+// AVX2, 4 with SSE; cpu_vec.h says why) and blocking that fits its 32 or 16 registers; chosen at run time as the GEMM chooses
 // (tests force narrower ones). Before, one source of 16-lane vectors compiled by target_clones for "avx2" (no
 // FMA) spent 0.43-0.6 ms a layer at T=1 on a Zen 1 EPYC (bench/results/forward-cpu-avx2.md).
 __attribute__((target("avx512f,fma"))) CPU_ATTENTION_TASK(task_avx512, cpu_vec::v16sf, 8, 16, kFewRowsAvx512)
 __attribute__((target("avx2,fma"))) CPU_ATTENTION_TASK(task_avx2, cpu_vec::v8sf, 8, 8, kFewRowsAvx2)
-CPU_ATTENTION_TASK(task_scalar, cpu_vec::v8sf, 4, 4, 0)
+CPU_ATTENTION_TASK(task_scalar, cpu_vec::v4sf, 4, 4, 0)
 
 struct Task {
   TaskFn run;
@@ -356,7 +370,7 @@ Task pick_task() {
   const std::string isa = small_gemm::current_isa();
   if (isa == "avx512") return {task_avx512, 16};
   if (isa == "avx2") return {task_avx2, 8};
-  return {task_scalar, 8};
+  return {task_scalar, 4};
 }
 
 }  // namespace

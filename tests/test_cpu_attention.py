@@ -98,16 +98,17 @@ def test_blind_rows_get_zeros_like_the_reference():
     assert torch.allclose(out[0, 0], k[0, 0, 0].expand(2, 16))
 
 
-@pytest.mark.parametrize("T", [1, 7, 40])
-def test_any_visibility_block_matches_a_float64_softmax(T, isa):
+@pytest.mark.parametrize("T, density", [(1, 0.3), (7, 0.3), (40, 0.3), (70, 0.95)])
+def test_any_visibility_block_matches_a_float64_softmax(T, density, isa):
     """The op takes any [T, T] visibility (a task skips the step keys after the last one its rows see): random
     blocks where early rows see late keys, rows that see only some keys, and rows that see nothing past the prefix,
-    against a softmax over each row's visible keys in float64."""
+    against a softmax over each row's visible keys in float64. The dense block has runs of 8 visible keys (read 8
+    at a time) broken by single hidden ones."""
     torch.manual_seed(T)
     n, Hkv, G, D = 9, 2, 3, 32
     q = torch.randn(1, T, Hkv * G, D)
     k, v = torch.randn(1, n + T, Hkv, D), torch.randn(1, n + T, Hkv, D)
-    visible = torch.rand(1, T, T) < 0.3
+    visible = torch.rand(1, T, T) < density
     visible[0, 0, -1] = True
     visible[0, -1] = False
     out = torch.ops.lookahead_cpu.step_attention(q, k, v, torch.tensor([n]), visible, D ** -0.5)
