@@ -273,13 +273,22 @@ __attribute__((always_inline)) inline void group_task(const Args& a, int64_t b, 
   // Keys after the last step key any of the task's rows sees are skipped: their weights are zeros (a prefill's
   // causal block gives a task early in the step half the keys or fewer; the work on the rest was half a long
   // prompt's attention).
+  constexpr uint64_t kAllVisible = 0x0101010101010101ull;  // 8 bools, each true (stored as byte 1)
   int64_t seen = 0;  // step keys up to the last one visible to a row of the task
-  for (int64_t t = r0 / G; t <= (r0 + rows - 1) / G; ++t)
-    for (int64_t s = T; s > seen; --s)
-      if (vis[t * T + s - 1]) {
+  for (int64_t t = r0 / G; t <= (r0 + rows - 1) / G; ++t) {
+    const bool* row_vis = vis + t * T;
+    int64_t s = T;
+    for (; s - 8 >= seen; s -= 8) {  // 8 hidden keys at a time: a causal row's tail
+      uint64_t word;
+      std::memcpy(&word, row_vis + s - 8, 8);
+      if (word != 0) break;
+    }
+    for (; s > seen; --s)
+      if (row_vis[s - 1]) {
         seen = s;
         break;
       }
+  }
   const int64_t keys = n + seen;
   load_queries<L>(a, b, kv, r0, rows, qt);
   // Scores: KEYS keys at a time, then one at a time.
@@ -301,21 +310,19 @@ __attribute__((always_inline)) inline void group_task(const Args& a, int64_t b, 
   // a time where all 8 are visible (a prefill's causal rows almost everywhere): key by key for every row, this loop
   // was a sixth of a long prompt's attention.
   const float neg_inf = -INFINITY;
-  constexpr uint64_t kAllVisible = 0x0101010101010101ull;  // 8 bools, each true (stored as byte 1)
   for (int64_t t = r0 / G; t <= (r0 + rows - 1) / G; ++t) {
     const bool* row_vis = vis + t * T;
     const int64_t i0 = std::max(r0, t * G) - r0, i1 = std::min(r0 + rows, (t + 1) * G) - r0;
-    for (int64_t s = 0; s < seen; ++s) {
-      if (s + 8 <= seen) {
-        uint64_t word;
-        std::memcpy(&word, row_vis + s, 8);
-        if (word == kAllVisible) {
-          s += 7;
-          continue;
-        }
+    for (int64_t s = 0; s < seen;) {
+      uint64_t word = 0;
+      if (s + 8 <= seen) std::memcpy(&word, row_vis + s, 8);
+      if (word == kAllVisible) {
+        s += 8;
+        continue;
       }
       if (!row_vis[s])
         for (int64_t i = i0; i < i1; ++i) scores[(n + s) * L + i] = neg_inf;
+      ++s;
     }
   }
   // Softmax per lane: max, exp, sum. A lane that sees nothing keeps max -inf: its weights are all zero.
