@@ -56,6 +56,9 @@ using cpu_vec::load;
 using cpu_vec::store;
 using cpu_vec::v16sf;
 
+// Rows of a step's MLP at a time (decoder_layer says why).
+constexpr int64_t kMlpRows = 512;
+
 // Rows of work below which a loop stays on the calling thread (waking the others costs about as much).
 constexpr int64_t kSerialFloats = 1 << 16;
 
@@ -198,7 +201,7 @@ at::Tensor decoder_layer(const at::Tensor& x_in, const at::Tensor& cos_in, const
   const int64_t width = (Hq + 2 * Hkv) * D;
 
   // Attention block: norm, q/k/v, rotary on q and k, the cache write, attention, o, residual.
-  at::Tensor h = rms_norm(x, attn_norm, eps);
+  const at::Tensor h = rms_norm(x, attn_norm, eps);
   at::Tensor q_k_v = small_gemm::linear(h, qkv, width, qkv_bias);  // [M, width]
   float* qkvp = q_k_v.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
@@ -222,18 +225,32 @@ at::Tensor decoder_layer(const at::Tensor& x_in, const at::Tensor& cos_in, const
   at::Tensor y = small_gemm::linear(attn.view({M, Hq * D}), o, hidden, o_bias);
   add_in_place(y.data_ptr<float>(), x.data_ptr<float>(), M * hidden);
 
-  // MLP block: norm, gate and up, SwiGLU, down, residual.
-  h = rms_norm(y, mlp_norm, eps);
-  const at::Tensor gu = small_gemm::linear(h, gate_up, 2 * intermediate_size, gate_up_bias);
-  at::Tensor act = at::empty({M, intermediate_size}, x.options());
-  const float* gup = gu.data_ptr<float>();
-  float* ap = act.data_ptr<float>();
-  at::parallel_for(0, M, grain(2 * intermediate_size), [&](int64_t r0, int64_t r1) {
-    silu_mul_rows(gup, ap, r0, r1, intermediate_size);
-  });
-  at::Tensor z = small_gemm::linear(act, down, hidden, down_bias);
-  add_in_place(z.data_ptr<float>(), y.data_ptr<float>(), M * hidden);
-  return z.view({B, T, hidden});
+  // MLP block: norm, gate and up, SwiGLU, down, residual, for rows [r0, r0 + rows) of y.
+  auto mlp = [&](int64_t r0, int64_t rows) {
+    const at::Tensor yr = y.narrow(0, r0, rows);
+    const at::Tensor gu = small_gemm::linear(rms_norm(yr, mlp_norm, eps), gate_up, 2 * intermediate_size,
+                                             gate_up_bias);
+    at::Tensor act = at::empty({rows, intermediate_size}, x.options());
+    const float* gup = gu.data_ptr<float>();
+    float* ap = act.data_ptr<float>();
+    at::parallel_for(0, rows, grain(2 * intermediate_size), [&](int64_t a, int64_t b) {
+      silu_mul_rows(gup, ap, a, b, intermediate_size);
+    });
+    at::Tensor z = small_gemm::linear(act, down, hidden, down_bias);
+    add_in_place(z.data_ptr<float>(), yr.data_ptr<float>(), rows * hidden);
+    return z;
+  };
+  // A long prompt's rows in chunks (every sum is a row's own): the gate and up activations of 4000 rows (49 MB) were
+  // a fresh mapping of memory every layer, read back from DRAM; a chunk's stay in the caches.
+  const int64_t chunks = (M + kMlpRows - 1) / kMlpRows;
+  if (chunks == 1) return mlp(0, M).view({B, T, hidden});
+  const int64_t chunk_rows = (M + chunks - 1) / chunks;
+  at::Tensor out = at::empty({M, hidden}, x.options());
+  for (int64_t r0 = 0; r0 < M; r0 += chunk_rows) {
+    const int64_t rows = std::min(chunk_rows, M - r0);
+    out.narrow(0, r0, rows).copy_(mlp(r0, rows));
+  }
+  return out.view({B, T, hidden});
 }
 
 at::Tensor decoder_stack(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_all,

@@ -78,6 +78,7 @@ CASES = [
     (96, 100, 3, 3, 32, False, StepLayout.linear(4, 2, 2, 2), [37]),          # window, levels, candidates; MHA
     (200, 48, 2, 1, 128, True, StepLayout.linear(1, 3, 2, 3), [5, 0, 64]),    # D=128, one empty prefix
     (33, 17, 6, 2, 16, False, "tree", [20, 3]),                               # odd widths, per-sequence trees
+    (40, 70, 4, 2, 16, True, StepLayout.prefill(300), [0, 13]),               # 600 rows: the MLP in two chunks
 ]
 
 
@@ -110,6 +111,19 @@ def test_a_row_does_not_depend_on_the_rows_beside_it():
     alone = run_step(model, poisoned_cache(model, 1, [50], 16), ids[:, :1], StepLayout(1, 1), [50])
     step = run_step(model, poisoned_cache(model, 1, [50], 16), ids, StepLayout.prefill(16), [50])
     assert torch.equal(alone[0, 0], step[0, 0])
+
+
+def test_a_long_prompt_s_rows_are_the_rows_a_short_one_gives():
+    """Bit-identical rows whatever else a prefill holds: a prompt's first 100 rows as a prefill of those alone
+    gives them, and a batch of two prompts (900 rows, more than the MLP takes at once: two chunks) each prompt's
+    rows as its prefill alone gives them."""
+    model = random_model(48, 80, 4, 2, 16, True)
+    ids = torch.randint(0, model.config.vocab_size, (1, 450), generator=torch.Generator().manual_seed(5))
+    long = run_step(model, poisoned_cache(model, 1, [0], 450), ids, StepLayout.prefill(450), [0])
+    short = run_step(model, poisoned_cache(model, 1, [0], 100), ids[:, :100], StepLayout.prefill(100), [0])
+    assert torch.equal(long[0, :100], short[0])
+    batch = run_step(model, poisoned_cache(model, 2, [0, 0], 450), ids.expand(2, -1), StepLayout.prefill(450), [0, 0])
+    assert torch.equal(batch[0], long[0]) and torch.equal(batch[1], long[0])  # 900 rows: two chunks of 450
 
 
 def test_a_weight_changed_in_place_or_replaced_is_repacked():
