@@ -115,15 +115,26 @@ def plot(result: dict, path: str) -> None:
         return
     rows = result["rows"]
     x = [r["prompt_tokens"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    prefill = all("prefill_s" in r for r in rows)
+    fig, axes = plt.subplots(1, 2 if prefill else 1, figsize=(11 if prefill else 6, 4), squeeze=False)
+    ax = axes[0][0]
     ax.plot(x, [r["plain_ms_per_token"] for r in rows], "o-", label="plain decoding")
     ax.plot(x, [r["lookahead_ms_per_token"] for r in rows], "s-", label="automatic lookahead")
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("ms per new token (lower is better)")
     ax.set_title(f"SmolLM2-135M, {result['machine'].get('cpu', 'cpu')}, {result['threads']} threads", fontsize=9)
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend()
+    if prefill:  # the time to the first token beside it
+        right = axes[0][1]
+        right.plot(x, [r["prefill_s"] for r in rows], "o-", label="ours")
+        if all("hf_prefill_s" in r for r in rows):
+            right.plot(x, [r["hf_prefill_s"] for r in rows], "^-", label="transformers")
+        right.set_xlabel("prompt tokens")
+        right.set_ylabel("prefill seconds (lower is better)")
+        right.set_title("the prompt's prefill: time to the first token", fontsize=9)
+    for a in axes[0]:
+        a.set_ylim(bottom=0)
+        a.grid(alpha=0.3)
+        a.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
