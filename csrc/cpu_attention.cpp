@@ -273,7 +273,6 @@ __attribute__((always_inline)) inline void group_task(const Args& a, int64_t b, 
   // Keys after the last step key any of the task's rows sees are skipped: their weights are zeros (a prefill's
   // causal block gives a task early in the step half the keys or fewer; the work on the rest was half a long
   // prompt's attention).
-  constexpr uint64_t kAllVisible = 0x0101010101010101ull;  // 8 bools, each true (stored as byte 1)
   int64_t seen = 0;  // step keys up to the last one visible to a row of the task
   for (int64_t t = r0 / G; t <= (r0 + rows - 1) / G; ++t) {
     const bool* row_vis = vis + t * T;
@@ -310,6 +309,7 @@ __attribute__((always_inline)) inline void group_task(const Args& a, int64_t b, 
   // a time where all 8 are visible (a prefill's causal rows almost everywhere): key by key for every row, this loop
   // was a sixth of a long prompt's attention.
   const float neg_inf = -INFINITY;
+  constexpr uint64_t kAllVisible = 0x0101010101010101ull;  // 8 bools, each true (stored as byte 1)
   for (int64_t t = r0 / G; t <= (r0 + rows - 1) / G; ++t) {
     const bool* row_vis = vis + t * T;
     const int64_t i0 = std::max(r0, t * G) - r0, i1 = std::min(r0 + rows, (t + 1) * G) - r0;
@@ -361,9 +361,9 @@ using TaskFn = void (*)(const Args&, int64_t, int64_t, int64_t, float*, float*);
   }
 
 // One build per instruction set, each with the vectors one of its registers holds (16 lanes with AVX-512, 8 with
-// AVX2, 4 with SSE; cpu_vec.h says why) and blocking that fits its 32 or 16 registers; chosen at run time as the GEMM chooses
-// (tests force narrower ones). Before, one source of 16-lane vectors compiled by target_clones for "avx2" (no
-// FMA) spent 0.43-0.6 ms a layer at T=1 on a Zen 1 EPYC (bench/results/forward-cpu-avx2.md).
+// AVX2, 4 with SSE; cpu_vec.h says why) and blocking that fits its 32 or 16 registers; chosen at run time as the
+// GEMM chooses (tests force narrower ones). Before, one source of 16-lane vectors compiled by target_clones for
+// "avx2" (no FMA) spent 0.43-0.6 ms a layer at T=1 on a Zen 1 EPYC (bench/results/forward-cpu-avx2.md).
 __attribute__((target("avx512f,fma"))) CPU_ATTENTION_TASK(task_avx512, cpu_vec::v16sf, 8, 16, kFewRowsAvx512)
 __attribute__((target("avx2,fma"))) CPU_ATTENTION_TASK(task_avx2, cpu_vec::v8sf, 8, 8, kFewRowsAvx2)
 CPU_ATTENTION_TASK(task_scalar, cpu_vec::v4sf, 4, 4, 0)

@@ -1,9 +1,8 @@
 // Float vectors for the CPU ops (GCC vector extensions), shared by the step attention and the fused decoder layer.
-// Three widths: 16 lanes (one AVX-512 register), 8 lanes (one AVX2 register) and 4 (SSE, every x86-64: the
+// Three widths: 16 lanes (one AVX-512 register), 8 lanes (one AVX2 register) and 4 (SSE, every x86-64's: the
 // build for CPUs with neither). Each op is compiled once per instruction set with the width that set holds in one
-// register: GCC lowers a 16-lane vector on AVX2 through the
-// stack (a scalar times such a vector became four stores and a reload per lane group), which made the step
-// attention 5-10x slower on an AVX2-only CPU.
+// register: GCC lowers a 16-lane vector on AVX2 through the stack (a scalar times such a vector became four stores
+// and a reload per lane group), which made the step attention 5-10x slower on an AVX2-only CPU.
 #pragma once
 
 #include <immintrin.h>
