@@ -156,6 +156,17 @@ def write_results(out_dir: str, stem: str, result: dict, markdown: str) -> str:
     return base
 
 
+def hf_default_model(dtype=torch.float32, device="cpu"):
+    """transformers' own model of the embedded default checkpoint (SmolLM2's GGUF, dequantised by its loader) in
+    eval mode: the peer our benchmarks run beside ours on the same weights."""
+    from transformers import AutoModelForCausalLM
+
+    from lookahead.loading import default_gguf_path
+
+    path = default_gguf_path()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).to(device).eval()
+
+
 def pyplot():
     """matplotlib's pyplot on the file-only Agg backend, or None where matplotlib is missing (plots are skipped)."""
     try:

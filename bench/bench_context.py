@@ -28,7 +28,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from _common import DATA, add_output_args, command_line, machine_info, pyplot, render, write_results  # noqa: E402
+from _common import (DATA, add_output_args, command_line, hf_default_model, machine_info, pyplot, render,  # noqa: E402
+                     write_results)
 
 from lookahead import LookaheadConfig, load_default  # noqa: E402
 
@@ -158,15 +159,7 @@ def main(argv=None) -> int:
         ap.error("--lengths, --repeats and --max-new-tokens must be positive")
     torch.set_num_threads(args.threads)
     model, tokenizer = load_default()
-    hf_model = None
-    if args.hf_prefill:
-        from transformers import AutoModelForCausalLM
-
-        from lookahead.loading import default_gguf_path
-
-        path = default_gguf_path()
-        hf_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                        dtype=torch.float32).eval()
+    hf_model = hf_default_model() if args.hf_prefill else None
     with open(args.context) as f:
         text = "".join(json.loads(line)["prompt"] for line in f if line.strip())
     context_ids = tokenizer(text)["input_ids"]

@@ -83,13 +83,10 @@ def curve(model, variants, Ts, context, reps):
 
 def decode(model, tokenizer, sets, prompts_per_set, max_new_tokens, variants):
     import torch
-    from transformers import AutoModelForCausalLM
 
     from lookahead.cli import read_prompts
-    from lookahead.loading import default_gguf_path
 
-    path = default_gguf_path()
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    hf = _common.hf_default_model()
     rows = []
     for set_path in sets:
         name = os.path.splitext(os.path.basename(set_path))[0]

@@ -29,8 +29,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from _common import (DEFAULT_SETS, add_output_args, command_line, machine_info, pyplot, read_results,  # noqa: E402
-                     set_name)
+from _common import (DEFAULT_SETS, add_output_args, command_line, hf_default_model, machine_info, pyplot,  # noqa: E402
+                     read_results, set_name)
 
 from lookahead import LookaheadConfig, load_default  # noqa: E402
 from lookahead.cli import read_prompts  # noqa: E402
@@ -103,15 +103,10 @@ def main(argv=None) -> int:
         plot(result, base + ".png")
         return 0
     from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM
-
-    from lookahead.loading import default_gguf_path
-
     torch.set_num_threads(args.threads)
     machine = machine_info("cpu")  # at the start: the revision that runs, whatever is committed meanwhile
     model, tokenizer = load_default()
-    path = default_gguf_path()
-    hf_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    hf_model = hf_default_model()
     # Measured now, on this machine as it is, rather than taken from the disk cache.
     model(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long), model.new_cache(1, 8), 0,
           StepLayout(1, 1))  # the first call packs the weights

@@ -29,7 +29,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from _common import DEFAULT_SETS, command_line, machine_info, pyplot, read_results, set_name  # noqa: E402
+from _common import (DEFAULT_SETS, command_line, hf_default_model, machine_info, pyplot, read_results,  # noqa: E402
+                     set_name)
 
 from lookahead import LookaheadConfig, load_default  # noqa: E402
 from lookahead.cli import read_prompts  # noqa: E402
@@ -92,13 +93,7 @@ def main(argv=None) -> int:
     model, tokenizer = load_default()
     hf_model = None
     if args.peers:
-        from transformers import AutoModelForCausalLM
-
-        from lookahead.loading import default_gguf_path
-
-        path = default_gguf_path()
-        hf_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-        hf_model.eval()
+        hf_model = hf_default_model()
     rows = []
     for set_path in args.sets:
         prompts = read_prompts(set_path, tokenizer)

@@ -36,7 +36,7 @@ sys.path.insert(0, HERE)
 
 from gpu_util import ResultFile, add_device_args, header, parse_dtype, pick_device  # noqa: E402
 
-from _common import DEFAULT_SETS, set_name  # noqa: E402
+from _common import DEFAULT_SETS, hf_default_model, set_name  # noqa: E402
 from bench_speed import SYSTEMS, make_runners  # noqa: E402
 
 # bench_speed's systems plus our eager loop, to show what the CUDA graphs gain, and ours with every linear layer
@@ -125,8 +125,6 @@ def main(argv=None) -> int:
         limit, max_new, hf_limit = 2, 8, 1
     systems = ["ours-plain"] + [s for s in args.systems if s != "ours-plain"]  # the reference runs first
 
-    from transformers import AutoModelForCausalLM
-
     from lookahead import LookaheadConfig  # noqa: F401  (import errors show here, before the long loads)
     from lookahead.cli import read_prompts
     from lookahead.controller import cost_key, measure_step_costs
@@ -148,8 +146,7 @@ def main(argv=None) -> int:
     tokenizer = load_tokenizer(path)
     hf_model = None
     if any(s.startswith("hf-") for s in systems):
-        hf_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
-        hf_model = hf_model.to(device).eval()
+        hf_model = hf_default_model(dtype, device)
     out.result["load_seconds"] = time.perf_counter() - t0
     kernel_model = None
     if any(s in KERNEL_LINEAR for s in systems):
