@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .attention_ref import check_attention_args
-from .launch import on_device
+from .launch import interpreted, on_device
 from .layout import StepLayout
 
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128)
@@ -281,11 +281,6 @@ def choose_num_splits(programs: int, max_rows: int, num_sms: int = _DEFAULT_SMS)
     return next(s for s, e in enumerate(eff, start=1) if e >= 0.85 * best)
 
 
-def _interpreted(kernel) -> bool:
-    # Triton decides at decoration time (TRITON_INTERPRET) whether kernels run on the CPU interpreter.
-    return not isinstance(kernel, triton.runtime.JITFunction)
-
-
 def _launch(q, k_cache, v_cache, cache_len, window, levels, tree_size, end, sm_scale, num_splits, out,
             o_part=None, lse_part=None):
     """Run the kernels into ``out``. Arguments are already validated; ``end`` is the tree's end array (``[V]``
@@ -304,7 +299,7 @@ def _launch(q, k_cache, v_cache, cache_len, window, levels, tree_size, end, sm_s
     block_m, block_n, block_d, warps, stages = _tile_config(M, D, q.dtype)
     split = num_splits > 1
     # Triton's CPU interpreter computes tl.dot of bfloat16 operands wrongly: give it float32 there.
-    upcast = q.dtype == torch.bfloat16 and _interpreted(_attn_fwd_kernel)
+    upcast = q.dtype == torch.bfloat16 and interpreted(_attn_fwd_kernel)
     if split:
         if o_part is None:
             o_part = torch.empty((num_splits, B, Hkv, M, D), dtype=torch.float32, device=q.device)
@@ -323,7 +318,7 @@ def _launch(q, k_cache, v_cache, cache_len, window, levels, tree_size, end, sm_s
         stride_ps, stride_ls,
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         MIN_CHUNK=_MIN_CHUNK, SPLIT=split, F32_INPUTS=q.dtype == torch.float32 or upcast, UPCAST=upcast,
-        FP32_DOT="ieee" if _interpreted(_attn_fwd_kernel) else _FP32_DOT,
+        FP32_DOT="ieee" if interpreted(_attn_fwd_kernel) else _FP32_DOT,
         num_warps=warps, num_stages=stages,
     )
     if split:
@@ -420,7 +415,7 @@ def lookahead_attention(q, k_cache, v_cache, *, cache_len, layout: StepLayout, s
         raise ValueError(f"lookahead_attention supports float16, bfloat16, float32; got {q.dtype}")
     if D not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"lookahead_attention supports head dims {SUPPORTED_HEAD_DIMS}; got D={D}")
-    if q.device.type != "cuda" and not (q.device.type == "cpu" and _interpreted(_attn_fwd_kernel)):
+    if q.device.type != "cuda" and not (q.device.type == "cpu" and interpreted(_attn_fwd_kernel)):
         raise ValueError(f"lookahead_attention needs CUDA tensors (CPU only under TRITON_INTERPRET=1), got "
                          f"{q.device}; use lookahead_kernels.attention_torch on CPU")
     if sm_scale is None:

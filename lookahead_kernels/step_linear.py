@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import on_device
+from .launch import interpreted, on_device
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Rows per tile: tl.dot's least. A step of 1 row computes a tile of 16 (the extra rows masked): the weight
@@ -76,11 +76,6 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, st
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _interpreted() -> bool:
-    # Triton decides at decoration time (TRITON_INTERPRET) whether kernels run on the CPU interpreter.
-    return not isinstance(_linear_kernel, triton.runtime.JITFunction)
-
-
 def tile_config(N: int, K: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` for a weight ``[N, K]``: from the weight alone, never from the
     number of rows, which is what keeps a row's result independent of the step's size.
@@ -110,13 +105,13 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y
     block_n, block_k, warps, stages = config or tile_config(N, K, weight.dtype)
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, block_n))
     # Triton's CPU interpreter computes tl.dot of bfloat16 operands wrongly: give it float32 there.
-    upcast = weight.dtype == torch.bfloat16 and _interpreted()
+    upcast = weight.dtype == torch.bfloat16 and interpreted(_linear_kernel)
     with on_device(x2):
         _linear_kernel[grid](x2, weight, bias if bias is not None else weight, y2, M, N, K,
                              x2.stride(0), weight.stride(0), y2.stride(0),
                              HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
                              F32_INPUTS=weight.dtype == torch.float32 or upcast, UPCAST=upcast,
-                             FP32_DOT="ieee" if _interpreted() else _FP32_DOT,
+                             FP32_DOT="ieee" if interpreted(_linear_kernel) else _FP32_DOT,
                              num_warps=warps, num_stages=stages)
 
 
@@ -171,7 +166,7 @@ def step_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
             got = (bias.dtype, tuple(bias.shape), str(bias.device)) if isinstance(bias, torch.Tensor) else bias
             raise ValueError(f"step_linear: bias must be None or a contiguous [{weight.shape[0]}] {x.dtype} tensor "
                              f"on {x.device}, got {got}")
-    if x.device.type != "cuda" and not _interpreted():
+    if x.device.type != "cuda" and not interpreted(_linear_kernel):
         raise ValueError(f"step_linear: the Triton kernel needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1 "
                          f"set before lookahead_kernels.step_linear is imported), got {x.device}")
     return _linear_op(x, weight, bias)

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import interpreted
 from .verify_ref import (check_tree_verify_inputs, draw_tree_uniforms,
                          resolve_uniforms)
 
@@ -48,7 +49,7 @@ def _device_fn(fn):
     the language already patched and computes the same thing.
     """
     jitted = triton.jit(fn)
-    return jitted if isinstance(jitted, triton.runtime.JITFunction) else fn
+    return fn if interpreted(jitted) else jitted
 
 
 @_device_fn
@@ -329,18 +330,10 @@ def _tree_sample_walk_kernel(
 
 
 # ---- launch helpers ------------------------------------------------------------------------------------------------
-def _interpreted() -> bool:
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-    except ImportError:  # pragma: no cover - every supported Triton has it
-        return False
-    return isinstance(_tree_sample_walk_kernel, InterpretedFunction)
-
-
 def _check_device(name: str, t: torch.Tensor) -> None:
     if t.device.type == "cuda":
         return
-    if t.device.type == "cpu" and _interpreted():
+    if t.device.type == "cpu" and interpreted(_tree_sample_walk_kernel):
         return
     raise ValueError(f"{name}: the Triton kernel needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1 set "
                      f"before lookahead_kernels.verify is imported), got {t.device}; on CPU use the torch "
