@@ -45,11 +45,14 @@ using cpu_vec::store;
 // 0.93 / 5.15, 15 rows 1.15 / 6.30 against 0.99 / 5.59; two threads, each layer's K and V cold: 12 rows 1.56 / 6.52
 // against 1.64 / 7.23, 15 rows 1.75 / 7.50 against 1.72 / 7.69. With 8 lanes (AVX2, forced on that CPU) 6 rows
 // were even and 9 lost.
-// A decoding step's committed keys come from DRAM (a long context's cache is far larger than the caches), in rows
-// Hkv * D apart; the hardware prefetcher alone kept a task's K stream at a third of what one core can read. Each
-// K line is prefetched into L2 this many keys ahead: a plain step over 1000 / 4000 keys of SmolLM2's cache went
-// from 4.1-4.8 / 14.3-16.0 ms to 2.1-2.5 / 10.4-10.8 a token (30 layers, 2 threads, 2-core Zen 4); 16 to 64 keys
-// ahead measured alike, into L1 (hint 3) no better than none.
+// A decoding step's committed keys and values come from DRAM (a long context's cache is far larger than the
+// caches), in rows Hkv * D apart; with the hardware prefetcher alone a task read them at a third of what one core
+// streams. So the score pass prefetches K's lines and the output pass V's into L2 this many keys ahead, over the
+// committed keys only (a prefill's own keys were just written and sit in the caches; prefetching them made a
+// 4000-token prefill's attention 11% slower). Session 39, 2-core Zen 4, SmolLM2's heads, 30 layers, 2 threads,
+// paired with the build before: a plain step over 1000 / 4000 keys 3.5-5.5 / 14.0-15.9 ms -> 1.9-2.7 / 8.7-10.5,
+// 16 rows over 4000 keys 40.6-44.0 -> 29.5-33.8; 16 to 64 keys ahead measured alike, into L1 (hint 3) no better
+// than none, V prefetched during the score pass (as before) no better than during its own.
 constexpr int64_t kPrefetchKeys = 32;
 constexpr int kFewRowsAvx512 = 12;
 constexpr int kFewRowsAvx2 = 4;
@@ -106,12 +109,11 @@ inline void load_queries(const Args& a, int64_t b, int64_t kv, int64_t r0, int64
 
 // Scores of R rows over NB blocks of L keys from kb (K's rows k_ss apart), into scores[i * stride + u] (row i, key
 // u of the blocks): each block's [L, D] slice of K transposed a vector of L dims at a time (lane u: key u), then
-// acc += k[d] * q_i[d] over d in order; qt [D, L] holds the rows' scaled queries (row i in lane i). V's rows of the
-// same keys (vb, v_ss apart) are prefetched for the output pass.
+// acc += k[d] * q_i[d] over d in order; qt [D, L] holds the rows' scaled queries (row i in lane i). K's rows
+// kPrefetchKeys ahead are prefetched.
 template <typename V, int NV, int R, int NB>
-__attribute__((always_inline)) inline void few_row_block_scores(const float* kb, int64_t k_ss, const float* vb,
-                                                                int64_t v_ss, const float* qt, float* scores,
-                                                                int64_t stride) {
+__attribute__((always_inline)) inline void few_row_block_scores(const float* kb, int64_t k_ss, const float* qt,
+                                                                float* scores, int64_t stride) {
   constexpr int L = cpu_vec::Traits<V>::lanes;
   constexpr int64_t D = NV * L;
   V kt[NB][D];
@@ -119,14 +121,11 @@ __attribute__((always_inline)) inline void few_row_block_scores(const float* kb,
     for (int c = 0; c < NV; ++c) {
       V r[L];
       const float* kp = kb + bk * L * k_ss + c * L;
-      const float* vp = vb + bk * L * v_ss + c * L;
       for (int u = 0; u < L; ++u) {
         r[u] = load<V>(kp);
-        __builtin_prefetch(vp, 0, 2);
         __builtin_prefetch(kp + kPrefetchKeys * k_ss, 0, 2);
         kp += k_ss;
-        vp += v_ss;
-        asm("" : "+r"(kp), "+r"(vp));  // stepped: the compiler would keep 2 L offsets, which spill
+        asm("" : "+r"(kp));  // stepped: the compiler would keep L offsets, which spill
       }
       transpose(r);
       for (int d = 0; d < L; ++d) kt[bk][c * L + d] = r[d];
@@ -156,7 +155,7 @@ __attribute__((always_inline)) inline void weighted_values(const Args& a, int64_
                                                            int64_t row_stride, int64_t key_stride, const float* inv) {
   constexpr int L = cpu_vec::Traits<V>::lanes;
   constexpr int64_t D = NV * L;
-  const int64_t G = a.Hq / a.Hkv, T = a.T;
+  const int64_t G = a.Hq / a.Hkv, T = a.T, n = a.cache_len[b];
   const float* vb = a.v + b * a.v_sb + kv * a.v_sh;
   constexpr int kChunk = rows_per_pass<NV, CHUNK, MAXR>();
   constexpr int WB = NV >= CHUNK ? CHUNK : NV;
@@ -166,6 +165,8 @@ __attribute__((always_inline)) inline void weighted_values(const Args& a, int64_
       V o[kChunk][WB] = {};
       for (int64_t s = 0; s < keys; ++s) {
         const float* vr = vb + s * a.v_ss + w0 * L;
+        if (s + kPrefetchKeys < n)
+          for (int w = 0; w < WB * L; w += 16) __builtin_prefetch(vr + kPrefetchKeys * a.v_ss + w, 0, 2);
         for (int i = 0; i < kChunk; ++i) {
           const V ps = splat<V>(p[(c0 + i) * row_stride + s * key_stride]);
           for (int w = 0; w < WB; ++w) o[i][w] += ps * load<V>(vr + w * L);
@@ -188,8 +189,7 @@ __attribute__((always_inline)) inline void weighted_values(const Args& a, int64_
 //   same differences from the same exact max, and each row's sum in key order;
 // - the output as group_task's, from the same probabilities in the same order.
 // So a row's result is the same bits whichever path its step's size picks. `scores` holds [R, keys rounded up to
-// L] (and zero rows up to the output's last pass). V's rows are prefetched while K streams in for the scores, so
-// the output pass finds them in the caches.
+// L] (and zero rows up to the output's last pass).
 template <typename V, int NV, int CHUNK, int R>
 __attribute__((always_inline)) inline void few_row_task(const Args& a, int64_t b, int64_t kv, int64_t r0,
                                                         float* scores, float* qt) {
@@ -198,16 +198,15 @@ __attribute__((always_inline)) inline void few_row_task(const Args& a, int64_t b
   const int64_t G = a.Hq / a.Hkv, T = a.T, n = a.cache_len[b], keys = n + T;
   const int64_t stride = (keys + L - 1) / L * L;
   const float* kb = a.k + b * a.k_sb + kv * a.k_sh;
-  const float* vb = a.v + b * a.v_sb + kv * a.v_sh;
   const bool* vis = a.visible + b * a.vis_sb;
   load_queries<L>(a, b, kv, r0, R, qt);
   // Two or four blocks at once where R is small: R * NB independent sums hide the FMA's latency.
   constexpr int NB = std::max<int>(1, std::min<int>(R >= 4 ? 1 : (R == 1 ? 4 : 2), 4096 / (D * L)));
   int64_t j = 0;
   for (; j + NB * L <= keys; j += NB * L)
-    few_row_block_scores<V, NV, R, NB>(kb + j * a.k_ss, a.k_ss, vb + j * a.v_ss, a.v_ss, qt, scores + j, stride);
+    few_row_block_scores<V, NV, R, NB>(kb + j * a.k_ss, a.k_ss, qt, scores + j, stride);
   for (; j + L <= keys; j += L)
-    few_row_block_scores<V, NV, R, 1>(kb + j * a.k_ss, a.k_ss, vb + j * a.v_ss, a.v_ss, qt, scores + j, stride);
+    few_row_block_scores<V, NV, R, 1>(kb + j * a.k_ss, a.k_ss, qt, scores + j, stride);
   for (; j < keys; ++j) {
     V acc = {};
     for (int64_t d = 0; d < D; ++d) acc += splat<V>(kb[j * a.k_ss + d]) * load<V>(qt + d * L);
