@@ -53,6 +53,9 @@ WINDOW_COST_LIMIT = 1.05
 BATCH_MARGIN = 1.05
 # Each new measurement of the host work (and of the realised gains) discounts the older ones by this factor.
 HOST_DECAY = 0.95
+# One measurement of a step's host work counts at most this many times what the fit predicts for it (see
+# HostCost.observe).
+HOST_OUTLIER = 3.0
 # The gain calibration starts as if this many expected extra tokens had all come true: one unlucky step moves
 # it, but does not turn lookahead off on its own.
 CALIBRATION_PRIOR = 10.0
@@ -306,6 +309,14 @@ class HostCost:
     def observe(self, rows: int, nodes: int, seconds: float) -> None:
         if not seconds >= 0 or rows < 1 or nodes < 0:
             return
+        # A step slowed by something else (a garbage collection, another process on the core) must not turn
+        # lookahead off for good: while the fit says trees cost too much the planner takes none, so nothing is
+        # measured again, and the fit lives on the model across calls. One 200 ms step after a warm call held
+        # the 1.4x of a 500-token prompt that copies its context at plain speed for every later call (session
+        # 39). Capped, such a step moves the fit by a few percent; a real rise is followed within a few steps.
+        predicted = self.predict(rows, nodes)
+        if predicted > 0:
+            seconds = min(seconds, HOST_OUTLIER * predicted)
         self._sums = [HOST_DECAY * s for s in self._sums]
         for i, v in enumerate((rows * rows, rows * nodes, nodes * nodes, rows * seconds, nodes * seconds)):
             self._sums[i] += v

@@ -112,6 +112,26 @@ def test_host_cost_fits_rows_and_nodes():
     assert one.predict(1, 2) == pytest.approx(3e-3) and min(one.coefficients) == 0.0
 
 
+def test_one_slow_step_does_not_turn_lookahead_off_but_a_real_rise_is_followed():
+    from lookahead.controller import HOST_OUTLIER, HostCost
+
+    costs = StepCosts((1, 16, 64), (0.007, 0.009, 0.030))
+    gains = [[0.9, 0.8, 0.7]]
+    host = HostCost()
+    for _ in range(30):
+        host.observe(1, 3, 1e-3)
+    assert StepPlanner(costs, 1, host).choose_batch(gains) == 3
+    # A stall of 200 ms (a garbage collection, another process): the planner would take no tree again, so the
+    # fit would never be measured again. It counts as HOST_OUTLIER times the prediction.
+    host.observe(1, 3, 0.2)
+    assert host.predict(1, 3) < 1e-3 * (1 + HOST_OUTLIER) / 2
+    assert StepPlanner(costs, 1, host).choose_batch(gains) == 3
+    for _ in range(60):  # the host really got slower (20x): the fit follows it within tens of steps
+        host.observe(1, 3, 0.02)
+    assert host.predict(1, 3) > 0.015
+    assert StepPlanner(costs, 1, host).choose_batch(gains) == 0
+
+
 def test_planner_charges_host_work_and_a_batch_margin():
     from lookahead.controller import BATCH_MARGIN, HostCost
 
