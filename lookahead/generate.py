@@ -845,9 +845,11 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
         wanted = max(min(budget, SMALLEST_PADDED_TREE), plan.planner.reach(1, budget))
     proposals = propose_rows([r.drafts for r in active], [r.emitter.sequence for r in active], wanted)
     sizes = _tree_sizes(plan, budget) if pad else None
-    keep = max(map(len, proposals.scores))
+    proposed = keep = max(map(len, proposals.scores))
     if plan.planner is not None:  # one size for all rows: they are padded to one shape anyway
         keep = plan.planner.choose_batch(proposals.scores, sizes)
+        if keep == 0 and proposed:
+            plan.planner.observe_declined()
         # The step would feed x (and padding) only: a plain step does the same. One row keeps learning (its
         # successor table takes x's logits' tops: 0.1 ms, where the lookahead step's machinery around an empty
         # tree cost 0.8 ms of an 11 ms step, session 23); a batch cannot afford even that, nor can a graph.

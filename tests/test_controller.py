@@ -215,7 +215,18 @@ def test_the_planner_scales_its_gains_by_what_came_true():
     assert planner.calibration.factor < 0.05 and one_row.calibration.factor < 0.05
     assert planner.choose_batch(gains) == 0
     assert one_row.choose(gains[0]) == 0  # one row as well
+    # Declined steps verify nothing: the estimate ages back toward the prior, so trees are tried again later
+    # (else nothing could lift it within the call).
+    declined = 0
+    while one_row.choose(gains[0]) == 0:
+        one_row.observe_declined()
+        declined += 1
+    assert 10 < declined < 100 and one_row.calibration.factor < 1.0
+    for _ in range(400):
+        planner.observe_declined()
+    assert planner.calibration.factor == pytest.approx(1.0, abs=1e-6)
     assert StepPlanner(flat, 1).calibration is None  # a given cost table: nothing learned, deterministic
+    StepPlanner(flat, 1).observe_declined()  # and nothing to age
 
 
 def test_backoff_doubles_and_resets():
