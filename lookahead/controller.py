@@ -363,7 +363,12 @@ class GainCalibration:
         """A step whose proposals the planner declined: nothing was verified, so the estimate ages back toward the
         prior as an observation would age it. Without this a few failed trees early in a call scaled every later
         estimate down until no tree paid, and with no tree taken nothing could lift it again: a 500-token prompt
-        whose answer copies its context ran at plain speed in some calls, 1.4x in others (session 39)."""
+        whose answer copies its context ran at plain speed in some calls, 1.4x in others (session 39).
+
+        Greedy decoding only: there whether guesses come true is a property of the text, which changes within a
+        call (a stretch that copies comes and goes); a sampled token matches a guess at a rate the temperature
+        sets for the whole call, so there ageing only brought back trees that failed again (sampled MT-Bench, 24
+        prompts, side by side: 0.951x plain with it, 0.979x without)."""
         self._expected = CALIBRATION_PRIOR + HOST_DECAY * (self._expected - CALIBRATION_PRIOR)
         self._realised = CALIBRATION_PRIOR + HOST_DECAY * (self._realised - CALIBRATION_PRIOR)
 
@@ -419,7 +424,7 @@ class StepPlanner:
             self.calibration.observe(expected, realised)
 
     def observe_declined(self) -> None:
-        """A step that took none of the trees proposed (see :meth:`GainCalibration.relax`)."""
+        """A greedy step that took none of the trees proposed (see :meth:`GainCalibration.relax`)."""
         if self.calibration is not None:
             self.calibration.relax()
 

@@ -848,7 +848,7 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
     proposed = keep = max(map(len, proposals.scores))
     if plan.planner is not None:  # one size for all rows: they are padded to one shape anyway
         keep = plan.planner.choose_batch(proposals.scores, sizes)
-        if keep == 0 and proposed:
+        if keep == 0 and proposed and sampler.greedy:
             plan.planner.observe_declined()
         # The step would feed x (and padding) only: a plain step does the same. One row keeps learning (its
         # successor table takes x's logits' tops: 0.1 ms, where the lookahead step's machinery around an empty

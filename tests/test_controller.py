@@ -281,3 +281,15 @@ def test_step_costs_time_a_step_with_its_verification():
     tree = _greedy_finish(StepShape(1, 1, 15))
     assert isinstance(tree, StepVerifier) and tree.uniforms_per_row == 0
     assert tree.max_accept == 15 and tree.successor_rows == 16 and tree.successor_k > 0
+
+
+def test_only_greedy_steps_age_the_calibration(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOOKAHEAD_CACHE_DIR", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(StepPlanner, "observe_declined", lambda self: calls.append(1))
+    ours = LlamaForCausalLM.from_hf(tiny_hf_model())
+    ids = torch.tensor([[5, 6, 7, 8] * 3])
+    ours.generate(ids, max_new_tokens=60, do_sample=True, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert calls == []  # a sampled step's declines tell nothing new (GainCalibration.relax)
+    ours.generate(ids, max_new_tokens=60)
+    assert calls  # greedy ones do
