@@ -313,7 +313,7 @@ class HostCost:
         # lookahead off for good: while the fit says trees cost too much the planner takes none, so nothing is
         # measured again, and the fit lives on the model across calls. One 200 ms step after a warm call held
         # the 1.4x of a 500-token prompt that copies its context at plain speed for every later call (session
-        # 39). Capped, such a step moves the fit by a few percent; a real rise is followed within a few steps.
+        # 39). Capped, such a step moves the fit by a few percent; a real rise is followed within tens of steps.
         predicted = self.predict(rows, nodes)
         if predicted > 0:
             seconds = min(seconds, HOST_OUTLIER * predicted)
