@@ -151,38 +151,55 @@ template <int NV, int CHUNK, int MAXR>
 constexpr int rows_per_pass() { return NV >= CHUNK ? 1 : (CHUNK / NV < MAXR ? CHUNK / NV : MAXR); }
 
 // The output of a task's `rows` rows (row r0 + i of the GQA group) from their unnormalised weights, row i's for key
-// s at p[i * row_stride + s * key_stride], and inv[i] = 1 / their sum: for each (row, vector of D) the weighted sum
-// of V's rows in key order, then scaled. A pass's rows past `rows` read p's next rows, which must be readable (their
-// sums are dropped).
-template <typename V, int NV, int CHUNK, int MAXR>
+// s at p[i * row_stride + s * key_stride]: for each (row, vector of D) the weighted sum of V's rows in key order, then
+// scaled by 1 / the row's sum. NW of the row's NV vectors are computed, from vector w_first on (a decode step's
+// output split over threads: every value is computed the same way whatever the split). The sums come in inv, or
+// (inv null) are taken in key order during the first pass (the same additions as a separate loop). A pass's rows
+// past `rows` read p's next rows, which must be readable (their sums are dropped).
+template <typename V, int NW, int CHUNK, int MAXR>
 __attribute__((always_inline)) inline void weighted_values(const Args& a, int64_t b, int64_t kv, int64_t r0,
                                                            int64_t rows, int64_t keys, const float* p,
-                                                           int64_t row_stride, int64_t key_stride, const float* inv) {
+                                                           int64_t row_stride, int64_t key_stride, const float* inv,
+                                                           int64_t w_first = 0) {
   constexpr int L = cpu_vec::Traits<V>::lanes;
-  constexpr int64_t D = NV * L;
-  const int64_t G = a.Hq / a.Hkv, T = a.T, n = a.cache_len[b];
+  const int64_t G = a.Hq / a.Hkv, T = a.T, n = a.cache_len[b], D = a.D;
   const float* vb = a.v + b * a.v_sb + kv * a.v_sh;
-  constexpr int kChunk = rows_per_pass<NV, CHUNK, MAXR>();
-  constexpr int WB = NV >= CHUNK ? CHUNK : NV;
+  constexpr int kChunk = rows_per_pass<NW, CHUNK, MAXR>();
+  constexpr int WB = NW >= CHUNK ? CHUNK : NW;
   for (int64_t c0 = 0; c0 < rows; c0 += kChunk) {
     const int64_t cn = std::min<int64_t>(kChunk, rows - c0);
-    for (int w0 = 0; w0 < NV; w0 += WB) {
+    float scale[kChunk];
+    for (int64_t w0 = w_first; w0 < w_first + NW; w0 += WB) {
       V o[kChunk][WB] = {};
+      float l[kChunk] = {};
+      const bool sum = inv == nullptr && w0 == w_first;
       for (int64_t s = 0; s < keys; ++s) {
         const float* vr = vb + s * a.v_ss + w0 * L;
         if (s + kPrefetchKeys < n) prefetch_lines(vr + kPrefetchKeys * a.v_ss, WB * L);
         for (int i = 0; i < kChunk; ++i) {
-          const V ps = splat<V>(p[(c0 + i) * row_stride + s * key_stride]);
+          const float weight = p[(c0 + i) * row_stride + s * key_stride];
+          if (sum) l[i] += weight;
+          const V ps = splat<V>(weight);
           for (int w = 0; w < WB; ++w) o[i][w] += ps * load<V>(vr + w * L);
         }
       }
+      if (w0 == w_first)
+        for (int64_t i = 0; i < cn; ++i)
+          scale[i] = inv != nullptr ? inv[c0 + i] : (l[i] > 0.f ? 1.f / l[i] : 0.f);
       for (int64_t i = 0; i < cn; ++i) {
         const int64_t r = r0 + c0 + i, t = r / G, h = kv * G + r % G;
         float* dst = a.out + ((b * T + t) * a.Hq + h) * D + w0 * L;
-        for (int w = 0; w < WB; ++w) store(dst + w * L, o[i][w] * inv[c0 + i]);
+        for (int w = 0; w < WB; ++w) store(dst + w * L, o[i][w] * scale[i]);
       }
     }
   }
+}
+
+// Rows a task's probabilities are padded to for weighted_values<V, NW, CHUNK, R> (its last pass reads whole passes).
+template <int NW, int CHUNK, int R>
+constexpr int padded_rows() {
+  constexpr int pass = rows_per_pass<NW, CHUNK, R>();
+  return (R + pass - 1) / pass * pass;
 }
 
 // One task of R rows (R at most FEW: a plain step's 3 rows of a GQA group would use 3 of 16 lanes with rows in the
@@ -192,11 +209,18 @@ __attribute__((always_inline)) inline void weighted_values(const Args& a, int64_
 // - the softmax per row over [R, keys] (keys in lanes: R / L vectors of exps a key, not one): the same exp of the
 //   same differences from the same exact max, and each row's sum in key order;
 // - the output as group_task's, from the same probabilities in the same order.
-// So a row's result is the same bits whichever path its step's size picks. `scores` holds [R, keys rounded up to
-// L] (and zero rows up to the output's last pass).
-template <typename V, int NV, int CHUNK, int R>
-__attribute__((always_inline)) inline void few_row_task(const Args& a, int64_t b, int64_t kv, int64_t r0,
-                                                        float* scores, float* qt) {
+// So a row's result is the same bits whichever path its step's size picks. `scores` holds [R, stride] (stride: the
+// keys rounded up to L), and zero rows up to the output's last pass. The task runs in three parts, which a long
+// decode step with fewer tasks than threads can spread over them (step_attention's split_step): the scores of a
+// range of keys with each row's max over it; the weights of a range from the rows' maxima; the output, whole or by
+// parts of D. Each value is computed the same way however the parts are spread.
+
+// Part 1: the scores of keys [j0, j1) (j0 a multiple of L, j1 too or the task's last key), the step keys the rows
+// do not see set to -inf (and the lanes past the last key), and each row's max over them in mx[i].
+template <typename V, int NV, int R>
+__attribute__((always_inline)) inline void few_row_scores(const Args& a, int64_t b, int64_t kv, int64_t r0,
+                                                          int64_t j0, int64_t j1, float* scores, float* qt,
+                                                          float* mx) {
   constexpr int L = cpu_vec::Traits<V>::lanes;
   constexpr int64_t D = NV * L;
   const int64_t G = a.Hq / a.Hkv, T = a.T, n = a.cache_len[b], keys = n + T;
@@ -206,50 +230,66 @@ __attribute__((always_inline)) inline void few_row_task(const Args& a, int64_t b
   load_queries<L>(a, b, kv, r0, R, qt);
   // Two or four blocks at once where R is small: R * NB independent sums hide the FMA's latency.
   constexpr int NB = std::max<int>(1, std::min<int>(R >= 4 ? 1 : (R == 1 ? 4 : 2), 4096 / (D * L)));
-  int64_t j = 0;
-  for (; j + NB * L <= keys; j += NB * L)
+  int64_t j = j0;
+  for (; j + NB * L <= j1; j += NB * L)
     few_row_block_scores<V, NV, R, NB>(kb + j * a.k_ss, a.k_ss, qt, scores + j, stride);
-  for (; j + L <= keys; j += L)
+  for (; j + L <= j1; j += L)
     few_row_block_scores<V, NV, R, 1>(kb + j * a.k_ss, a.k_ss, qt, scores + j, stride);
-  for (; j < keys; ++j) {
+  for (; j < j1; ++j) {
     V acc = {};
     for (int64_t d = 0; d < D; ++d) acc += splat<V>(kb[j * a.k_ss + d]) * load<V>(qt + d * L);
     for (int i = 0; i < R; ++i) scores[i * stride + j] = acc[i];
   }
   const float neg_inf = -INFINITY;
+  const int64_t end = j1 == keys ? stride : j1;
   for (int i = 0; i < R; ++i) {
     float* row = scores + i * stride;
     const bool* row_vis = vis + ((r0 + i) / G) * T;
-    for (int64_t s = 0; s < T; ++s)
+    for (int64_t s = std::max(j0, n) - n; s < j1 - n; ++s)
       if (!row_vis[s]) row[n + s] = neg_inf;
-    for (int64_t s = keys; s < stride; ++s) row[s] = neg_inf;  // the last block's lanes past the keys: p = 0
-  }
-  float inv[R];
-  for (int i = 0; i < R; ++i) {
-    float* row = scores + i * stride;
+    for (int64_t s = keys; s < end; ++s) row[s] = neg_inf;  // the last block's lanes past the keys: p = 0
     V m = splat<V>(neg_inf);
-    for (int64_t s = 0; s < stride; s += L) {
+    for (int64_t s = j0; s < end; s += L) {
       const V x = load<V>(row + s);
       m = x > m ? x : m;
     }
-    float mx = neg_inf;
-    for (int u = 0; u < L; ++u) mx = m[u] > mx ? m[u] : mx;
-    const V shift = splat<V>(mx == neg_inf ? 0.f : mx);
-    for (int64_t s = 0; s < stride; s += L) {
+    float mx_i = neg_inf;
+    for (int u = 0; u < L; ++u) mx_i = m[u] > mx_i ? m[u] : mx_i;
+    mx[i] = mx_i;
+  }
+}
+
+// Part 2: the unnormalised weights of keys [j0, j1) (both multiples of L, or j1 the padded end) in place, from each
+// row's max over all its keys (mx[i]; -inf for a row that sees nothing: its weights are all zero); rows R to
+// pad_rows zeroed over the range.
+template <typename V>
+__attribute__((always_inline)) inline void few_row_weights(int R, int pad_rows, int64_t stride, int64_t j0,
+                                                           int64_t j1, float* scores, const float* mx) {
+  constexpr int L = cpu_vec::Traits<V>::lanes;
+  const float neg_inf = -INFINITY;
+  for (int i = 0; i < R; ++i) {
+    float* row = scores + i * stride;
+    const V shift = splat<V>(mx[i] == neg_inf ? 0.f : mx[i]);
+    for (int64_t s = j0; s < j1; s += L) {
       const V x = load<V>(row + s);
       V p = exp_nonpositive(x - shift);
       p = x == neg_inf ? V{} : p;
       store(row + s, p);
     }
   }
-  // Each row's sum in key order, as group_task's lanes sum; the rows' sums side by side.
-  float l[R] = {};
-  for (int64_t s = 0; s < keys; ++s)
-    for (int i = 0; i < R; ++i) l[i] += scores[i * stride + s];
-  for (int i = 0; i < R; ++i) inv[i] = l[i] > 0.f ? 1.f / l[i] : 0.f;
-  constexpr int kPass = rows_per_pass<NV, CHUNK, R>(), kPadded = (R + kPass - 1) / kPass * kPass;
-  std::fill(scores + R * stride, scores + kPadded * stride, 0.f);  // the last pass's rows past R
-  weighted_values<V, NV, CHUNK, R>(a, b, kv, r0, R, keys, scores, stride, 1, inv);
+  for (int i = R; i < pad_rows; ++i) std::fill(scores + i * stride + j0, scores + i * stride + j1, 0.f);
+}
+
+template <typename V, int NV, int CHUNK, int R>
+__attribute__((always_inline)) inline void few_row_task(const Args& a, int64_t b, int64_t kv, int64_t r0,
+                                                        float* scores, float* qt) {
+  constexpr int L = cpu_vec::Traits<V>::lanes;
+  const int64_t keys = a.cache_len[b] + a.T, stride = (keys + L - 1) / L * L;
+  float mx[R];
+  few_row_scores<V, NV, R>(a, b, kv, r0, 0, keys, scores, qt, mx);
+  few_row_weights<V>(R, padded_rows<NV, CHUNK, R>(), stride, 0, stride, scores, mx);
+  // Part 3, whole: the output, each row's sum taken in key order on the way.
+  weighted_values<V, NV, CHUNK, R>(a, b, kv, r0, R, keys, scores, stride, 1, nullptr);
 }
 
 template <typename V, int NV, int CHUNK, int... Rs>
@@ -257,6 +297,48 @@ __attribute__((always_inline)) inline void few_row_task_for(int64_t rows, const 
                                                             int64_t r0, float* scores, float* qt,
                                                             std::integer_sequence<int, Rs...>) {
   ((rows == Rs + 1 ? (few_row_task<V, NV, CHUNK, Rs + 1>(a, b, kv, r0, scores, qt), 0) : 0), ...);
+}
+
+// A decode step's few-row task whose parts split_step spreads over the threads: its scores [2R, stride] (rows past R
+// padding for the output's passes) and each range's row maxima [ranges, R].
+struct SplitTask {
+  int64_t b, kv;
+  float* scores;
+  float* maxima;
+  int64_t stride, ranges;
+};
+constexpr int64_t kSplitKeys = 512;             // keys per range: tens of microseconds of work, a few a thread
+constexpr int64_t kSplitMinKeys = 1024;         // the longest cache a split step needs
+constexpr int64_t kSplitMaxTasksPerThread = 4;  // beyond, one task more on some threads costs little
+
+// Part `phase` (0: scores, 1: weights, 2: output) of a split task's R = G * T rows, for range `index` (phases 0, 1)
+// or output part `index` of kParts (phase 2; D's vectors in halves where there are two or more).
+template <typename V, int NV, int CHUNK, int R>
+__attribute__((always_inline)) inline void split_part(const Args& a, const SplitTask& t, int phase, int64_t index,
+                                                      float* qt) {
+  constexpr int kParts = NV >= 2 ? 2 : 1, kNW = NV / kParts;
+  const int64_t keys = a.cache_len[t.b] + a.T;
+  if (phase == 2) {
+    weighted_values<V, kNW, CHUNK, R>(a, t.b, t.kv, 0, R, keys, t.scores, t.stride, 1, nullptr, index * kNW);
+    return;
+  }
+  const int64_t j0 = index * kSplitKeys, j1 = std::min(keys, j0 + kSplitKeys);
+  if (phase == 0) {
+    few_row_scores<V, NV, R>(a, t.b, t.kv, 0, j0, j1, t.scores, qt, t.maxima + index * R);
+    return;
+  }
+  float mx[R];
+  for (int i = 0; i < R; ++i) {
+    mx[i] = -INFINITY;
+    for (int64_t r = 0; r < t.ranges; ++r) mx[i] = std::max(mx[i], t.maxima[r * R + i]);
+  }
+  few_row_weights<V>(R, padded_rows<kNW, CHUNK, R>(), t.stride, j0, j1 == keys ? t.stride : j1, t.scores, mx);
+}
+
+template <typename V, int NV, int CHUNK, int... Rs>
+__attribute__((always_inline)) inline void split_part_for(int64_t rows, const Args& a, const SplitTask& t, int phase,
+                                                          int64_t index, float* qt, std::integer_sequence<int, Rs...>) {
+  ((rows == Rs + 1 ? (split_part<V, NV, CHUNK, Rs + 1>(a, t, phase, index, qt), 0) : 0), ...);
 }
 
 // One task: up to L query rows of sequence b that share the KV head kv, L the lanes of the vector type V; row r of
@@ -374,6 +456,22 @@ using TaskFn = void (*)(const Args&, int64_t, int64_t, int64_t, float*, float*);
     }                                                                                                              \
   }
 
+using SplitFn = void (*)(const Args&, const SplitTask&, int, int64_t, float*);
+
+#define CPU_ATTENTION_SPLIT(NAME, V, CHUNK, FEW)                                                                   \
+  void NAME(const Args& a, const SplitTask& t, int phase, int64_t index, float* qt) {                              \
+    constexpr int L = cpu_vec::Traits<V>::lanes;                                                                   \
+    const int64_t rows = a.Hq / a.Hkv * a.T;                                                                       \
+    constexpr auto few = std::make_integer_sequence<int, FEW>{};                                                   \
+    switch (a.D) {                                                                                                 \
+      case 16: split_part_for<V, 16 / L, CHUNK>(rows, a, t, phase, index, qt, few); break;                         \
+      case 32: split_part_for<V, 32 / L, CHUNK>(rows, a, t, phase, index, qt, few); break;                         \
+      case 64: split_part_for<V, 64 / L, CHUNK>(rows, a, t, phase, index, qt, few); break;                         \
+      case 128: split_part_for<V, 128 / L, CHUNK>(rows, a, t, phase, index, qt, few); break;                       \
+      default: split_part_for<V, 256 / L, CHUNK>(rows, a, t, phase, index, qt, few); break;                        \
+    }                                                                                                              \
+  }
+
 // One build per instruction set, each with the vectors one of its registers holds (16 lanes with AVX-512, 8 with
 // AVX2, 4 with SSE; cpu_vec.h says why) and blocking that fits its 32 or 16 registers; chosen at run time as the
 // GEMM chooses (tests force narrower ones). Before, one source of 16-lane vectors compiled by target_clones for
@@ -381,17 +479,61 @@ using TaskFn = void (*)(const Args&, int64_t, int64_t, int64_t, float*, float*);
 __attribute__((target("avx512f,fma"))) CPU_ATTENTION_TASK(task_avx512, cpu_vec::v16sf, 8, 16, kFewRowsAvx512)
 __attribute__((target("avx2,fma"))) CPU_ATTENTION_TASK(task_avx2, cpu_vec::v8sf, 8, 8, kFewRowsAvx2)
 CPU_ATTENTION_TASK(task_scalar, cpu_vec::v4sf, 4, 4, 0)
+__attribute__((target("avx512f,fma"))) CPU_ATTENTION_SPLIT(split_avx512, cpu_vec::v16sf, 16, kFewRowsAvx512)
+__attribute__((target("avx2,fma"))) CPU_ATTENTION_SPLIT(split_avx2, cpu_vec::v8sf, 8, kFewRowsAvx2)
 
 struct Task {
   TaskFn run;
-  int64_t rows;  // query rows per task: the vectors' lanes
+  int64_t rows;      // query rows per task: the vectors' lanes
+  int64_t few_rows;  // a task of at most this many rows runs few_row_task
+  SplitFn split;     // its parts, for split_step (null: none)
 };
 
 Task pick_task() {
   const std::string isa = small_gemm::current_isa();
-  if (isa == "avx512") return {task_avx512, 16};
-  if (isa == "avx2") return {task_avx2, 8};
-  return {task_scalar, 4};
+  if (isa == "avx512") return {task_avx512, 16, kFewRowsAvx512, split_avx512};
+  if (isa == "avx2") return {task_avx2, 8, kFewRowsAvx2, split_avx2};
+  return {task_scalar, 4, 0, nullptr};
+}
+
+// A decode step of few tasks over long caches (a plain step: SmolLM2's 3 key heads, 3 tasks) on more threads than
+// divide them evenly: 2 threads took its 3 tasks 2 + 1. Its tasks run instead in three phases over every thread:
+// the scores by ranges of kSplitKeys keys, the weights by the same ranges, the output by halves of D; each value
+// computed as few_row_task computes it (the same bits). Every task has R = G * T <= the build's few rows.
+void split_step(const Args& a, const Task& task) {
+  const int64_t R = a.Hq / a.Hkv * a.T, L = task.rows;
+  std::vector<SplitTask> tasks;
+  std::vector<std::pair<int64_t, int64_t>> ranges;  // (task, range)
+  int64_t floats = 0;
+  for (int64_t b = 0; b < a.B; ++b)
+    for (int64_t kv = 0; kv < a.Hkv; ++kv) {
+      const int64_t keys = a.cache_len[b] + a.T, stride = (keys + L - 1) / L * L;
+      const int64_t n_ranges = (keys + kSplitKeys - 1) / kSplitKeys;
+      for (int64_t r = 0; r < n_ranges; ++r) ranges.emplace_back(tasks.size(), r);
+      tasks.push_back({b, kv, nullptr, nullptr, stride, n_ranges});
+      floats += 2 * R * stride + n_ranges * R;
+    }
+  // Every entry a phase reads an earlier one wrote (rows past R: zeroed by the weights phase where read).
+  const std::unique_ptr<float[]> scratch(new float[floats]);
+  float* p = scratch.get();
+  for (SplitTask& t : tasks) {
+    t.scores = p;
+    t.maxima = p + 2 * R * t.stride;
+    p = t.maxima + t.ranges * R;
+  }
+  const int64_t parts = a.D / L >= 2 ? 2 : 1;
+  for (int phase = 0; phase < 3; ++phase) {
+    const int64_t items = phase < 2 ? ranges.size() : tasks.size() * parts;
+    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+      const std::unique_ptr<float[]> qt(new float[a.D * L]);
+      for (int64_t i = begin; i < end; ++i) {
+        if (phase < 2)
+          task.split(a, tasks[ranges[i].first], phase, ranges[i].second, qt.get());
+        else
+          task.split(a, tasks[i / parts], phase, i % parts, qt.get());
+      }
+    });
+  }
 }
 
 }  // namespace
@@ -437,11 +579,17 @@ at::Tensor step_attention(const at::Tensor& q, const at::Tensor& k_cache, const 
          vis.size(0) == 1 ? 0 : T * T, static_cast<float>(scale)};
   const Task task = pick_task();
   const int64_t G = Hq / Hkv, chunks = (G * T + task.rows - 1) / task.rows;
+  const int64_t tasks = B * Hkv * chunks, threads = at::get_num_threads();
+  if (task.split != nullptr && G * T <= task.few_rows && threads > 1 && tasks % threads != 0 &&
+      tasks < kSplitMaxTasksPerThread * threads && longest >= kSplitMinKeys) {
+    split_step(a, task);
+    return out;
+  }
   // Small steps run on the calling thread: a plain step's few tasks take microseconds, about what waking the
   // other threads would cost.
   const int64_t work_per_task = task.rows * (longest + T) * D;
   const int64_t grain = std::max<int64_t>(1, (1 << 18) / std::max<int64_t>(work_per_task, 1));
-  at::parallel_for(0, B * Hkv * chunks, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
     // Scores: [keys, L] with rows in the lanes, or [R (< L), keys rounded up to L] for few rows; every entry a task
     // reads it writes first, so left uninitialised (zeroing 128 KB a task at 2000 keys cost 0.1 ms a SmolLM2 step).
     const std::unique_ptr<float[]> scores(new float[(longest + T + task.rows) * task.rows]);

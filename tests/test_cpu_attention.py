@@ -160,6 +160,34 @@ def test_every_count_of_few_rows_matches_the_oracle_and_the_full_path(rows, d, i
     check(alone, attention_dense_reference(q[:, :1], k, v, cache_len=lens, layout=StepLayout(1, 1)), torch.float32)
 
 
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("hkv,group,d,T,lens", [
+    (3, 3, 64, 1, [1500]),             # SmolLM2's plain step: 3 tasks on 2 threads
+    (3, 3, 64, 4, [1024]),             # 12 rows, keys a multiple of the ranges
+    (1, 3, 16, 2, [2100]),             # one task; D of one vector with 16 lanes (no halves)
+    (1, 3, 256, 1, [1100, 40, 2000]),  # a ragged batch: sequences of three ranges, one, four
+    (5, 2, 128, 1, [1800]),
+])
+def test_a_long_step_split_over_threads_is_the_same_bits(hkv, group, d, T, lens, isa, two_threads):
+    """A decode step of fewer tasks than divide the threads evenly over at least 1024 keys runs in phases spread
+    over them (scores and weights by ranges of keys, the output by halves of D): the same bits as one thread
+    running it whole, and close to the oracle. Past each step the caches are NaN (never read)."""
+    layout = StepLayout(1, 1) if T == 1 else StepLayout.prefill(T)
+    q, k, v, cache_len = make_inputs(layout, lens, hkv, group, d, torch.float32, "cpu", seed=T * d)
+    split = cpu_attention.attention_cpu(q, k, v, cache_len=cache_len, layout=layout)
+    torch.set_num_threads(1)
+    whole = cpu_attention.attention_cpu(q, k, v, cache_len=cache_len, layout=layout)
+    assert torch.equal(split, whole)
+    check(split, attention_dense_reference(q, k, v, cache_len=cache_len, layout=layout), torch.float32)
+
+
 def test_agrees_with_attention_torch_on_the_model_path():
     layout, _ = tree_layout(4, 3, "bushy", 15)
     q, k, v, lens = make_inputs(layout, 200, 3, 3, 64, torch.float32, "cpu")
