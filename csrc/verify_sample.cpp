@@ -1,11 +1,18 @@
-// Speculative sampling on a token tree with point-mass drafts, on the CPU, from the step's logits: the walk of
-// lookahead_kernels/verify_ref.py's verify_tree_sample_reference over the rows lookahead/sampling.py's warp_logits
-// would give, each row warped only when the walk reaches it.
+// Tree verification on the CPU from the step's logits, greedy and by speculative sampling: the walks of
+// lookahead_kernels/verify_ref.py's verify_tree_greedy_reference and verify_tree_sample_reference, each reading the
+// rows of x and of the nodes it accepts only.
 //
-// Why: warping every row of a step with torch (x and each node: temperature, top-k, top-p over the vocabulary)
-// took 0.7-1.1 ms of a sampled tree step for SmolLM2 on this project's 2-core CPU, and the walk reads x's row and
-// the accepted nodes' rows only. Here a row is warped when the walk reaches it (csrc/sample_warped.cpp's
-// WarpedRow, 0.1 ms for 49k tokens), with top-p as its few kept tokens. The rule is the
+// Greedy: the argmax of x's row (row_topk's scan, NaN the largest, the lower index first among equals: torch.argmax)
+// is matched against the real children of the current node in order; the first match is accepted and its row's
+// argmax is matched next; the bonus is the last argmax. Why: the torch reference (argmax of every row it visits,
+// a few small ops a level, its checks of the tree) took 0.3 ms alone and 0.58 ms in a decoding step, about half of a
+// CPU tree step's host work (session 40, SmolLM2, 2 cores).
+//
+// Sampling: point-mass drafts; the walk over the rows lookahead/sampling.py's warp_logits would give, each row
+// warped only when the walk reaches it. Why: warping every row of a step with torch (x and each node: temperature,
+// top-k, top-p over the vocabulary) took 0.7-1.1 ms of a sampled tree step for SmolLM2 on this project's 2-core
+// CPU, and the walk reads x's row and the accepted nodes' rows only. Here a row is warped when the walk reaches it
+// (csrc/sample_warped.cpp's WarpedRow, 0.1 ms for 49k tokens), with top-p as its few kept tokens. The rule is the
 // reference's: the residual weights r start as x's warped row, S = sum(r) (float64); the real children c of the
 // current node are tried in order, t = tokens[b, c] (r(t) = 0 outside the vocabulary), accepted iff uniforms[b,
 // c] * S < r(t); a rejection subtracts r(t) from S and zeroes r(t); an acceptance makes r node c's warped row and
@@ -13,7 +20,9 @@
 // at uniforms[b, V] * S. The weights are unnormalised (exp(x / temperature - max)) and sums run in token order:
 // a decision can differ from the reference's only where u * S meets r(t) to the last bits.
 //
-// Op (namespace lookahead_draft, CPU; lookahead_kernels/verify_cpu.py checks the inputs and calls it):
+// Ops (namespace lookahead_draft, CPU; lookahead_kernels/verify_cpu.py checks the inputs and calls them):
+//   verify_tree_argmax(Tensor x_logits, Tensor node_logits, Tensor tokens, Tensor end, Tensor num_nodes,
+//                      int max_accept) -> (Tensor accept_len, Tensor path, Tensor emitted)
 //   verify_tree_warped(Tensor x_logits, Tensor node_logits, Tensor tokens, Tensor end, Tensor num_nodes,
 //                      int max_accept, float temperature, int top_k, float top_p, float min_p,
 //                      Tensor uniforms)
@@ -21,10 +30,11 @@
 //     x_logits float32 [B, vocab], node_logits float32 [B, V, vocab] (the last dimension contiguous, any strides
 //     before it; a padding node's row is never read), tokens and end int64 [B, V], num_nodes int64 [B] in 0 .. V,
 //     temperature > 0, top_k >= 0 (0: off), top_p in (0, 1], min_p in [0, 1] (0: off), uniforms float64
-//     [B, V + 1].
+//     [B, V + 1]. Each row's end must encode a pre-ordered tree (i < end[i] <= V, subtrees nested): ValueError
+//     otherwise, as num_nodes outside 0 .. V.
 //     accept_len int64 [B]; path int64 [B, max_accept] and emitted int64 [B, max_accept + 1], -1 past the end.
-//     A row whose largest logit is not finite keeps no token: the walk rejects every child there and its bonus
-//     is -1.
+//     Sampling: a row whose largest logit is not finite keeps no token: the walk rejects every child there and its
+//     bonus is -1.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -33,19 +43,17 @@
 #include <algorithm>
 #include <cstdint>
 #include <tuple>
+#include <vector>
 
 #include "cpu_ops.h"
 
 namespace verify_sample {
 namespace {
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_warped(const at::Tensor& x_logits,
-                                                                  const at::Tensor& node_logits,
-                                                                  const at::Tensor& tokens, const at::Tensor& end,
-                                                                  const at::Tensor& num_nodes, int64_t max_accept,
-                                                                  double temperature, int64_t top_k, double top_p,
-                                                                  double min_p, const at::Tensor& uniforms) {
-  const char* name = "lookahead_draft.verify_tree_warped";
+// ValueError naming `name` unless the inputs both walks take are as the ops' comment says, each row's end included.
+void check_walk_inputs(const char* name, const at::Tensor& x_logits, const at::Tensor& node_logits,
+                       const at::Tensor& tokens, const at::Tensor& end, const at::Tensor& num_nodes,
+                       int64_t max_accept) {
   TORCH_CHECK_VALUE(tokens.dim() == 2 && tokens.scalar_type() == at::kLong && tokens.is_contiguous(), name,
                     ": tokens must be a contiguous int64 [B, V] tensor");
   const int64_t B = tokens.size(0), V = tokens.size(1);
@@ -62,14 +70,98 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_warped(const at::Tens
   TORCH_CHECK_VALUE(num_nodes.dim() == 1 && num_nodes.size(0) == B && num_nodes.scalar_type() == at::kLong &&
                         num_nodes.is_contiguous(),
                     name, ": num_nodes must be a contiguous int64 [B] tensor");
-  TORCH_CHECK_VALUE(uniforms.dim() == 2 && uniforms.size(0) == B && uniforms.size(1) == V + 1 &&
-                        uniforms.scalar_type() == at::kDouble && uniforms.is_contiguous(),
-                    name, ": uniforms must be a contiguous float64 [B, V + 1] tensor");
   TORCH_CHECK_VALUE(max_accept >= 0, name, ": max_accept must be >= 0, got ", max_accept);
-  sample_warped::WarpedRow::check(name, temperature, top_k, top_p, min_p);
   TORCH_CHECK_VALUE(x_logits.device().is_cpu() && node_logits.device().is_cpu() && tokens.device().is_cpu() &&
-                        end.device().is_cpu() && num_nodes.device().is_cpu() && uniforms.device().is_cpu(),
+                        end.device().is_cpu() && num_nodes.device().is_cpu(),
                     name, ": every tensor must be on the CPU");
+  // Each row's tree: i < end[i] <= V, and every subtree inside its parent's (a stack of the open subtrees).
+  const int64_t* en = end.data_ptr<int64_t>();
+  const int64_t* nn = num_nodes.data_ptr<int64_t>();
+  std::vector<int64_t> open;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK_VALUE(nn[b] >= 0 && nn[b] <= V, name, ": num_nodes[", b, "] must be in 0 .. V = ", V, ", got ",
+                      nn[b]);
+    const int64_t* eb = en + b * V;
+    open.clear();
+    for (int64_t i = 0; i < V; ++i) {
+      TORCH_CHECK_VALUE(eb[i] > i && eb[i] <= V, name, ": tree end[", i, "] must satisfy ", i, " < end <= V = ", V,
+                        ", got ", eb[i], " (row ", b, ")");
+      while (!open.empty() && eb[open.back()] <= i) open.pop_back();
+      TORCH_CHECK_VALUE(open.empty() || eb[i] <= eb[open.back()], name, ": tree end is not a pre-order nesting of "
+                        "subtrees: node ", i, "'s ends at ", eb[i], " past its parent ", open.back(), "'s ",
+                        eb[open.back()], " (row ", b, ")");
+      open.push_back(i);
+    }
+  }
+}
+
+// Row x's argmax as torch.argmax takes it: NaN the largest, the first index among equals.
+inline int64_t argmax(const float* x, int64_t vocab) {
+  float value;
+  int64_t index;
+  row_topk::top_row(x, vocab, 1, &value, &index);
+  return index;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_argmax(const at::Tensor& x_logits,
+                                                                  const at::Tensor& node_logits,
+                                                                  const at::Tensor& tokens, const at::Tensor& end,
+                                                                  const at::Tensor& num_nodes, int64_t max_accept) {
+  check_walk_inputs("lookahead_draft.verify_tree_argmax", x_logits, node_logits, tokens, end, num_nodes,
+                    max_accept);
+  const int64_t B = tokens.size(0), V = tokens.size(1), vocab = x_logits.size(1);
+  const auto opts = at::TensorOptions().dtype(at::kLong);
+  at::Tensor accept_len = at::zeros({B}, opts);
+  at::Tensor path = at::full({B, max_accept}, -1, opts);
+  at::Tensor emitted = at::full({B, max_accept + 1}, -1, opts);
+  const float* xl = x_logits.data_ptr<float>();
+  const float* nl = node_logits.data_ptr<float>();
+  const int64_t* tok = tokens.data_ptr<int64_t>();
+  const int64_t* en = end.data_ptr<int64_t>();
+  const int64_t* nn = num_nodes.data_ptr<int64_t>();
+  int64_t* acc_out = accept_len.data_ptr<int64_t>();
+  int64_t* path_out = path.data_ptr<int64_t>();
+  int64_t* emit_out = emitted.data_ptr<int64_t>();
+  const int64_t sx = x_logits.stride(0), sb = node_logits.stride(0), sv = node_logits.stride(1);
+  at::parallel_for(0, B, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo; b < hi; ++b) {
+      const int64_t n = nn[b];
+      const int64_t* tb = tok + b * V;
+      const int64_t* eb = en + b * V;
+      int64_t y = argmax(xl + b * sx, vocab);
+      int64_t c = 0, lim = n, acc = 0;  // the current node's next child to try and the end of its real children
+      while (acc < max_accept && c < lim) {
+        if (tb[c] == y) {
+          path_out[b * max_accept + acc] = c;
+          emit_out[b * (max_accept + 1) + acc] = y;
+          ++acc;
+          y = argmax(nl + b * sb + c * sv, vocab);
+          lim = std::min(eb[c], n);
+          c = c + 1;
+        } else {
+          c = eb[c];  // the next sibling
+        }
+      }
+      emit_out[b * (max_accept + 1) + acc] = y;
+      acc_out[b] = acc;
+    }
+  });
+  return {accept_len, path, emitted};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_warped(const at::Tensor& x_logits,
+                                                                  const at::Tensor& node_logits,
+                                                                  const at::Tensor& tokens, const at::Tensor& end,
+                                                                  const at::Tensor& num_nodes, int64_t max_accept,
+                                                                  double temperature, int64_t top_k, double top_p,
+                                                                  double min_p, const at::Tensor& uniforms) {
+  const char* name = "lookahead_draft.verify_tree_warped";
+  check_walk_inputs(name, x_logits, node_logits, tokens, end, num_nodes, max_accept);
+  const int64_t B = tokens.size(0), V = tokens.size(1), vocab = x_logits.size(1);
+  TORCH_CHECK_VALUE(uniforms.dim() == 2 && uniforms.size(0) == B && uniforms.size(1) == V + 1 &&
+                        uniforms.scalar_type() == at::kDouble && uniforms.is_contiguous() && uniforms.device().is_cpu(),
+                    name, ": uniforms must be a contiguous float64 [B, V + 1] CPU tensor");
+  sample_warped::WarpedRow::check(name, temperature, top_k, top_p, min_p);
   const auto opts = at::TensorOptions().dtype(at::kLong);
   at::Tensor accept_len = at::zeros({B}, opts);
   at::Tensor path = at::full({B, max_accept}, -1, opts);
@@ -88,7 +180,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_warped(const at::Tens
   at::parallel_for(0, B, 1, [&](int64_t lo, int64_t hi) {
     sample_warped::WarpedRow row(vocab);  // the current node's residual weights
     for (int64_t b = lo; b < hi; ++b) {
-      const int64_t n = std::clamp<int64_t>(nn[b], 0, V);
+      const int64_t n = nn[b];
       const int64_t* tb = tok + b * V;
       const int64_t* eb = en + b * V;
       const double* ub = u + b * (V + 1);
@@ -110,7 +202,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_warped(const at::Tens
         } else {
           S -= p;
           if (w) *w = 0.f;
-          c = std::max(eb[c], c + 1);  // the next sibling; max() keeps a malformed end from looping
+          c = eb[c];  // the next sibling
         }
       }
       emit_out[b * (max_accept + 1) + acc] = row.draw(ub[V] * S);
@@ -124,9 +216,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_warped(const at::Tens
 }  // namespace verify_sample
 
 TORCH_LIBRARY_FRAGMENT(lookahead_draft, m) {
+  m.def("verify_tree_argmax(Tensor x_logits, Tensor node_logits, Tensor tokens, Tensor end, Tensor num_nodes, "
+        "int max_accept) -> (Tensor, Tensor, Tensor)");
   m.def("verify_tree_warped(Tensor x_logits, Tensor node_logits, Tensor tokens, Tensor end, Tensor num_nodes, "
         "int max_accept, float temperature, int top_k, float top_p, float min_p, Tensor uniforms) -> "
         "(Tensor, Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(lookahead_draft, CPU, m) { m.impl("verify_tree_warped", &verify_sample::verify_tree_warped); }
+TORCH_LIBRARY_IMPL(lookahead_draft, CPU, m) {
+  m.impl("verify_tree_argmax", &verify_sample::verify_tree_argmax);
+  m.impl("verify_tree_warped", &verify_sample::verify_tree_warped);
+}

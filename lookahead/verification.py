@@ -139,7 +139,12 @@ class Sampler:
             if cuda:
                 from lookahead_kernels import verify_tree_greedy as verify
             else:
-                from lookahead_kernels import verify_tree_greedy_reference as verify
+                from lookahead_kernels.cpu_ops import cpu_ops_available
+
+                if x_logits.dtype != torch.float64 and cpu_ops_available(build=False):  # the walk in C++
+                    from lookahead_kernels import verify_tree_greedy_cpu as verify
+                else:
+                    from lookahead_kernels import verify_tree_greedy_reference as verify
             return verify(x_logits, node_logits, tokens, end, num_nodes, max_accept)
         from lookahead_kernels import draw_tree_uniforms
 

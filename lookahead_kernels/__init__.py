@@ -22,6 +22,7 @@ _LAZY = {
     "attention_cpu": ".cpu_attention",
     "load_cpu_ops": ".cpu_ops",
     "verify_tree_sample_cpu": ".verify_cpu",
+    "verify_tree_greedy_cpu": ".verify_cpu",
 }
 
 __all__ = ["StepLayout", "attention_torch", "attention_dense_reference", "dense_mask",

@@ -1,7 +1,13 @@
-"""Sampled tree verification on the CPU from the step's logits: ``verify_tree_sample_reference``'s walk over the
-rows ``warp_logits`` gives, in C++ (``csrc/verify_sample.cpp``, ``torch.ops.lookahead_draft.verify_tree_warped``),
-each row warped only when the walk reaches it: x's and the accepted nodes'. Warping every row with torch first took
-0.7-1.1 ms of a sampled tree step for SmolLM2 on a 2-core CPU."""
+"""Tree verification on the CPU from the step's logits, in C++ (``csrc/verify_sample.cpp``), reading only the rows
+of x and of the nodes the walk accepts:
+
+- greedy: ``verify_tree_greedy_reference``'s walk (``torch.ops.lookahead_draft.verify_tree_argmax``); the torch
+  reference took 0.58 ms of a SmolLM2 tree step on a 2-core CPU, about half the step's host work;
+- sampled: ``verify_tree_sample_reference``'s walk over the rows ``warp_logits`` gives
+  (``torch.ops.lookahead_draft.verify_tree_warped``), each row warped only when the walk reaches it; warping every
+  row with torch first took 0.7-1.1 ms of a sampled tree step.
+
+The C++ ops check the tree (``end``) themselves."""
 
 from __future__ import annotations
 
@@ -35,7 +41,7 @@ def verify_tree_sample_cpu(x_logits: torch.Tensor, node_logits: torch.Tensor, to
 
     Needs the CPU ops (``load_cpu_ops``)."""
     name = "verify_tree_sample_cpu"
-    check_tree_verify_inputs(name, x_logits, node_logits, tokens, end, num_nodes, max_accept)
+    check_tree_verify_inputs(name, x_logits, node_logits, tokens, end, num_nodes, max_accept, tree_values=False)
     if tokens.device.type != "cpu":
         raise ValueError(f"{name}: the tensors must be on the CPU, got {tokens.device}")
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
@@ -51,10 +57,42 @@ def verify_tree_sample_cpu(x_logits: torch.Tensor, node_logits: torch.Tensor, to
     u = resolve_uniforms(name, uniforms, generator, B, V, tokens.device).double().contiguous()
     n = _num_nodes_tensor(num_nodes, B, V, tokens.device).long().contiguous()
 
-    def rows(t: torch.Tensor) -> torch.Tensor:  # float32, the vocabulary contiguous (any strides before it)
-        t = t.float()
-        return t if t.stride(-1) == 1 else t.contiguous()
-
-    return torch.ops.lookahead_draft.verify_tree_warped(rows(x_logits), rows(node_logits), tokens.contiguous(),
+    return torch.ops.lookahead_draft.verify_tree_warped(_rows(x_logits), _rows(node_logits), tokens.contiguous(),
                                                         end.expand(B, V).contiguous(), n, int(max_accept),
                                                         float(temperature), top_k, float(top_p), float(min_p), u)
+
+
+def verify_tree_greedy_cpu(x_logits: torch.Tensor, node_logits: torch.Tensor, tokens: torch.Tensor, end: torch.Tensor,
+                           num_nodes: torch.Tensor | int | None, max_accept: int):
+    """:func:`~lookahead_kernels.verify_tree_greedy_reference` on CPU logits, with the reference's results.
+
+    Args:
+        x_logits: ``[B, vocab]`` logits at x, float32, float16 or bfloat16 (read as float32, which keeps their
+            order; float64 rows, which float32 could tie, are the reference's).
+        node_logits: ``[B, V, vocab]`` logits at the tree's nodes, the same dtype; a padding node's row is never
+            read.
+        tokens, end: int64 ``[B, V]`` (``end`` may be ``[V]``), the tree as the reference takes it.
+        num_nodes: real nodes per row (``None``: every node).
+        max_accept: the most nodes a row accepts.
+    Returns:
+        ``(accept_len [B], path [B, max_accept], emitted [B, max_accept + 1])``, int64, ``-1`` past each row's
+        end. Argmax is ``torch.argmax``'s: the first index among equal maxima, NaN the largest.
+
+    Needs the CPU ops (``load_cpu_ops``)."""
+    name = "verify_tree_greedy_cpu"
+    check_tree_verify_inputs(name, x_logits, node_logits, tokens, end, num_nodes, max_accept, tree_values=False)
+    if tokens.device.type != "cpu":
+        raise ValueError(f"{name}: the tensors must be on the CPU, got {tokens.device}")
+    if x_logits.dtype == torch.float64:
+        raise ValueError(f"{name}: float64 logits are the reference's (float32 could tie two of them), got "
+                         f"{x_logits.dtype}")
+    B, V = tokens.shape
+    n = _num_nodes_tensor(num_nodes, B, V, tokens.device).long().contiguous()
+    return torch.ops.lookahead_draft.verify_tree_argmax(_rows(x_logits), _rows(node_logits), tokens.contiguous(),
+                                                        end.expand(B, V).contiguous(), n, int(max_accept))
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """float32, the vocabulary contiguous (any strides before it)."""
+    t = t.float()
+    return t if t.stride(-1) == 1 else t.contiguous()

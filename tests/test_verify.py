@@ -498,6 +498,67 @@ def test_sample_cpu_walk_edge_cases():
             walk(*args, uniforms=u, **bad)
 
 
+def _cpu_greedy_walk():
+    _cpu_walk()  # skips where the C++ ops did not build
+    from lookahead_kernels import verify_tree_greedy_cpu
+
+    return verify_tree_greedy_cpu
+
+
+@pytest.mark.parametrize("kind,V,pad,shared,ties,dtype", [
+    ("chain", 6, False, True, False, torch.float32), ("star", 6, False, False, True, torch.float32),
+    ("deep", 10, True, False, False, torch.float32), ("bushy", 10, False, False, True, torch.float32),
+    ("bushy", 12, True, True, False, torch.float16), ("linear", (3, 3), False, True, True, torch.bfloat16),
+    ("linear", (2, 4), True, True, False, torch.float32), ("deep", 9, True, False, True, torch.float16),
+])
+def test_greedy_cpu_walk_matches_reference(kind, V, pad, shared, ties, dtype):
+    """The C++ greedy walk from logits (the CPU's greedy verification) gives the reference's results: deep and
+    capped walks, ties (the first maximum), padded nodes (NaN rows, never read; their tokens the best possible),
+    repeated siblings, ids outside the vocabulary, one tree for the batch or one a row, half-precision rows."""
+    walk = _cpu_greedy_walk()
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((kind, V, pad, shared, ties, str(dtype))).encode()))
+    accepted = 0
+    for rep in range(3):
+        x, nodes, tokens, end, n, depth = greedy_tree_case(5, V, 37, kind, gen, pad, shared, ties, dtype)
+        for A in (depth, depth - 1, 0):
+            ref = verify_tree_greedy_reference(x, nodes, tokens, end, n, A)
+            assert_same(ref, walk(x, nodes, tokens, end, n, A))
+            accepted += int(ref[0].sum())
+    assert accepted > 0
+
+
+def test_greedy_cpu_walk_edge_cases():
+    """A NaN in a row is its argmax (torch.argmax's rule), a strided node tensor, an empty tree, a big vocabulary;
+    a tree that is not a pre-ordered nesting, num_nodes out of range and float64 rows refused."""
+    walk = _cpu_greedy_walk()
+    end = TreeShape.from_parents([-1, 0, 1, 0, -1]).end
+    tokens = torch.tensor([[3, 5, 1, 7, 3]] * 2)
+    x, nodes = onehot([3, 3]), onehot([[7, 1, 2, 9, 2]] * 2)
+    x[1, 6] = float("nan")  # row 1: the argmax at x is 6, no root carries it
+    assert_same(verify_tree_greedy_reference(x, nodes, tokens, end, None, 3), walk(x, nodes, tokens, end, None, 3))
+    assert walk(x, nodes, tokens, end, None, 3)[2].tolist() == [[3, 7, 9, -1], [6, -1, -1, -1]]
+    wide = torch.randn(2, 5, 30)[:, :, 3:13]  # strided before the vocabulary
+    assert_same(verify_tree_greedy_reference(x, wide, tokens, end, None, 3), walk(x, wide, tokens, end, None, 3))
+    empty = (x, torch.empty(2, 0, 10), torch.empty(2, 0, dtype=torch.long), torch.empty(0, dtype=torch.long), None, 2)
+    assert_same(verify_tree_greedy_reference(*empty), walk(*empty))
+    gen = torch.Generator().manual_seed(5)
+    big, big_nodes = torch.randn(3, 128256, generator=gen), torch.randn(3, 4, 128256, generator=gen)
+    big_tokens = torch.stack([big.argmax(-1), big_nodes[:, 0].argmax(-1), big.argmax(-1), big.argmax(-1)], 1)
+    big_end = TreeShape.from_parents([-1, 0, -1, 2]).end
+    ref = verify_tree_greedy_reference(big, big_nodes, big_tokens, big_end, None, 3)
+    assert ref[0].tolist() == [2, 2, 2]
+    assert_same(ref, walk(big, big_nodes, big_tokens, big_end, None, 3))
+    with pytest.raises(ValueError, match="pre-order nesting"):
+        walk(x, nodes, tokens, torch.tensor([3, 2, 5, 4, 5]), None, 3)  # node 2's subtree runs past node 1's
+    with pytest.raises(ValueError, match="end"):
+        walk(x, nodes, tokens, torch.tensor([1, 1, 3, 4, 5]), None, 3)
+    with pytest.raises(ValueError, match="num_nodes"):
+        torch.ops.lookahead_draft.verify_tree_argmax(x, nodes, tokens, end.expand(2, 5).contiguous(),
+                                                     torch.tensor([5, 6]), 3)
+    with pytest.raises(ValueError, match="float64"):
+        walk(x.double(), nodes.double(), tokens, end, None, 3)
+
+
 def consistent_case(B, V, vocab, gen):
     """Logits that depend only on the path (as a real model's do), with ties, on a bushy tree whose tokens
     follow the argmax often."""
