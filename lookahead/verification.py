@@ -62,6 +62,7 @@ class Sampler:
                  renormalize: bool = False):
         self.params = None
         self.generator = generator
+        self._walks = {}  # _cpu_greedy_walk's choice by "float64 rows"
         # a lookahead.processors.LogitsProcessors, or None: applied to the rows a step's tokens are chosen from
         self.processors = processors if processors else None
         # which rows each emitted token's choice came from a step returns: "logits" (raw), "scores" (processed)
@@ -127,6 +128,22 @@ class Sampler:
         u = None if uniforms is None else uniforms.reshape(-1)
         return sample_logits(logits, self.params, self.generator, uniforms=u).reshape(lead)
 
+    def _cpu_greedy_walk(self, dtype: torch.dtype):
+        """The greedy walk for CPU logits of ``dtype``: in C++ where the ops are loaded (float64 rows, which
+        float32 could tie, excepted), else the torch reference. Resolved once a call: looked up each tree step it
+        cost tens of microseconds of cold Python."""
+        key = dtype == torch.float64
+        walk = self._walks.get(key)
+        if walk is None:
+            from lookahead_kernels.cpu_ops import cpu_ops_available
+
+            if not key and cpu_ops_available(build=False):
+                from lookahead_kernels import verify_tree_greedy_cpu as walk
+            else:
+                from lookahead_kernels import verify_tree_greedy_reference as walk
+            self._walks[key] = walk
+        return walk
+
     def verify_tree(self, x_logits, node_logits, tokens, end, num_nodes, max_accept: int, uniforms=None):
         """Verification of a batch's trees: ``(accept_len [B], path [B, max_accept], emitted [B, max_accept+1])``.
 
@@ -139,12 +156,7 @@ class Sampler:
             if cuda:
                 from lookahead_kernels import verify_tree_greedy as verify
             else:
-                from lookahead_kernels.cpu_ops import cpu_ops_available
-
-                if x_logits.dtype != torch.float64 and cpu_ops_available(build=False):  # the walk in C++
-                    from lookahead_kernels import verify_tree_greedy_cpu as verify
-                else:
-                    from lookahead_kernels import verify_tree_greedy_reference as verify
+                verify = self._cpu_greedy_walk(x_logits.dtype)
             return verify(x_logits, node_logits, tokens, end, num_nodes, max_accept)
         from lookahead_kernels import draw_tree_uniforms
 

@@ -4,8 +4,9 @@ decoder stack (``csrc/cpu_layer.cpp``, every layer: the two before plus everythi
 and the
 draft builder's best-first walk and tree encoding (``csrc/draft_tree.cpp``, ``torch.ops.lookahead_draft``), which
 serve the GPU path too: the draft is built on the host, and the successor table's top-k of a CPU step's logits
-(``csrc/row_topk.cpp``, same namespace), sampled tree verification from the logits (``csrc/verify_sample.cpp``)
-and a plain step's sampled draw (``csrc/sample_warped.cpp``), same namespace.
+(``csrc/row_topk.cpp``, same namespace), tree verification from the logits, greedy and sampled
+(``csrc/verify_sample.cpp``), and a plain step's sampled draw (``csrc/sample_warped.cpp``), same namespace; and KV
+compaction after a tree step (``csrc/kv_compact_cpu.cpp``, ``torch.ops.lookahead_cpu``).
 
 All live in one library, built with ninja into torch's extensions directory on first use (a subdirectory per
 checkout: :func:`lookahead_kernels.build_lock.extension_name`; ``scripts/setup.sh`` builds it at install time) and
@@ -29,7 +30,7 @@ from .build_lock import exclusive_build, extension_name
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 _NAME = extension_name("lookahead_cpu_ops", _CSRC)
 _SOURCES = ("small_gemm.cpp", "cpu_attention.cpp", "cpu_layer.cpp", "draft_tree.cpp", "row_topk.cpp",
-            "verify_sample.cpp", "sample_warped.cpp")
+            "verify_sample.cpp", "sample_warped.cpp", "kv_compact_cpu.cpp")
 _HEADERS = ("cpu_ops.h", "cpu_vec.h")  # a change to one rebuilds the library too
 _state: dict = {}  # "ok": bool once tried in this process, "error": why not
 _lock = threading.Lock()
@@ -48,7 +49,9 @@ def _registered() -> bool:
             torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_draft::propose", "CPU") and \
             torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_draft::top_successors", "CPU") and \
             torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_draft::verify_tree_warped", "CPU") and \
-            torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_draft::sample_warped", "CPU")
+            torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_draft::sample_warped", "CPU") and \
+            torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_draft::verify_tree_argmax", "CPU") and \
+            torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_cpu::compact_kv", "CPU")
     except RuntimeError:  # a schema is not registered yet
         return False
 

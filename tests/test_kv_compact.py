@@ -156,3 +156,50 @@ def test_compact_kv_in_a_cuda_graph():
     graph.replay()
     want = by_the_rule(k0, v0, lens, 5, acc, path)
     assert same(k, want[0]) and same(v, want[1])
+
+
+@pytest.fixture(scope="module")
+def cpu_compact():
+    from lookahead_kernels.cpu_ops import cpu_ops_available, cpu_ops_error
+
+    if not cpu_ops_available():
+        pytest.skip(f"the CPU ops did not build: {cpu_ops_error()}")
+    return torch.ops.lookahead_cpu.compact_kv
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("L,B,S,H,D,offset,V,accept", CASES)
+def test_cpu_compact_kv_matches_the_rule(cpu_compact, L, B, S, H, D, offset, V, accept, dtype):
+    """The CPU's C++ compaction (a row copy each) gives the rule's cache, NaN rows untouched."""
+    k, v, lens, acc, path = make_case(L, B, S, H, D, offset, V, accept, dtype, "cpu", seed=L * B)
+    want_k, want_v = by_the_rule(k, v, lens, offset, acc, path)
+    cpu_compact(k, v, lens, offset, acc, path)
+    assert same(k, want_k) and same(v, want_v)
+
+
+def test_cpu_compact_kv_narrowed_clamped_and_refused(cpu_compact):
+    """A narrowed batch's strides, nothing accepted, accept_len clamped to 0 .. A; arguments that do not fit and
+    rows outside the cache refused before anything is written."""
+    k, v, lens, acc, path = make_case(2, 4, 40, 2, 16, 3, 10, [2, 4, 0, 1], torch.float32, "cpu", seed=3)
+    want_k, want_v = by_the_rule(k, v, lens, 3, acc, path)
+    outside = k[:, [0, 3]].clone(), v[:, [0, 3]].clone()
+    cpu_compact(k[:, 1:3], v[:, 1:3], lens[1:3].clone(), 3, acc[1:3].clone(), path[1:3].clone())
+    assert same(k[:, 1:3], want_k[:, 1:3]) and same(v[:, 1:3], want_v[:, 1:3])
+    assert same(k[:, [0, 3]], outside[0]) and same(v[:, [0, 3]], outside[1])
+    k, v, lens, acc, path = make_case(1, 2, 30, 1, 8, 2, 5, [2, 2], torch.float32, "cpu", seed=5)
+    before = k.clone(), v.clone()
+    cpu_compact(k, v, lens, 2, torch.zeros(2, dtype=torch.long), path)
+    cpu_compact(k, v, lens, 2, torch.full((2,), -3), path)
+    assert same(k, before[0]) and same(v, before[1])
+    want = by_the_rule(k, v, lens, 2, acc, path)
+    cpu_compact(k, v, lens, 2, torch.full((2,), 99), path[:, :2])  # clamped to A = 2
+    assert same(k, want[0]) and same(v, want[1])
+    for args, match in (((k, v.half(), lens, 2, acc, path), "k_cache and v_cache"),
+                        ((k, v, lens.int(), 2, acc, path), "cache_len and accept_len"),
+                        ((k, v, lens, 2, acc, path[0]), "path must be"),
+                        ((k, v, lens, 0, acc, path), "offset"),
+                        ((k.transpose(3, 4), v.transpose(3, 4), lens, 2, acc, path), "contiguous"),
+                        ((k, v, torch.tensor([0, 27]), 2, acc, path), "outside the cache")):
+        with pytest.raises(ValueError, match=match):
+            cpu_compact(*args)
+    assert same(k, want[0]) and same(v, want[1])  # nothing written by a refused call
