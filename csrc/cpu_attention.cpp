@@ -5,9 +5,11 @@
 // Why not torch's SDPA: a step has few queries (1 for a plain step, a few dozen for a tree), so SDPA's fixed costs
 // dominate (45 us per layer at T=1, 116 us at T=16 for SmolLM2's 9 heads over 300 keys, measured), a [T, n+T]
 // mask must be built, and a batch whose sequences have different lengths needs one call per sequence. Here each
-// (sequence, query head) is one task and each query row one pass over its keys: scores, an exact softmax
-// (max-subtracted, an exp accurate to float32) and the weighted sum of values, every sum in key order. A query
-// row's result depends on its own visible keys only, not on T or the batch.
+// (sequence, KV head, query rows of its group up to a vector's lanes) is one task and each query row one pass over
+// its keys: scores, an exact softmax (max-subtracted, an exp accurate to float32) and the weighted sum of values,
+// every sum in key order. A query row's result depends on its own visible keys only, not on T, the batch or the
+// threads (a long decode step with fewer tasks than divide the threads runs their parts over all of them,
+// split_step).
 //
 // Op (namespace lookahead_cpu):
 //   step_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_len, Tensor visible, float scale) -> Tensor
