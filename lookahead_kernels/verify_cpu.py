@@ -55,11 +55,9 @@ def verify_tree_sample_cpu(x_logits: torch.Tensor, node_logits: torch.Tensor, to
         raise ValueError(f"{name}: min_p must be a number in [0, 1] (0 = off), got {min_p!r}")
     B, V = tokens.shape
     u = resolve_uniforms(name, uniforms, generator, B, V, tokens.device).double().contiguous()
-    n = num_nodes.contiguous() if isinstance(num_nodes, torch.Tensor) else _num_nodes_tensor(num_nodes, B, V,
-                                                                                             tokens.device)
-
     return torch.ops.lookahead_draft.verify_tree_warped(_rows(x_logits), _rows(node_logits), tokens.contiguous(),
-                                                        end.expand(B, V).contiguous(), n, int(max_accept),
+                                                        end.expand(B, V).contiguous(),
+                                                        _num_nodes_arg(num_nodes, B, V, tokens.device), int(max_accept),
                                                         float(temperature), top_k, float(top_p), float(min_p), u)
 
 
@@ -88,11 +86,15 @@ def verify_tree_greedy_cpu(x_logits: torch.Tensor, node_logits: torch.Tensor, to
         raise ValueError(f"{name}: float64 logits are the reference's (float32 could tie two of them), got "
                          f"{x_logits.dtype}")
     B, V = tokens.shape
-    # A tensor as it is (the op checks its values; a clamp here cost 30 us of a step), an int or None made one.
-    n = num_nodes.contiguous() if isinstance(num_nodes, torch.Tensor) else _num_nodes_tensor(num_nodes, B, V,
-                                                                                             tokens.device)
     return torch.ops.lookahead_draft.verify_tree_argmax(_rows(x_logits), _rows(node_logits), tokens.contiguous(),
-                                                        end.expand(B, V).contiguous(), n, int(max_accept))
+                                                        end.expand(B, V).contiguous(),
+                                                        _num_nodes_arg(num_nodes, B, V, tokens.device), int(max_accept))
+
+
+def _num_nodes_arg(num_nodes, B: int, V: int, device) -> torch.Tensor:
+    """int64 ``[B]`` for the ops: a tensor as it is (they check its values; a clamp here cost 30 us of a step), an
+    int or ``None`` made into one."""
+    return num_nodes.contiguous() if isinstance(num_nodes, torch.Tensor) else _num_nodes_tensor(num_nodes, B, V, device)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
