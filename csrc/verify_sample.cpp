@@ -95,6 +95,28 @@ void check_walk_inputs(const char* name, const at::Tensor& x_logits, const at::T
   }
 }
 
+// A walk's outputs (accept_len [B], path [B, max_accept], emitted [B, max_accept + 1], -1 where unwritten) and its
+// inputs' pointers and strides.
+struct Walk {
+  int64_t B, V, vocab;
+  at::Tensor accept_len, path, emitted;
+  const float *xl, *nl;
+  const int64_t *tok, *en, *nn;
+  int64_t *acc_out, *path_out, *emit_out;
+  int64_t sx, sb, sv;  // x_logits' row stride, node_logits' batch and node strides
+
+  Walk(const at::Tensor& x_logits, const at::Tensor& node_logits, const at::Tensor& tokens, const at::Tensor& end,
+       const at::Tensor& num_nodes, int64_t max_accept)
+      : B(tokens.size(0)), V(tokens.size(1)), vocab(x_logits.size(1)),
+        accept_len(at::zeros({B}, at::kLong)),
+        path(at::full({B, max_accept}, -1, at::TensorOptions().dtype(at::kLong))),
+        emitted(at::full({B, max_accept + 1}, -1, at::TensorOptions().dtype(at::kLong))),
+        xl(x_logits.data_ptr<float>()), nl(node_logits.data_ptr<float>()), tok(tokens.data_ptr<int64_t>()),
+        en(end.data_ptr<int64_t>()), nn(num_nodes.data_ptr<int64_t>()), acc_out(accept_len.data_ptr<int64_t>()),
+        path_out(path.data_ptr<int64_t>()), emit_out(emitted.data_ptr<int64_t>()), sx(x_logits.stride(0)),
+        sb(node_logits.stride(0)), sv(node_logits.stride(1)) {}
+};
+
 // Row x's argmax as torch.argmax takes it: NaN the largest, the first index among equals.
 inline int64_t argmax(const float* x, int64_t vocab) {
   float value;
@@ -109,44 +131,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_argmax(const at::Tens
                                                                   const at::Tensor& num_nodes, int64_t max_accept) {
   check_walk_inputs("lookahead_draft.verify_tree_argmax", x_logits, node_logits, tokens, end, num_nodes,
                     max_accept);
-  const int64_t B = tokens.size(0), V = tokens.size(1), vocab = x_logits.size(1);
-  const auto opts = at::TensorOptions().dtype(at::kLong);
-  at::Tensor accept_len = at::zeros({B}, opts);
-  at::Tensor path = at::full({B, max_accept}, -1, opts);
-  at::Tensor emitted = at::full({B, max_accept + 1}, -1, opts);
-  const float* xl = x_logits.data_ptr<float>();
-  const float* nl = node_logits.data_ptr<float>();
-  const int64_t* tok = tokens.data_ptr<int64_t>();
-  const int64_t* en = end.data_ptr<int64_t>();
-  const int64_t* nn = num_nodes.data_ptr<int64_t>();
-  int64_t* acc_out = accept_len.data_ptr<int64_t>();
-  int64_t* path_out = path.data_ptr<int64_t>();
-  int64_t* emit_out = emitted.data_ptr<int64_t>();
-  const int64_t sx = x_logits.stride(0), sb = node_logits.stride(0), sv = node_logits.stride(1);
-  at::parallel_for(0, B, 1, [&](int64_t lo, int64_t hi) {
+  const Walk w(x_logits, node_logits, tokens, end, num_nodes, max_accept);
+  at::parallel_for(0, w.B, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t b = lo; b < hi; ++b) {
-      const int64_t n = nn[b];
-      const int64_t* tb = tok + b * V;
-      const int64_t* eb = en + b * V;
-      int64_t y = argmax(xl + b * sx, vocab);
+      const int64_t n = w.nn[b], V = w.V;
+      const int64_t* tb = w.tok + b * V;
+      const int64_t* eb = w.en + b * V;
+      int64_t y = argmax(w.xl + b * w.sx, w.vocab);
       int64_t c = 0, lim = n, acc = 0;  // the current node's next child to try and the end of its real children
       while (acc < max_accept && c < lim) {
         if (tb[c] == y) {
-          path_out[b * max_accept + acc] = c;
-          emit_out[b * (max_accept + 1) + acc] = y;
+          w.path_out[b * max_accept + acc] = c;
+          w.emit_out[b * (max_accept + 1) + acc] = y;
           ++acc;
-          y = argmax(nl + b * sb + c * sv, vocab);
+          y = argmax(w.nl + b * w.sb + c * w.sv, w.vocab);
           lim = std::min(eb[c], n);
           c = c + 1;
         } else {
           c = eb[c];  // the next sibling
         }
       }
-      emit_out[b * (max_accept + 1) + acc] = y;
-      acc_out[b] = acc;
+      w.emit_out[b * (max_accept + 1) + acc] = y;
+      w.acc_out[b] = acc;
     }
   });
-  return {accept_len, path, emitted};
+  return {w.accept_len, w.path, w.emitted};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_warped(const at::Tensor& x_logits,
@@ -162,20 +171,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_warped(const at::Tens
                         uniforms.scalar_type() == at::kDouble && uniforms.is_contiguous() && uniforms.device().is_cpu(),
                     name, ": uniforms must be a contiguous float64 [B, V + 1] CPU tensor");
   sample_warped::WarpedRow::check(name, temperature, top_k, top_p, min_p);
-  const auto opts = at::TensorOptions().dtype(at::kLong);
-  at::Tensor accept_len = at::zeros({B}, opts);
-  at::Tensor path = at::full({B, max_accept}, -1, opts);
-  at::Tensor emitted = at::full({B, max_accept + 1}, -1, opts);
-  const float* xl = x_logits.data_ptr<float>();
-  const float* nl = node_logits.data_ptr<float>();
-  const int64_t* tok = tokens.data_ptr<int64_t>();
-  const int64_t* en = end.data_ptr<int64_t>();
-  const int64_t* nn = num_nodes.data_ptr<int64_t>();
+  const Walk walk(x_logits, node_logits, tokens, end, num_nodes, max_accept);
+  const float* xl = walk.xl;
+  const float* nl = walk.nl;
+  const int64_t *tok = walk.tok, *en = walk.en, *nn = walk.nn;
   const double* u = uniforms.data_ptr<double>();
-  int64_t* acc_out = accept_len.data_ptr<int64_t>();
-  int64_t* path_out = path.data_ptr<int64_t>();
-  int64_t* emit_out = emitted.data_ptr<int64_t>();
-  const int64_t sx = x_logits.stride(0), sb = node_logits.stride(0), sv = node_logits.stride(1);
+  int64_t *acc_out = walk.acc_out, *path_out = walk.path_out, *emit_out = walk.emit_out;
+  const int64_t sx = walk.sx, sb = walk.sb, sv = walk.sv;
   const float T = static_cast<float>(temperature);
   at::parallel_for(0, B, 1, [&](int64_t lo, int64_t hi) {
     sample_warped::WarpedRow row(vocab);  // the current node's residual weights
@@ -209,7 +211,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_warped(const at::Tens
       acc_out[b] = acc;
     }
   });
-  return {accept_len, path, emitted};
+  return {walk.accept_len, walk.path, walk.emitted};
 }
 
 }  // namespace
