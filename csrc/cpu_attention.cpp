@@ -527,7 +527,7 @@ void split_step(const Args& a, const Task& task) {
   for (int phase = 0; phase < 3; ++phase) {
     const int64_t items = phase < 2 ? ranges.size() : tasks.size() * parts;
     at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-      const std::unique_ptr<float[]> qt(new float[a.D * L]);
+      const std::unique_ptr<float[]> qt(phase == 0 ? new float[a.D * L] : nullptr);  // the scores' queries only
       for (int64_t i = begin; i < end; ++i) {
         if (phase < 2)
           task.split(a, tasks[ranges[i].first], phase, ranges[i].second, qt.get());

@@ -62,7 +62,7 @@ class Sampler:
                  renormalize: bool = False):
         self.params = None
         self.generator = generator
-        self._walks = {}  # _cpu_greedy_walk's choice by "float64 rows"
+        self._cpu_walk = None  # the greedy walk for float32 CPU logits, once looked up (_cpu_greedy_walk)
         # a lookahead.processors.LogitsProcessors, or None: applied to the rows a step's tokens are chosen from
         self.processors = processors if processors else None
         # which rows each emitted token's choice came from a step returns: "logits" (raw), "scores" (processed)
@@ -132,17 +132,19 @@ class Sampler:
         """The greedy walk for CPU logits of ``dtype``: in C++ where the ops are loaded (float64 rows, which
         float32 could tie, excepted), else the torch reference. Resolved once a call: looked up each tree step it
         cost tens of microseconds of cold Python."""
-        key = dtype == torch.float64
-        walk = self._walks.get(key)
-        if walk is None:
+        from lookahead_kernels import verify_tree_greedy_reference
+
+        if dtype == torch.float64:
+            return verify_tree_greedy_reference
+        if self._cpu_walk is None:
             from lookahead_kernels.cpu_ops import cpu_ops_available
 
-            if not key and cpu_ops_available(build=False):
+            if cpu_ops_available(build=False):
                 from lookahead_kernels import verify_tree_greedy_cpu as walk
             else:
-                from lookahead_kernels import verify_tree_greedy_reference as walk
-            self._walks[key] = walk
-        return walk
+                walk = verify_tree_greedy_reference
+            self._cpu_walk = walk
+        return self._cpu_walk
 
     def verify_tree(self, x_logits, node_logits, tokens, end, num_nodes, max_accept: int, uniforms=None):
         """Verification of a batch's trees: ``(accept_len [B], path [B, max_accept], emitted [B, max_accept+1])``.
