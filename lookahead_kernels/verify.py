@@ -54,28 +54,32 @@ def _device_fn(fn):
 
 @_device_fn
 def _slice_argmax(row_ptr, stride_v, lo, hi, BLOCK_V: tl.constexpr, F64: tl.constexpr):
-    """(max, first index of the max) of ``row[lo:hi]``; NaN counts as the largest, as in torch.argmax."""
-    best_val = tl.full([], float("-inf"), tl.float64 if F64 else tl.float32)
-    best_idx = tl.zeros([], tl.int32) + lo
-    best_nan = tl.zeros([], tl.int32)
+    """(max, first index of the max) of ``row[lo:hi]``; NaN counts as the largest, as in torch.argmax.
+
+    Each lane keeps its own best (value, first index) over the blocks it loads and the lanes are reduced once at
+    the end: three block-wide reductions per block (each a pass through shared memory) kept the programs from
+    streaming the logits (35 us for 120 rows of 128256 float32 logits on an H100, 1.8 TB/s).
+    """
+    lanes = tl.arange(0, BLOCK_V)
+    best_val = tl.full([BLOCK_V], float("-inf"), tl.float64 if F64 else tl.float32)
+    best_idx = lo + lanes  # a lane that never sees more than -inf keeps its first offset: an all -inf slice gives lo
+    best_nan = tl.zeros([BLOCK_V], tl.int32)
     for start in range(lo, hi, BLOCK_V):
-        offs = start + tl.arange(0, BLOCK_V)
-        mask = offs < hi
-        x = tl.load(row_ptr + offs * stride_v, mask=mask, other=float("-inf"))
+        offs = start + lanes
+        x = tl.load(row_ptr + offs * stride_v, mask=offs < hi, other=float("-inf"))
         x = x.to(tl.float64) if F64 else x.to(tl.float32)
         is_nan = x != x
-        nan_idx = tl.min(tl.where(is_nan & mask, offs, hi), axis=0)
-        clean = tl.where(is_nan, float("-inf"), x)
-        m = tl.max(clean, axis=0)
-        # masked lanes are -inf and sit after every valid lane, so the min picks a valid index
-        m_idx = tl.min(tl.where(clean == m, offs, hi), axis=0)
-        chunk_nan = nan_idx < hi
-        # strict comparison: an earlier chunk keeps its index on ties (first-index rule)
-        take = (best_nan == 0) & (chunk_nan | (m > best_val))
-        best_idx = tl.where(take, tl.where(chunk_nan, nan_idx, m_idx), best_idx)
-        best_val = tl.where(take, tl.where(chunk_nan, float("nan"), m), best_val)
-        best_nan = tl.where(take & chunk_nan, 1, best_nan)
-    return best_val, best_idx
+        # strict comparison: a lane keeps its earlier index on ties; its first NaN stays
+        take = (best_nan == 0) & (is_nan | (x > best_val))
+        best_val = tl.where(take, x, best_val)
+        best_idx = tl.where(take, offs, best_idx)
+        best_nan = tl.where(take & is_nan, 1, best_nan)
+    nan_idx = tl.min(tl.where(best_nan != 0, best_idx, hi), axis=0)
+    clean = tl.where(best_nan != 0, float("-inf"), best_val)
+    m = tl.max(clean, axis=0)
+    m_idx = tl.min(tl.where(clean == m, best_idx, hi + BLOCK_V), axis=0)
+    any_nan = nan_idx < hi
+    return tl.where(any_nan, float("nan"), m), tl.where(any_nan, nan_idx, m_idx)
 
 
 @triton.jit

@@ -298,6 +298,32 @@ def test_row_argmax(vk, kernel_device, R, V, splits, ties):
     assert torch.equal(vk.row_argmax(view).cpu(), view.argmax(-1).cpu())
 
 
+def test_row_argmax_lane_edge_cases(vk, kernel_device):
+    """Each lane keeps its own best over a slice's blocks: -inf rows, NaN in a late block or at a slice's end, the
+    same maximum in several lanes and blocks, and an empty last slice (9 logits in 4 slices of 3) all give
+    torch.argmax's index."""
+    inf, nan = float("inf"), float("nan")
+    V = 40000  # several blocks per slice on a GPU (2048 logits a block) and under the interpreter (16384)
+    rows = torch.randn(8, V, generator=torch.Generator().manual_seed(3))
+    rows[0] = -inf
+    rows[1, 39999] = nan
+    rows[2, [5, 20000, 37000]] = 9.0  # ties in three blocks: the first wins
+    rows[3] = -inf
+    rows[3, 33000] = nan
+    rows[3, 12] = inf
+    rows[4, [17000, 17001]] = nan
+    rows[5] = 0.0
+    rows[6, 16383:16385] = 7.0  # a tie across the interpreter's block boundary
+    rows[7, [1, 30000]] = inf
+    for splits in (None, 1, 3, 7):
+        out = torch.full((8,), POISON, dtype=torch.long, device=kernel_device)
+        got = vk.row_argmax(rows.to(kernel_device), vocab_splits=splits, out=out)
+        assert got.cpu().tolist() == [0, 39999, 5, 33000, 17000, 0, 16383, 1]
+    small = torch.tensor([[-inf] * 9, [0.0] * 8 + [1.0], [nan] + [0.0] * 8])
+    got = vk.row_argmax(small.to(kernel_device), vocab_splits=4)
+    assert got.cpu().tolist() == [0, 8, 0]
+
+
 # ---- sampling: kernel == reference ---------------------------------------------------------------------------------
 def sample_tree_case(B, V, vocab, kind, gen, pad=False, shared=False, dtype=torch.float32, hot=4):
     """Peaked random distributions over ``hot`` tokens, some exact zeros; node tokens are often the most likely
