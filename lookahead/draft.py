@@ -59,10 +59,19 @@ def _match_class(match: int) -> int:
 
 # Acceptance keys as small integer codes, shared with the C++ builder (csrc/draft_tree.cpp): pool depth d ->
 # min(d, 63); suffix match class c at depth d -> 64 + 8 c + min(d, 8) - 1; successor of bucket b at depth d ->
-# 96 + 4 b + min(d, 4) - 1.
+# 96 + 4 b + min(d, 4) - 1; each plus AGREED (144) for a node that more than one source proposed. Why apart: a
+# node's trials count for each of its codes, and nodes two sources agree on are accepted far more often. On 16
+# MT-Bench prompts a successor that no suffix match proposed was accepted at 0.03-0.12 where one rate for both
+# estimated 0.08-0.28, while those a match proposed too came true at about their estimate (session 41).
 _SUFFIX_BASE = _MAX_POOL_DEPTH_KEY + 1
 _SUCCESSOR_BASE = _SUFFIX_BASE + len(_MATCH_CLASSES) * _MAX_DEPTH_KEY
-NUM_CODES = _SUCCESSOR_BASE + _MAX_SUCCESSOR_DEPTH * len(_PROB_BUCKETS)
+AGREED = _SUCCESSOR_BASE + _MAX_SUCCESSOR_DEPTH * len(_PROB_BUCKETS)
+NUM_CODES = 2 * AGREED
+
+
+def _source_bit(code: int) -> int:
+    """The bit of the source a one-source code belongs to (pool 1, suffix 2, successors 4)."""
+    return 1 if code < _SUFFIX_BASE else 2 if code < _SUCCESSOR_BASE else 4
 
 
 def pool_code(depth: int) -> int:
@@ -80,7 +89,10 @@ def successor_code(bucket: int, depth: int) -> int:
 
 def code_key(code: int) -> tuple:
     """The readable key of a code: ``("pool", depth)``, ``("suffix", match, depth)`` (``match``: the shortest
-    match of its class, 1, 2, 4 or 8) or ``("successors", bucket, depth)``."""
+    match of its class, 1, 2, 4 or 8) or ``("successors", bucket, depth)``, followed by ``"agreed"`` where
+    another source proposed the node too."""
+    if code >= AGREED:
+        return code_key(code - AGREED) + ("agreed",)
     if code < _SUFFIX_BASE:
         return ("pool", code)
     if code < _SUCCESSOR_BASE:
@@ -92,6 +104,8 @@ def code_key(code: int) -> tuple:
 
 def key_code(key: tuple) -> int:
     """The code of a readable key (:func:`code_key`'s inverse)."""
+    if key[-1] == "agreed":
+        return key_code(key[:-1]) + AGREED
     if key[0] == "pool":
         return pool_code(key[1])
     if key[0] == "suffix":
@@ -99,25 +113,38 @@ def key_code(key: tuple) -> int:
     return successor_code(key[1], key[2])
 
 
-# Per match class, the prior of a suffix continuation's first token and of those after it (rounded down from the
-# dev sets' rates: a prior is only where learning starts).
-_SUFFIX_PRIORS = {1: (0.2, 0.45), 2: (0.45, 0.65), 4: (0.65, 0.75), 8: (0.85, 0.9)}
+# Priors: where a call's learning starts, and with few trials per key (a call of 128 tokens tests a few dozen
+# nodes) most of what it plans with. Rounded down from the rates of every node whose parent was on the true path,
+# taken or not (what the planner weighs), on held-out dev prompts (MT-Bench 16-39, HumanEval 16-49, SmolLM2,
+# greedy; session 41). Per match class, a suffix continuation's first token and those after it, alone and where
+# another source proposed the node too:
+_SUFFIX_PRIORS = {1: (0.13, 0.45), 2: (0.4, 0.6), 4: (0.6, 0.7), 8: (0.8, 0.85)}
+_SUFFIX_AGREED_PRIORS = {1: (0.25, 0.55), 2: (0.5, 0.7), 4: (0.75, 0.75), 8: (0.9, 0.9)}
+# A successor came true at about half the probability the model gave it where it was recorded (another context)
+# when alone (0.45x the bucket's upper bound; before: 0.8x, which lone successors missed 2-4x as often as
+# expected), and more often where a suffix match proposed it too.
+_SUCCESSOR_PRIOR_SCALE = 0.45
+_SUCCESSOR_AGREED_PRIOR_SCALE, _SUCCESSOR_AGREED_PRIOR_FLOOR = 0.6, 0.2
 
 
 def _prior(code: int) -> float:
-    key = code_key(code)
+    agreed = code >= AGREED
+    key = code_key(code % AGREED)
     if key[0] == "pool":
         return 0.3
     if key[0] == "suffix":
-        first, later = _SUFFIX_PRIORS[key[1]]
+        first, later = (_SUFFIX_AGREED_PRIORS if agreed else _SUFFIX_PRIORS)[key[1]]
         return first if key[2] == 1 else later
-    return _PROB_BUCKETS[key[1]] * 0.8  # successors: about the model's own probability, a little less
+    upper = min(_PROB_BUCKETS[key[1]], 1.0)
+    if agreed:
+        return max(_SUCCESSOR_AGREED_PRIOR_FLOOR, _SUCCESSOR_AGREED_PRIOR_SCALE * upper)
+    return _SUCCESSOR_PRIOR_SCALE * upper
 
 
 class AcceptanceStats:
     """Running conditional acceptance per key: ``("pool", depth)``, ``("suffix", match class, depth)``, or
     ``("successors", probability bucket, depth)`` where the bucket is that of the probability the model gave the
-    successor when it was recorded.
+    successor when it was recorded; each apart (key + ``("agreed",)``) for nodes several sources proposed.
 
     Kept per key code (:func:`key_code`); ``rates`` (float64 ``[NUM_CODES]``) is what the C++ builder reads."""
 
@@ -312,11 +339,11 @@ def _exclusive_conds(children: list) -> list[float]:
 
 
 class _Node:
-    __slots__ = ("token", "parent", "cond", "keys", "children", "depth", "index", "score")
+    __slots__ = ("token", "parent", "cond", "codes", "sources", "children", "depth", "index", "score")
 
     def __init__(self, token: int, parent, depth: int):
         self.token, self.parent, self.depth = token, parent, depth
-        self.cond, self.keys, self.children = 0.0, [], {}
+        self.cond, self.codes, self.sources, self.children = 0.0, [], 0, {}
         self.index, self.score = -1, 0.0
 
     def child(self, token: int) -> "_Node":
@@ -325,9 +352,20 @@ class _Node:
             node = self.children[token] = _Node(token, self, self.depth + 1)
         return node
 
-    def propose(self, code: int, rate: float) -> None:
-        self.keys.append(code)
-        self.cond = max(self.cond, rate)
+    def propose(self, code: int) -> None:
+        self.codes.append(code)
+        self.sources |= _source_bit(code)
+
+    @property
+    def keys(self) -> list[int]:
+        """The codes as learned: + ``AGREED`` where several sources proposed the node (final once its parent is
+        expanded: continuations come first, the parent's successors then)."""
+        offset = AGREED if self.sources & (self.sources - 1) else 0
+        return [c + offset for c in self.codes]
+
+    def estimate(self, rates: list[float]) -> None:
+        """The best estimate among the node's codes (0 without one)."""
+        self.cond = max([0.0] + [rates[c] for c in self.keys])
 
 
 class DraftBuilder:
@@ -429,7 +467,7 @@ class DraftBuilder:
                 if t < 0:
                     break
                 node = node.child(t)
-                node.propose(code, rates[code])
+                node.propose(code)
         chosen = self._best_first(root, budget, rates)
         for i, n in enumerate(chosen):
             n.index = i
@@ -449,7 +487,7 @@ class DraftBuilder:
         depth = min(node.depth + 1, _MAX_SUCCESSOR_DEPTH)
         for t, p in self.successors.successors(node.token):
             code = successor_code(_prob_bucket(p), depth)
-            node.child(t).propose(code, rates[code])
+            node.child(t).propose(code)
 
     def _best_first(self, root: _Node, budget: int, rates: list[float]) -> list[_Node]:
         chosen: list[_Node] = []
@@ -463,6 +501,8 @@ class DraftBuilder:
                     break
             self._expand_successors(node, rates)
             children = list(node.children.values())
+            for child in children:
+                child.estimate(rates)
             for child, cond in zip(children, _exclusive_conds(children)):
                 child.score = node.score * cond
                 heapq.heappush(heap, (-child.score, counter, child))

@@ -131,7 +131,8 @@ def test_builder_takes_the_likelier_nodes_first():
     logits[1, 4] = 2.0
     b.successors.update(torch.tensor([1, 2]), logits)
     tree = b.build([7, 1], 2)
-    # priors follow the probabilities: 2 (0.56) then 3 (0.32) beat 2 -> 4 (0.56 * 0.48 = 0.27)
+    # priors follow the probabilities (0.45 of the bucket's upper bound): 2 (0.315) then 3 (0.18) beat 2 -> 4
+    # (0.315 * 0.27 = 0.085)
     assert tree.tokens.tolist() == [2, 3] and tree.parents == [-1, -1]
     tree = b.build([7, 1], 3)
     assert tree.tokens.tolist() == [2, 4, 3] and tree.parents == [-1, 0, -1]
@@ -139,8 +140,8 @@ def test_builder_takes_the_likelier_nodes_first():
 
 def test_a_node_s_children_are_expected_to_add_at_most_one_token():
     """At most one child of a node is accepted, so their estimates are capped to sum to 1, the likeliest first
-    (ties in the order proposed): three continuations of eight-token suffix matches, each at the prior 0.85, are
-    worth 0.85, 0.15 and 0, not 2.55."""
+    (ties in the order proposed): three continuations of eight-token suffix matches, each at the prior 0.8, are
+    worth 0.8, 0.2 and 0, not 2.4."""
     context = list(range(10, 18))
     prompt = context + [1] + context + [2] + context + [3] + context  # after the context came 1, then 2, then 3
     for native in (False, True):
@@ -150,7 +151,7 @@ def test_a_node_s_children_are_expected_to_add_at_most_one_token():
         p = b.propose(prompt, 200)  # every node: the third continuation's is worth 0
         parents = p.parents.tolist()
         first = {int(p.tokens[i]): p.scores[i] for i in range(len(p)) if parents[i] == -1}
-        assert first == pytest.approx({3: 0.85, 2: 0.15, 1: 0.0})  # the latest occurrence is proposed first
+        assert first == pytest.approx({3: 0.8, 2: 0.2, 1: 0.0})  # the latest occurrence is proposed first
         for i in range(-1, len(p)):
             assert sum(s for s, q in zip(p.scores, parents) if q == i) <= (1.0 if i < 0 else p.scores[i])
 
@@ -169,11 +170,35 @@ def test_a_longer_suffix_match_is_trusted_further():
         assert first == {6: [("suffix", 2, 1)], 7: [("suffix", 1, 1)]}
         p = b.propose(seq, 20)
         roots = {int(p.tokens[i]): p.scores[i] for i in range(len(p)) if int(p.parents[i]) == -1}
-        assert roots == pytest.approx({6: 0.45, 7: 0.2})  # the priors of the two classes' first tokens
+        assert roots == pytest.approx({6: 0.4, 7: 0.13})  # the priors of the two classes' first tokens
         six = [i for i in range(tree.num_nodes) if int(tree.tokens[i]) == 6 and tree.parents[i] == -1][0]
         b.observe(tree, [six], None, seq + [6, 2], 2)
         assert b.stats.accepted[("suffix", 2, 1)] == 1 and b.stats.accepted[("suffix", 1, 1)] == 0
         assert ("suffix", 8, 1) not in b.stats.tested
+
+
+def test_a_node_two_sources_propose_learns_apart_from_lone_ones():
+    """A node that a suffix match and the successor table both propose carries its codes + AGREED: it starts from
+    the agreed priors, and what it teaches stays with them; a lone successor keeps its own, lower, estimate."""
+    seq = [1, 3, 4, 5, 6, 9, 5]  # x = 5: after (..., 5) came 6 earlier (a one-token match)
+    for native in (False, True):
+        b = builder(sources=("suffix", "successors"))
+        b.native = native and b.native
+        logits = torch.zeros(1, 50)
+        logits[0, 6], logits[0, 8] = 5.0, 4.0  # after 5 the model gave 6 0.71 and 8 0.26 (of its top 8)
+        b.successors.update(torch.tensor([5]), logits)
+        tree = b.build(seq, 3)  # 6, the match's next token 9 (0.48 * 0.45), then 8
+        keys = {int(tree.tokens[i]): tree.keys[i] for i in range(tree.num_nodes) if tree.parents[i] == -1}
+        assert keys == {6: [("suffix", 1, 1, "agreed"), ("successors", 8, 1, "agreed")], 8: [("successors", 3, 1)]}
+        p = b.propose(seq, 3)
+        roots = {int(p.tokens[i]): p.scores[i] for i in range(len(p)) if int(p.parents[i]) == -1}
+        # 6: the better of the agreed priors, max(0.25, 0.6 * 0.8); 8 alone: 0.45 * 0.3, under what 6 leaves
+        assert roots == pytest.approx({6: 0.48, 8: 0.135})
+        six = [i for i in range(tree.num_nodes) if int(tree.tokens[i]) == 6][0]
+        b.observe(tree, [six], None, seq + [6, 2], 2)
+        assert b.stats.accepted == {("suffix", 1, 1, "agreed"): 1, ("successors", 8, 1, "agreed"): 1,
+                                    ("successors", 3, 1): 0, ("suffix", 1, 2): 0}
+        assert ("successors", 8, 1) not in b.stats.tested
 
 
 def test_observe_counts_only_tested_nodes():

@@ -176,6 +176,7 @@ def test_the_random_proposals_cover_every_suffix_match_class():
 def test_key_codes_round_trip_and_stay_in_range():
     keys = [("pool", d) for d in range(1, 64)] + [("suffix", m, d) for m in (1, 2, 4, 8) for d in range(1, 9)] + \
            [("successors", b, d) for b in range(12) for d in range(1, 5)]
+    keys += [k + ("agreed",) for k in keys]
     codes = [key_code(k) for k in keys]
     assert len(set(codes)) == len(keys) and max(codes) < NUM_CODES
     assert [code_key(c) for c in codes] == keys
