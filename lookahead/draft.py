@@ -8,7 +8,8 @@ Sources (``LookaheadConfig.sources``):
   node of the tree.
 
 Every proposed node carries an estimate of its *conditional* acceptance (the chance it is accepted once its
-parent is), kept per source and depth (or successor rank) from what earlier steps accepted. A node's score is
+parent is), kept per source and depth (or successor probability), apart for nodes that several sources propose,
+from what earlier steps accepted and priors measured on held-out prompts. A node's score is
 the product along its path, the chance the verifier reaches it; the builder takes the ``budget`` best nodes
 best-first from ``x``. Since scores only shrink along a path, a node is always taken after its parent, and the
 expected number of accepted tokens, the sum of the taken scores, is as large as this model of acceptance allows.
@@ -481,7 +482,7 @@ class DraftBuilder:
                         [n.score for n in chosen], torch.tensor(codes, dtype=torch.long),
                         torch.tensor(offsets, dtype=torch.long))
 
-    def _expand_successors(self, node: _Node, rates: list[float]) -> None:
+    def _expand_successors(self, node: _Node) -> None:
         if self.successors is None:
             return
         depth = min(node.depth + 1, _MAX_SUCCESSOR_DEPTH)
@@ -499,7 +500,7 @@ class DraftBuilder:
                 chosen.append(node)
                 if len(chosen) >= budget:
                     break
-            self._expand_successors(node, rates)
+            self._expand_successors(node)
             children = list(node.children.values())
             for child in children:
                 child.estimate(rates)
