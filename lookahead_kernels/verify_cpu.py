@@ -57,7 +57,8 @@ def verify_tree_sample_cpu(x_logits: torch.Tensor, node_logits: torch.Tensor, to
     u = resolve_uniforms(name, uniforms, generator, B, V, tokens.device).double().contiguous()
     return torch.ops.lookahead_draft.verify_tree_warped(_rows(x_logits), _rows(node_logits), tokens.contiguous(),
                                                         end.expand(B, V).contiguous(),
-                                                        _num_nodes_arg(num_nodes, B, V, tokens.device), int(max_accept),
+                                                        _num_nodes_for_op(num_nodes, B, V, tokens.device),
+                                                        int(max_accept),
                                                         float(temperature), top_k, float(top_p), float(min_p), u)
 
 
@@ -88,10 +89,11 @@ def verify_tree_greedy_cpu(x_logits: torch.Tensor, node_logits: torch.Tensor, to
     B, V = tokens.shape
     return torch.ops.lookahead_draft.verify_tree_argmax(_rows(x_logits), _rows(node_logits), tokens.contiguous(),
                                                         end.expand(B, V).contiguous(),
-                                                        _num_nodes_arg(num_nodes, B, V, tokens.device), int(max_accept))
+                                                        _num_nodes_for_op(num_nodes, B, V, tokens.device),
+                                                        int(max_accept))
 
 
-def _num_nodes_arg(num_nodes, B: int, V: int, device) -> torch.Tensor:
+def _num_nodes_for_op(num_nodes, B: int, V: int, device) -> torch.Tensor:
     """int64 ``[B]`` for the ops: a tensor as it is (they check its values; a clamp here cost 30 us of a step), an
     int or ``None`` made into one."""
     return num_nodes.contiguous() if isinstance(num_nodes, torch.Tensor) else _num_nodes_tensor(num_nodes, B, V, device)

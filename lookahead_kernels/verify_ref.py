@@ -54,9 +54,10 @@ def check_tree_verify_inputs(name: str, x_rows: torch.Tensor, node_rows: torch.T
 
     ``name`` prefixes the message (the public function that was called). On the CPU the tree (``end``) and
     ``num_nodes`` are checked too (``tree_values=False``: the caller's C++ op checks their values itself, in a
-    fraction of the 0.1-0.2 ms these torch ops take); tensors on another device are never read (that would synchronise): there a
-    ``num_nodes`` outside ``0..V`` is clamped, token ids outside the vocabulary are simply never accepted, and an
-    ``end`` that does not encode a pre-ordered tree gives unspecified (but memory-safe) results.
+    fraction of the 0.1-0.2 ms these torch ops take); tensors on another device are never read (that would
+    synchronise): there a ``num_nodes`` outside ``0..V`` is clamped, token ids outside the vocabulary are simply
+    never accepted, and an ``end`` that does not encode a pre-ordered tree gives unspecified (but memory-safe)
+    results.
     """
     for arg, t in (("x", x_rows), ("node", node_rows), ("tokens", tokens), ("end", end)):
         if not isinstance(t, torch.Tensor):
