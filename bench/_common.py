@@ -79,15 +79,24 @@ def git_revision(root: str | None = None) -> str:
 
 
 def cpu_model() -> str:
-    # lookahead.controller.cpu_model_name's twin: the GPU run's env part calls this before lookahead may import.
+    # lookahead.controller.cpu_model_name's twin (the GPU run's env part calls this before lookahead may import):
+    # the model name with its family and model numbers, "AMD EPYC (family 26, model 2)" (a Zen 5; a Zen 4 is
+    # family 25, and hypervisors name both "AMD EPYC").
+    fields = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or platform.machine() or "unknown CPU"
+    name = fields.get("model name")
+    if not name:
+        return platform.processor() or platform.machine() or "unknown CPU"
+    numbers = [f"{key.split()[-1]} {fields[key]}" for key in ("cpu family", "model") if fields.get(key)]
+    return f"{name} ({', '.join(numbers)})" if numbers else name
 
 
 def _triton_version() -> str | None:

@@ -102,16 +102,25 @@ class StepCosts:
         return self.tokens[-1]
 
 
-def cpu_model_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` says, else ``"cpu"``."""
+def cpu_model_name(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's model name with its family and model numbers where ``cpuinfo`` gives them (``"AMD EPYC (family
+    26, model 2)"``: hypervisors often name every CPU "AMD EPYC", a Zen 4 and a Zen 5 alike, whose steps cost
+    twofold apart), else what ``platform`` says, else ``"cpu"``."""
+    fields = {}
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(cpuinfo) as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break  # the first processor's block says it for all
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or platform.machine() or "cpu"
+    name = fields.get("model name")
+    if not name:
+        return platform.processor() or platform.machine() or "cpu"
+    numbers = [f"{key.split()[-1]} {fields[key]}" for key in ("cpu family", "model") if fields.get(key)]
+    return f"{name} ({', '.join(numbers)})" if numbers else name
 
 
 def _device_name(device: torch.device) -> str:

@@ -96,6 +96,22 @@ def test_cost_key_names_the_cpu_ops_instruction_set_and_sources():
     assert f"linear=ops-{torch.ops.lookahead_gemm.isa()}-{digest}" in cost_key(ours).split("|")
 
 
+def test_cpu_model_name_tells_cpu_generations_apart(tmp_path):
+    from lookahead.controller import cpu_model_name
+
+    # A hypervisor names a Zen 4 and a Zen 5 "AMD EPYC" alike; their step costs differ twofold, so a cost table
+    # cached on one must not steer the other. The first processor's block speaks for all.
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n"
+                    "model name\t: AMD EPYC\nstepping\t: 0\n\nprocessor\t: 1\ncpu family\t: 25\nmodel\t\t: 17\n"
+                    "model name\t: other\n")
+    assert cpu_model_name(str(info)) == "AMD EPYC (family 26, model 2)"
+    info.write_text("processor\t: 0\nmodel name\t: Some CPU\n")
+    assert cpu_model_name(str(info)) == "Some CPU"
+    info.write_text("processor\t: 0\nBogoMIPS\t: 50.00\n")  # no model name (an ARM's cpuinfo): platform's word
+    assert cpu_model_name(str(info)) and cpu_model_name(str(tmp_path / "missing"))
+
+
 def test_host_cost_fits_rows_and_nodes():
     from lookahead.controller import HostCost
 
