@@ -48,11 +48,15 @@
 //   isa() -> str                                                       "avx512", "avx2" or "scalar"
 //   force_isa(str isa) -> ()            tests: run this GEMM and the step attention as "avx2" or "scalar" even
 //                                       where the CPU has more; "" undoes
+//   chunked_rows() -> int               the most rows that read a quantised weight's blocks (in chunks past the
+//                                       kernels' own limit; beyond, the f32 layout)
+//   force_chunked_rows(int rows) -> ()  tests: read the blocks up to `rows` rows in chunks; -1 undoes
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include <c10/util/Half.h>
@@ -93,6 +97,14 @@ constexpr int64_t kFusedRowsAvx2 = 8;
 // rounds): 1 row 3.9 ms from the blocks against 14.0 from f32, 8 rows 11.3-11.9 against 14.8-15.7, 11 rows 13.8
 // against 14.8, 12 rows 15.0-16.0 against 14.9-16.4.
 constexpr int64_t kFusedRowsAvx512 = 12;
+// Past those rows a quantised weight's blocks can still be read, in balanced chunks of at most that many rows (each
+// chunk expands the group's blocks again, from L1/L2), instead of the f32 layout (4x the bytes, read once). Which is
+// faster depends on the core. SmolLM2's forward on a 2-core Zen 5 (two full 512-bit FMA pipes), alternating
+// processes: 13 rows 10.5-10.7 ms from the blocks against 13.8-14.2 from f32, 16 rows 12.4-12.6 against 14.7-15.0,
+// 20 rows 15.1-15.3 against 16.1-16.6, 24 rows 17.8-18.3 against 17.5-18.1. On a Zen 4 (512-bit ops in two halves)
+// 12 rows from the blocks already cost what the f32 layout does (above), so a second chunk could only lose there.
+// AMD cores from family 0x1A (Zen 5) take the chunks; elsewhere (Intel not measured) the f32 layout as before.
+constexpr int64_t kChunkedRowsZen5 = 24;
 
 // kMixed: each group of 32 columns in its own format (kF32: that group reads the f32 layout), from a table.
 enum Format : int { kF32 = 0, kQ4 = 1, kQ8 = 2, kQ8H = 3, kQ8M = 4, kMixed = 5 };
@@ -293,9 +305,11 @@ void run_groups(const BlockFn* blocks, const float* x, int64_t M, const Packed& 
 // Groups [g0, g1) of a quantised or mixed weight for a step of M rows, each by its format's kernel that expands the
 // integers in registers (tables q4, q8, q8h, q8m indexed by M - 1); a mixed weight's group of no quantised form
 // by `f32` on its float32 columns.
-static void fused_groups(const GroupFn* q4, const GroupFn* q8, const GroupFn* q8h, const GroupFn* q8m, GroupsFn f32,
-                         const float* x, int64_t M, const Packed& w, int64_t g0, int64_t g1, float* buf,
+static void fused_groups(const GroupFn* q4, const GroupFn* q8, const GroupFn* q8h, const GroupFn* q8m, int64_t fused,
+                         GroupsFn f32, const float* x, int64_t M, const Packed& w, int64_t g0, int64_t g1, float* buf,
                          float* scratch, int64_t rows_per, float* y, int64_t n, const float* bias) {
+  const int64_t chunks = (M + fused - 1) / fused;
+  const int64_t fused_per = (M + chunks - 1) / chunks;
   for (int64_t g = g0; g < g1; ++g) {
     Format f;
     const uint8_t* src = w.group(g, &f);
@@ -303,7 +317,10 @@ static void fused_groups(const GroupFn* q4, const GroupFn* q8, const GroupFn* q8
       f32(x, M, w, g, g + 1, buf, scratch, rows_per, y, n, bias);
       continue;
     }
-    (f == kQ4 ? q4 : f == kQ8 ? q8 : f == kQ8H ? q8h : q8m)[M - 1](x, w.K, src, buf);
+    const GroupFn* kernels = f == kQ4 ? q4 : f == kQ8 ? q8 : f == kQ8H ? q8h : q8m;
+    for (int64_t m0 = 0; m0 < M; m0 += fused_per) {  // more rows than a kernel takes: balanced chunks
+      kernels[std::min(fused_per, M - m0) - 1](x + m0 * w.K, w.K, src, buf + m0 * kCols);
+    }
     store_rows(buf, M, y, n, g * kCols, bias);
   }
 }
@@ -392,8 +409,8 @@ static void k512_fused_groups(const float* x, int64_t M, const Packed& w, int64_
   constexpr auto rows = std::make_integer_sequence<int, kFusedRowsAvx512>{};  // one kernel per row count
   static constexpr auto q4 = k512_quantised_kernels<kQ4>(rows), q8 = k512_quantised_kernels<kQ8>(rows),
                         q8h = k512_quantised_kernels<kQ8H>(rows), q8m = k512_quantised_kernels<kQ8M>(rows);
-  fused_groups(q4.data(), q8.data(), q8h.data(), q8m.data(), k512_groups, x, M, w, g0, g1, buf, scratch, rows_per, y,
-               n, bias);
+  fused_groups(q4.data(), q8.data(), q8h.data(), q8m.data(), kFusedRowsAvx512, k512_groups, x, M, w, g0, g1, buf,
+               scratch, rows_per, y, n, bias);
 }
 #pragma GCC pop_options
 
@@ -537,8 +554,8 @@ static void k256_groups(const float* x, int64_t M, const Packed& w, int64_t g0, 
   constexpr auto rows = std::make_integer_sequence<int, kFusedRowsAvx2>{};  // one kernel per row count
   static constexpr auto q4 = quantised_kernels<kQ4>(rows), q8 = quantised_kernels<kQ8>(rows),
                         q8h = quantised_kernels<kQ8H>(rows), q8m = quantised_kernels<kQ8M>(rows);
-  fused_groups(q4.data(), q8.data(), q8h.data(), q8m.data(), k256_f32_groups, x, M, w, g0, g1, buf, scratch, rows_per,
-               y, n, bias);
+  fused_groups(q4.data(), q8.data(), q8h.data(), q8m.data(), kFusedRowsAvx2, k256_f32_groups, x, M, w, g0, g1, buf,
+               scratch, rows_per, y, n, bias);
 }
 #pragma GCC pop_options
 
@@ -567,6 +584,28 @@ const char* isa_name() {
 std::string& isa_override() {
   static std::string isa;
   return isa;
+}
+
+// Tests force the rows up to which quantised blocks are read in chunks (-1 restores the CPU's own choice).
+int64_t& chunked_rows_override() {
+  static int64_t rows = -1;
+  return rows;
+}
+
+bool amd_family_at_least(unsigned family) {
+  unsigned a, b, c, d;
+  if (!__get_cpuid(0, &a, &b, &c, &d) || b != 0x68747541 || d != 0x69746e65 || c != 0x444d4163) return false;  // AMD
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return false;
+  unsigned f = (a >> 8) & 0xf;
+  if (f == 0xf) f += (a >> 20) & 0xff;  // the extended family
+  return f >= family;
+}
+
+// The most rows that read a quantised weight's blocks (in chunks of at most `fused_rows`, the kernels' own limit).
+int64_t block_rows(int64_t fused_rows) {
+  if (chunked_rows_override() >= 0) return std::max(fused_rows, chunked_rows_override());
+  static const bool zen5 = amd_family_at_least(0x1A);
+  return zen5 && current_isa() == "avx512" ? std::max(fused_rows, kChunkedRowsZen5) : fused_rows;
 }
 
 // The instruction set's kernels, the most rows one pass of the f32 layout takes, the most rows that read a
@@ -1052,7 +1091,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, cons
   int64_t max_rows = 0, fused_rows = 0;
   bool via_l1 = false;
   const GroupsFn run = pick(&max_rows, &fused_rows, &via_l1);
-  if (M > fused_rows) w = {kF32, w.K, w.groups, w.f32, nullptr};  // bound by the FMAs: no expansion
+  if (M > block_rows(fused_rows)) w = {kF32, w.K, w.groups, w.f32, nullptr};  // no expansion pays at this many rows
   TORCH_CHECK_VALUE(w.K == K, "lookahead_gemm.linear: x has K=", K, " but the weight has K=", w.K);
   TORCH_CHECK_VALUE(n > (groups - 1) * kCols && n <= groups * kCols, "lookahead_gemm.linear: n=", n,
                     " does not match the packed weight's ", groups, " groups of ", kCols, " columns");
@@ -1094,6 +1133,19 @@ void force_isa(const std::string& isa) {
   isa_override() = isa;
 }
 
+int64_t chunked_rows() {
+  int64_t max_rows = 0, fused_rows = 0;
+  bool via_l1 = false;
+  pick(&max_rows, &fused_rows, &via_l1);
+  return block_rows(fused_rows);
+}
+
+void force_chunked_rows(int64_t rows) {
+  TORCH_CHECK_VALUE(rows >= -1, "lookahead_gemm.force_chunked_rows: expected -1 (the CPU's own) or rows >= 0, got ",
+                    rows);
+  chunked_rows_override() = rows;
+}
+
 }  // namespace
 }  // namespace small_gemm
 
@@ -1103,6 +1155,8 @@ TORCH_LIBRARY(lookahead_gemm, m) {
   m.def("linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("isa() -> str", &small_gemm::isa);
   m.def("force_isa(str isa) -> ()", &small_gemm::force_isa);
+  m.def("chunked_rows() -> int", &small_gemm::chunked_rows);
+  m.def("force_chunked_rows(int rows) -> ()", &small_gemm::force_chunked_rows);
 }
 
 TORCH_LIBRARY_IMPL(lookahead_gemm, CPU, m) {

@@ -22,3 +22,15 @@ def forced_isa(isa: str):
         yield
     finally:
         ops.force_isa("")
+
+
+@contextlib.contextmanager
+def forced_chunked_rows(rows: int):
+    """Within the block a quantised weight's blocks are read by steps of up to ``rows`` rows (in chunks past the
+    kernels' own limit; 0: never past it), whatever this CPU would choose. The ops must be loaded."""
+    ops = torch.ops.lookahead_gemm
+    ops.force_chunked_rows(rows)
+    try:
+        yield
+    finally:
+        ops.force_chunked_rows(-1)

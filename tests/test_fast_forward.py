@@ -14,7 +14,7 @@ from lookahead.cpu_linear import CpuLinear, PackedWeight
 from lookahead.model import LlamaForCausalLM, ModelConfig
 from lookahead_kernels import StepLayout, attention_torch
 from lookahead_kernels.attention_ref import StepAttention
-from tests.cpu_isa import forced_isa
+from tests.cpu_isa import forced_chunked_rows, forced_isa
 
 needs_onednn = pytest.mark.skipif(not cpu_linear.onednn_linear_available(), reason="torch built without oneDNN")
 
@@ -191,6 +191,13 @@ def test_gemm_rejects_bad_arguments():
         gemm.linear(torch.randn(3, 24), packed, 40, torch.randn(39))
     with pytest.raises(ValueError, match="force_isa"):
         gemm.force_isa("sse")
+    with pytest.raises(ValueError, match="force_chunked_rows"):
+        gemm.force_chunked_rows(-2)
+    own = gemm.chunked_rows()  # 24 on a Zen 5 with AVX-512, else the kernels' own limit (12, 8 or 4)
+    assert own in (4, 8, 12, 24)
+    with forced_chunked_rows(0):
+        assert gemm.chunked_rows() < 24
+    assert gemm.chunked_rows() == own
     assert gemm.linear(torch.randn(0, 24), packed, 40, None).shape == (0, 40)
 
 
@@ -275,16 +282,19 @@ def test_quantised_packing_gives_the_float32_layout_s_results(N, K, fmt, isa):
             # The blocks, then the f32 layout: the blocks take under a third of the f32 bytes.
             assert packed.nbytes - plain.nbytes < plain.nbytes / 3
             # Up to 8 rows (AVX2) or 12 (AVX-512) expand the blocks in registers (4 through an L1 block without
-            # AVX2), more read the f32 layout: every way must give the float32 layout's bits.
-            for M in (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 33):
-                buf = torch.full((M, K + 3), float("nan"))
-                buf[:, 1:K + 1] = torch.randn(M, K, generator=g)
-                x = buf[:, 1:K + 1]  # a strided view into NaN: a read outside it shows up
-                y = gemm.linear(x, packed, N, b)
-                assert torch.isfinite(y).all()
-                assert torch.equal(y, gemm.linear(x, plain, N, b))
-                ref = ref_linear(x, w, b)
-                assert (y.double() - ref).abs().max() <= 1e-5 * (1 + ref.abs().max())
+            # AVX2); more read the blocks in chunks of at most that many (up to 24 rows, where forced or on a Zen 5)
+            # or the f32 layout: every way must give the float32 layout's bits.
+            for chunked, rows in ((0, (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 33)), (24, (9, 13, 16, 17, 24, 25))):
+                with forced_chunked_rows(chunked):
+                    for M in rows:
+                        buf = torch.full((M, K + 3), float("nan"))
+                        buf[:, 1:K + 1] = torch.randn(M, K, generator=g)
+                        x = buf[:, 1:K + 1]  # a strided view into NaN: a read outside it shows up
+                        y = gemm.linear(x, packed, N, b)
+                        assert torch.isfinite(y).all()
+                        assert torch.equal(y, gemm.linear(x, plain, N, b))
+                        ref = ref_linear(x, w, b)
+                        assert (y.double() - ref).abs().max() <= 1e-5 * (1 + ref.abs().max())
 
 
 def k_quant_scales(sc, mn):
@@ -516,15 +526,17 @@ def test_a_weight_of_several_types_packs_each_group_in_its_own(isa):
     with forced_isa(isa):
         packed, plain = gemm.pack(w), gemm.pack(w, "f32")
         assert gemm.packed_format(packed) == "mixed"
-        for M in (1, 2, 3, 4, 5, 6, 8, 12, 13):
-            buf = torch.full((M, K + 2), float("nan"))
-            buf[:, 1:K + 1] = torch.randn(M, K, generator=g)
-            x = buf[:, 1:K + 1]
-            b = torch.randn(N, generator=g)
-            y = gemm.linear(x, packed, N, b)
-            assert torch.equal(y.view(torch.int32), gemm.linear(x, plain, N, b).view(torch.int32))
-            ref = ref_linear(x, w, b)
-            assert (y.double() - ref).abs().max() <= 1e-5 * (1 + ref.abs().max())
+        for chunked, rows in ((0, (1, 2, 3, 4, 5, 6, 8, 12, 13)), (24, (13, 20, 24))):  # chunks: as above
+            with forced_chunked_rows(chunked):
+                for M in rows:
+                    buf = torch.full((M, K + 2), float("nan"))
+                    buf[:, 1:K + 1] = torch.randn(M, K, generator=g)
+                    x = buf[:, 1:K + 1]
+                    b = torch.randn(N, generator=g)
+                    y = gemm.linear(x, packed, N, b)
+                    assert torch.equal(y.view(torch.int32), gemm.linear(x, plain, N, b).view(torch.int32))
+                    ref = ref_linear(x, w, b)
+                    assert (y.double() - ref).abs().max() <= 1e-5 * (1 + ref.abs().max())
     assert gemm.packed_format(gemm.pack(torch.randn(40, 64))) == "f32"  # no group of a quantised form
     damaged = packed.clone()
     damaged[64 + 8: 64 + 16] = 255  # the first group's offset, far out of the tensor
