@@ -1,0 +1,163 @@
+"""Lookahead's speed-up on another device, predicted from that device's step costs: a design aid, not a measurement.
+
+Greedy float32 tokens do not depend on the device, and the automatic planner's choices depend on the device only
+through its cost table ``t(T)``. So decoding here on the static step path (padded trees from the step menu, as a
+GPU runs them) with the device's table takes the steps that device would take; each step is then costed at
+``t(B * T)`` from the table, plus host work per lookahead step (``--host-ms`` + ``--host-ms-per-row`` x rows), and
+plain decoding at ``t(B)`` a step. What this leaves out: whatever the table misses (sizes between its points are
+interpolated linearly, as the planner does), a device's host speed, and everything that differs between this
+machine's and the device's logits (in float32 a near tie may break apart; outputs are compared, and should match).
+
+The planner runs as on the device (``--planner learning``, default: the table stands in for the measured one, so
+the gain calibration and the host cost fit learn as there, the host cost timed on this CPU, beside its forward,
+which overstates a GPU host's) or deterministically (``given``: ``LookaheadConfig(step_costs=...)``).
+
+    python bench/bench_predict.py                                  # session 5's H100 table, 1 row, 16 prompts a set
+    python bench/bench_predict.py --batch-sizes 16 --prompts 32 --max-new-tokens 64
+    python bench/bench_predict.py --step-costs 1:2e-3,16:2.2e-3,64:2.4e-3,128:2.9e-3,256:3.9e-3 --tag flat
+
+Writes bench/results/predict-<tag>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+from _common import DEFAULT_SETS, command_line, machine_info, set_name, write_results  # noqa: E402
+
+from lookahead import LookaheadConfig, load_default  # noqa: E402
+from lookahead.cli import read_prompts  # noqa: E402
+from lookahead.controller import StepCosts, cost_key  # noqa: E402
+from lookahead.runner import StepRunner  # noqa: E402
+
+# SmolLM2 float32 on an H100 with CUDA graphs (bench/results/gpu-h100.md, git 5047120): the planner's GPU menu.
+# Beyond the last point the planner, and this bench's costing, extrapolate linearly.
+H100_STEP_COSTS = ((1, 2.15e-3), (16, 3.29e-3), (64, 3.51e-3), (128, 3.82e-3), (256, 5.05e-3))
+
+
+class FedTokens:
+    """Wraps :meth:`StepRunner.run` to record the tokens each step feeds (rows x step size), in order."""
+
+    def __init__(self):
+        self.fed: list[int] = []
+        self._run = StepRunner.run
+
+    def __enter__(self):
+        real, fed = self._run, self.fed
+
+        def run(runner, shape, tokens, *args, **kwargs):
+            fed.append(tokens.shape[0] * tokens.shape[1])
+            return real(runner, shape, tokens, *args, **kwargs)
+
+        StepRunner.run = run
+        return self
+
+    def __exit__(self, *exc):
+        StepRunner.run = self._run
+
+
+def parse_costs(text: str) -> tuple:
+    if text == "h100":
+        return H100_STEP_COSTS
+    try:
+        return tuple((int(t), float(s)) for t, s in (pair.split(":") for pair in text.split(",")))
+    except ValueError as exc:
+        raise SystemExit(f"--step-costs: 'h100' or T:seconds pairs such as 1:2e-3,64:3e-3, got {text!r}") from exc
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=16, help="first prompts of each set")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--step-costs", default="h100", help="'h100' (default) or T:seconds pairs")
+    ap.add_argument("--planner", choices=["learning", "given"], default="learning")
+    ap.add_argument("--host-ms", type=float, default=0.15, help="host work a lookahead step adds (ms)")
+    ap.add_argument("--host-ms-per-row", type=float, default=0.02, help="and per row of the batch (ms)")
+    ap.add_argument("--sets", nargs="+", default=DEFAULT_SETS)
+    ap.add_argument("--tag", default="h100")
+    ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    args = ap.parse_args(argv)
+    pairs = parse_costs(args.step_costs)
+    costs = StepCosts.from_pairs(pairs)
+    torch.set_num_threads(args.threads)
+    machine = machine_info("cpu")
+    model, tokenizer = load_default()
+    if args.planner == "learning":  # the table as if measured here: generate's planner then learns as on a device
+        model.step_costs_cache = {cost_key(model): costs}
+        config = LookaheadConfig()
+    else:
+        config = LookaheadConfig(step_costs=pairs)
+    rows = []
+    for set_path in args.sets:
+        name = set_name(set_path)
+        prompts = [ids[0] for ids in read_prompts(set_path, tokenizer)[: args.prompts]]
+        for B in args.batch_sizes:
+            plain_s = lookahead_s = 0.0
+            tokens = row_steps = identical = 0
+            sizes: dict[int, int] = {}
+            for i in range(0, len(prompts), B):
+                batch = prompts[i: i + B]
+                prompt = batch if len(batch) > 1 else batch[0]
+                kwargs = dict(max_new_tokens=args.max_new_tokens, cuda_graphs=False, _static_steps=True)
+                with FedTokens() as plain_steps:
+                    plain = model.generate(prompt, lookahead=None, **kwargs)
+                with FedTokens() as steps:
+                    out = model.generate(prompt, lookahead=config, **kwargs)
+                rows_now = len(batch)
+                plain_s += sum(costs(t) for t in plain_steps.fed)
+                host = 1e-3 * (args.host_ms + args.host_ms_per_row * rows_now)
+                lookahead_s += sum(costs(t) + (host if t > rows_now else 0.0) for t in steps.fed)
+                for t in steps.fed:
+                    sizes[t] = sizes.get(t, 0) + 1
+                tokens += out.stats.new_tokens
+                row_steps += sum(r.steps for r in out.stats.rows) if out.stats.rows else out.stats.steps
+                identical += sum(torch.equal(a, b) for a, b in zip(out.sequences, plain.sequences))
+            rows.append({"set": name, "batch_size": B, "predicted_speedup": plain_s / lookahead_s,
+                         "tokens_per_row_step": tokens / row_steps, "identical": identical, "prompts": len(prompts),
+                         "plain_seconds": plain_s, "lookahead_seconds": lookahead_s,
+                         "steps_by_tokens_fed": dict(sorted(sizes.items()))})
+            r = rows[-1]
+            print(f"{name:10s} B={B:<3d} predicted {r['predicted_speedup']:.2f}x plain, "
+                  f"{r['tokens_per_row_step']:.2f} tokens a row-step, identical {identical}/{len(prompts)}",
+                  flush=True)
+    result = {"device": "cpu", "machine": machine, "command": command_line(__file__, sys.argv[1:] if argv is None
+                                                                           else argv),
+              "model": "SmolLM2-135M-Instruct (float32)", "step_costs": pairs, "planner": args.planner,
+              "host_ms": args.host_ms, "host_ms_per_row": args.host_ms_per_row, "prompts": args.prompts,
+              "max_new_tokens": args.max_new_tokens, "rows": rows}
+    write_results(args.out_dir, f"predict-{args.tag}", result, markdown(result))
+    return 0
+
+
+def markdown(result: dict) -> str:
+    m = result["machine"]
+    lines = [f"# Lookahead's speed-up predicted from a step-cost table ({result['model']})", "",
+             "**A prediction, not a measurement**: greedy decoding on this CPU through the static (padded) step path "
+             "with the planner given the table below; each step costed at the table's t(rows x tokens) plus "
+             f"{result['host_ms']} ms + {result['host_ms_per_row']} ms a row of host work per lookahead step, plain "
+             "decoding at t(rows).", "",
+             f"Decoded on {m['device']} ({m['cpu']}), torch {m['torch']}, git {m['git']}; planner "
+             f"`{result['planner']}`; first {result['prompts']} prompts a set, {result['max_new_tokens']} new tokens. "
+             f"Step costs (tokens, seconds): {list(result['step_costs'])}.", "",
+             f"Command: `{result['command']}`", "",
+             "| set | rows | predicted vs plain | tokens a row-step | identical | steps by tokens fed |",
+             "|---|---:|---:|---:|---:|---|"]
+    for r in result["rows"]:
+        sizes = ", ".join(f"{t}: {n}" for t, n in r["steps_by_tokens_fed"].items())
+        lines.append(f"| {r['set']} | {r['batch_size']} | {r['predicted_speedup']:.2f}x | "
+                     f"{r['tokens_per_row_step']:.2f} | {r['identical']}/{r['prompts']} | {sizes} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
