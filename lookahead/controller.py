@@ -442,19 +442,22 @@ class StepPlanner:
         builder took them (each node after its parent), so any prefix is a tree."""
         return self.choose_batch([gains])
 
-    def choose_batch(self, gains: list[list[float]], sizes: list[int] | None = None) -> int:
+    def choose_batch(self, gains: list[list[float]], sizes: list[int] | None = None, rows: int | None = None) -> int:
         """One tree size ``V`` for a batch of rows (``gains[b]``: row ``b``'s nodes as in :meth:`choose`): every
-        row feeds ``window_tokens + V`` tokens (shorter trees padded), the step costs ``t(B * (window_tokens +
+        row feeds ``window_tokens + V`` tokens (shorter trees padded), the step costs ``t(R * (window_tokens +
         V))`` plus, for ``V >= 1``, the trees' host work (:class:`HostCost`) and emits ``B + sum_b E_b(V)`` expected
         tokens (scaled by :class:`GainCalibration`); the best rate wins, 0 (a plain step) when none
         beats it. Ties go to the smaller tree.
 
         ``sizes`` (ascending): the only tree sizes a step can take (a step replayed from a CUDA graph is padded to
-        the next of them); each ``V`` is then costed at the size it is padded to."""
+        the next of them); each ``V`` is then costed at the size it is padded to. ``rows``: the rows the step feeds,
+        ``R`` (default ``B``, the rows with gains): a padded batch keeps its finished rows, parked, and feeds them
+        as many tokens as the others, so its last running rows pay for a tree as wide as the whole batch."""
         B = len(gains)
         if B == 0:
             return 0
-        best, best_rate = 0, B / self._cost(B * self.window_tokens)
+        R = B if rows is None else max(rows, B)
+        best, best_rate = 0, B / self._cost(R * self.window_tokens)
         per_row, per_node = self.host.coefficients if self.host is not None else (0.0, 0.0)  # one fit per call
         host_rows = per_row * B
         scale = self._scale()
@@ -477,9 +480,9 @@ class StepPlanner:
                 fed = v + 1 if padded is None else next((z for z in padded if z >= v + 1), None)
                 if fed is None:  # past the largest size a step can take
                     break
-                cost = self._cost(B * (self.window_tokens + fed)) + host_rows
+                cost = self._cost(R * (self.window_tokens + fed)) + host_rows
             rate = expected / (cost + per_node * nodes)
-            if rate > best_rate * (BATCH_MARGIN if B > 1 and best == 0 else 1.0):
+            if rate > best_rate * (BATCH_MARGIN if R > 1 and best == 0 else 1.0):
                 best, best_rate = v + 1, rate
         return best
 

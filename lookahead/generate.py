@@ -847,7 +847,7 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
     sizes = _tree_sizes(plan, budget) if pad else None
     proposed = keep = max(map(len, proposals.scores))
     if plan.planner is not None:  # one size for all rows: they are padded to one shape anyway
-        keep = plan.planner.choose_batch(proposals.scores, sizes)
+        keep = plan.planner.choose_batch(proposals.scores, sizes, len(batch))  # parked rows are fed too
         if keep == 0 and proposed and sampler.greedy:
             plan.planner.observe_declined()
         # The step would feed x (and padding) only: a plain step does the same. One row keeps learning (its

@@ -164,6 +164,17 @@ def test_the_planner_shrinks_the_tree_as_the_batch_grows():
         planner.choose_batch([gains] * 16) == 0
 
 
+def test_the_planner_costs_a_padded_batch_s_parked_rows():
+    # A padded batch (CUDA graphs) keeps its finished rows and feeds them as many tokens as the running ones: two rows
+    # still running among 16 pay for a tree 16 rows wide, not 2.
+    planner = StepPlanner(StepCosts.from_pairs([(1, 1e-3), (16, 1e-3), (32, 3e-3)]), 1)
+    gains = [[0.9]] * 2
+    assert planner.choose_batch(gains, [1]) == 1  # 2 rows alone: 4 tokens cost what 2 do
+    assert planner.choose_batch(gains, [1], rows=2) == 1
+    assert planner.choose_batch(gains, [1], rows=16) == 0  # 32 tokens cost 3x the plain step's 16
+    assert planner.choose_batch(gains, [1], rows=1) == 1  # never fewer rows than those running
+
+
 def test_lookahead_turns_itself_off_for_big_batches(tiny):
     flat = LookaheadConfig(step_costs=((1, 0.010), (64, 0.0105), (256, 0.011)))  # a GPU, extrapolated beyond
     assert make_plan(flat, tiny, 1).shape.window == 15
