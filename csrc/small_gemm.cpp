@@ -140,6 +140,22 @@ struct Packed {
   }
 };
 
+// Whether the CPU is an AMD core of at least this family (0x1A: Zen 5), from cpuid.
+bool amd_family_at_least(unsigned family) {
+  unsigned a, b, c, d;
+  if (!__get_cpuid(0, &a, &b, &c, &d) || b != 0x68747541 || d != 0x69746e65 || c != 0x444d4163) return false;  // AMD
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return false;
+  unsigned f = (a >> 8) & 0xf;
+  if (f == 0xf) f += (a >> 20) & 0xff;  // the extended family
+  return f >= family;
+}
+
+// A Zen 5 or later AMD core (full-width AVX-512): where measured, its best kernel choices differ from the Zen 4's.
+bool zen5_or_later() {
+  static const bool zen5 = amd_family_at_least(0x1A);
+  return zen5;
+}
+
 // A quantised group's blocks are one stream per thread, which the hardware prefetcher follows. Prefetching into L2
 // the whole block 8 blocks ahead, every 64-byte line of it, beats it wherever a block takes a while: on AVX2 at every
 // row count, on AVX-512 from 4 rows; below, one line 4 blocks ahead serves best (the prefetch instructions for the
@@ -148,6 +164,9 @@ struct Packed {
 // blocks ahead): the whole block, AVX2 (forced) 0.99 / 0.97 / 0.87 / 0.86 / 0.90 / 0.94 at 1 / 2 / 3 / 4 / 6 / 8
 // rows, AVX-512 1.02 / 1.03 / 1.01 at 1-3 rows, 0.98 / 0.95 / 0.95 at 4 / 6 / 8 rows (4 or 12 blocks ahead instead
 // of 8: within 1%); one line 4 blocks ahead, AVX-512, 0.93-0.98 at 1 row, 0.94-0.98 at 2, 0.97 at 3 (in four runs).
+// On a 2-core Zen 5 the whole block pays at every row count (k512_quantised_group): SmolLM2's forward, builds
+// alternating over 3 rounds, t(1) 3.6-3.9 ms against 3.8-3.9, t(2) 4.0-4.3 against 4.4, t(3) 4.4-4.7 against
+// 4.9-5.0; its 120 decoder layers alone 2.15-2.21 ms against 2.34-2.41 at 1 row, 2.44-2.54 against 2.81-2.95 at 3.
 template <bool kWhole>
 inline void prefetch_block(const uint8_t* block, int64_t bytes) {
   if constexpr (kWhole) {
@@ -365,9 +384,14 @@ static void k512_quantised_group(const float* x, int64_t K, const uint8_t* group
   __m512 acc[R][2];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const bool whole = R >= 4 || zen5_or_later();  // how far ahead to prefetch (above prefetch_block)
   const uint8_t* src = group;
   for (int64_t b = 0; b < K / kQK; ++b, src += bytes) {
-    prefetch_block<(R >= 4)>(src, bytes);
+    if (whole) {
+      prefetch_block<true>(src, bytes);
+    } else {
+      prefetch_block<false>(src, bytes);
+    }
     const float* d = reinterpret_cast<const float*>(src);
     const uint8_t* q = src + scales;
     const float* xb = x + b * kQK;
@@ -592,20 +616,10 @@ int64_t& chunked_rows_override() {
   return rows;
 }
 
-bool amd_family_at_least(unsigned family) {
-  unsigned a, b, c, d;
-  if (!__get_cpuid(0, &a, &b, &c, &d) || b != 0x68747541 || d != 0x69746e65 || c != 0x444d4163) return false;  // AMD
-  if (!__get_cpuid(1, &a, &b, &c, &d)) return false;
-  unsigned f = (a >> 8) & 0xf;
-  if (f == 0xf) f += (a >> 20) & 0xff;  // the extended family
-  return f >= family;
-}
-
 // The most rows that read a quantised weight's blocks (in chunks of at most `fused_rows`, the kernels' own limit).
 int64_t block_rows(int64_t fused_rows) {
   if (chunked_rows_override() >= 0) return std::max(fused_rows, chunked_rows_override());
-  static const bool zen5 = amd_family_at_least(0x1A);
-  return zen5 && current_isa() == "avx512" ? std::max(fused_rows, kChunkedRowsZen5) : fused_rows;
+  return zen5_or_later() && current_isa() == "avx512" ? std::max(fused_rows, kChunkedRowsZen5) : fused_rows;
 }
 
 // The instruction set's kernels, the most rows one pass of the f32 layout takes, the most rows that read a
