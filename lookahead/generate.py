@@ -16,7 +16,8 @@ Two ways to run a step's forward ("run", part 3 of ``shared/design/decode-loop.m
 * through a :class:`lookahead.runner.StepRunner` (CUDA's default, with graphs): static buffers per step shape,
   one CUDA graph per shape, so a step costs no host work for the forward. A graph replays fixed shapes, so the
   steps come from a small menu (:func:`_static_menu`): the plain step, and the plan's shape at each window
-  warm-up level with its tree padded to the budget; and finished rows stay in the batch, parked (``_decode``).
+  warm-up level with its tree padded to the budget; and finished rows stay in the batch, parked, until the running
+  rows fit half of it and move to a runner of fewer rows (``_decode``, ``_shrunk``).
 """
 
 from __future__ import annotations
@@ -477,7 +478,16 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
         pad = lookahead is not None and (lookahead.pad_tree if lookahead.pad_tree is not None else
                                          static or device.type == "cuda")
         host = _HostClock()
-        accepted = _decode(model, cache, runner, rows, sampler, plan, pad, device, clock, host, start_late)
+        runners = [runner]  # the runner the call ends on (a padded batch moves to smaller ones as rows finish)
+
+        def shrink(current, batch, active):
+            current, batch = _shrunk(model, current, batch, active, plan, clock)
+            runners[0] = current
+            return current, batch
+
+        accepted = _decode(model, cache, runner, rows, sampler, plan, pad, device, clock, host, start_late,
+                           shrink if runner is not None and B > 1 else None)
+        runner = runners[0]
         if prompt_cache is not None:  # rows past the emitted tokens (a last step's excess) are not kept
             row = rows[0]
             prompt_cache.keep(model, row.emitter.sequence[:row.cache_len], cache)
@@ -670,9 +680,9 @@ def _tree_sizes(plan, budget: int) -> list[int]:
 def _static_menu(plan, batch_size: int) -> list[StepShape]:
     """Every step shape a call on the static path can take: the plain step (also the end of a batch near the
     model's last positions), and at each level the window passes through while warming up, the plan's shape
-    with each of its padded tree sizes (each captured once per model with the runner kept on it). A batch keeps
-    its size to the end (finished rows are parked); each level's tree budget is the planner's reach now, and stays
-    the call's (:func:`_level_budget`)."""
+    with each of its padded tree sizes (each captured once per model with the runner kept on it). A runner keeps
+    its batch size (finished rows are parked until the batch moves to a smaller runner, with a menu of its own);
+    each level's tree budget is the planner's reach now, and stays the runner's (:func:`_level_budget`)."""
     if plan is None:
         return [PLAIN]
     menu = [PLAIN]
@@ -683,16 +693,21 @@ def _static_menu(plan, batch_size: int) -> list[StepShape]:
 
 
 class _CallClock:
-    """Seconds since the call's clock started, less the CUDA graphs its runner captured meanwhile (one-time
-    setup, like the runner itself: a later call with the same shapes replays them)."""
+    """Seconds since the call's clock started, less the CUDA graphs its runners captured meanwhile (one-time
+    setup, like the runners themselves: a later call with the same shapes replays them)."""
 
     def __init__(self, started: float, runner: StepRunner | None):
         self.started = started
-        self.runner = runner
-        self.captures_before = runner.capture_seconds if runner is not None else 0.0
+        self.runners: list[tuple[StepRunner, float]] = []
+        if runner is not None:
+            self.follow(runner)
+
+    def follow(self, runner: StepRunner) -> None:
+        """Leave out the graphs ``runner`` captures from now on too (a batch moved to a smaller runner)."""
+        self.runners.append((runner, runner.capture_seconds))
 
     def elapsed(self) -> float:
-        captured = self.runner.capture_seconds - self.captures_before if self.runner is not None else 0.0
+        captured = sum(r.capture_seconds - before for r, before in self.runners)
         return time.perf_counter() - self.started - captured
 
 
@@ -706,14 +721,14 @@ class _HostClock:
 
 
 def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: Sampler, plan, pad: bool, device,
-            clock: "_CallClock", host: _HostClock, start_late=None) -> list:
+            clock: "_CallClock", host: _HostClock, start_late=None, shrink=None) -> list:
     """Step until every row has stopped. Returns, per step, the tokens emitted.
 
     Without a runner a finished row leaves the batch (its cache row is dropped), so later steps are smaller. With
-    one it stays in the batch, parked, until every row has finished: its inputs are fed at position 0 and its
-    outputs ignored. That keeps the batch dimension, and so every captured graph, valid; rebuilding the runner
-    as the batch shrinks would capture every shape again for each batch size, while a parked row only adds its
-    share of the step's tokens, which costs little where a step is bound by reading the weights."""
+    one it stays in the batch, parked, its inputs fed at position 0 and its outputs ignored, which keeps the batch
+    dimension, and so every captured graph, valid; once the running rows fit half the batch, ``shrink(runner,
+    batch, active)`` moves them to a runner of fewer rows (:func:`_shrunk`) and returns it with the new batch.
+    Parked rows cost a padded batch a full share of every step: a batch ends with its slowest row."""
     accepted = []
     backoff = _Backoff()
     batch = list(rows)  # the rows each forward runs: every row with a runner, the active ones without
@@ -746,7 +761,29 @@ def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: 
                     processors.keep(kept)
             else:
                 active = [r for r in active if not r.emitter.done]
+                if shrink is not None and processors is None:  # a processor's per-row state lives in the runner
+                    runner, batch = shrink(runner, batch, active)
     return accepted
+
+
+def _shrunk(model, runner: StepRunner, batch: list, active: list, plan, clock: "_CallClock") -> tuple:
+    """``(runner, batch)`` for the rest of a padded call: unchanged while the running rows ``active`` fill more than
+    half of ``batch``; else a runner of the next power of two rows at least ``len(active)`` (from the model's kept
+    runners: each size's graphs are captured once), the running rows' keys and values copied into it, and the new
+    batch: the running rows, then finished ones as its parked rows. The old runner goes back to the model."""
+    size = 1 << (len(active) - 1).bit_length()
+    if size > len(batch) // 2:
+        return runner, batch
+    kept = runner_cache(model)
+    smaller = kept.take(model, size, _static_menu(plan, size), runner.cache.max_len, graphs=runner.graphs)
+    new_batch = active + [r for r in batch if r.emitter.done][: size - len(active)]
+    rows = torch.tensor([batch.index(r) for r in new_batch], device=runner.cache.k.device)
+    length = max(r.cache_len for r in new_batch)  # past a row's own length nothing is read
+    for old, new in ((runner.cache.k, smaller.cache.k), (runner.cache.v, smaller.cache.v)):
+        new[:, :, :length] = old[:, rows, :length]
+    kept.give_back(runner)
+    clock.follow(smaller)
+    return smaller, new_batch
 
 
 def _start(row: _Row) -> int:

@@ -75,6 +75,31 @@ def test_mixed_batch_rows_equal_their_own_greedy_output(tiny, mode):
     assert min(r.steps for r in stats.rows) < stats.steps
 
 
+@pytest.mark.parametrize("mode", ["fixed", "auto-gpu"])  # rows 1-4 stop at steps 3, 17, 20, 20 (fixed)
+def test_a_padded_batch_moves_to_fewer_rows_as_rows_finish(mode):
+    """A parked row costs a padded batch a full share of every step, and a batch ends with its slowest row: once the
+    running rows fit half the batch they move to a runner of fewer rows (the next power of two), their keys and
+    values copied. Every row's output stays its own; with a logits processor (per-row state in the runner) the
+    batch keeps its size."""
+    model = LlamaForCausalLM.from_hf(tiny_hf_model(max_position_embeddings=512))
+    model.step_runners = RunnerCache(keep=8)
+    prompts = mixed_prompts()
+    la = CONFIGS[mode]
+    eos, refs = rows_stopping_apart(model, prompts)
+    out = model.generate(prompts, max_new_tokens=24, lookahead=la, eos_token_id=eos, pad_token_id=0, **STATIC)
+    check_rows(out, refs, prompts, pad_id=0)
+    sizes = sorted({r.batch_size for r in model.step_runners.runners()})
+    assert sizes[-1] == len(prompts) and sizes[0] <= len(prompts) // 2, sizes
+    assert all(n & (n - 1) == 0 for n in sizes)  # powers of two (4 rows: 4, 2, 1)
+    again = model.generate(prompts, max_new_tokens=24, lookahead=la, eos_token_id=eos, pad_token_id=0, **STATIC)
+    assert torch.equal(again.sequences, out.sequences)  # the kept runners of every size serve the next call
+    model.step_runners.clear()
+    penalised = model.generate(prompts, max_new_tokens=24, lookahead=la, eos_token_id=eos, pad_token_id=0,
+                               repetition_penalty=1.0001, **STATIC)
+    assert [r.batch_size for r in model.step_runners.runners()] == [len(prompts)]
+    assert penalised.sequences.shape[0] == len(prompts)
+
+
 class RisingHostCost(HostCost):
     """A learned host cost that grows each time the planner reads it, as a slow spell of the host would make it:
     a batch's reach falls during the call."""
@@ -104,7 +129,9 @@ def test_a_batch_s_step_shapes_stay_on_the_menu_while_its_reach_falls(table):
                          trace=True, **STATIC)
     check_rows(out, refs, prompts, pad_id=0)
     assert host[key].reads > 10
-    (runner,) = model.step_runners.runners()
+    # The call began on a runner of the whole batch (and moved to smaller ones as rows finished): its menu.
+    runner = max(model.step_runners.runners(), key=lambda r: r.batch_size)
+    assert runner.batch_size == len(prompts)
     menu_budget = max(s.tree_budget for s in runner.menu)
     nodes = [len(t.tokens) for r in out.stats.rows for t in r.trace]
     assert menu_budget > 0 and max(nodes) > 0 and nodes[-1] < menu_budget, (menu_budget, nodes)
