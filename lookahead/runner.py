@@ -305,10 +305,12 @@ class RunnerCache:
     used beyond ``keep``. Stored runners hold their KV cache and graphs (device memory): :meth:`clear` frees them.
 
     Args:
-        keep: how many idle runners to keep (>= 0).
+        keep: how many idle runners to keep (>= 0). A padded batch moves to smaller runners as its rows finish (16
+            rows: runners of 16, 8, 4, 2 and 1), all of which a next call of that size takes again: fewer kept would
+            capture some sizes' graphs again every call.
     """
 
-    def __init__(self, keep: int = 4):
+    def __init__(self, keep: int = 8):
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
             raise ValueError(f"keep must be an int >= 0, got {keep!r}")
         self.keep = keep
