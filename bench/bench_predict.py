@@ -8,9 +8,9 @@ plain decoding at ``t(B)`` a step. What this leaves out: whatever the table miss
 interpolated linearly, as the planner does), a device's host speed, and everything that differs between this
 machine's and the device's logits (in float32 a near tie may break apart; outputs are compared, and should match).
 
-The planner runs as on the device (``--planner learning``, default: the table stands in for the measured one, so
-the gain calibration and the host cost fit learn as there, the host cost timed on this CPU, beside its forward,
-which overstates a GPU host's) or deterministically (``given``: ``LookaheadConfig(step_costs=...)``).
+The planner runs as on the device: the table stands in for the measured one, so the gain calibration and the host
+cost fit learn as there (the host cost timed on this CPU, beside its forward, which overstates a GPU host's; runs
+therefore differ by a few percent).
 
     python bench/bench_predict.py                                  # session 5's H100 table, 1 row, 16 prompts a set
     python bench/bench_predict.py --batch-sizes 16 --prompts 32 --max-new-tokens 64
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from unittest import mock
 
 import torch
 
@@ -43,25 +44,16 @@ from lookahead.runner import StepRunner  # noqa: E402
 H100_STEP_COSTS = ((1, 2.15e-3), (16, 3.29e-3), (64, 3.51e-3), (128, 3.82e-3), (256, 5.05e-3))
 
 
-class FedTokens:
-    """Wraps :meth:`StepRunner.run` to record the tokens each step feeds (rows x step size), in order."""
+def fed_tokens(fed: list):
+    """Within the block every :meth:`StepRunner.run` appends the tokens its step feeds (rows x step size) to
+    ``fed``."""
+    real = StepRunner.run
 
-    def __init__(self):
-        self.fed: list[int] = []
-        self._run = StepRunner.run
+    def run(runner, shape, tokens, *args, **kwargs):
+        fed.append(tokens.shape[0] * tokens.shape[1])
+        return real(runner, shape, tokens, *args, **kwargs)
 
-    def __enter__(self):
-        real, fed = self._run, self.fed
-
-        def run(runner, shape, tokens, *args, **kwargs):
-            fed.append(tokens.shape[0] * tokens.shape[1])
-            return real(runner, shape, tokens, *args, **kwargs)
-
-        StepRunner.run = run
-        return self
-
-    def __exit__(self, *exc):
-        StepRunner.run = self._run
+    return mock.patch.object(StepRunner, "run", run)
 
 
 def parse_costs(text: str) -> tuple:
@@ -80,7 +72,6 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--step-costs", default="h100", help="'h100' (default) or T:seconds pairs")
-    ap.add_argument("--planner", choices=["learning", "given"], default="learning")
     ap.add_argument("--host-ms", type=float, default=0.15, help="host work a lookahead step adds (ms)")
     ap.add_argument("--host-ms-per-row", type=float, default=0.02, help="and per row of the batch (ms)")
     ap.add_argument("--sets", nargs="+", default=DEFAULT_SETS)
@@ -92,11 +83,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     machine = machine_info("cpu")
     model, tokenizer = load_default()
-    if args.planner == "learning":  # the table as if measured here: generate's planner then learns as on a device
-        model.step_costs_cache = {cost_key(model): costs}
-        config = LookaheadConfig()
-    else:
-        config = LookaheadConfig(step_costs=pairs)
+    model.step_costs_cache = {cost_key(model): costs}  # as if measured here: the planner learns as on a device
+    config = LookaheadConfig()
     rows = []
     for set_path in args.sets:
         name = set_name(set_path)
@@ -109,15 +97,16 @@ def main(argv=None) -> int:
                 batch = prompts[i: i + B]
                 prompt = batch if len(batch) > 1 else batch[0]
                 kwargs = dict(max_new_tokens=args.max_new_tokens, cuda_graphs=False, _static_steps=True)
-                with FedTokens() as plain_steps:
+                plain_fed, fed = [], []
+                with fed_tokens(plain_fed):
                     plain = model.generate(prompt, lookahead=None, **kwargs)
-                with FedTokens() as steps:
+                with fed_tokens(fed):
                     out = model.generate(prompt, lookahead=config, **kwargs)
                 rows_now = len(batch)
-                plain_s += sum(costs(t) for t in plain_steps.fed)
+                plain_s += sum(costs(t) for t in plain_fed)
                 host = 1e-3 * (args.host_ms + args.host_ms_per_row * rows_now)
-                lookahead_s += sum(costs(t) + (host if t > rows_now else 0.0) for t in steps.fed)
-                for t in steps.fed:
+                lookahead_s += sum(costs(t) + (host if t > rows_now else 0.0) for t in fed)
+                for t in fed:
                     sizes[t] = sizes.get(t, 0) + 1
                 tokens += out.stats.new_tokens
                 row_steps += sum(r.steps for r in out.stats.rows) if out.stats.rows else out.stats.steps
@@ -132,7 +121,7 @@ def main(argv=None) -> int:
                   flush=True)
     result = {"device": "cpu", "machine": machine, "command": command_line(__file__, sys.argv[1:] if argv is None
                                                                            else argv),
-              "model": "SmolLM2-135M-Instruct (float32)", "step_costs": pairs, "planner": args.planner,
+              "model": "SmolLM2-135M-Instruct (float32)", "step_costs": pairs,
               "host_ms": args.host_ms, "host_ms_per_row": args.host_ms_per_row, "prompts": args.prompts,
               "max_new_tokens": args.max_new_tokens, "rows": rows}
     write_results(args.out_dir, f"predict-{args.tag}", result, markdown(result))
@@ -146,8 +135,8 @@ def markdown(result: dict) -> str:
              "with the planner given the table below; each step costed at the table's t(rows x tokens) plus "
              f"{result['host_ms']} ms + {result['host_ms_per_row']} ms a row of host work per lookahead step, plain "
              "decoding at t(rows).", "",
-             f"Decoded on {m['device']} ({m['cpu']}), torch {m['torch']}, git {m['git']}; planner "
-             f"`{result['planner']}`; first {result['prompts']} prompts a set, {result['max_new_tokens']} new tokens. "
+             f"Decoded on {m['device']} ({m['cpu']}), torch {m['torch']}, git {m['git']}; the planner learning "
+             f"as on a device; first {result['prompts']} prompts a set, {result['max_new_tokens']} new tokens. "
              f"Step costs (tokens, seconds): {list(result['step_costs'])}.", "",
              f"Command: `{result['command']}`", "",
              "| set | rows | predicted vs plain | tokens a row-step | identical | steps by tokens fed |",

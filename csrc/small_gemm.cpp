@@ -616,17 +616,15 @@ int64_t& chunked_rows_override() {
   return rows;
 }
 
-// The most rows that read a quantised weight's blocks (in chunks of at most `fused_rows`, the kernels' own limit).
-int64_t block_rows(int64_t fused_rows) {
-  if (chunked_rows_override() >= 0) return std::max(fused_rows, chunked_rows_override());
-  return zen5_or_later() && current_isa() == "avx512" ? std::max(fused_rows, kChunkedRowsZen5) : fused_rows;
-}
-
 // The instruction set's kernels, the most rows one pass of the f32 layout takes, the most rows that read a
-// quantised weight's blocks, and whether those blocks are expanded through an L1 buffer (then a thread needs one).
-GroupsFn pick(int64_t* max_rows, int64_t* fused_rows, bool* via_l1) {
+// quantised weight's blocks (past the kernels' own limit, kFusedRows*, in chunks), and whether those blocks are
+// expanded through an L1 buffer (then a thread needs one).
+GroupsFn pick(int64_t* max_rows, int64_t* block_rows, bool* via_l1) {
   const std::string isa = current_isa();
-  *fused_rows = isa == "avx2" ? kFusedRowsAvx2 : isa == "avx512" ? kFusedRowsAvx512 : kFusedRows;
+  const int64_t fused = isa == "avx2" ? kFusedRowsAvx2 : isa == "avx512" ? kFusedRowsAvx512 : kFusedRows;
+  int64_t chunked = zen5_or_later() && isa == "avx512" ? kChunkedRowsZen5 : fused;
+  if (chunked_rows_override() >= 0) chunked = chunked_rows_override();
+  *block_rows = std::max(fused, chunked);
   *via_l1 = isa != "avx2" && isa != "avx512";
   if (isa == "avx512") { *max_rows = 12; return k512_fused_groups; }
   if (isa == "avx2") { *max_rows = 3; return k256_groups; }
@@ -1102,10 +1100,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, cons
                     x.sizes());
   Packed w = view(packed, "lookahead_gemm.linear");
   const int64_t M = x.size(0), K = x.size(1), groups = w.groups;
-  int64_t max_rows = 0, fused_rows = 0;
+  int64_t max_rows = 0, block_rows = 0;
   bool via_l1 = false;
-  const GroupsFn run = pick(&max_rows, &fused_rows, &via_l1);
-  if (M > block_rows(fused_rows)) w = {kF32, w.K, w.groups, w.f32, nullptr};  // no expansion pays at this many rows
+  const GroupsFn run = pick(&max_rows, &block_rows, &via_l1);
+  if (M > block_rows) w = {kF32, w.K, w.groups, w.f32, nullptr};  // no expansion pays at this many rows
   TORCH_CHECK_VALUE(w.K == K, "lookahead_gemm.linear: x has K=", K, " but the weight has K=", w.K);
   TORCH_CHECK_VALUE(n > (groups - 1) * kCols && n <= groups * kCols, "lookahead_gemm.linear: n=", n,
                     " does not match the packed weight's ", groups, " groups of ", kCols, " columns");
@@ -1148,10 +1146,10 @@ void force_isa(const std::string& isa) {
 }
 
 int64_t chunked_rows() {
-  int64_t max_rows = 0, fused_rows = 0;
+  int64_t max_rows = 0, block_rows = 0;
   bool via_l1 = false;
-  pick(&max_rows, &fused_rows, &via_l1);
-  return block_rows(fused_rows);
+  pick(&max_rows, &block_rows, &via_l1);
+  return block_rows;
 }
 
 void force_chunked_rows(int64_t rows) {

@@ -478,16 +478,8 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
         pad = lookahead is not None and (lookahead.pad_tree if lookahead.pad_tree is not None else
                                          static or device.type == "cuda")
         host = _HostClock()
-        runners = [runner]  # the runner the call ends on (a padded batch moves to smaller ones as rows finish)
-
-        def shrink(current, batch, active):
-            current, batch = _shrunk(model, current, batch, active, plan, clock)
-            runners[0] = current
-            return current, batch
-
-        accepted = _decode(model, cache, runner, rows, sampler, plan, pad, device, clock, host, start_late,
-                           shrink if runner is not None and B > 1 else None)
-        runner = runners[0]
+        # A padded batch may end on a smaller runner than it began with (_shrunk): that one goes back to the model.
+        accepted, runner = _decode(model, cache, runner, rows, sampler, plan, pad, device, clock, host, start_late)
         if prompt_cache is not None:  # rows past the emitted tokens (a last step's excess) are not kept
             row = rows[0]
             prompt_cache.keep(model, row.emitter.sequence[:row.cache_len], cache)
@@ -721,14 +713,14 @@ class _HostClock:
 
 
 def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: Sampler, plan, pad: bool, device,
-            clock: "_CallClock", host: _HostClock, start_late=None, shrink=None) -> list:
-    """Step until every row has stopped. Returns, per step, the tokens emitted.
+            clock: "_CallClock", host: _HostClock, start_late=None) -> tuple:
+    """Step until every row has stopped. Returns, per step, the tokens emitted, and the runner the call ended on.
 
     Without a runner a finished row leaves the batch (its cache row is dropped), so later steps are smaller. With
     one it stays in the batch, parked, its inputs fed at position 0 and its outputs ignored, which keeps the batch
-    dimension, and so every captured graph, valid; once the running rows fit half the batch, ``shrink(runner,
-    batch, active)`` moves them to a runner of fewer rows (:func:`_shrunk`) and returns it with the new batch.
-    Parked rows cost a padded batch a full share of every step: a batch ends with its slowest row."""
+    dimension, and so every captured graph, valid; once the running rows fit half the batch they move to a runner
+    of fewer rows (:func:`_shrunk`; not with logits processors, whose per-row state lives in the runner). Parked
+    rows cost a padded batch a full share of every step: a batch ends with its slowest row."""
     accepted = []
     backoff = _Backoff()
     batch = list(rows)  # the rows each forward runs: every row with a runner, the active ones without
@@ -761,9 +753,9 @@ def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: 
                     processors.keep(kept)
             else:
                 active = [r for r in active if not r.emitter.done]
-                if shrink is not None and processors is None:  # a processor's per-row state lives in the runner
-                    runner, batch = shrink(runner, batch, active)
-    return accepted
+                if processors is None:
+                    runner, batch = _shrunk(model, runner, batch, active, plan, clock)
+    return accepted, runner
 
 
 def _shrunk(model, runner: StepRunner, batch: list, active: list, plan, clock: "_CallClock") -> tuple:
@@ -777,10 +769,8 @@ def _shrunk(model, runner: StepRunner, batch: list, active: list, plan, clock: "
     kept = runner_cache(model)
     smaller = kept.take(model, size, _static_menu(plan, size), runner.cache.max_len, graphs=runner.graphs)
     new_batch = active + [r for r in batch if r.emitter.done][: size - len(active)]
-    rows = torch.tensor([batch.index(r) for r in new_batch], device=runner.cache.k.device)
-    length = max(r.cache_len for r in new_batch)  # past a row's own length nothing is read
-    for old, new in ((runner.cache.k, smaller.cache.k), (runner.cache.v, smaller.cache.v)):
-        new[:, :, :length] = old[:, rows, :length]
+    # Past a row's own length nothing is read.
+    smaller.cache.load_rows(runner.cache, [batch.index(r) for r in new_batch], max(r.cache_len for r in new_batch))
     kept.give_back(runner)
     clock.follow(smaller)
     return smaller, new_batch

