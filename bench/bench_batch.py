@@ -54,18 +54,22 @@ H100_LIKE = ((1, 0.0215), (16, 0.0329), (64, 0.0351))
 H100_LIKE_BATCH = ((256, 0.0505),)
 
 
-def run_paired(model, prompts: list, batch_size: int, max_new_tokens: int, repeats: int, **generate_kwargs) -> dict:
+def run_paired(model, prompts: list, batch_size: int, max_new_tokens: int, repeats: int, refill: bool = False,
+               **generate_kwargs) -> dict:
     """Decode ``prompts`` (1-D tensors) in batches of ``batch_size`` in every mode, the modes of one batch back to
     back (their order alternating from batch to batch), ``repeats`` times over, after the first batch once in each
-    mode, untimed (``generate_kwargs`` go to every call). Returns per mode its outputs (each
+    mode, untimed (``generate_kwargs`` go to every call). ``refill``: every prompt in one call of at most
+    ``batch_size`` rows at once, a finished row's place going to the next prompt (``max_batch_size``), instead of
+    batches one after another. Returns per mode its outputs (each
     prompt's new tokens, from the first pass) and totals, tokens/s being the median over the passes; and per pass
     the ratio of each mode's tokens/s to plain's (side by side, so a drift of the machine's speed cancels)."""
     per_mode = {mode: {"outputs": [], "passes": []} for mode in MODES}
-    batches = [prompts[i: i + batch_size] for i in range(0, len(prompts), batch_size)]
+    batches = [prompts] if refill else [prompts[i: i + batch_size] for i in range(0, len(prompts), batch_size)]
+    generate_kwargs = dict(generate_kwargs, max_batch_size=batch_size)
     # Untimed, the first batch once in each mode: on CUDA that builds this batch size's runners and captures their
     # graphs (kept on the model), which a timed pass would otherwise pay for once, lookahead's menu more than plain.
     for mode in MODES:
-        model.generate(batches[0], max_new_tokens=max_new_tokens, lookahead=MODES[mode], **generate_kwargs)
+        model.generate(prompts[:batch_size], max_new_tokens=max_new_tokens, lookahead=MODES[mode], **generate_kwargs)
     for rep in range(repeats):
         totals = {mode: dict(new=0, seconds=0.0, steps=0, fed=0) for mode in MODES}
         for i, batch in enumerate(batches):
@@ -110,6 +114,9 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu-linear", default="torch", choices=["torch", "kernel"],
                     help="on CUDA: linear layers through cuBLAS (torch) or our row-invariant Triton kernel "
                          "(model.set_gpu_linear)")
+    ap.add_argument("--refill", action="store_true",
+                    help="continuous batching: each set in one call of at most B rows at once, a finished row's "
+                         "place going to the next prompt (generate's max_batch_size), not batches one after another")
     ap.add_argument("--temperature", type=float, default=None,
                     help="sample at this temperature (default: greedy decoding, outputs compared with plain's)")
     ap.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass, with --temperature")
@@ -163,7 +170,7 @@ def main(argv=None) -> int:
                              for p in tqdm(prompts, desc=f"{name} batch-1 reference")]
             for B in tqdm(sorted(args.batch_sizes), desc=name):
                 for mode, (outputs, totals) in run_paired(model, prompts, B, args.max_new_tokens, args.repeats,
-                                                          **generate_kwargs).items():
+                                                          args.refill, **generate_kwargs).items():
                     if reference is None:  # batch 1, plain: the first run
                         reference = outputs
                     identical = None if sampled else sum(o == r for o, r in zip(outputs, reference))
@@ -177,11 +184,12 @@ def main(argv=None) -> int:
     machine["load_average_end"] = machine_info(args.device)["load_average"]
     tag = args.tag or ("cpu" if args.device == "cpu" else device_label(machine).lower().replace(" ", "-")) \
         + ("" if args.dtype == "float32" else f"-{args.dtype}") \
-        + ("" if args.gpu_linear == "torch" else "-kernel-linear") + ("-dry-run" if args.dry_run else "")
+        + ("" if args.gpu_linear == "torch" else "-kernel-linear") + ("-refill" if args.refill else "") \
+        + ("-dry-run" if args.dry_run else "")
     result = {"machine": machine, "command": command_line(__file__, sys.argv[1:] if argv is None else argv),
               "model": f"SmolLM2-135M-Instruct ({args.dtype})", "dtype": args.dtype,
               "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-              "prompts_per_set": args.prompts, "threads": args.threads, "repeats": args.repeats,
+              "prompts_per_set": args.prompts, "threads": args.threads, "repeats": args.repeats, "refill": args.refill,
               "gpu_linear": args.gpu_linear, "rows": rows}
     base = write_results(args.out_dir, f"batch-{tag}", result, markdown(result))
     plot(result, base + ".png")
@@ -201,6 +209,8 @@ def markdown(result: dict) -> str:
     lines = [f"# Throughput against batch size ({result['model']})", "",
              f"{decoding(result)}, {result['max_new_tokens']} new tokens, {subset} of each set, "
              f"{result['threads']} threads"
+             + (", continuous batching (each set in one call of at most B rows at once, a finished row's place "
+                "going to the next prompt)" if result.get("refill") else "")
              + (", linear layers in our Triton kernel" if result.get("gpu_linear") == "kernel" else "") + ". "
              f"Device: {m['device']} ({m.get('gpu') or m['cpu']}), torch {m['torch']}, git {m['git']}, load average "
              f"at the start {m.get('load_average')}, at the end {m.get('load_average_end')}.", "",

@@ -74,6 +74,9 @@ def main(argv=None) -> int:
     ap.add_argument("--step-costs", default="h100", help="'h100' (default) or T:seconds pairs")
     ap.add_argument("--host-ms", type=float, default=0.15, help="host work a lookahead step adds (ms)")
     ap.add_argument("--host-ms-per-row", type=float, default=0.02, help="and per row of the batch (ms)")
+    ap.add_argument("--refill", action="store_true",
+                    help="every prompt in one call with max_batch_size=B (a finished row's place goes to the next "
+                         "prompt) instead of batches of B prompts one after another")
     ap.add_argument("--sets", nargs="+", default=DEFAULT_SETS)
     ap.add_argument("--tag", default="h100")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
@@ -93,16 +96,17 @@ def main(argv=None) -> int:
             plain_s = lookahead_s = 0.0
             tokens = row_steps = identical = 0
             sizes: dict[int, int] = {}
-            for i in range(0, len(prompts), B):
-                batch = prompts[i: i + B]
+            groups = [prompts] if args.refill else [prompts[i: i + B] for i in range(0, len(prompts), B)]
+            for batch in groups:
                 prompt = batch if len(batch) > 1 else batch[0]
-                kwargs = dict(max_new_tokens=args.max_new_tokens, cuda_graphs=False, _static_steps=True)
+                kwargs = dict(max_new_tokens=args.max_new_tokens, cuda_graphs=False, _static_steps=True,
+                              max_batch_size=B)
                 plain_fed, fed = [], []
                 with fed_tokens(plain_fed):
                     plain = model.generate(prompt, lookahead=None, **kwargs)
                 with fed_tokens(fed):
                     out = model.generate(prompt, lookahead=config, **kwargs)
-                rows_now = len(batch)
+                rows_now = min(len(batch), B)
                 plain_s += sum(costs(t) for t in plain_fed)
                 host = 1e-3 * (args.host_ms + args.host_ms_per_row * rows_now)
                 lookahead_s += sum(costs(t) + (host if t > rows_now else 0.0) for t in fed)

@@ -22,6 +22,7 @@ Two ways to run a step's forward ("run", part 3 of ``shared/design/decode-loop.m
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import time
@@ -275,10 +276,10 @@ class _Row:
         self.kept = []  # with output_scores/output_logits: per step, float32 [K, taken, vocab] (host)
 
     def start_lookahead(self, la: LookaheadConfig, plan, vocab_size: int, device, prompt: torch.Tensor,
-                        native: bool | None) -> None:
+                        native: bool | None, levels: int = 1) -> None:
         shape = plan.shape
         self.window = LookaheadWindow(shape.window, shape.ngram, torch.Generator().manual_seed(la.seed))
-        self.window.reset(prompt)
+        self.window.reset(prompt, levels)
         # The planner cuts the trees of the whole batch at once (_lookahead_step), not each builder alone.
         self.drafts = DraftBuilder(la, vocab_size, device, shape=shape, sources=plan.sources, native=native)
         self.drafts.start(prompt)
@@ -304,13 +305,16 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
              trace: bool = False, cuda_graphs: bool | None = None, _static_steps: bool | None = None,
              _native_draft: bool | None = None, prompt_cache: PromptCache | None = None,
              stopping_criteria=None, tokenizer=None, logits_processor=None, prefix_allowed_tokens_fn=None,
-             **kwargs) -> GenerateOutput:
+             max_batch_size: int | None = None, **kwargs) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` tokens after each prompt.
 
     ``input_ids``: ``[B, prompt_len]`` (``[prompt_len]`` for one prompt), left-padded rows with an
     ``attention_mask`` as transformers takes them, or a list of prompts of any lengths (lists of ints or 1-D
     tensors). Each row decodes as it would alone (greedy: the same tokens; sampled: the same distribution) and
-    stops on its own; one forward pass per step serves the whole batch.
+    stops on its own; one forward pass per step serves the whole batch. ``max_batch_size`` (``None``: every
+    prompt at once) decodes at most that many rows at a time: when a row ends, the next prompt is prefilled into
+    its place (continuous batching), so a batch never waits for its slowest row with its other rows idle; not
+    with logits processors (per-row state made once per call), which are a ``ValueError`` then.
     ``lookahead=None`` decodes one token per forward pass; a :class:`LookaheadConfig` decodes with lookahead; the
     default ``LookaheadConfig()`` sizes each step from the device's measured cost and the batch size (measured
     once, outside ``stats.seconds``).
@@ -336,8 +340,9 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     ``cuda_graphs`` (``None``: on where the model is on CUDA) runs every decode step by replaying a CUDA graph
     captured once per step shape (:class:`lookahead.runner.StepRunner`); the steps then come from a small fixed
     menu (the plain step; the lookahead shape at each warm-up level of the window, trees padded to the budget;
-    in automatic mode a step with no window and no candidate is a plain step), and a row that finishes stays in
-    the batch until the batch ends, its outputs ignored. The runners (their KV cache and graphs) are kept on the
+    in automatic mode a step with no window and no candidate is a plain step), and a row that finishes gives its
+    place to a waiting prompt (``max_batch_size``) or stays in the batch, parked, its outputs ignored, until the
+    running rows fit a runner of half the rows (or fewer). The runners (their KV cache and graphs) are kept on the
     model for the next call with the same batch size and menu (``model.step_runners``, a
     :class:`lookahead.runner.RunnerCache`; ``model.step_runners.clear()`` frees them), so a shape is captured
     once per model, not per call (capturing is setup: not counted in ``stats.seconds``). ``cuda_graphs=False``
@@ -361,15 +366,15 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
         one_token_per_step=lookahead is None, extra=kwargs)
     max_new_tokens, streamer, eos_token_id = args.max_new_tokens, args.streamer, args.eos_token_id
     do_sample, temperature, top_k, top_p = args.do_sample, args.temperature, args.top_k, args.top_p
-    B = len(args.prompts)
-    if streamer is not None and B > 1:
-        raise ValueError(f"a streamer follows one sequence but generate got a batch of {B} prompts; stream one "
+    N = len(args.prompts)
+    if streamer is not None and N > 1:
+        raise ValueError(f"a streamer follows one sequence but generate got a batch of {N} prompts; stream one "
                          f"prompt at a time, or pass no streamer for a batch (transformers refuses this too)")
     if prompt_cache is not None:
         if not isinstance(prompt_cache, PromptCache):
             raise ValueError(f"prompt_cache must be a lookahead.PromptCache or None, got {type(prompt_cache).__name__}")
-        if B > 1:
-            raise ValueError(f"a prompt_cache follows one sequence but generate got a batch of {B} prompts")
+        if N > 1:
+            raise ValueError(f"a prompt_cache follows one sequence but generate got a batch of {N} prompts")
     custom = make_custom_processors(logits_processor, prefix_allowed_tokens_fn, _processor_settings(args),
                                     cuda_graphs)
     # the caller's processors are Python: the eager loop runs them
@@ -379,10 +384,10 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     _load_extensions_untimed(lookahead, model.device)
     started = time.perf_counter()
     cfg = model.config
-    prompts = [_check_prompt(p, cfg.vocab_size, b, B) for b, p in enumerate(args.prompts)]
+    prompts = [_check_prompt(p, cfg.vocab_size, b, N) for b, p in enumerate(args.prompts)]
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    longest = max(p.numel() for p in prompts)
+    longest = max(p.numel() for p in prompts)  # of every prompt: a refilled row reuses the cache
     if longest + max_new_tokens > cfg.max_position_embeddings:
         raise ValueError(f"prompt ({longest} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the model's "
                          f"{cfg.max_position_embeddings} positions")
@@ -419,6 +424,16 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
         no_repeat_ngram_size=args.no_repeat_ngram_size, prompt_ngram_size=args.prompt_ngram_size,
         sequence_bias=args.sequence_bias, bad_words=bad_words(args.bad_words_ids, eos),
         length=_length_rules(args, max_new_tokens), custom=custom)
+    B = N  # rows decoded at once
+    if max_batch_size is not None:
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be None (every prompt at once) or an int >= 1, got "
+                             f"{max_batch_size!r}")
+        B = min(N, max_batch_size)
+        if B < N and processors:
+            raise ValueError(f"max_batch_size={max_batch_size} below the {N} prompts refills rows as they end, which "
+                             f"logits processors (their per-row state is made once a call) do not follow; pass no "
+                             f"max_batch_size, or call generate once per {max_batch_size} prompts")
     sampler = Sampler(do_sample, temperature, top_k, top_p, generator, processors, args.outputs, args.min_p,
                       args.typical_p, args.epsilon_cutoff, args.eta_cutoff, args.top_h, args.renormalize_logits)
     rows = [_Row(_Emitter(p.tolist(), max_new_tokens, eos, streamer,
@@ -444,7 +459,7 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     if processors:  # a graph holds the runner's tensors' addresses; the eager loop narrows its own
         processors.start(runner.state if runner is not None else
                          lambda name, shape, dtype: torch.zeros(shape, dtype=dtype, device=device),
-                         [r.emitter.sequence for r in rows], [0] * B, replayed=graphs, capacity=cache.max_len)
+                         [r.emitter.sequence for r in rows[:B]], [0] * B, replayed=graphs, capacity=cache.max_len)
     started += time.perf_counter() - setup_started
     clock = _CallClock(started, runner)
     # A batch too big for any tree at the start decodes plainly, its rows' lookahead state (window, drafts) made
@@ -459,27 +474,41 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     # mask, and doing what batch 1 does keeps every row's numbers (and so its greedy output) its own. It runs once.
     # The weights cannot change during the call: the CPU forward looks its packed weights up once.
     with model.weights_fixed():
-        for b, (row, prompt) in enumerate(zip(rows, prompts)):
+        def prefill(row: _Row, cache_row) -> None:  # the KV cache only: the prompt's last token is x
             prefill_started = time.perf_counter()
             n = row.cache_len
-            reused = 0 if prompt_cache is None else prompt_cache.restore(model, row.emitter.sequence[:n], cache)
+            reused = 0 if prompt_cache is None else prompt_cache.restore(model, row.emitter.sequence[:n], cache_row)
             row.stats.reused_tokens = reused
-            if n > reused:  # prefill (the KV cache only): the prompt's last token is the first step's x
-                model.hidden(prompt[None, reused:-1].to(device), torch.arange(reused, n, device=device)[None],
-                             cache.sequence(b), reused, StepLayout.prefill(n - reused))
-            if plan is not None and not deferred:
-                row.start_lookahead(lookahead, plan, cfg.vocab_size, device, prompt, _native_draft)
+            if n > reused:
+                model.hidden(torch.tensor([row.emitter.sequence[reused:n]], device=device),
+                             torch.arange(reused, n, device=device)[None], cache_row, reused,
+                             StepLayout.prefill(n - reused))
             row.stats.prefill_seconds = time.perf_counter() - prefill_started
 
-        def start_late(row: _Row) -> None:  # a deferred row, when its batch first takes a lookahead step
+        for b, row in enumerate(rows[:B]):
+            prefill(row, cache.sequence(b))
+            if plan is not None and not deferred:
+                row.start_lookahead(lookahead, plan, cfg.vocab_size, device, prompts[b], _native_draft)
+
+        def start_late(row: _Row, levels: int) -> None:  # a deferred or refilled row, at its first lookahead step
             row.start_lookahead(lookahead, plan, cfg.vocab_size, device, torch.tensor(row.emitter.sequence),
-                                _native_draft)
+                                _native_draft, levels)
+
+        waiting = collections.deque(rows[B:])
+
+        def refill(cache_row) -> _Row | None:  # the next prompt into a finished row's place
+            if not waiting:
+                return None
+            row = waiting.popleft()
+            prefill(row, cache_row)
+            return row
 
         pad = lookahead is not None and (lookahead.pad_tree if lookahead.pad_tree is not None else
                                          static or device.type == "cuda")
         host = _HostClock()
         # A padded batch may end on a smaller runner than it began with (_shrunk): that one goes back to the model.
-        accepted, runner = _decode(model, cache, runner, rows, sampler, plan, pad, device, clock, host, start_late)
+        accepted, runner = _decode(model, cache, runner, rows[:B], sampler, plan, pad, device, clock, host,
+                                   start_late, refill)
         if prompt_cache is not None:  # rows past the emitted tokens (a last step's excess) are not kept
             row = rows[0]
             prompt_cache.keep(model, row.emitter.sequence[:row.cache_len], cache)
@@ -497,8 +526,8 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
         fed_tokens=sum(r.stats.fed_tokens for r in rows), seconds=seconds,
         prefill_seconds=sum(r.stats.prefill_seconds for r in rows), host_seconds=host.seconds, accepted=accepted,
         reused_tokens=sum(r.stats.reused_tokens for r in rows),
-        trace=rows[0].stats.trace if B == 1 else None, rows=[r.stats for r in rows])
-    if B == 1:
+        trace=rows[0].stats.trace if N == 1 else None, rows=[r.stats for r in rows])
+    if N == 1:
         rows[0].stats.seconds = seconds
     kept = _kept_outputs(rows, sampler.outputs, args.prompts[0].device)
     return GenerateOutput(_sequences(rows, args.padding, _pad_id(model, args.pad_token_id, eos_token_id),
@@ -713,8 +742,11 @@ class _HostClock:
 
 
 def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: Sampler, plan, pad: bool, device,
-            clock: "_CallClock", host: _HostClock, start_late=None) -> tuple:
+            clock: "_CallClock", host: _HostClock, start_late=None, refill=None) -> tuple:
     """Step until every row has stopped. Returns, per step, the tokens emitted, and the runner the call ended on.
+
+    ``refill(cache_row)``: the next waiting row, prefilled into ``cache_row`` (a batch-1 view of the cache), or
+    ``None`` when no row waits; a finished row's place goes to it before anything below happens to that place.
 
     Without a runner a finished row leaves the batch (its cache row is dropped), so later steps are smaller. With
     one it stays in the batch, parked, its inputs fed at position 0 and its outputs ignored, which keeps the batch
@@ -733,9 +765,10 @@ def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: 
                 or backoff.waiting():
             accepted.append(_plain_step(model, cache, runner, batch, sampler, device))
         else:
+            levels = _levels(active)
             for row in active:
                 if row.drafts is None:
-                    start_late(row)
+                    start_late(row, levels)
             accepted.append(_lookahead_step(model, cache, runner, batch, sampler, plan, pad, device, host, backoff))
         if processors is not None:  # the tokens each row committed join its context, and its count
             processors.add([r.emitter.sequence[n:] for r, n in zip(batch, before)], [r.emitter.new for r in batch])
@@ -744,6 +777,10 @@ def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: 
             now = clock.elapsed()
             for i in finished:
                 active[i].stats.seconds = now
+            if refill is not None:
+                finished = _refilled(cache, runner, batch, active, finished, refill)
+                if not finished:
+                    continue
             if len(finished) == len(active):
                 break
             if runner is None:
@@ -756,6 +793,21 @@ def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: 
                 if processors is None:
                     runner, batch = _shrunk(model, runner, batch, active, plan, clock)
     return accepted, runner
+
+
+def _refilled(cache, runner: StepRunner | None, batch: list, active: list, finished: list[int], refill) -> list[int]:
+    """Give the places of the finished rows ``active[i]`` (``i`` in ``finished``) to waiting rows (``refill``),
+    in ``batch`` and ``active`` in place; returns the finished rows that kept their place (no row waited)."""
+    left = []
+    for i in finished:
+        slot = batch.index(active[i])  # the cache row: batch and active are one list without a runner
+        row = refill((runner.cache if runner is not None else cache).sequence(slot))
+        if row is None:
+            left.append(i)
+            continue
+        batch[slot] = row
+        active[i] = row
+    return left
 
 
 def _shrunk(model, runner: StepRunner, batch: list, active: list, plan, clock: "_CallClock") -> tuple:
@@ -821,9 +873,9 @@ def _batch_too_big(active: list[_Row], batch: list[_Row], plan) -> bool:
 
 
 def _levels(active: list[_Row]) -> int:
-    """The levels the rows' windows feed (they warm up in step); 1 before a deferred batch has windows (its plan
-    has none beyond x)."""
-    return active[0].window.levels if active[0].window is not None else 1
+    """The levels the rows' windows feed (they warm up in step, and a refilled row starts at theirs); 1 before a
+    deferred batch has windows (its plan has none beyond x)."""
+    return next((r.window.levels for r in active if r.window is not None), 1)
 
 
 def _plain_step(model, cache, runner, batch: list[_Row], sampler: Sampler, device,

@@ -105,6 +105,21 @@ def test_window_warm_up_then_slide_hand_worked():
     assert w.tokens.tolist() == [[12, 9, 9], [21, 22, 9]]
 
 
+def test_a_window_joining_a_batch_starts_at_its_level():
+    """A row that takes a finished row's place (``max_batch_size``) starts with as many levels as the batch's
+    windows, drawn from its prompt, and then slides as they do."""
+    w = LookaheadWindow(window=3, ngram=4, generator=torch.Generator().manual_seed(0))
+    w.reset(torch.tensor([7]), levels=2)
+    assert w.tokens.tolist() == [[7, 7, 7], [7, 7, 7]] and w.levels == 2 and not w.warm
+    assert w.advance(1, torch.tensor([10, 11, 12]), accepted=0, source=torch.tensor([9])) is None
+    assert w.tokens.tolist() == [[7, 7, 9], [7, 7, 9], [11, 12, 9]] and w.warm
+    w.reset(torch.tensor([7]), levels=3)
+    assert w.warm
+    for levels in (0, 4):
+        with pytest.raises(ValueError, match=r"levels must be in \[1, 3\]"):
+            w.reset(torch.tensor([7]), levels=levels)
+
+
 def test_window_refills_from_a_list_as_from_a_tensor():
     source = torch.randint(0, 1000, (50,)).tolist()
     windows = []

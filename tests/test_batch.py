@@ -84,6 +84,25 @@ def test_each_row_equals_its_own_greedy_output(tiny, mode):
                                                  refs))
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+@pytest.mark.parametrize("mode", list(CONFIGS))
+def test_waiting_prompts_take_finished_rows_places(tiny, mode, static):
+    """``max_batch_size`` below the prompts: at most that many rows decode at once, a finished row's place goes to
+    the next prompt (a windowed row joins at the others' window level), and every row still equals its own greedy
+    output."""
+    g = torch.Generator().manual_seed(3)
+    prompts = mixed_prompts() + [torch.randint(0, 97, (5,), generator=g), torch.tensor([4] * 5)]
+    eos, refs = rows_stopping_apart(tiny, prompts)
+    path = dict(cuda_graphs=False, _static_steps=True) if static else {}
+    for rows in (1, 2, 3):
+        out = tiny.generate(prompts, max_new_tokens=24, lookahead=CONFIGS[mode], eos_token_id=eos, pad_token_id=0,
+                            max_batch_size=rows, **path)
+        check_rows(out, refs, prompts, pad_id=0)
+        row_steps = sum(r.steps for r in out.stats.rows)
+        assert row_steps / rows <= out.stats.steps < row_steps or rows == 1 and out.stats.steps == row_steps
+        assert out.stats.new_tokens == sum(out.stats.accepted)
+
+
 def test_left_padded_tensor_and_list_of_prompts_give_the_same_rows(tiny):
     prompts = mixed_prompts()
     L = max(len(p) for p in prompts)
@@ -202,6 +221,10 @@ def test_lookahead_turns_itself_off_for_big_batches(tiny):
     (dict(input_ids=[[1, 2], [3, 200]]), r"\[0, 97\).*\(prompt 1\)"),
     (dict(input_ids=[]), "list of prompts is empty"),
     (dict(input_ids=[[1, 2], [3]], streamer=print), "streamer follows one sequence"),
+    (dict(input_ids=[[1, 2], [3]], max_batch_size=0), r"max_batch_size must be None .* or an int >= 1, got 0"),
+    (dict(input_ids=[[1, 2], [3]], max_batch_size=True), "max_batch_size must be None"),
+    (dict(input_ids=[[1, 2], [3]], max_batch_size=1, repetition_penalty=1.2),
+     "max_batch_size=1 below the 2 prompts refills rows as they end, which logits processors"),
 ])
 def test_bad_batches_are_clear_errors(tiny, kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -245,6 +268,8 @@ def test_smollm2_batch_rows_equal_batch_one():
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else model.config.eos_token_id[0]
     for la in (None, LookaheadConfig(), LookaheadConfig(max_step_tokens=16)):
         check_rows(model.generate(prompts, max_new_tokens=16, lookahead=la), refs, prompts, pad_id=pad_id)
+    # at most two rows at once, the others waiting for a finished row's place
+    check_rows(model.generate(prompts, max_new_tokens=16, max_batch_size=2), refs, prompts, pad_id=pad_id)
 
 
 def test_lookahead_resumes_when_rows_leave(tiny):
