@@ -127,7 +127,7 @@ def main(argv=None) -> int:
                                                                            else argv),
               "model": "SmolLM2-135M-Instruct (float32)", "step_costs": pairs,
               "host_ms": args.host_ms, "host_ms_per_row": args.host_ms_per_row, "prompts": args.prompts,
-              "max_new_tokens": args.max_new_tokens, "rows": rows}
+              "max_new_tokens": args.max_new_tokens, "refill": args.refill, "rows": rows}
     write_results(args.out_dir, f"predict-{args.tag}", result, markdown(result))
     return 0
 
@@ -140,7 +140,10 @@ def markdown(result: dict) -> str:
              f"{result['host_ms']} ms + {result['host_ms_per_row']} ms a row of host work per lookahead step, plain "
              "decoding at t(rows).", "",
              f"Decoded on {m['device']} ({m['cpu']}), torch {m['torch']}, git {m['git']}; the planner learning "
-             f"as on a device; first {result['prompts']} prompts a set, {result['max_new_tokens']} new tokens. "
+             f"as on a device; first {result['prompts']} prompts a set, {result['max_new_tokens']} new tokens"
+             + ("; every prompt of a set in one call of at most `rows` rows at once, a finished row's place going to "
+                "the next prompt (`max_batch_size`)" if result.get("refill") else "; batches of `rows` prompts one "
+                "after another") + ". "
              f"Step costs (tokens, seconds): {list(result['step_costs'])}.", "",
              f"Command: `{result['command']}`", "",
              "| set | rows | predicted vs plain | tokens a row-step | identical | steps by tokens fed |",

@@ -19,6 +19,7 @@
 #   batch      SmolLM2 batches of 1, 4, 16 rows: lookahead against plain (bench/bench_batch.py --device cuda)
 #   batchbf16  the same in bfloat16, 1 and 16 rows (tensor cores keep a step's cost flat to larger sizes)
 #   batchkernel  the same in float32 with the linear layers in our Triton kernel (--gpu-linear kernel), 1 and 16 rows
+#   batchrefill  48 prompts a set through 16 rows, a finished row's place going to the next prompt (--refill)
 #   gputests   every other test marked gpu (pytest -m gpu), bf16 identity counts included
 #   ktests     kernel tests on CUDA: tests/test_gpu_kernels.py, test_step_linear.py, test_layer_ops.py,
 #              test_kv_compact.py, test_runner.py, test_attention.py, test_verify.py
@@ -38,11 +39,11 @@ PARTS=()
 for a in "$@"; do
   case "$a" in
     --dry-run) DRY=1 ;;
-    env|build|ktests|stepcost|kernels|verify|linear|pool|profile|model|e2e|batch|batchbf16|batchkernel|gputests) PARTS+=("$a") ;;
-    *) echo "unknown part '$a'; parts: env build ktests stepcost kernels verify linear pool profile model e2e batch batchbf16 batchkernel gputests" >&2; exit 2 ;;
+    env|build|ktests|stepcost|kernels|verify|linear|pool|profile|model|e2e|batch|batchbf16|batchkernel|batchrefill|gputests) PARTS+=("$a") ;;
+    *) echo "unknown part '$a'; parts: env build ktests stepcost kernels verify linear pool profile model e2e batch batchbf16 batchkernel batchrefill gputests" >&2; exit 2 ;;
   esac
 done
-[ ${#PARTS[@]} -eq 0 ] && PARTS=(env build ktests stepcost kernels verify linear pool profile model e2e batch batchbf16 batchkernel gputests)
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(env build ktests stepcost kernels verify linear pool profile model e2e batch batchbf16 batchkernel batchrefill gputests)
 wants() { local p; for p in "${PARTS[@]}"; do [ "$p" = "$1" ] && return 0; done; return 1; }
 
 OUT=${OUT:-$ROOT/gpu-out}
@@ -162,6 +163,8 @@ fi
 if [ $DRY = 1 ]; then  # the batches' loop as a GPU runs it (static steps, a planner that learns), on the CPU
   wants batch && part batch 150 $PY bench/bench_batch.py --dry-run --prompts 4 --batch-sizes 1 4 --max-new-tokens 8 \
     --sets "${SETS[@]}" --out-dir "$WORK"
+  wants batchrefill && part batchrefill 90 $PY bench/bench_batch.py --dry-run --refill --prompts 6 --batch-sizes 4 \
+    --max-new-tokens 8 --sets "${SETS[@]}" --out-dir "$WORK"
 else  # issue 12's GPU figure: lookahead against plain at 1, 4 and 16 rows (graphs on)
   wants batch && part batch 150 $PY bench/bench_batch.py --device cuda --prompts 16 --batch-sizes 1 4 16 \
     --repeats 1 --max-new-tokens 64 --sets "${SETS[@]}" --out-dir "$WORK"
@@ -169,6 +172,8 @@ else  # issue 12's GPU figure: lookahead against plain at 1, 4 and 16 rows (grap
     --batch-sizes 1 16 --repeats 1 --max-new-tokens 64 --sets "${SETS[@]}" --out-dir "$WORK"
   wants batchkernel && part batchkernel 90 $PY bench/bench_batch.py --device cuda --gpu-linear kernel --prompts 16 \
     --batch-sizes 1 16 --repeats 1 --max-new-tokens 64 --sets "${SETS[@]}" --out-dir "$WORK"
+  wants batchrefill && part batchrefill 90 $PY bench/bench_batch.py --device cuda --refill --prompts 48 \
+    --batch-sizes 16 --repeats 1 --max-new-tokens 64 --sets "${SETS[@]}" --out-dir "$WORK"
 fi
 # Last: the tests. 150 kernel tests compiling their kernels one after another took more than 150 s on an H100
 # (71 done); spread over the workers they get what is left.
