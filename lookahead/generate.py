@@ -800,7 +800,7 @@ def _refilled(cache, runner: StepRunner | None, batch: list, active: list, finis
     in ``batch`` and ``active`` in place; returns the finished rows that kept their place (no row waited)."""
     left = []
     for i in finished:
-        slot = batch.index(active[i])  # the cache row: batch and active are one list without a runner
+        slot = batch.index(active[i])  # its cache row (without a runner, batch and active hold the same rows)
         row = refill((runner.cache if runner is not None else cache).sequence(slot))
         if row is None:
             left.append(i)
