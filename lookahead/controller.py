@@ -419,8 +419,10 @@ class StepPlanner:
         key = (batch_size, budget, round(self._scale(), 2)) \
             + tuple(round(c, 5) for c in (self.host.coefficients if self.host else ()))
         if key not in self._reach:
-            chain = [OPTIMISTIC_ACCEPTANCE ** (d + 1) for d in range(budget)]
-            self._reach[key] = self.choose_batch([chain] * batch_size)
+            # Every row the same chain: its columns are the chain's links times the rows, without summing a
+            # [rows, budget] table (the key moves with the learned host cost: this runs at many steps of a batch).
+            chain = [batch_size * OPTIMISTIC_ACCEPTANCE ** (d + 1) for d in range(budget)]
+            self._reach[key] = self._best_size(chain, itertools.repeat(batch_size), batch_size) if batch_size else 0
         return self._reach[key]
 
     def _scale(self) -> float:
@@ -456,11 +458,6 @@ class StepPlanner:
         B = len(gains)
         if B == 0:
             return 0
-        R = B if rows is None else max(rows, B)
-        best, best_rate = 0, B / self._cost(R * self.window_tokens)
-        per_row, per_node = self.host.coefficients if self.host is not None else (0.0, 0.0)  # one fit per call
-        host_rows = per_row * B
-        scale = self._scale()
         # Per tree size v + 1: the expected tokens its v-th nodes add (a column of the rows' gains) and how many
         # rows have a v-th node. One pass over columns, not rows within sizes: this runs every step.
         if B == 1:
@@ -471,6 +468,16 @@ class StepPlanner:
             for row in gains:
                 ends[len(row)] += 1
             widths = itertools.accumulate(ends[1:], operator.sub, initial=B - ends[0])  # rows longer than v
+        return self._best_size(columns, widths, B, sizes, rows)
+
+    def _best_size(self, columns, widths, B: int, sizes: list[int] | None = None, rows: int | None = None) -> int:
+        """:meth:`choose_batch` from the rows' gains summed per tree depth (``columns[v]``: the expected tokens the
+        rows' ``v``-th nodes add) and ``widths[v]``, how many rows have a ``v``-th node."""
+        R = B if rows is None else max(rows, B)
+        best, best_rate = 0, B / self._cost(R * self.window_tokens)
+        per_row, per_node = self.host.coefficients if self.host is not None else (0.0, 0.0)  # one fit per call
+        host_rows = per_row * B
+        scale = self._scale()
         expected, nodes, fed, cost = float(B), 0, 0, 0.0
         padded = iter(sizes) if sizes is not None else None
         for v, (column, width) in enumerate(zip(columns, widths)):

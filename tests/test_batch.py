@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lookahead import LlamaForCausalLM, LookaheadConfig
-from lookahead.controller import StepCosts, StepPlanner, make_plan
+from lookahead.controller import OPTIMISTIC_ACCEPTANCE, HostCost, StepCosts, StepPlanner, make_plan
 from lookahead.model import ModelConfig
 from lookahead.sampling import SamplingParams
 
@@ -178,6 +178,13 @@ def test_the_planner_shrinks_the_tree_as_the_batch_grows():
     # the optimistic reach bounds what a batch builds; past it a batch steps plainly
     reach = [planner.reach(B, 63) for B in (1, 4, 16, 64)]
     assert reach == sorted(reach, reverse=True) and reach[0] >= sizes[0] and reach[-1] == 0
+    # the reach is the batch's choice for rows of the optimistic chain (computed from its columns directly)
+    host = HostCost()
+    for B, budget in ((1, 63), (3, 15), (16, 63), (16, 255), (64, 7)):
+        host.observe(B, 4 * B, 1e-4 * B)
+        learning = StepPlanner(StepCosts.from_pairs(CPU_LIKE), 1, host)
+        chain = [OPTIMISTIC_ACCEPTANCE ** (d + 1) for d in range(budget)]
+        assert learning.reach(B, budget) == learning.choose_batch([chain] * B), (B, budget)
     # a row with fewer candidates still pays for the padding: one rich row cannot buy a big tree for many
     assert planner.choose_batch([gains] + [[]] * 15) < planner.choose_batch([gains] * 16) or \
         planner.choose_batch([gains] * 16) == 0
