@@ -420,7 +420,7 @@ class StepPlanner:
             + tuple(round(c, 5) for c in (self.host.coefficients if self.host else ()))
         if key not in self._reach:
             # Every row the same chain: its columns are the chain's links times the rows, without summing a
-            # [rows, budget] table (the key moves with the learned host cost: this runs at many steps of a batch).
+            # [rows, budget] table (worked out afresh for each batch size and host-cost fit a call meets).
             chain = [batch_size * OPTIMISTIC_ACCEPTANCE ** (d + 1) for d in range(budget)]
             self._reach[key] = self._best_size(chain, itertools.repeat(batch_size), batch_size) if batch_size else 0
         return self._reach[key]
