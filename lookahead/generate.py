@@ -92,7 +92,9 @@ class GenerationStats:
     For one prompt the fields describe it. For a batch they are the batch's totals (``steps`` counts forward
     passes, each serving every row still running) and ``rows`` holds each row's own statistics, in the batch's
     order: its ``steps`` are the passes it took part in, its ``fed_tokens`` its share of them (tree padding
-    included), its ``seconds`` the time until it finished, its ``prefill_seconds`` its own prefill.
+    included), its ``seconds`` the time from the call's start until it finished, its ``prefill_seconds`` its own
+    prefill (with ``max_batch_size``, a waiting row's prefill runs when it takes a finished row's place: part of
+    ``seconds`` like every prefill).
 
     Attributes:
         new_tokens: tokens emitted after the prompt(s).
