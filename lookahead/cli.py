@@ -268,6 +268,57 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_batch(args) -> int:
+    """Every prompt of a JSONL file (rows with ``turns``: chat, ``prompt``: raw text) in one ``generate`` call of at
+    most ``--max-batch-size`` rows at once; one JSON line per prompt, in the file's order."""
+    la = None if args.no_lookahead else _config(args)
+    sampling = _sampling(args)
+    _check_max_new_tokens(args)
+    if args.max_batch_size is not None and args.max_batch_size < 1:
+        raise CliError(f"--max-batch-size must be >= 1, got {args.max_batch_size}", status=2)
+    if args.limit is not None and args.limit < 1:
+        raise CliError(f"--limit must be >= 1, got {args.limit}", status=2)
+    if not os.path.isfile(args.prompts):
+        raise CliError(f"{args.prompts}: no such file", status=2)
+    with open(args.prompts) as f:
+        count = sum(1 for line in f if line.strip())
+    count = min(count, args.limit or count)
+    processing = [flag for flag, name in (("--repetition-penalty", "repetition_penalty"),
+                                          ("--min-new-tokens", "min_new_tokens"),
+                                          ("--no-repeat-ngram-size", "no_repeat_ngram_size")) if name in sampling]
+    if processing and args.max_batch_size is not None and args.max_batch_size < count:
+        raise CliError(f"{processing[0]} with --max-batch-size below the {count} prompts: rows are refilled as they "
+                       f"end, which its per-row state does not follow; leave --max-batch-size out", status=2)
+    args.device = _device(args)
+    model, tokenizer = _load(args)
+    try:
+        prompts = [ids[0] for ids in read_prompts(args.prompts, tokenizer)[: args.limit]]
+    except (ValueError, KeyError, IndexError, TypeError) as err:
+        raise CliError(f"{args.prompts}: {err}") from None
+    if not prompts:
+        raise CliError(f"{args.prompts}: no prompts")
+    _sampling_generator(sampling, args.seed, model.device)
+    out = model.generate(prompts, max_new_tokens=args.max_new_tokens, lookahead=la,
+                         max_batch_size=args.max_batch_size, cuda_graphs=_cuda_graphs(args),
+                         **_stops(args, tokenizer), **sampling)
+    L = max(p.numel() for p in prompts)
+    lines = []
+    for b, row in enumerate(out.stats.rows):
+        new = out.sequences[b, L: L + row.new_tokens].tolist()
+        lines.append(json.dumps({"index": b, "text": tokenizer.decode(new, skip_special_tokens=True), "tokens": new,
+                                 "new_tokens": row.new_tokens, "steps": row.steps}))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("".join(line + "\n" for line in lines))
+    else:
+        print("\n".join(lines))
+    rows = min(len(prompts), args.max_batch_size or len(prompts))
+    s = out.stats
+    print(f"[{_describe(la)}] {len(prompts)} prompts, at most {rows} rows at once: {s.new_tokens} tokens in "
+          f"{s.steps} steps, {s.tokens_per_second:.1f} tokens/s", file=sys.stderr)
+    return 0
+
+
 def _sampling_generator(sampling: dict, seed: int | None, device) -> int | None:
     """Adds a seeded generator to ``sampling`` (sampled decoding only); returns its seed."""
     if not sampling["do_sample"]:
@@ -478,6 +529,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     _add_decoding_args(g)
     g.set_defaults(func=cmd_generate)
+    m = sub.add_parser("batch", help="generate for every prompt of a JSONL file, many rows at once; one JSON line "
+                                     "per prompt")
+    m.add_argument("prompts", help="JSONL file: rows with 'turns' (chat; the first turn) or 'prompt' (raw text)")
+    m.add_argument("--max-batch-size", type=int, default=None,
+                   help="rows decoded at once; a finished row's place goes to the next prompt (default: every "
+                        "prompt at once)")
+    m.add_argument("--limit", type=int, default=None, help="first N prompts of the file")
+    m.add_argument("--out", default=None, help="write the JSON lines here instead of stdout")
+    _add_decoding_args(m)
+    m.set_defaults(func=cmd_batch)
     c = sub.add_parser("chat", help="a conversation: turns read from stdin, answers streamed")
     c.add_argument("--system", default=None, help="a system message to start the conversation with")
     _add_decoding_args(c)

@@ -93,6 +93,10 @@ def _fails_in_one_line(capsys, argv, status=None, contains=""):
     (["generate"], "prompt"),
     (["bench", "--prompts", "a.jsonl", "--batch-size", "0"], "--batch-size"),
     (["bench", "--prompts", "/nonexistent/a.jsonl"], "no such file"),
+    (["batch", "a.jsonl", "--max-batch-size", "0"], "--max-batch-size must be >= 1"),
+    (["batch", "/nonexistent/a.jsonl"], "no such file"),
+    (["batch", os.path.join(DATA, "humaneval_dev.jsonl"), "--max-batch-size", "2", "--repetition-penalty", "1.2"],
+     "--repetition-penalty with --max-batch-size below the"),
     (["frobnicate"], "invalid choice"),
 ])
 def test_bad_options_are_one_line_before_loading(capsys, argv, contains):
@@ -248,6 +252,24 @@ def test_generate_json_and_bench_write_results(capsys, tmp_path):
     assert saved["machine"]["torch"]
     assert main(["bench", "--prompts", prompts, "--limit", "3", "--max-new-tokens", "5", "--batch-size", "2"]) == 0
     assert "humaneval_dev: 3 prompts" in capsys.readouterr().out
+
+
+@needs_model
+def test_batch_writes_a_json_line_per_prompt_as_generate_gives_it(capsys, tmp_path):
+    """`lookahead batch`: every prompt of a file, two rows at once (a finished row's place going to the next
+    prompt); each line's tokens are the prompt's own greedy output, in the file's order."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n\n{"turns": ["Name a prime."]}\n{"prompt": "Paris is"}\n')
+    out = tmp_path / "out.jsonl"
+    assert main(["batch", str(prompts), "--max-batch-size", "2", "--max-new-tokens", "6", "--out", str(out)]) == 0
+    assert "3 prompts, at most 2 rows at once" in capsys.readouterr().err
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["index"] for r in lines] == [0, 1, 2] and all(r["new_tokens"] == len(r["tokens"]) for r in lines)
+    assert main(["batch", str(prompts), "--no-lookahead", "--max-new-tokens", "6"]) == 0
+    plain = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["tokens"] for r in plain] == [r["tokens"] for r in lines]
+    assert main(["generate", "Paris is", "--raw", "--json", "--max-new-tokens", "6"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == lines[2]["tokens"]
 
 
 def _chat(monkeypatch, capsys, lines: str, argv: list[str]):
