@@ -1,5 +1,5 @@
-"""Command line: ``lookahead generate "prompt"``, ``lookahead chat``, ``lookahead convert DIR`` and ``lookahead bench
---prompts FILE.jsonl``."""
+"""Command line: ``lookahead generate "prompt"``, ``lookahead batch FILE.jsonl``, ``lookahead chat``, ``lookahead
+convert DIR`` and ``lookahead bench --prompts FILE.jsonl``."""
 
 from __future__ import annotations
 
