@@ -280,15 +280,6 @@ def cmd_batch(args) -> int:
         raise CliError(f"--limit must be >= 1, got {args.limit}", status=2)
     if not os.path.isfile(args.prompts):
         raise CliError(f"{args.prompts}: no such file", status=2)
-    with open(args.prompts) as f:
-        count = sum(1 for line in f if line.strip())
-    count = min(count, args.limit or count)
-    processing = [flag for flag, name in (("--repetition-penalty", "repetition_penalty"),
-                                          ("--min-new-tokens", "min_new_tokens"),
-                                          ("--no-repeat-ngram-size", "no_repeat_ngram_size")) if name in sampling]
-    if processing and args.max_batch_size is not None and args.max_batch_size < count:
-        raise CliError(f"{processing[0]} with --max-batch-size below the {count} prompts: rows are refilled as they "
-                       f"end, which its per-row state does not follow; leave --max-batch-size out", status=2)
     args.device = _device(args)
     model, tokenizer = _load(args)
     try:

@@ -315,8 +315,9 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     tensors). Each row decodes as it would alone (greedy: the same tokens; sampled: the same distribution) and
     stops on its own; one forward pass per step serves the whole batch. ``max_batch_size`` (``None``: every
     prompt at once) decodes at most that many rows at a time: when a row ends, the next prompt is prefilled into
-    its place (continuous batching), so a batch never waits for its slowest row with its other rows idle; not
-    with logits processors (per-row state made once per call), which are a ``ValueError`` then.
+    its place (continuous batching), so a batch never waits for its slowest row with its other rows idle (the
+    processors' per-row state restarted from the rows' sequences); not with ``logits_processor`` or
+    ``prefix_allowed_tokens_fn`` (called with a row's batch id): a ``ValueError`` then.
     ``lookahead=None`` decodes one token per forward pass; a :class:`LookaheadConfig` decodes with lookahead; the
     default ``LookaheadConfig()`` sizes each step from the device's measured cost and the batch size (measured
     once, outside ``stats.seconds``).
@@ -432,10 +433,10 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
             raise ValueError(f"max_batch_size must be None (every prompt at once) or an int >= 1, got "
                              f"{max_batch_size!r}")
         B = min(N, max_batch_size)
-        if B < N and processors:
+        if B < N and custom is not None:
             raise ValueError(f"max_batch_size={max_batch_size} below the {N} prompts refills rows as they end, which "
-                             f"logits processors (their per-row state is made once a call) do not follow; pass no "
-                             f"max_batch_size, or call generate once per {max_batch_size} prompts")
+                             f"logits_processor and prefix_allowed_tokens_fn (called with a row's batch id) do not "
+                             f"follow; pass no max_batch_size, or call generate once per {max_batch_size} prompts")
     sampler = Sampler(do_sample, temperature, top_k, top_p, generator, processors, args.outputs, args.min_p,
                       args.typical_p, args.epsilon_cutoff, args.eta_cutoff, args.top_h, args.renormalize_logits)
     rows = [_Row(_Emitter(p.tolist(), max_new_tokens, eos, streamer,
@@ -458,10 +459,8 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     else:
         cache = cache_pool(model).take(model, B, longest + max_new_tokens + step_cap,
                                        cfg.max_position_embeddings + step_cap)
-    if processors:  # a graph holds the runner's tensors' addresses; the eager loop narrows its own
-        processors.start(runner.state if runner is not None else
-                         lambda name, shape, dtype: torch.zeros(shape, dtype=dtype, device=device),
-                         [r.emitter.sequence for r in rows[:B]], [0] * B, replayed=graphs, capacity=cache.max_len)
+    if processors:
+        _start_processors(processors, runner, cache, rows[:B], device)
     started += time.perf_counter() - setup_started
     clock = _CallClock(started, runner)
     # A batch too big for any tree at the start decodes plainly, its rows' lookahead state (window, drafts) made
@@ -753,7 +752,8 @@ def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: 
     Without a runner a finished row leaves the batch (its cache row is dropped), so later steps are smaller. With
     one it stays in the batch, parked, its inputs fed at position 0 and its outputs ignored, which keeps the batch
     dimension, and so every captured graph, valid; once the running rows fit half the batch they move to a runner
-    of fewer rows (:func:`_shrunk`; not with logits processors, whose per-row state lives in the runner). Parked
+    of fewer rows (:func:`_shrunk`; the processors' per-row state restarted there; not with the caller's own
+    processors, which keep batch ids). Parked
     rows cost a padded batch a full share of every step: a batch ends with its slowest row."""
     accepted = []
     backoff = _Backoff()
@@ -780,7 +780,10 @@ def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: 
             for i in finished:
                 active[i].stats.seconds = now
             if refill is not None:
-                finished = _refilled(cache, runner, batch, active, finished, refill)
+                left = _refilled(cache, runner, batch, active, finished, refill)
+                if processors is not None and len(left) < len(finished):  # the new rows' state from their prompts
+                    _start_processors(processors, runner, cache, batch, device)
+                finished = left
                 if not finished:
                     continue
             if len(finished) == len(active):
@@ -792,9 +795,23 @@ def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: 
                     processors.keep(kept)
             else:
                 active = [r for r in active if not r.emitter.done]
-                if processors is None:
-                    runner, batch = _shrunk(model, runner, batch, active, plan, clock)
+                if processors is None or processors.restartable:
+                    smaller, batch = _shrunk(model, runner, batch, active, plan, clock)
+                    if processors is not None and smaller is not runner:  # its rows' state in its own tensors
+                        _start_processors(processors, smaller, cache, batch, device)
+                    runner = smaller
     return accepted, runner
+
+
+def _start_processors(processors: LogitsProcessors, runner: StepRunner | None, cache, rows: list, device) -> None:
+    """(Re)start the processors' per-row state from each row's sequence and count of new tokens: before the first
+    step, and after waiting rows took finished rows' places. A runner's state tensors stay the same ones (a graph
+    holds their addresses); the eager loop gets new ones (it narrows its own as rows leave)."""
+    state = runner.state if runner is not None else \
+        lambda name, shape, dtype: torch.zeros(shape, dtype=dtype, device=device)
+    processors.start(state, [r.emitter.sequence for r in rows], [r.emitter.new for r in rows],
+                     replayed=runner is not None and runner.graphs,
+                     capacity=(runner.cache if runner is not None else cache).max_len)
 
 
 def _refilled(cache, runner: StepRunner | None, batch: list, active: list, finished: list[int], refill) -> list[int]:

@@ -49,6 +49,9 @@ class LogitsProcessors:
                  length: dict | None = None, custom: CustomProcessors | None = None):
         self.vocab_size = vocab_size
         self.items = []
+        # Every per-row state but the caller's is a function of the row's sequence and count, so start() may run
+        # again mid-call over rows in another order (a refilled or smaller batch); the caller's keep batch ids.
+        self.restartable = custom is None
         needs_history = no_repeat_ngram_size or prompt_ngram_size or sequence_bias or bad_words
         self.history = TokenHistory() if needs_history else None
         if sequence_bias:

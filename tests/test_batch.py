@@ -101,6 +101,14 @@ def test_waiting_prompts_take_finished_rows_places(tiny, mode, static):
         row_steps = sum(r.steps for r in out.stats.rows)
         assert row_steps / rows <= out.stats.steps < row_steps or rows == 1 and out.stats.steps == row_steps
         assert out.stats.new_tokens == sum(out.stats.accepted)
+    # with processors, a refilled row's state (its tokens seen, its count) is started from its prompt: the rows
+    # are those of every prompt at once (min_length counts the left-padded length, as transformers does)
+    for rules in (dict(repetition_penalty=1.3, no_repeat_ngram_size=2), dict(min_length=14, bad_words_ids=[[7, 8]]),
+                  dict(encoder_repetition_penalty=1.5, sequence_bias={(5,): 3.0})):
+        whole = tiny.generate(prompts, max_new_tokens=16, lookahead=None, eos_token_id=eos, pad_token_id=0, **rules)
+        out = tiny.generate(prompts, max_new_tokens=16, lookahead=CONFIGS[mode], eos_token_id=eos, pad_token_id=0,
+                            max_batch_size=2, **rules, **path)
+        assert torch.equal(out.sequences, whole.sequences), rules
 
 
 def test_left_padded_tensor_and_list_of_prompts_give_the_same_rows(tiny):
@@ -230,8 +238,8 @@ def test_lookahead_turns_itself_off_for_big_batches(tiny):
     (dict(input_ids=[[1, 2], [3]], streamer=print), "streamer follows one sequence"),
     (dict(input_ids=[[1, 2], [3]], max_batch_size=0), r"max_batch_size must be None .* or an int >= 1, got 0"),
     (dict(input_ids=[[1, 2], [3]], max_batch_size=True), "max_batch_size must be None"),
-    (dict(input_ids=[[1, 2], [3]], max_batch_size=1, repetition_penalty=1.2),
-     "max_batch_size=1 below the 2 prompts refills rows as they end, which logits processors"),
+    (dict(input_ids=[[1, 2], [3]], max_batch_size=1, logits_processor=[lambda ids, scores: scores]),
+     "max_batch_size=1 below the 2 prompts refills rows as they end, which logits_processor"),
 ])
 def test_bad_batches_are_clear_errors(tiny, kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -95,8 +95,6 @@ def _fails_in_one_line(capsys, argv, status=None, contains=""):
     (["bench", "--prompts", "/nonexistent/a.jsonl"], "no such file"),
     (["batch", "a.jsonl", "--max-batch-size", "0"], "--max-batch-size must be >= 1"),
     (["batch", "/nonexistent/a.jsonl"], "no such file"),
-    (["batch", os.path.join(DATA, "humaneval_dev.jsonl"), "--max-batch-size", "2", "--repetition-penalty", "1.2"],
-     "--repetition-penalty with --max-batch-size below the"),
     (["frobnicate"], "invalid choice"),
 ])
 def test_bad_options_are_one_line_before_loading(capsys, argv, contains):

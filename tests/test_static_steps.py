@@ -79,8 +79,8 @@ def test_mixed_batch_rows_equal_their_own_greedy_output(tiny, mode):
 def test_a_padded_batch_moves_to_fewer_rows_as_rows_finish(mode):
     """A parked row costs a padded batch a full share of every step, and a batch ends with its slowest row: once the
     running rows fit half the batch they move to a runner of fewer rows (the next power of two), their keys and
-    values copied. Every row's output stays its own; with a logits processor (per-row state in the runner) the
-    batch keeps its size."""
+    values copied. Every row's output stays its own; with processors too (their state restarted in the smaller
+    runner), but for the caller's own (which keep batch ids)."""
     model = LlamaForCausalLM.from_hf(tiny_hf_model(max_position_embeddings=512))
     model.step_runners = RunnerCache(keep=8)
     prompts = mixed_prompts()
@@ -93,11 +93,19 @@ def test_a_padded_batch_moves_to_fewer_rows_as_rows_finish(mode):
     assert all(n & (n - 1) == 0 for n in sizes)  # powers of two (4 rows: 4, 2, 1)
     again = model.generate(prompts, max_new_tokens=24, lookahead=la, eos_token_id=eos, pad_token_id=0, **STATIC)
     assert torch.equal(again.sequences, out.sequences)  # the kept runners of every size serve the next call
+    # with processors the smaller runner's per-row state is started from its rows' sequences: the eager loop's tokens
     model.step_runners.clear()
-    penalised = model.generate(prompts, max_new_tokens=24, lookahead=la, eos_token_id=eos, pad_token_id=0,
-                               repetition_penalty=1.0001, **STATIC)
+    rules = dict(repetition_penalty=1.3, no_repeat_ngram_size=2, min_new_tokens=3)
+    penalised = model.generate(prompts, max_new_tokens=24, lookahead=la, eos_token_id=eos, pad_token_id=0, **rules,
+                               **STATIC)
+    assert min(r.batch_size for r in model.step_runners.runners()) < len(prompts)
+    eager = model.generate(prompts, max_new_tokens=24, lookahead=la, eos_token_id=eos, pad_token_id=0, **rules)
+    assert torch.equal(penalised.sequences, eager.sequences)
+    # the caller's own processors keep batch ids: that batch keeps its size
+    model.step_runners.clear()
+    model.generate(prompts, max_new_tokens=24, lookahead=la, eos_token_id=eos, pad_token_id=0,
+                   logits_processor=[lambda ids, scores: scores], **STATIC)
     assert [r.batch_size for r in model.step_runners.runners()] == [len(prompts)]
-    assert penalised.sequences.shape[0] == len(prompts)
 
 
 class RisingHostCost(HostCost):
