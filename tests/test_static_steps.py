@@ -270,9 +270,11 @@ def test_cuda_graphs_equal_the_eager_loop_on_a_tiny_model(mode):
     eos = int(model.generate(prompts[0][None], max_new_tokens=8, lookahead=None).sequences[0, -3])
     check_graphs_equal_eager(model, prompts, la, 32, eos=eos)  # rows finish at different steps: parked rows
     # two rows at once, a finished row's place going to the next prompt (max_batch_size): the same tokens
-    eager = model.generate(prompts, max_new_tokens=32, lookahead=la, eos_token_id=eos, cuda_graphs=False)
-    refilled = model.generate(prompts, max_new_tokens=32, lookahead=la, eos_token_id=eos, max_batch_size=2)
-    assert torch.equal(refilled.sequences, eager.sequences), la
+    for rules in ({}, dict(repetition_penalty=1.3, no_repeat_ngram_size=2)):  # processors restarted in place
+        eager = model.generate(prompts, max_new_tokens=32, lookahead=la, eos_token_id=eos, cuda_graphs=False, **rules)
+        refilled = model.generate(prompts, max_new_tokens=32, lookahead=la, eos_token_id=eos, max_batch_size=2,
+                                  **rules)
+        assert torch.equal(refilled.sequences, eager.sequences), (la, rules)
     shapes = captured(model)
     assert StepShape(1, 1, 0) in shapes
     if la is not None:
