@@ -805,8 +805,9 @@ def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: 
 
 def _start_processors(processors: LogitsProcessors, runner: StepRunner | None, cache, rows: list, device) -> None:
     """(Re)start the processors' per-row state from each row's sequence and count of new tokens: before the first
-    step, and after waiting rows took finished rows' places. A runner's state tensors stay the same ones (a graph
-    holds their addresses); the eager loop gets new ones (it narrows its own as rows leave)."""
+    step, and after the batch's rows changed (waiting rows took finished rows' places; the batch moved to a smaller
+    runner). A runner's state tensors stay the same ones (a graph holds their addresses); the eager loop gets new
+    ones (it narrows its own as rows leave)."""
     state = runner.state if runner is not None else \
         lambda name, shape, dtype: torch.zeros(shape, dtype=dtype, device=device)
     processors.start(state, [r.emitter.sequence for r in rows], [r.emitter.new for r in rows],
