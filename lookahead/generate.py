@@ -268,7 +268,8 @@ class _Row:
     """One sequence of the batch: its emitter and statistics, its cache length and next input ``x``, and with
     lookahead its window and draft builder."""
 
-    def __init__(self, emitter: _Emitter, stats: GenerationStats):
+    def __init__(self, emitter: _Emitter, stats: GenerationStats, index: int = 0):
+        self.index = index  # among the call's prompts (a refilled batch's rows are not in prompt order)
         self.emitter = emitter
         self.stats = stats
         self.cache_len = len(emitter.sequence) - 1
@@ -316,8 +317,8 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     stops on its own; one forward pass per step serves the whole batch. ``max_batch_size`` (``None``: every
     prompt at once) decodes at most that many rows at a time: when a row ends, the next prompt is prefilled into
     its place (continuous batching), so a batch never waits for its slowest row with its other rows idle (the
-    processors' per-row state restarted from the rows' sequences); not with ``logits_processor`` or
-    ``prefix_allowed_tokens_fn`` (called with a row's batch id): a ``ValueError`` then.
+    processors' per-row state restarted from the rows' sequences; ``prefix_allowed_tokens_fn`` gets each row's
+    index among the prompts as its batch id).
     ``lookahead=None`` decodes one token per forward pass; a :class:`LookaheadConfig` decodes with lookahead; the
     default ``LookaheadConfig()`` sizes each step from the device's measured cost and the batch size (measured
     once, outside ``stats.seconds``).
@@ -433,16 +434,13 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
             raise ValueError(f"max_batch_size must be None (every prompt at once) or an int >= 1, got "
                              f"{max_batch_size!r}")
         B = min(N, max_batch_size)
-        if B < N and custom is not None:
-            raise ValueError(f"max_batch_size={max_batch_size} below the {N} prompts refills rows as they end, which "
-                             f"logits_processor and prefix_allowed_tokens_fn (called with a row's batch id) do not "
-                             f"follow; pass no max_batch_size, or call generate once per {max_batch_size} prompts")
     sampler = Sampler(do_sample, temperature, top_k, top_p, generator, processors, args.outputs, args.min_p,
                       args.typical_p, args.epsilon_cutoff, args.eta_cutoff, args.top_h, args.renormalize_logits)
     rows = [_Row(_Emitter(p.tolist(), max_new_tokens, eos, streamer,
                           RowStops(criteria, pad.tolist(), p.tolist(), max_new_tokens) if criteria else None,
                           deadline if deadline.at is not None else None),
-                 GenerationStats(trace=[] if trace else None)) for p, pad in zip(prompts, args.padding)]
+                 GenerationStats(trace=[] if trace else None), b)
+            for b, (p, pad) in enumerate(zip(prompts, args.padding))]
 
     # One-time setup is not part of this call's time: the CPU forward's packed weights (made once per weight), the
     # plan may measure the device's step costs (once per model and batch menu), and the first call at a batch size
@@ -752,8 +750,7 @@ def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: 
     Without a runner a finished row leaves the batch (its cache row is dropped), so later steps are smaller. With
     one it stays in the batch, parked, its inputs fed at position 0 and its outputs ignored, which keeps the batch
     dimension, and so every captured graph, valid; once the running rows fit half the batch they move to a runner
-    of fewer rows (:func:`_shrunk`; the processors' per-row state restarted there; not with the caller's own
-    processors, which keep batch ids). Parked
+    of fewer rows (:func:`_shrunk`; the processors' per-row state restarted there). Parked
     rows cost a padded batch a full share of every step: a batch ends with its slowest row."""
     accepted = []
     backoff = _Backoff()
@@ -795,11 +792,10 @@ def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: 
                     processors.keep(kept)
             else:
                 active = [r for r in active if not r.emitter.done]
-                if processors is None or processors.restartable:
-                    smaller, batch = _shrunk(model, runner, batch, active, plan, clock)
-                    if processors is not None and smaller is not runner:  # its rows' state in its own tensors
-                        _start_processors(processors, smaller, cache, batch, device)
-                    runner = smaller
+                smaller, batch = _shrunk(model, runner, batch, active, plan, clock)
+                if processors is not None and smaller is not runner:  # its rows' state in its own tensors
+                    _start_processors(processors, smaller, cache, batch, device)
+                runner = smaller
     return accepted, runner
 
 
@@ -812,7 +808,8 @@ def _start_processors(processors: LogitsProcessors, runner: StepRunner | None, c
         lambda name, shape, dtype: torch.zeros(shape, dtype=dtype, device=device)
     processors.start(state, [r.emitter.sequence for r in rows], [r.emitter.new for r in rows],
                      replayed=runner is not None and runner.graphs,
-                     capacity=(runner.cache if runner is not None else cache).max_len)
+                     capacity=(runner.cache if runner is not None else cache).max_len,
+                     batch_ids=[r.index for r in rows])
 
 
 def _refilled(cache, runner: StepRunner | None, batch: list, active: list, finished: list[int], refill) -> list[int]:

@@ -49,9 +49,7 @@ class LogitsProcessors:
                  length: dict | None = None, custom: CustomProcessors | None = None):
         self.vocab_size = vocab_size
         self.items = []
-        # Every per-row state but the caller's is a function of the row's sequence and count, so start() may run
-        # again mid-call over rows in another order (a refilled or smaller batch); the caller's keep batch ids.
-        self.restartable = custom is None
+        self.custom = custom
         needs_history = no_repeat_ngram_size or prompt_ngram_size or sequence_bias or bad_words
         self.history = TokenHistory() if needs_history else None
         if sequence_bias:
@@ -81,13 +79,19 @@ class LogitsProcessors:
         """What a captured graph depends on (the processors' constants; their state is read at its address)."""
         return tuple(p.key for p in self.items)
 
-    def start(self, state, sequences: list[list[int]], counts: list[int], replayed: bool, capacity: int) -> None:
+    def start(self, state, sequences: list[list[int]], counts: list[int], replayed: bool, capacity: int,
+              batch_ids: list[int] | None = None) -> None:
         """Before the first step: each row's ``sequences`` (prompt and any tokens so far) and ``counts`` of new
-        tokens; ``replayed``: the steps are CUDA graphs; ``capacity``: the longest a row's sequence can grow."""
+        tokens; ``replayed``: the steps are CUDA graphs; ``capacity``: the longest a row's sequence can grow;
+        ``batch_ids``: each row's index among the call's prompts (default: its place), what the caller's
+        ``prefix_allowed_tokens_fn`` is called with. Every per-row state is a function of these, so it runs again
+        whenever a batch's rows change (a finished row's place refilled, a batch moved to fewer rows)."""
         if self.history is not None:
             self.history.start(state, sequences, capacity, replayed)
         for p in self.items:
             p.start(state, sequences, counts, replayed)
+        if self.custom is not None and batch_ids is not None:
+            self.custom.batch_ids = list(batch_ids)
 
     def add(self, tokens: list[list[int]], counts: list[int]) -> None:
         """After a step: each row's committed ``tokens`` and its new count of new tokens."""

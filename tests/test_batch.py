@@ -238,8 +238,6 @@ def test_lookahead_turns_itself_off_for_big_batches(tiny):
     (dict(input_ids=[[1, 2], [3]], streamer=print), "streamer follows one sequence"),
     (dict(input_ids=[[1, 2], [3]], max_batch_size=0), r"max_batch_size must be None .* or an int >= 1, got 0"),
     (dict(input_ids=[[1, 2], [3]], max_batch_size=True), "max_batch_size must be None"),
-    (dict(input_ids=[[1, 2], [3]], max_batch_size=1, logits_processor=[lambda ids, scores: scores]),
-     "max_batch_size=1 below the 2 prompts refills rows as they end, which logits_processor"),
 ])
 def test_bad_batches_are_clear_errors(tiny, kwargs, message):
     with pytest.raises(ValueError, match=message):

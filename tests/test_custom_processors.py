@@ -101,6 +101,12 @@ def test_each_row_of_a_batch_gets_its_own_batch_id(tiny):
         for b, p in enumerate(prompts):
             alone = hf_generate(hf, p[None], 16, prefix_allowed_tokens_fn=lambda _, ids, b=b: fn(b, ids))
             assert out.sequences[b, L - len(p):].tolist() == alone[0].tolist(), (la, b)
+        # two rows at once, a finished row's place going to the next prompt (eager and static, which then moves to
+        # fewer rows): each row is still called with its own index among the prompts
+        for path in ({}, dict(cuda_graphs=False, _static_steps=True)):
+            refilled = model.generate(prompts, max_new_tokens=16, lookahead=la, prefix_allowed_tokens_fn=fn,
+                                      pad_token_id=0, max_batch_size=2, **path)
+            assert torch.equal(refilled.sequences, out.sequences), (la, path)
 
 
 SAMPLES = 1500

@@ -80,7 +80,7 @@ def test_a_padded_batch_moves_to_fewer_rows_as_rows_finish(mode):
     """A parked row costs a padded batch a full share of every step, and a batch ends with its slowest row: once the
     running rows fit half the batch they move to a runner of fewer rows (the next power of two), their keys and
     values copied. Every row's output stays its own; with processors too (their state restarted in the smaller
-    runner), but for the caller's own (which keep batch ids)."""
+    runner)."""
     model = LlamaForCausalLM.from_hf(tiny_hf_model(max_position_embeddings=512))
     model.step_runners = RunnerCache(keep=8)
     prompts = mixed_prompts()
@@ -101,11 +101,6 @@ def test_a_padded_batch_moves_to_fewer_rows_as_rows_finish(mode):
     assert min(r.batch_size for r in model.step_runners.runners()) < len(prompts)
     eager = model.generate(prompts, max_new_tokens=24, lookahead=la, eos_token_id=eos, pad_token_id=0, **rules)
     assert torch.equal(penalised.sequences, eager.sequences)
-    # the caller's own processors keep batch ids: that batch keeps its size
-    model.step_runners.clear()
-    model.generate(prompts, max_new_tokens=24, lookahead=la, eos_token_id=eos, pad_token_id=0,
-                   logits_processor=[lambda ids, scores: scores], **STATIC)
-    assert [r.batch_size for r in model.step_runners.runners()] == [len(prompts)]
 
 
 class RisingHostCost(HostCost):
