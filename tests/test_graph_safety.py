@@ -156,8 +156,8 @@ def guarded(monkeypatch):
     monkeypatch.setattr(StepRunner, "_step", step)
     # The processors as a graph runs them: every rule on every step (an eager step skips those no row needs).
     start = LogitsProcessors.start
-    monkeypatch.setattr(LogitsProcessors, "start", lambda self, state, sequences, counts, replayed, capacity:
-                        start(self, state, sequences, counts, True, capacity))
+    monkeypatch.setattr(LogitsProcessors, "start", lambda self, state, sequences, counts, replayed, capacity, **kw:
+                        start(self, state, sequences, counts, True, capacity, **kw))
     return guard
 
 
