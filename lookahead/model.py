@@ -361,9 +361,11 @@ class KVCache:
                 or not 0 <= length <= min(self.max_len, source.max_len) or len(rows) > self.batch_size:
             raise ValueError(f"load_rows: {len(rows)} rows of {length} slots do not fit from a cache of shape "
                              f"{tuple(source.k.shape)} into one of {tuple(self.k.shape)}")
-        index = torch.tensor(rows, dtype=torch.long, device=source.device)
-        self.k[:, :len(rows), :length] = source.k[:, index, :length]
-        self.v[:, :len(rows), :length] = source.v[:, index, :length]
+        # A row's copy each, as remove_rows moves rows: a gather by an index tensor built the whole [layers, rows,
+        # length, ...] block as a temporary first (76 ms against 10 for 8 SmolLM2 rows of 600 slots on a CPU).
+        for i, r in enumerate(rows):
+            self.k[:, i, :length].copy_(source.k[:, r, :length])
+            self.v[:, i, :length].copy_(source.v[:, r, :length])
 
     def remove_rows(self, rows: list[int]) -> list[int]:
         """Drop batch rows ``rows`` (e.g. finished sequences leaving the batch); returns, per remaining row, its
