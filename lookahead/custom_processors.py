@@ -57,6 +57,10 @@ class CustomProcessors:
         self.sequences = [list(s) for s in sequences]
         self.batch_ids = list(range(len(sequences)))
 
+    def restart(self, rows, sequences, counts) -> None:
+        for b, s in zip(rows, sequences):
+            self.sequences[b] = list(s)
+
     def add(self, tokens, counts) -> None:
         for seq, new in zip(self.sequences, tokens):
             seq.extend(new)

@@ -777,9 +777,10 @@ def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: 
             for i in finished:
                 active[i].stats.seconds = now
             if refill is not None:
-                left = _refilled(cache, runner, batch, active, finished, refill)
-                if processors is not None and len(left) < len(finished):  # the new rows' state from their prompts
-                    _start_processors(processors, runner, cache, batch, device)
+                left, places = _refilled(cache, runner, batch, active, finished, refill)
+                if processors is not None and places:  # the new rows' state from their prompts
+                    processors.restart(places, [batch[b].emitter.sequence for b in places],
+                                       [batch[b].emitter.new for b in places], [batch[b].index for b in places])
                 finished = left
                 if not finished:
                     continue
@@ -801,9 +802,9 @@ def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: 
 
 def _start_processors(processors: LogitsProcessors, runner: StepRunner | None, cache, rows: list, device) -> None:
     """(Re)start the processors' per-row state from each row's sequence and count of new tokens: before the first
-    step, and after the batch's rows changed (waiting rows took finished rows' places; the batch moved to a smaller
-    runner). A runner's state tensors stay the same ones (a graph holds their addresses); the eager loop gets new
-    ones (it narrows its own as rows leave)."""
+    step, and after the batch moved to a smaller runner (a refilled place restarts alone,
+    :meth:`LogitsProcessors.restart`). A runner's state tensors stay the same ones (a graph holds their
+    addresses); the eager loop gets new ones (it narrows its own as rows leave)."""
     state = runner.state if runner is not None else \
         lambda name, shape, dtype: torch.zeros(shape, dtype=dtype, device=device)
     processors.start(state, [r.emitter.sequence for r in rows], [r.emitter.new for r in rows],
@@ -812,10 +813,12 @@ def _start_processors(processors: LogitsProcessors, runner: StepRunner | None, c
                      batch_ids=[r.index for r in rows])
 
 
-def _refilled(cache, runner: StepRunner | None, batch: list, active: list, finished: list[int], refill) -> list[int]:
+def _refilled(cache, runner: StepRunner | None, batch: list, active: list, finished: list[int],
+              refill) -> tuple[list[int], list[int]]:
     """Give the places of the finished rows ``active[i]`` (``i`` in ``finished``) to waiting rows (``refill``),
-    in ``batch`` and ``active`` in place; returns the finished rows that kept their place (no row waited)."""
-    left = []
+    in ``batch`` and ``active`` in place; returns the finished rows that kept their place (no row waited) and the
+    places in ``batch`` that new rows took."""
+    left, places = [], []
     for i in finished:
         slot = batch.index(active[i])  # its cache row (without a runner, batch and active hold the same rows)
         row = refill((runner.cache if runner is not None else cache).sequence(slot))
@@ -824,7 +827,8 @@ def _refilled(cache, runner: StepRunner | None, batch: list, active: list, finis
             continue
         batch[slot] = row
         active[i] = row
-    return left
+        places.append(slot)
+    return left, places
 
 
 def _shrunk(model, runner: StepRunner, batch: list, active: list, plan, clock: "_CallClock") -> tuple:

@@ -88,6 +88,13 @@ class LengthRules:
         self.uploaded = []
         self.add(sequences, counts)
 
+    def restart(self, rows: list[int], sequences, counts: list[int]) -> None:
+        """Batch rows ``rows`` hold new rows with ``counts`` new tokens (a finished row's place refilled)."""
+        full = list(self.uploaded)  # the other rows' counts as uploaded (capped: capping again keeps them)
+        for b, c in zip(rows, counts):
+            full[b] = c
+        self.add(None, full)
+
     def add(self, tokens: list[list[int]], counts: list[int]) -> None:
         """After a step: each row's count of new tokens (its committed ``tokens`` do not matter here)."""
         capped = list(counts) if self.threshold is None else [min(c, self.threshold) for c in counts]

@@ -10,8 +10,8 @@ tokens, the EOS's length penalty, the suppressions), the rules on a row's recent
 they share) and the caller's own (:mod:`lookahead.custom_processors`). Each keeps its per-row state on the model's
 device in tensors a ``state(name, shape, dtype)`` factory gives it (a runner's, whose addresses captured graphs
 hold, or the call's own), and updates it from the host after each step. All take the same calls:
-``start(state, sequences, counts, replayed)``, ``add(tokens, counts)``, ``keep(rows)``, ``rows(logits)``,
-``tree(node_logits, tokens, end, depth)`` and ``key``.
+``start(state, sequences, counts, replayed)``, ``restart(rows, sequences, counts)``, ``add(tokens, counts)``,
+``keep(rows)``, ``rows(logits)``, ``tree(node_logits, tokens, end, depth)`` and ``key``.
 """
 
 from __future__ import annotations
@@ -85,13 +85,25 @@ class LogitsProcessors:
         tokens; ``replayed``: the steps are CUDA graphs; ``capacity``: the longest a row's sequence can grow;
         ``batch_ids``: each row's index among the call's prompts (default: its place), what the caller's
         ``prefix_allowed_tokens_fn`` is called with. Every per-row state is a function of these, so it runs again
-        whenever a batch's rows change (a finished row's place refilled, a batch moved to fewer rows)."""
+        whenever a batch moves to fewer rows (a place refilled restarts alone: :meth:`restart`)."""
         if self.history is not None:
             self.history.start(state, sequences, capacity, replayed)
         for p in self.items:
             p.start(state, sequences, counts, replayed)
         if self.custom is not None and batch_ids is not None:
             self.custom.batch_ids = list(batch_ids)
+
+    def restart(self, rows: list[int], sequences: list[list[int]], counts: list[int], batch_ids: list[int]) -> None:
+        """Batch rows ``rows`` now hold other rows (finished rows' places refilled by waiting prompts): their state
+        from these rows' ``sequences``, ``counts`` and ``batch_ids``, as :meth:`start` would give it; the other
+        rows' stays."""
+        if self.history is not None:
+            self.history.restart(rows, sequences)
+        for p in self.items:
+            p.restart(rows, sequences, counts)
+        if self.custom is not None:
+            for b, i in zip(rows, batch_ids):
+                self.custom.batch_ids[b] = i
 
     def add(self, tokens: list[list[int]], counts: list[int]) -> None:
         """After a step: each row's committed ``tokens`` and its new count of new tokens."""

@@ -70,11 +70,19 @@ class RepetitionPenalty:
         self.seen.zero_()
         self.add(sequences, counts)
 
+    def restart(self, rows: list[int], sequences: list[list[int]], counts: list[int]) -> None:
+        """Batch rows ``rows`` hold new ``sequences`` (a finished row's place refilled): their marks from those."""
+        self.seen[torch.as_tensor(rows, device=self.seen.device)] = False
+        self._mark(rows, sequences)
+
     def add(self, tokens: list[list[int]], counts: list[int]) -> None:
         """Marks ``tokens[b]`` for each row ``b`` (``counts`` do not matter here): one upload of flat indices and
         one index write for the batch."""
+        self._mark(range(len(tokens)), tokens)
+
+    def _mark(self, rows, tokens: list[list[int]]) -> None:
         V = self.seen.shape[1]
-        flat = [b * V + v for b, t in enumerate(tokens) for v in t]
+        flat = [b * V + v for b, t in zip(rows, tokens) for v in t]
         if flat:
             self.seen.view(-1)[torch.tensor(flat, device=self.seen.device)] = True
 
@@ -111,7 +119,12 @@ class PromptPenalty:
         """Marks each row's prompt: its sequence without its ``counts`` new tokens."""
         self.seen = state("prompt_penalty:seen", (len(sequences), self.vocab_size), torch.bool)
         self.seen.zero_()
-        flat = [b * self.vocab_size + v for b, (s, c) in enumerate(zip(sequences, counts)) for v in s[:len(s) - c]]
+        self.restart(range(len(sequences)), sequences, counts)
+
+    def restart(self, rows, sequences: list[list[int]], counts: list[int]) -> None:
+        """Batch rows ``rows`` hold new ``sequences`` (a finished row's place refilled): their prompts' marks."""
+        self.seen[torch.as_tensor(list(rows), device=self.seen.device)] = False
+        flat = [b * self.vocab_size + v for b, s, c in zip(rows, sequences, counts) for v in s[:len(s) - c]]
         if flat:
             self.seen.view(-1)[torch.tensor(flat, device=self.seen.device)] = True
 

@@ -50,15 +50,27 @@ class TokenHistory:
         self.replayed = replayed
         self.add(sequences)
 
+    def restart(self, rows: list[int], sequences: list[list[int]]) -> None:
+        """Batch rows ``rows`` hold new ``sequences`` (a finished row's place refilled)."""
+        if any(len(s) > self.tokens.shape[1] for s in sequences):
+            raise ValueError(f"a row's sequence is longer than the history's capacity {self.tokens.shape[1]}")
+        for b in rows:
+            self.host[b] = 0
+        self._append(rows, sequences)
+
     def add(self, tokens: list[list[int]]) -> None:
         """Appends ``tokens[b]`` to row ``b``."""
+        self._append(range(len(tokens)), tokens)
+
+    def _append(self, rows, tokens: list[list[int]]) -> None:
         C = self.tokens.shape[1]
-        flat = [b * C + self.host[b] + k for b, t in enumerate(tokens) for k in range(len(t))]
+        flat = [b * C + self.host[b] + k for b, t in zip(rows, tokens) for k in range(len(t))]
         if flat:
             values = [v for t in tokens for v in t]
             device = self.tokens.device
             self.tokens.view(-1)[torch.tensor(flat, device=device)] = torch.tensor(values, device=device)
-            self.host = [n + len(t) for n, t in zip(self.host, tokens)]
+            for b, t in zip(rows, tokens):
+                self.host[b] += len(t)
             self.lengths.copy_(torch.tensor(self.host, dtype=torch.long))
 
     def keep(self, kept: list[int]) -> None:
@@ -137,6 +149,9 @@ class NoRepeatNGram:
     def start(self, state, sequences, counts, replayed) -> None:  # the history is started by its owner
         pass
 
+    def restart(self, rows, sequences, counts) -> None:
+        pass
+
     def add(self, tokens, counts) -> None:
         pass
 
@@ -211,6 +226,13 @@ class PromptNGrams(_TailRule):
         # a graph reads every column (a later call's prompts may be longer); an eager step only the prompts'
         self.longest = None if replayed else max(prompt, default=0)
 
+    def restart(self, rows: list[int], sequences, counts) -> None:
+        prompt = [len(s) - c for s, c in zip(sequences, counts)]
+        self.lengths[torch.as_tensor(rows, device=self.lengths.device)] = torch.tensor(prompt, dtype=torch.long,
+                                                                                       device=self.lengths.device)
+        if self.longest is not None:  # a longer span than the rows' prompts reads only columns the lengths mask
+            self.longest = max([self.longest, *prompt])
+
     def add(self, tokens, counts) -> None:
         pass
 
@@ -272,6 +294,9 @@ class SequenceBias(_TailRule):
             kept = state(f"{self.name}:{name}", tuple(t.shape), t.dtype)
             kept.copy_(t)
             self.tensors[name] = kept
+
+    def restart(self, rows, sequences, counts) -> None:  # constants, and the history its owner restarts
+        pass
 
     def add(self, tokens, counts) -> None:
         pass

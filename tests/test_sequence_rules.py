@@ -130,6 +130,60 @@ def test_the_processors_keep_transformers_order():
         assert torch.equal(got[b], hf(torch.tensor([seq[b]]), logits[b][None].clone())[0])
 
 
+@pytest.mark.parametrize("replayed", [False, True])
+@pytest.mark.parametrize("seed", range(6))
+def test_a_refilled_place_restarts_as_if_the_batch_started_so(seed, replayed):
+    """``LogitsProcessors.restart`` of some rows (waiting prompts taking finished rows' places) leaves every
+    processor's rows and tree nodes as a fresh ``start`` over the batch's rows as they now are would."""
+    from lookahead.custom_processors import CustomProcessors
+
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    B, V, N, capacity = 4, 13, 6, 40
+
+    rules = dict(no_repeat_ngram_size=rng.choice([0, 2, 3]), prompt_ngram_size=rng.choice([0, 1, 2]),
+                 length=dict(min_new=rng.randint(0, 6), always=[0, 11], at_start=[5], begin=0,
+                             decay=rng.choice([None, (2, 1.3)])))
+
+    def processors():
+        custom = None if replayed else CustomProcessors(
+            [], lambda batch_id, ids: [(batch_id + int(ids[-1])) % V, (3 * batch_id + 1) % V, 7])
+        return LogitsProcessors(V, 1.3, eos=[3, 7], prompt_penalty=0.8, sequence_bias={(2,): -1.5, (1, 3): 2.0},
+                                bad_words={(4, 4): float("-inf")}, custom=custom, **rules)
+
+    def sequence():
+        return [rng.randrange(V) for _ in range(rng.randint(1, 9))]
+
+    kept = {}
+
+    def runner_state(name, shape, dtype):  # a runner's tensors: the same ones again
+        if name not in kept or kept[name].shape != shape:
+            kept[name] = torch.zeros(shape, dtype=dtype)
+        return kept[name]
+
+    state = runner_state if replayed else _zeros
+    sequences, counts, ids = [sequence() for _ in range(B)], [0] * B, list(range(B))
+    ours = processors()
+    ours.start(state, sequences, counts, replayed, capacity, batch_ids=ids)
+    for step in range(4):
+        added = [[rng.randrange(V) for _ in range(rng.randint(1, 3))] for _ in range(B)]
+        sequences = [s + a for s, a in zip(sequences, added)]
+        counts = [c + len(a) for c, a in zip(counts, added)]
+        ours.add(added, counts)
+        places = sorted(rng.sample(range(B), rng.randint(1, 2)))
+        for b in places:  # a waiting prompt (new tokens: 0; a prompt of its own) takes row b's place
+            sequences[b], counts[b], ids[b] = sequence(), 0, max(ids) + 1
+        ours.restart(places, [sequences[b] for b in places], [counts[b] for b in places], [ids[b] for b in places])
+        fresh = processors()
+        fresh.start(_zeros, sequences, counts, replayed, capacity, batch_ids=ids)
+        logits = torch.randn(B, N + 1, V)
+        tokens = torch.randint(0, V, (B, N))
+        _, end, depth = padded_trees(B, N, 0, rng)
+        assert torch.equal(ours.rows(logits[:, 0]), fresh.rows(logits[:, 0])), step
+        assert torch.equal(ours.tree(logits[:, 1:], tokens, end, depth),
+                           fresh.tree(logits[:, 1:], tokens, end, depth)), step
+
+
 # ---- end to end ------------------------------------------------------------------------------------------------
 
 def _kwargs(kind, hf, ids):
