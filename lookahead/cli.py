@@ -289,9 +289,12 @@ def cmd_batch(args) -> int:
     if not prompts:
         raise CliError(f"{args.prompts}: no prompts")
     _sampling_generator(sampling, args.seed, model.device)
-    out = model.generate(prompts, max_new_tokens=args.max_new_tokens, lookahead=la,
-                         max_batch_size=args.max_batch_size, cuda_graphs=_cuda_graphs(args),
-                         **_stops(args, tokenizer), **sampling)
+    from tqdm.auto import tqdm
+
+    with tqdm(total=len(prompts), desc="prompts", unit="prompt", file=sys.stderr, leave=False) as bar:
+        out = model.generate(prompts, max_new_tokens=args.max_new_tokens, lookahead=la,
+                             max_batch_size=args.max_batch_size, cuda_graphs=_cuda_graphs(args),
+                             _on_finish=bar.update, **_stops(args, tokenizer), **sampling)
     L = max(p.numel() for p in prompts)
     lines = []
     for b, row in enumerate(out.stats.rows):

@@ -308,7 +308,7 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
              trace: bool = False, cuda_graphs: bool | None = None, _static_steps: bool | None = None,
              _native_draft: bool | None = None, prompt_cache: PromptCache | None = None,
              stopping_criteria=None, tokenizer=None, logits_processor=None, prefix_allowed_tokens_fn=None,
-             max_batch_size: int | None = None, **kwargs) -> GenerateOutput:
+             max_batch_size: int | None = None, _on_finish=None, **kwargs) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` tokens after each prompt.
 
     ``input_ids``: ``[B, prompt_len]`` (``[prompt_len]`` for one prompt), left-padded rows with an
@@ -357,7 +357,8 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     start with (a conversation's earlier turns); their keys and values are copied instead of prefilled
     (``stats.reused_tokens``), and after the call it holds this prompt and its new tokens.
     ``_native_draft`` (private, for tests and benches) picks the draft builder: ``True`` the C++ one, ``False`` its
-    Python reference, ``None`` the C++ one where it builds.
+    Python reference, ``None`` the C++ one where it builds. ``_on_finish`` (private, for the command line's
+    progress bar) is called with the number of rows that just finished, as they finish.
 
     Returns a :class:`GenerateOutput`: the LongTensor of the sequences ``[B, L + new]`` itself, with ``stats`` (and
     ``scores``/``logits`` when asked) as attributes.
@@ -507,7 +508,7 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
         host = _HostClock()
         # A padded batch may end on a smaller runner than it began with (_shrunk): that one goes back to the model.
         accepted, runner = _decode(model, cache, runner, rows[:B], sampler, plan, pad, device, clock, host,
-                                   start_late, refill)
+                                   start_late, refill, _on_finish)
         if prompt_cache is not None:  # rows past the emitted tokens (a last step's excess) are not kept
             row = rows[0]
             prompt_cache.keep(model, row.emitter.sequence[:row.cache_len], cache)
@@ -741,7 +742,7 @@ class _HostClock:
 
 
 def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: Sampler, plan, pad: bool, device,
-            clock: "_CallClock", host: _HostClock, start_late=None, refill=None) -> tuple:
+            clock: "_CallClock", host: _HostClock, start_late=None, refill=None, on_finish=None) -> tuple:
     """Step until every row has stopped. Returns, per step, the tokens emitted, and the runner the call ended on.
 
     ``refill(cache_row)``: the next waiting row, prefilled into ``cache_row`` (a batch-1 view of the cache), or
@@ -776,6 +777,8 @@ def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: 
             now = clock.elapsed()
             for i in finished:
                 active[i].stats.seconds = now
+            if on_finish is not None:
+                on_finish(len(finished))
             if refill is not None:
                 left, places = _refilled(cache, runner, batch, active, finished, refill)
                 if processors is not None and places:  # the new rows' state from their prompts

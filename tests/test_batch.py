@@ -95,9 +95,11 @@ def test_waiting_prompts_take_finished_rows_places(tiny, mode, static):
     eos, refs = rows_stopping_apart(tiny, prompts)
     path = dict(cuda_graphs=False, _static_steps=True) if static else {}
     for rows in (1, 2, 3):
+        finishing = []  # the command line's progress bar: how many rows finished, as they finish
         out = tiny.generate(prompts, max_new_tokens=24, lookahead=CONFIGS[mode], eos_token_id=eos, pad_token_id=0,
-                            max_batch_size=rows, **path)
+                            max_batch_size=rows, _on_finish=finishing.append, **path)
         check_rows(out, refs, prompts, pad_id=0)
+        assert sum(finishing) == len(prompts) and min(finishing) >= 1
         row_steps = sum(r.steps for r in out.stats.rows)
         assert row_steps / rows <= out.stats.steps < row_steps or rows == 1 and out.stats.steps == row_steps
         assert out.stats.new_tokens == sum(out.stats.accepted)
