@@ -8,9 +8,10 @@ plain decoding at ``t(B)`` a step. What this leaves out: whatever the table miss
 interpolated linearly, as the planner does), a device's host speed, and everything that differs between this
 machine's and the device's logits (in float32 a near tie may break apart; outputs are compared, and should match).
 
-The planner runs as on the device: the table stands in for the measured one, so the gain calibration and the host
-cost fit learn as there (the host cost timed on this CPU, beside its forward, which overstates a GPU host's; runs
-therefore differ by a few percent).
+The planner runs as on the device: the table stands in for the measured one, so the gain calibration learns as
+there, and its host cost fit is given the host work each step is costed at (``--host-ms``, ``--host-ms-per-row``),
+not what this CPU takes beside its own forward: that ran cold, several times a GPU host's (``bench_host.py``), and
+kept a batch's trees from paying in this bench's session 42-43 runs, which it costed at the figures given.
 
     python bench/bench_predict.py                                  # session 5's H100 table, 1 row, 16 prompts a set
     python bench/bench_predict.py --batch-sizes 16 --prompts 32 --max-new-tokens 64
@@ -36,7 +37,7 @@ from _common import DEFAULT_SETS, command_line, machine_info, set_name, write_re
 
 from lookahead import LookaheadConfig, load_default  # noqa: E402
 from lookahead.cli import read_prompts  # noqa: E402
-from lookahead.controller import StepCosts, cost_key  # noqa: E402
+from lookahead.controller import HostCost, StepCosts, cost_key  # noqa: E402
 from lookahead.runner import StepRunner  # noqa: E402
 
 # SmolLM2 float32 on an H100 with CUDA graphs (bench/results/gpu-h100.md, git 5047120): the planner's GPU menu.
@@ -54,6 +55,16 @@ def fed_tokens(fed: list):
         return real(runner, shape, tokens, *args, **kwargs)
 
     return mock.patch.object(StepRunner, "run", run)
+
+
+def costed_host(host_ms: float, host_ms_per_row: float):
+    """Within the block the planner's host cost fit observes the host work the bench costs a step at."""
+    real = HostCost.observe
+
+    def observe(fit, rows, nodes, seconds):
+        return real(fit, rows, nodes, 1e-3 * (host_ms + host_ms_per_row * rows))
+
+    return mock.patch.object(HostCost, "observe", observe)
 
 
 def parse_costs(text: str) -> tuple:
@@ -104,7 +115,7 @@ def main(argv=None) -> int:
                 plain_fed, fed = [], []
                 with fed_tokens(plain_fed):
                     plain = model.generate(prompt, lookahead=None, **kwargs)
-                with fed_tokens(fed):
+                with fed_tokens(fed), costed_host(args.host_ms, args.host_ms_per_row):
                     out = model.generate(prompt, lookahead=config, **kwargs)
                 rows_now = min(len(batch), B)
                 plain_s += sum(costs(t) for t in plain_fed)
@@ -138,7 +149,7 @@ def markdown(result: dict) -> str:
              "**A prediction, not a measurement**: greedy decoding on this CPU through the static (padded) step path "
              "with the planner given the table below; each step costed at the table's t(rows x tokens) plus "
              f"{result['host_ms']} ms + {result['host_ms_per_row']} ms a row of host work per lookahead step, plain "
-             "decoding at t(rows).", "",
+             "decoding at t(rows); the planner's host cost fit learns that host work.", "",
              f"Decoded on {m['device']} ({m['cpu']}), torch {m['torch']}, git {m['git']}; the planner learning "
              f"as on a device; first {result['prompts']} prompts a set, {result['max_new_tokens']} new tokens"
              + ("; every prompt of a set in one call of at most `rows` rows at once, a finished row's place going to "

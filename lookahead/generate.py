@@ -51,7 +51,9 @@ from .window import LookaheadWindow, stack_step_tokens
 MAX_BACKOFF = 16
 PLAIN = StepShape(1, 1, 0)
 # On the static path (CUDA graphs) a tree is padded to the next of a few sizes, its level's budget halved down to
-# this many nodes: padded to the full budget, a step of 4 real nodes paid for 256 tokens (SmolLM2, H100).
+# this many nodes at one row: padded to the full budget, a step of 4 real nodes paid for 256 tokens (SmolLM2,
+# H100), while a step of 16 tokens costs a GPU little more than one of 2. A batch halves down to as many tokens a
+# step (rows x (1 + nodes)), so at 16 rows down to one node (_smallest_padded_tree).
 SMALLEST_PADDED_TREE = 15
 # generate's default: the automatic step size (a frozen config, shared safely).
 AUTOMATIC = LookaheadConfig()
@@ -684,14 +686,20 @@ def _level_budget(plan, runner: StepRunner | None, levels: int, batch_size: int)
     return max(s.tree_budget for s in runner.menu if s.window == W and s.levels == levels)
 
 
-def _tree_sizes(plan, budget: int) -> list[int]:
+def _smallest_padded_tree(batch_size: int) -> int:
+    """The fewest nodes a padded tree of a batch's rows is halved down to: a step of at least as many tokens as
+    one row's smallest (``SMALLEST_PADDED_TREE`` nodes and ``x``), at least one node."""
+    return max(1, -(-(SMALLEST_PADDED_TREE + 1) // batch_size) - 1)
+
+
+def _tree_sizes(plan, budget: int, batch_size: int) -> list[int]:
     """The tree sizes a padded step of this budget can take, ascending: the budget alone for a fixed config; in
-    automatic mode the budget halved down to ``SMALLEST_PADDED_TREE`` nodes (and 0 beside a window: a step
+    automatic mode the budget halved down to :func:`_smallest_padded_tree` nodes (and 0 beside a window: a step
     of the window alone), so a step that keeps a few nodes feeds a few tokens."""
     if budget == 0 or plan.planner is None:
         return [budget]
-    sizes = [budget]
-    while sizes[-1] // 2 >= SMALLEST_PADDED_TREE:
+    sizes, smallest = [budget], _smallest_padded_tree(batch_size)
+    while sizes[-1] // 2 >= smallest:
         sizes.append(sizes[-1] // 2)
     if plan.shape.window > 1:
         sizes.append(0)
@@ -709,7 +717,7 @@ def _static_menu(plan, batch_size: int) -> list[StepShape]:
     menu = [PLAIN]
     for levels in range(1, plan.shape.levels + 1):
         shape = _step_shape(plan, levels, batch_size)
-        menu += [StepShape(shape.window, levels, z) for z in _tree_sizes(plan, shape.tree_budget)]
+        menu += [StepShape(shape.window, levels, z) for z in _tree_sizes(plan, shape.tree_budget, batch_size)]
     return menu
 
 
@@ -947,7 +955,7 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
         # measuring. SmolLM2 on an H100: 255 proposed nodes cost 3-6 ms of Python a step, the step itself 2 ms.
         wanted = max(min(budget, SMALLEST_PADDED_TREE), plan.planner.reach(1, budget))
     proposals = propose_rows([r.drafts for r in active], [r.emitter.sequence for r in active], wanted)
-    sizes = _tree_sizes(plan, budget) if pad else None
+    sizes = _tree_sizes(plan, budget, len(batch)) if pad else None
     proposed = keep = max(map(len, proposals.scores))
     if plan.planner is not None:  # one size for all rows: they are padded to one shape anyway
         keep = plan.planner.choose_batch(proposals.scores, sizes, len(batch))  # parked rows are fed too

@@ -140,6 +140,21 @@ def test_a_batch_s_step_shapes_stay_on_the_menu_while_its_reach_falls(table):
     assert menu_budget > 0 and max(nodes) > 0 and nodes[-1] < menu_budget, (menu_budget, nodes)
 
 
+def test_a_batch_s_padded_trees_halve_down_to_as_many_tokens_as_one_row_s():
+    """One row's padded trees halve down to 15 nodes (a GPU step of 16 tokens costs little more than one of 2); a
+    batch's down to a step of about as many tokens: 16 rows down to one node each."""
+    from types import SimpleNamespace
+
+    from lookahead.generate import _tree_sizes
+
+    plan = SimpleNamespace(planner=object(), shape=SimpleNamespace(window=1))
+    assert _tree_sizes(plan, 64, 1) == [16, 32, 64] and _tree_sizes(plan, 12, 1) == [12]
+    assert _tree_sizes(plan, 64, 2) == [8, 16, 32, 64] and _tree_sizes(plan, 12, 4) == [3, 6, 12]
+    assert _tree_sizes(plan, 12, 16) == [1, 3, 6, 12] and _tree_sizes(plan, 12, 64) == [1, 3, 6, 12]
+    assert _tree_sizes(SimpleNamespace(planner=object(), shape=SimpleNamespace(window=4)), 12, 16) == [0, 1, 3, 6, 12]
+    assert _tree_sizes(SimpleNamespace(planner=None), 12, 16) == [12]  # a fixed budget: its own size alone
+
+
 def test_a_batch_near_the_last_position_finishes_plainly(tiny):
     prompts = [torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(n)) for n in (480, 470)]
     refs = alone(tiny, prompts, None, max_new_tokens=30)
