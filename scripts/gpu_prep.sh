@@ -23,7 +23,7 @@ Call 1 (run, timeout_s 330, carry [".device-model/part-a", ".device-model/wheels
   mkdir -p /root/model && cp .device-model/part-a /root/model/ && RUN_GPU_BUDGET=300 bash bench/run_gpu.sh env build stepcost kernels verify linear ktests
 Call 2, at once after it (the machine stays warm 30 s), RUN_GPU_BUDGET = what status reports left minus about 60 s
 (at most 560) (carry [".device-model/part-b", ".device-model/wheels", ".device-model/SHA256", ".device-model/data", ".device-model/REVISION"]):
-  RUN_GPU_BUDGET=<left - 60> bash bench/run_gpu.sh build model e2e batch gputests
+  RUN_GPU_BUDGET=<left - 60> bash bench/run_gpu.sh build model e2e batch batchrefill gputests
 Then give_back. Each call's $OUT: summary.md, results.tar.gz, run.log (and e2e-gpu-<device>.json from call 2).
-Lease 2 (the next GPU session): what lease 1 skipped or cut, then batchbf16, batchkernel, batchrefill, pool, profile.
+Lease 2 (the next GPU session): what lease 1 skipped or cut, then batchbf16, batchkernel, pool, profile.
 TXT
