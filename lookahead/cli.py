@@ -209,9 +209,14 @@ def _stops(args, tokenizer) -> dict:
     return {"stop_strings": args.stop, "tokenizer": tokenizer} if args.stop else {}
 
 
+def _check_at_least_one(option: str, value: int | None) -> None:
+    """An option counting something (``None``: unset) must be at least 1."""
+    if value is not None and value < 1:
+        raise CliError(f"{option} must be >= 1, got {value}", status=2)
+
+
 def _check_max_new_tokens(args) -> None:
-    if args.max_new_tokens < 1:
-        raise CliError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}", status=2)
+    _check_at_least_one("--max-new-tokens", args.max_new_tokens)
 
 
 class _TextStream:
@@ -274,10 +279,8 @@ def cmd_batch(args) -> int:
     la = None if args.no_lookahead else _config(args)
     sampling = _sampling(args)
     _check_max_new_tokens(args)
-    if args.max_batch_size is not None and args.max_batch_size < 1:
-        raise CliError(f"--max-batch-size must be >= 1, got {args.max_batch_size}", status=2)
-    if args.limit is not None and args.limit < 1:
-        raise CliError(f"--limit must be >= 1, got {args.limit}", status=2)
+    _check_at_least_one("--max-batch-size", args.max_batch_size)
+    _check_at_least_one("--limit", args.limit)
     if not os.path.isfile(args.prompts):
         raise CliError(f"{args.prompts}: no such file", status=2)
     args.device = _device(args)
@@ -485,8 +488,7 @@ def run_prompt_set(model, prompts, config: LookaheadConfig, max_new_tokens: int,
 
 def cmd_bench(args) -> int:
     config = _config(args)
-    if args.batch_size < 1:
-        raise CliError(f"--batch-size must be >= 1, got {args.batch_size}", status=2)
+    _check_at_least_one("--batch-size", args.batch_size)
     _check_max_new_tokens(args)
     missing = [path for path in args.prompts if not os.path.isfile(path)]
     if missing:

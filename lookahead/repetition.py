@@ -72,19 +72,11 @@ class RepetitionPenalty:
 
     def restart(self, rows: list[int], sequences: list[list[int]], counts: list[int]) -> None:
         """Batch rows ``rows`` hold new ``sequences`` (a finished row's place refilled): their marks from those."""
-        self.seen[torch.as_tensor(rows, device=self.seen.device)] = False
-        self._mark(rows, sequences)
+        _mark_again(self.seen, rows, sequences)
 
     def add(self, tokens: list[list[int]], counts: list[int]) -> None:
-        """Marks ``tokens[b]`` for each row ``b`` (``counts`` do not matter here): one upload of flat indices and
-        one index write for the batch."""
-        self._mark(range(len(tokens)), tokens)
-
-    def _mark(self, rows, tokens: list[list[int]]) -> None:
-        V = self.seen.shape[1]
-        flat = [b * V + v for b, t in zip(rows, tokens) for v in t]
-        if flat:
-            self.seen.view(-1)[torch.tensor(flat, device=self.seen.device)] = True
+        """Marks ``tokens[b]`` for each row ``b`` (``counts`` do not matter here)."""
+        _mark(self.seen, range(len(tokens)), tokens)
 
     def keep(self, kept: list[int]) -> None:
         self.seen = self.seen[torch.as_tensor(kept, device=self.seen.device)]
@@ -119,14 +111,11 @@ class PromptPenalty:
         """Marks each row's prompt: its sequence without its ``counts`` new tokens."""
         self.seen = state("prompt_penalty:seen", (len(sequences), self.vocab_size), torch.bool)
         self.seen.zero_()
-        self.restart(range(len(sequences)), sequences, counts)
+        _mark(self.seen, range(len(sequences)), _prompts(sequences, counts))
 
-    def restart(self, rows, sequences: list[list[int]], counts: list[int]) -> None:
+    def restart(self, rows: list[int], sequences: list[list[int]], counts: list[int]) -> None:
         """Batch rows ``rows`` hold new ``sequences`` (a finished row's place refilled): their prompts' marks."""
-        self.seen[torch.as_tensor(list(rows), device=self.seen.device)] = False
-        flat = [b * self.vocab_size + v for b, s, c in zip(rows, sequences, counts) for v in s[:len(s) - c]]
-        if flat:
-            self.seen.view(-1)[torch.tensor(flat, device=self.seen.device)] = True
+        _mark_again(self.seen, rows, _prompts(sequences, counts))
 
     def add(self, tokens, counts) -> None:
         pass
@@ -140,6 +129,25 @@ class PromptPenalty:
     def tree(self, node_logits: torch.Tensor, tokens: torch.Tensor, end: torch.Tensor,
              depth: torch.Tensor | None = None) -> torch.Tensor:
         return penalise_rows(node_logits, self.seen, 1 / self.penalty)
+
+
+def _prompts(sequences: list[list[int]], counts: list[int]) -> list[list[int]]:
+    """Each row's prompt: its sequence without its ``counts`` new tokens."""
+    return [s[:len(s) - c] for s, c in zip(sequences, counts)]
+
+
+def _mark(seen: torch.Tensor, rows, tokens: list[list[int]]) -> None:
+    """Marks ``tokens[i]`` in row ``rows[i]`` of ``seen [B, V]``: one upload of flat indices and one index write."""
+    V = seen.shape[1]
+    flat = [b * V + v for b, t in zip(rows, tokens) for v in t]
+    if flat:
+        seen.view(-1)[torch.tensor(flat, device=seen.device)] = True
+
+
+def _mark_again(seen: torch.Tensor, rows: list[int], tokens: list[list[int]]) -> None:
+    """Rows ``rows`` of ``seen`` cleared, then marked with ``tokens`` (rows that now hold other sequences)."""
+    seen[torch.as_tensor(rows, device=seen.device)] = False
+    _mark(seen, rows, tokens)
 
 
 def reference_penalised(logits_row: torch.Tensor, context: list[int], penalty: float) -> torch.Tensor:

@@ -42,8 +42,7 @@ class TokenHistory:
     def start(self, state, sequences: list[list[int]], capacity: int, replayed: bool) -> None:
         """``capacity``: the longest a row's sequence can grow (the KV cache's rows); ``replayed``: steps are
         graphs, which read every column (an eager step reads only as far as the longest row)."""
-        if any(len(s) > capacity for s in sequences):
-            raise ValueError(f"a row's sequence is longer than the history's capacity {capacity}")
+        _check_fits(sequences, capacity)
         self.tokens = state("history:tokens", (len(sequences), capacity), torch.long)
         self.lengths = state("history:lengths", (len(sequences),), torch.long)
         self.host = [0] * len(sequences)
@@ -52,8 +51,7 @@ class TokenHistory:
 
     def restart(self, rows: list[int], sequences: list[list[int]]) -> None:
         """Batch rows ``rows`` hold new ``sequences`` (a finished row's place refilled)."""
-        if any(len(s) > self.tokens.shape[1] for s in sequences):
-            raise ValueError(f"a row's sequence is longer than the history's capacity {self.tokens.shape[1]}")
+        _check_fits(sequences, self.tokens.shape[1])
         for b in rows:
             self.host[b] = 0
         self._append(rows, sequences)
@@ -105,6 +103,11 @@ class TokenHistory:
         at_depth = depth[:, None, :, None] == q[:, :, None, :]  # [B, i, j, width]: j at the tail position's depth
         path = ((on_path[..., None] & at_depth).long() * tokens[:, None, :, None]).sum(2)
         return torch.where(q >= 1, path, committed)
+
+
+def _check_fits(sequences: list[list[int]], capacity: int) -> None:
+    if any(len(s) > capacity for s in sequences):
+        raise ValueError(f"a row's sequence is longer than the history's capacity {capacity}")
 
 
 def _ban(logits: torch.Tensor, index: torch.Tensor, hit: torch.Tensor) -> torch.Tensor:
