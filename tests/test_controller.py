@@ -305,7 +305,10 @@ def test_only_greedy_steps_age_the_calibration(tmp_path, monkeypatch):
     monkeypatch.setattr(StepPlanner, "observe_declined", lambda self: calls.append(1))
     ours = LlamaForCausalLM.from_hf(tiny_hf_model())
     ids = torch.tensor([[5, 6, 7, 8] * 3])
-    ours.generate(ids, max_new_tokens=60, do_sample=True, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    # A given table: a measured one on a loaded machine (the suite's other workers) could make every tree pay.
+    la = LookaheadConfig(step_costs=STEEP)
+    ours.generate(ids, max_new_tokens=60, do_sample=True, temperature=1.0, generator=torch.Generator().manual_seed(0),
+                  lookahead=la)
     assert calls == []  # a sampled step's declines tell nothing new (GainCalibration.relax)
-    ours.generate(ids, max_new_tokens=60)
+    ours.generate(ids, max_new_tokens=60, lookahead=la)
     assert calls  # greedy ones do
