@@ -455,25 +455,34 @@ def _cuda_graphs(args) -> bool | None:
 
 def run_prompt_set(model, prompts, config: LookaheadConfig, max_new_tokens: int, desc: str = "",
                    batch_size: int = 1, cuda_graphs: bool | None = None) -> dict:
-    """Run the prompts in batches of ``batch_size`` plainly and with lookahead; returns per-prompt rows and the
-    set's summary (tokens/s over the batches; ``identical``: rows equal to the plain batch's)."""
+    """Run the prompts plainly and with lookahead; returns per-prompt rows and the set's summary (``identical``:
+    rows equal to plain decoding's). One prompt at a time, or with ``batch_size`` above 1 every prompt in one call
+    of at most that many rows at once, a finished row's place going to the next prompt (``max_batch_size``; tokens/s
+    over the call)."""
     from tqdm.auto import tqdm
 
+    prompts = [ids.to(model.device) for ids in prompts]
     rows, seconds, plain_seconds = [], 0.0, 0.0
-    batches = [prompts[i: i + batch_size] for i in range(0, len(prompts), batch_size)]
-    for batch in tqdm(batches, desc=desc, unit="batch" if batch_size > 1 else "prompt", file=sys.stderr):
-        batch = [ids.to(model.device) for ids in batch]
-        ids = batch[0] if batch_size == 1 else [ids[0] for ids in batch]
-        plain = model.generate(ids, max_new_tokens=max_new_tokens, lookahead=None, cuda_graphs=cuda_graphs)
-        ours = model.generate(ids, max_new_tokens=max_new_tokens, lookahead=config, cuda_graphs=cuda_graphs)
-        seconds += ours.stats.seconds
-        plain_seconds += plain.stats.seconds
-        for b, ids_b in enumerate(batch):
-            st = ours.stats.rows[b]
-            rows.append({"prompt_tokens": ids_b.shape[-1], "new_tokens": st.new_tokens, "steps": st.steps,
-                         "compression": st.compression_ratio, "seconds": st.seconds,
-                         "plain_seconds": plain.stats.rows[b].seconds,
-                         "identical": bool(torch.equal(plain.sequences[b], ours.sequences[b]))})
+    one = batch_size == 1
+    # One prompt at a time, the bar counting prompts; or both ways in one call each, the bar counting rows finished.
+    with tqdm(total=len(prompts) * (1 if one else 2), desc=desc, unit="prompt" if one else "row",
+              file=sys.stderr) as bar:
+        calls = [(ids, {}) for ids in prompts] if one else \
+            [([ids[0] for ids in prompts], dict(max_batch_size=batch_size, _on_finish=bar.update))]
+        for ids, call in calls:
+            plain = model.generate(ids, max_new_tokens=max_new_tokens, lookahead=None, cuda_graphs=cuda_graphs, **call)
+            ours = model.generate(ids, max_new_tokens=max_new_tokens, lookahead=config, cuda_graphs=cuda_graphs,
+                                  **call)
+            if one:
+                bar.update(1)
+            seconds += ours.stats.seconds
+            plain_seconds += plain.stats.seconds
+            for b in range(ours.sequences.shape[0]):
+                st = ours.stats.rows[b]
+                rows.append({"prompt_tokens": (ids if one else ids[b]).shape[-1], "new_tokens": st.new_tokens,
+                             "steps": st.steps, "compression": st.compression_ratio, "seconds": st.seconds,
+                             "plain_seconds": plain.stats.rows[b].seconds,
+                             "identical": bool(torch.equal(plain.sequences[b], ours.sequences[b]))})
     tok = sum(r["new_tokens"] for r in rows)
     summary = {
         "prompts": len(rows),
@@ -551,7 +560,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--limit", type=int, default=None, help="first N prompts of each set")
     b.add_argument("--out", default=None, help="write the results as JSON here")
     b.add_argument("--batch-size", type=int, default=1,
-                   help="prompts decoded together in one batch (default 1); tokens/s is over the batch")
+                   help="rows decoded at once, a finished row's place going to the next prompt (default 1); "
+                        "tokens/s is over the set")
     _add_lookahead_args(b)
     b.set_defaults(func=cmd_bench)
     return parser

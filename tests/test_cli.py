@@ -242,14 +242,21 @@ def test_generate_json_and_bench_write_results(capsys, tmp_path):
     assert result["new_tokens"] == len(result["tokens"]) <= 5 and result["steps"] >= 1
     out_file = tmp_path / "bench.json"
     prompts = os.path.join(DATA, "humaneval_dev.jsonl")
-    assert main(["bench", "--prompts", prompts, "--limit", "2", "--max-new-tokens", "5", "--out", str(out_file)]) == 0
+    assert main(["bench", "--prompts", prompts, "--limit", "3", "--max-new-tokens", "5", "--out", str(out_file)]) == 0
     printed = capsys.readouterr().out
-    assert "humaneval_dev: 2 prompts" in printed and "2/2 identical" in printed
+    assert "humaneval_dev: 3 prompts" in printed and "3/3 identical" in printed
     saved = json.loads(out_file.read_text())
-    assert saved["sets"]["humaneval_dev"]["summary"]["identical"] == 2
+    assert saved["sets"]["humaneval_dev"]["summary"]["identical"] == 3
     assert saved["machine"]["torch"]
-    assert main(["bench", "--prompts", prompts, "--limit", "3", "--max-new-tokens", "5", "--batch-size", "2"]) == 0
+    # Two rows at once, the third prompt taking the first finished row's place: the same rows, in order.
+    batched = tmp_path / "batched.json"
+    assert main(["bench", "--prompts", prompts, "--limit", "3", "--max-new-tokens", "5", "--batch-size", "2",
+                 "--out", str(batched)]) == 0
     assert "humaneval_dev: 3 prompts" in capsys.readouterr().out
+    rows = json.loads(batched.read_text())["sets"]["humaneval_dev"]["rows"]
+    alone = saved["sets"]["humaneval_dev"]["rows"]
+    assert [r["identical"] for r in rows] == [True] * 3
+    assert [(r["prompt_tokens"], r["new_tokens"]) for r in rows] == [(r["prompt_tokens"], r["new_tokens"]) for r in alone]
 
 
 @needs_model
