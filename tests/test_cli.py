@@ -256,7 +256,8 @@ def test_generate_json_and_bench_write_results(capsys, tmp_path):
     rows = json.loads(batched.read_text())["sets"]["humaneval_dev"]["rows"]
     alone = saved["sets"]["humaneval_dev"]["rows"]
     assert [r["identical"] for r in rows] == [True] * 3
-    assert [(r["prompt_tokens"], r["new_tokens"]) for r in rows] == [(r["prompt_tokens"], r["new_tokens"]) for r in alone]
+    assert [(r["prompt_tokens"], r["new_tokens"]) for r in rows] == \
+        [(r["prompt_tokens"], r["new_tokens"]) for r in alone]
 
 
 @needs_model
