@@ -100,10 +100,15 @@ def _device(args) -> str:
     return name
 
 
-def _load(args):
+def _load(args, decoding: bool = True):
     from .loading import from_pretrained, is_hub_id, load_default, load_tokenizer, local_path
 
     dtype = DTYPES[args.dtype]
+    if decoding and dtype != torch.float32 and torch.device(args.device).type == "cpu":
+        # Said, not refused: a user may want the other dtype's numbers. Measured on this project's 2-core Zen 5:
+        # 57 against 237 tokens/s (bench/MEASUREMENTS.md, "Other dtypes on a CPU").
+        print(f"lookahead: note: --dtype {args.dtype} on a CPU runs through torch's kernels, about 4x slower than "
+              f"float32 (our C++ ops)", file=sys.stderr)
     if args.model is None:
         try:
             return load_default(dtype=dtype, device=args.device)
@@ -401,7 +406,7 @@ def cmd_convert(args) -> int:
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise CliError(f"{args.out} exists and is not a directory", status=2)
     args.device = "cpu"
-    model, tokenizer = _load(args)
+    model, tokenizer = _load(args, decoding=False)
     try:
         model.save_pretrained(args.out)
         tokenizer.save_pretrained(args.out)
