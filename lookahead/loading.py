@@ -510,15 +510,19 @@ def from_pretrained(path, dtype: torch.dtype | str | None = None, device=None,
             ``model.safetensors.index.json`` or not), a directory holding ``gguf_file``, or a ``.gguf`` file; or a
             Hugging Face Hub id (``owner/name``, where no such local path exists), downloaded into the Hub cache
             (its config, safetensors and tokenizer files, or only ``gguf_file``) unless already there.
-        dtype: parameter dtype, or its name; default (and ``"auto"``): the checkpoint's (float32 for GGUF, which
-            is dequantised).
+        dtype: parameter dtype, or its name; ``"auto"``: the checkpoint's (float32 for GGUF, which is
+            dequantised); default: float32 on a CPU (our fast path there: in bfloat16 or float16 every layer runs
+            through torch's kernels, about 4x slower), the checkpoint's elsewhere.
         device: default CPU.
         gguf_file: name of a GGUF file inside ``path``.
         cache: for a GGUF, use (and fill) the converted-weights cache in :func:`cache_dir`.
         torch_dtype, device_map: transformers' spellings (:func:`load_options`).
     Raises ``ValueError`` for missing or unsupported files and architectures.
     """
+    unset = dtype is None and torch_dtype is None
     dtype, device = load_options(dtype, device, torch_dtype, device_map)
+    if unset and device.type == "cpu":
+        dtype = torch.float32  # a bfloat16 checkpoint's weights, exactly, on the CPU's fast path
     path = local_path(path, gguf_file)
     if not path.exists():
         raise ValueError(f"{path} does not exist")

@@ -36,8 +36,10 @@ def test_a_bfloat16_model_saves_as_bfloat16(tmp_path):
     ours = LlamaForCausalLM.from_hf(random_hf_model(HF_CONFIGS["llama-gqa-tied"]())).to(torch.bfloat16)
     ours.save_pretrained(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
-    back = LlamaForCausalLM.from_pretrained(tmp_path)  # the checkpoint's dtype
+    back = LlamaForCausalLM.from_pretrained(tmp_path, dtype="auto")  # the checkpoint's dtype
     assert back.dtype == torch.bfloat16 and torch.equal(back.embed.weight, ours.embed.weight)
+    fast = LlamaForCausalLM.from_pretrained(tmp_path)  # unset, on a CPU: float32, the same numbers widened
+    assert fast.dtype == torch.float32 and torch.equal(fast.embed.weight, ours.embed.weight.float())
     ours.save_pretrained(tmp_path)  # a second save replaces the files
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
 
