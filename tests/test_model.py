@@ -335,8 +335,9 @@ def test_from_pretrained_safetensors_directory(tmp_path, name, shard):
 def test_from_pretrained_keeps_checkpoint_dtype_or_casts(tmp_path):
     hf = random_hf_model(HF_CONFIGS["llama-mha"]()).to(torch.bfloat16)
     hf.save_pretrained(tmp_path, safe_serialization=True)
-    assert LlamaForCausalLM.from_pretrained(tmp_path).dtype == torch.bfloat16
-    as_f32 = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert LlamaForCausalLM.from_pretrained(tmp_path, dtype="auto").dtype == torch.bfloat16
+    assert LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float16).dtype == torch.float16
+    as_f32 = LlamaForCausalLM.from_pretrained(tmp_path)  # unset, on a CPU: float32 (the CPU's fast path)
     assert as_f32.dtype == torch.float32
     assert as_f32.rope_inv_freq_bits.dtype == torch.int32
 
