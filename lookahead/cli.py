@@ -520,9 +520,10 @@ def cmd_bench(args) -> int:
                              cuda_graphs=_cuda_graphs(args))
         result["sets"][name] = res
         s = res["summary"]
+        ratio = s["tokens_per_second"] / s["plain_tokens_per_second"] if s["plain_tokens_per_second"] else 0.0
         print(f"{name}: {s['prompts']} prompts, compression {s['mean_compression']:.2f}, "
-              f"{s['tokens_per_second']:.1f} tokens/s with lookahead vs {s['plain_tokens_per_second']:.1f} without, "
-              f"{s['identical']}/{s['prompts']} identical")
+              f"{s['tokens_per_second']:.1f} tokens/s with lookahead vs {s['plain_tokens_per_second']:.1f} without "
+              f"({ratio:.2f}x), {s['identical']}/{s['prompts']} identical")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

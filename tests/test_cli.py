@@ -246,7 +246,7 @@ def test_generate_json_and_bench_write_results(capsys, tmp_path):
     prompts = os.path.join(DATA, "humaneval_dev.jsonl")
     assert main(["bench", "--prompts", prompts, "--limit", "3", "--max-new-tokens", "5", "--out", str(out_file)]) == 0
     printed = capsys.readouterr().out
-    assert "humaneval_dev: 3 prompts" in printed and "3/3 identical" in printed
+    assert "humaneval_dev: 3 prompts" in printed and "x), 3/3 identical" in printed
     saved = json.loads(out_file.read_text())
     assert saved["sets"]["humaneval_dev"]["summary"]["identical"] == 3
     assert saved["machine"]["torch"]
