@@ -469,17 +469,16 @@ def run_prompt_set(model, prompts, config: LookaheadConfig, max_new_tokens: int,
     prompts = [ids.to(model.device) for ids in prompts]
     rows, seconds, plain_seconds = [], 0.0, 0.0
     one = batch_size == 1
-    # One prompt at a time, the bar counting prompts; or both ways in one call each, the bar counting rows finished.
-    with tqdm(total=len(prompts) * (1 if one else 2), desc=desc, unit="prompt" if one else "row",
-              file=sys.stderr) as bar:
-        calls = [(ids, {}) for ids in prompts] if one else \
-            [([ids[0] for ids in prompts], dict(max_batch_size=batch_size, _on_finish=bar.update))]
+    calls = [(ids, {}) for ids in prompts] if one else \
+        [([ids[0] for ids in prompts], dict(max_batch_size=batch_size))]
+    # The bar counts rows finished, each prompt's twice (plainly and with lookahead).
+    with tqdm(total=2 * len(prompts), desc=desc, unit="row", file=sys.stderr) as bar:
+        def run(ids, call, la):
+            return model.generate(ids, max_new_tokens=max_new_tokens, lookahead=la, cuda_graphs=cuda_graphs,
+                                  _on_finish=bar.update, **call)
+
         for ids, call in calls:
-            plain = model.generate(ids, max_new_tokens=max_new_tokens, lookahead=None, cuda_graphs=cuda_graphs, **call)
-            ours = model.generate(ids, max_new_tokens=max_new_tokens, lookahead=config, cuda_graphs=cuda_graphs,
-                                  **call)
-            if one:
-                bar.update(1)
+            plain, ours = run(ids, call, None), run(ids, call, config)
             seconds += ours.stats.seconds
             plain_seconds += plain.stats.seconds
             for b in range(ours.sequences.shape[0]):
