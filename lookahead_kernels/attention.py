@@ -29,7 +29,7 @@ from .attention_ref import check_attention_args
 from .launch import interpreted, on_device
 from .layout import StepLayout
 
-SUPPORTED_HEAD_DIMS = (64, 80, 96, 128)
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 80, 96, 128)  # 16 and 32: small test models
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 _LOG2E = 1.4426950408889634
@@ -390,7 +390,7 @@ def lookahead_attention(q, k_cache, v_cache, *, cache_len, layout: StepLayout, s
 
     Args:
         q: ``[B, T, Hq, D]`` queries with rotary applied, ``T == layout.T``; float16, bfloat16 or float32;
-            ``D`` in 64, 80, 96, 128. Any strides.
+            ``D`` in 16, 32, 64, 80, 96, 128. Any strides.
         k_cache, v_cache: ``[B, S, Hkv, D]``, same dtype and device as ``q``, ``Hq % Hkv == 0``; the step's own
             keys/values already written at rows ``cache_len[b] .. cache_len[b] + T - 1``; rows past those are
             never read. Any strides.

@@ -128,6 +128,8 @@ CASES = [
     (StepLayout.prefill(40), 0, 1, 2, 80, torch.float16, False),           # prefill, D=80
     (StepLayout.linear(3, 2, 4, 2), [0, 65, 130], 2, 2, 64, torch.float32, False),  # batch of 3, ragged prefix
     (StepLayout.linear(3, 2, 1, 2), [129, 3, 64], 1, 1, 80, torch.bfloat16, True),  # batch of 3, bf16, strided
+    (StepLayout.linear(3, 2, 2, 2), 33, 2, 2, 32, torch.float32, False),          # D=32 (small test models)
+    (StepLayout.prefill(9), [0, 70], 1, 4, 16, torch.float16, False),             # D=16, prefill, batch of 2
 ]
 
 
@@ -151,6 +153,7 @@ TREE_CASES = [
     (2, 3, ("deep", "bushy"), 10, True, [300, 0], 2, 2, 96, torch.bfloat16, None),       # [B, V], auto split
     (3, 2, "deep", 70, False, 20, 1, 1, 64, torch.float32, 1),                           # tree over 2 key tiles
     (5, 2, ("padded", "linear"), 16, True, [33, 1], 1, 4, 128, torch.float32, 1),        # GQA 4, D=128
+    (1, 1, "bushy", 12, False, [3, 90], 2, 2, 16, torch.float32, 2),                     # D=16, split
 ]
 
 
@@ -345,7 +348,7 @@ def _bad_calls(kernel_device):
     T = layout.T
     q = torch.randn(1, T, 4, 64, device=kernel_device)
     k = torch.randn(1, 40, 2, 64, device=kernel_device)
-    k32 = torch.randn(1, 40, 2, 32, device=kernel_device)
+    k48 = torch.randn(1, 40, 2, 48, device=kernel_device)
     ok = dict(cache_len=3, layout=layout)
     return [
         ("tokens", (q[:, :-1], k, k), ok),
@@ -354,7 +357,7 @@ def _bad_calls(kernel_device):
         (">= 0", (q, k, k), dict(ok, cache_len=torch.tensor([-1]))),
         ("dtype", (q, k.half(), k.half()), ok),
         ("device", (q, k.to("meta"), k.to("meta")), ok),
-        ("head dims", (torch.randn(1, T, 4, 32, device=kernel_device), k32, k32), ok),
+        ("head dims", (torch.randn(1, T, 4, 48, device=kernel_device), k48, k48), ok),
         ("float16, bfloat16, float32", (q.double(), k.double(), k.double()), ok),
         ("num_splits", (q, k, k), dict(ok, num_splits=0)),
         ("sm_scale", (q, k, k), dict(ok, sm_scale=-1.0)),
@@ -408,13 +411,14 @@ target = GPUTarget("cuda", 90, 32)
 fwd, merge = A._attn_fwd_kernel, A._attn_merge_kernel
 assert isinstance(fwd, triton.runtime.JITFunction)
 # fp16 tiles, and the float32 path the GPU runs (tf32x3 products on 16-row tiles), each with and without split-KV.
-for split, dt in ((False, "fp16"), (True, "fp16"), (False, "fp32"), (True, "fp32")):
+# Head dim 16 (the smallest tiles small test models take) once each way.
+for split, dt, d in ((False, "fp16", 80), (True, "fp16", 80), (False, "fp32", 64), (True, "fp32", 64),
+                     (True, "fp32", 16), (False, "fp16", 16)):
     sig = {n: "i32" for n in fwd.arg_names}
     sig.update(Q=f"*{dt}", K=f"*{dt}", V=f"*{dt}", OUT=f"*{dt}", CACHE_LEN="*i64", END="*i64", scale_log2="fp32",
                O_PART="*fp32" if split else f"*{dt}", LSE_PART="*fp32" if split else f"*{dt}")
-    const = dict(HEAD_DIM=64 if dt == "fp32" else 80, BLOCK_M=16 if dt == "fp32" else 64, BLOCK_N=64,
-                 BLOCK_D=64 if dt == "fp32" else 128, MIN_CHUNK=256, SPLIT=split, F32_INPUTS=dt == "fp32",
-                 UPCAST=False, FP32_DOT=A._FP32_DOT)
+    const = dict(HEAD_DIM=d, BLOCK_M=16 if dt == "fp32" else 64, BLOCK_N=64, BLOCK_D=triton.next_power_of_2(d),
+                 MIN_CHUNK=256, SPLIT=split, F32_INPUTS=dt == "fp32", UPCAST=False, FP32_DOT=A._FP32_DOT)
     sig.update({k: "constexpr" for k in const})
     triton.compile(ASTSource(fn=fwd, signature=sig, constexprs=const), target=target,
                    options=dict(num_warps=4, num_stages=2))
