@@ -118,9 +118,6 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
                     help="parameter dtype (bfloat16: where a GPU's steps stay flat longest; identity then counted)")
-    ap.add_argument("--gpu-linear", default="torch", choices=["torch", "kernel"],
-                    help="on CUDA: linear layers through cuBLAS (torch) or our row-invariant Triton kernel "
-                         "(model.set_gpu_linear)")
     ap.add_argument("--refill", action="store_true",
                     help="continuous batching: each set in one call of at most B rows at once, a finished row's "
                          "place going to the next prompt (generate's max_batch_size), not batches one after another")
@@ -148,7 +145,6 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     machine = machine_info(args.device)  # at the start: the revision that runs, whatever is committed meanwhile
     model, tokenizer = load_default(dtype=DTYPES[args.dtype], device=args.device)
-    model.set_gpu_linear(args.gpu_linear)
     generate_kwargs = {}
     if args.dry_run:  # the model's own memo of measured costs (lookahead.controller), filled before any call
         from lookahead.controller import StepCosts, cost_key
@@ -191,13 +187,12 @@ def main(argv=None) -> int:
     machine["load_average_end"] = machine_info(args.device)["load_average"]
     tag = args.tag or ("cpu" if args.device == "cpu" else device_label(machine).lower().replace(" ", "-")) \
         + ("" if args.dtype == "float32" else f"-{args.dtype}") \
-        + ("" if args.gpu_linear == "torch" else "-kernel-linear") + ("-refill" if args.refill else "") \
-        + ("-dry-run" if args.dry_run else "")
+        + ("-refill" if args.refill else "") + ("-dry-run" if args.dry_run else "")
     result = {"machine": machine, "command": command_line(__file__, sys.argv[1:] if argv is None else argv),
               "model": f"SmolLM2-135M-Instruct ({args.dtype})", "dtype": args.dtype,
               "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
               "prompts_per_set": args.prompts, "threads": args.threads, "repeats": args.repeats, "refill": args.refill,
-              "gpu_linear": args.gpu_linear, "rows": rows}
+              "rows": rows}
     base = write_results(args.out_dir, f"batch-{tag}", result, markdown(result))
     plot(result, base + ".png")
     return 0
@@ -217,8 +212,7 @@ def markdown(result: dict) -> str:
              f"{decoding(result)}, {result['max_new_tokens']} new tokens, {subset} of each set, "
              f"{result['threads']} threads"
              + (", continuous batching (each set in one call of at most B rows at once, a finished row's place "
-                "going to the next prompt)" if result.get("refill") else "")
-             + (", linear layers in our Triton kernel" if result.get("gpu_linear") == "kernel" else "") + ". "
+                "going to the next prompt)" if result.get("refill") else "") + ". "
              f"Device: {m['device']} ({m.get('gpu') or m['cpu']}), torch {m['torch']}, git {m['git']}, load average "
              f"at the start {m.get('load_average')}, at the end {m.get('load_average_end')}.", "",
              f"Command: `{result['command']}`", "",

