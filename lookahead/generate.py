@@ -37,6 +37,7 @@ from .config import LookaheadConfig, StepShape
 from .controller import make_plan
 from .custom_processors import make_custom_processors
 from .draft import DraftBuilder, encode_rows, propose_rows
+from .prefill import prefill_graphs
 from .processors import LogitsProcessors
 from .prompt_cache import PromptCache
 from .runner import StepRunner, cache_pool, runner_cache
@@ -462,8 +463,12 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
                                        cfg.max_position_embeddings + step_cap)
     if processors:
         _start_processors(processors, runner, cache, rows[:B], device)
+    # On the graph path a whole prompt's prefill replays a graph of its length's bucket (lookahead.prefill).
+    padded_prefill = prefill_graphs(model, graphs).prepared() if static else None
     started += time.perf_counter() - setup_started
     clock = _CallClock(started, runner)
+    if padded_prefill is not None:
+        clock.follow(padded_prefill)
     # A batch too big for any tree at the start decodes plainly, its rows' lookahead state (window, drafts) made
     # only if the batch shrinks enough for trees to pay (_decode): building it (then with seeds for the successor
     # table) cost 64 HumanEval rows 0.79x plain decoding when it steered nothing.
@@ -478,14 +483,18 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     with model.weights_fixed():
         def prefill(row: _Row, cache_row) -> None:  # the KV cache only: the prompt's last token is x
             prefill_started = time.perf_counter()
+            captured = padded_prefill.capture_seconds if padded_prefill is not None else 0.0
             n = row.cache_len
             reused = 0 if prompt_cache is None else prompt_cache.restore(model, row.emitter.sequence[:n], cache_row)
             row.stats.reused_tokens = reused
-            if n > reused:
+            if n > reused and not (reused == 0 and padded_prefill is not None
+                                   and padded_prefill.prefill(row.emitter.sequence[:n], cache_row)):
                 model.hidden(torch.tensor([row.emitter.sequence[reused:n]], device=device),
                              torch.arange(reused, n, device=device)[None], cache_row, reused,
                              StepLayout.prefill(n - reused))
-            row.stats.prefill_seconds = time.perf_counter() - prefill_started
+            if padded_prefill is not None:  # a capture is setup, not the prefill's time
+                captured = padded_prefill.capture_seconds - captured
+            row.stats.prefill_seconds = time.perf_counter() - prefill_started - captured
 
         for b, row in enumerate(rows[:B]):
             prefill(row, cache.sequence(b))
@@ -731,8 +740,9 @@ class _CallClock:
         if runner is not None:
             self.follow(runner)
 
-    def follow(self, runner: StepRunner) -> None:
-        """Leave out the graphs ``runner`` captures from now on too (a batch moved to a smaller runner)."""
+    def follow(self, runner) -> None:
+        """Leave out the graphs ``runner`` (anything counting its ``capture_seconds``: a step runner, the prefill
+        graphs) captures from now on too (a batch moved to a smaller runner)."""
         self.runners.append((runner, runner.capture_seconds))
 
     def elapsed(self) -> float:
