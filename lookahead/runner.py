@@ -307,10 +307,12 @@ class RunnerCache:
     Args:
         keep: how many idle runners to keep (>= 0). A padded batch moves to smaller runners as its rows finish (16
             rows: runners of 16, 8, 4, 2 and 1), all of which a next call of that size takes again: fewer kept would
-            capture some sizes' graphs again every call.
+            capture some sizes' graphs again every call. Plain decoding and lookahead have different menus, so
+            calls alternating between them at 16 rows use ten (with 8 kept, the bench's dry run rebuilt a runner
+            inside a timed call). A new runner that does not fit in the device's memory first frees the idle ones.
     """
 
-    def __init__(self, keep: int = 8):
+    def __init__(self, keep: int = 12):
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
             raise ValueError(f"keep must be an int >= 0, got {keep!r}")
         self.keep = keep
@@ -330,7 +332,16 @@ class RunnerCache:
         if runner is not None and runner.cache.max_len >= min_len:
             return runner
         limit = model.config.max_position_embeddings + max(s.max_tokens for s in key[3])
-        return StepRunner(model, model.new_cache(batch_size, _pooled_rows(min_len, limit)), key[3], graphs=graphs)
+        try:
+            cache = model.new_cache(batch_size, _pooled_rows(min_len, limit))
+        except torch.OutOfMemoryError:
+            if not self._idle:
+                raise
+            self.clear()  # idle runners hold their caches and graphs: give their memory to this one
+            if model.device.type == "cuda":
+                torch.cuda.empty_cache()
+            cache = model.new_cache(batch_size, _pooled_rows(min_len, limit))
+        return StepRunner(model, cache, key[3], graphs=graphs)
 
     def give_back(self, runner: StepRunner) -> None:
         """Store ``runner`` for a later :meth:`take` (the most recently given back is kept longest)."""

@@ -214,6 +214,27 @@ def test_runner_cache_hands_out_each_runner_once_and_keeps_the_newest(tiny):
         RunnerCache(keep=-1)
 
 
+def test_runner_cache_frees_idle_runners_when_a_new_one_does_not_fit(tiny, monkeypatch):
+    cache = RunnerCache()
+    menu = [StepShape(1, 1, 0)]
+    for batch in (1, 2):
+        cache.give_back(cache.take(tiny, batch, menu, 40, graphs=False))
+    real, calls = tiny.new_cache, []
+
+    def out_of_memory_once(*args):
+        calls.append(args)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(*args)
+
+    monkeypatch.setattr(tiny, "new_cache", out_of_memory_once)
+    runner = cache.take(tiny, 4, menu, 40, graphs=False)
+    assert runner.batch_size == 4 and len(calls) == 2 and cache.runners() == []  # the idle two were dropped
+    calls.clear()
+    with pytest.raises(torch.OutOfMemoryError):  # nothing idle left to free: the error stands
+        cache.take(tiny, 8, menu, 40, graphs=False)
+
+
 def test_the_cpu_default_loop_uses_no_runner(tiny):
     model = LlamaForCausalLM.from_hf(tiny_hf_model())
     model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, lookahead=CONFIGS["fixed"])
