@@ -226,9 +226,10 @@ def part_smolstep(device):
 
 
 def part_smoltiles(device):
-    """Our attention at SmolLM2's shape by tile and split-KV (CUDA-graph timing), the float32 products the GPU runs
-    (tf32x3). T = 1 too: on the H200 (session 46) a plain step's attention took 10.4 us a layer at 256 keys plus
-    2.3 us merging its key ranges, a third of the step."""
+    """Our attention at SmolLM2's shape by tile, split-KV and the least keys a split takes (CUDA-graph timing), the
+    float32 products the GPU runs (tf32x3). T = 1 too: on the H200 (session 46) a plain step's attention took 10.4
+    us a layer at 256 keys plus 2.3 us merging its key ranges, a third of the step; with at least 256 keys a split
+    (``_MIN_CHUNK``), 256 keys are one program's four key tiles in a row whatever the split count."""
     import triton.testing
 
     from lookahead_kernels import StepLayout
@@ -243,28 +244,28 @@ def part_smoltiles(device):
         k = torch.randn(1, 1024, 3, 64, device=device)
         v = torch.randn(1, 1024, 3, 64, device=device)
         lens = torch.tensor([context], device=device)
-        original, precision = attn._tile_config, attn._FP32_DOT
+        original, min_chunk = attn._tile_config, attn._MIN_CHUNK
         res = {}
-        for prec in ("tf32x3",):
-            attn._FP32_DOT = prec
-            for bm, bn, warps in ((None, None, None), (16, 64, 4), (32, 32, 4), (16, 32, 2), (64, 32, 4)):
-                if bm is not None:
-                    attn._tile_config = lambda M, D, dt, c=(bm, bn, 64, warps, 2): c
+        for bm, bn, warps in ((None, None, None), (16, 64, 4), (16, 32, 2)):
+            if bm is not None:
+                attn._tile_config = lambda M, D, dt, c=(bm, bn, 64, warps, 2): c
+            for chunk in (256, 64):
+                attn._MIN_CHUNK = chunk
                 for splits in (None, 1, 4):
                     fn = lambda: attn.lookahead_attention(q, k, v, cache_len=lens, layout=layout,  # noqa: E731
                                                           num_splits=splits)
+                    name = f"bm={bm} bn={bn} w={warps} min_chunk={chunk} splits={splits}"
                     try:
                         fn()
-                        res[f"{prec} bm={bm} bn={bn} w={warps} splits={splits}"] = \
-                            triton.testing.do_bench_cudagraph(fn)
+                        res[name] = triton.testing.do_bench_cudagraph(fn)
                     except Exception as exc:
-                        print(f"smolstep: {prec} {bm} {bn} {warps}: {type(exc).__name__}: {exc}"[:300])
-                attn._tile_config = original
-        attn._FP32_DOT = precision
+                        print(f"smoltiles: {name}: {type(exc).__name__}: {exc}"[:300])
+            attn._tile_config = original
+        attn._MIN_CHUNK = min_chunk
         print(f"smoltiles: attention fp32 T={T} (W={W}, levels={lv}, tree {V}) context {context}: us (cudagraph)")
         for key, b in sorted(res.items(), key=lambda kv: kv[1])[:12]:
-            print(f"   {key:45s} {b * 1e3:8.1f}", flush=True)
-        print(f"   default: {res.get('tf32x3 bm=None bn=None w=None splits=None', float('nan')) * 1e3:.1f}")
+            print(f"   {key:50s} {b * 1e3:8.1f}", flush=True)
+        print(f"   default: {res.get('bm=None bn=None w=None min_chunk=256 splits=None', float('nan')) * 1e3:.1f}")
 
 
 PARTS = {"smolstep": part_smolstep, "smoltiles": part_smoltiles, "steps": part_steps, "loop": part_loop, "kernels": part_kernels,
