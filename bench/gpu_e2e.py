@@ -71,7 +71,11 @@ def aggregate(per_prompt: list[dict], systems: list[str]) -> list[dict]:
                          "compression": statistics.mean(r["compression"] for r in res),
                          "identical": sum(bool(r["identical"]) for r in res), "prompts": len(res)})
             if all(r.get("steps") for r in res):  # ours: host work outside the forward, per step
-                rows[-1]["host_ms_per_step"] = 1e3 * sum(r["host_seconds"] for r in res) / sum(r["steps"] for r in res)
+                steps = sum(r["steps"] for r in res)
+                rows[-1]["host_ms_per_step"] = 1e3 * sum(r["host_seconds"] for r in res) / steps
+                rows[-1]["tokens_per_step"] = total_new / steps  # over the set (compression: the prompts' mean)
+                if all(r.get("fed_tokens") is not None for r in res):  # the trees' size the planner chose
+                    rows[-1]["fed_per_step"] = sum(r["fed_tokens"] for r in res) / steps
             if all(r.get("prefill_seconds") is not None for r in res):  # ours (older results lack it)
                 rows[-1]["prefill_ms_per_call"] = 1e3 * statistics.median(r["prefill_seconds"] for r in res)
     return rows
@@ -88,16 +92,19 @@ def render(result: dict) -> str:
              f"Command: `{result['command']}`", "",
              "Host ms / step: `stats.host_seconds` per step, the lookahead steps' host work outside the forward, "
              "verification and read-back (plain steps have none). Prefill ms: `stats.prefill_seconds`, the median "
-             "call's (within its time).", "",
-             "| set | system | tokens/s | median tokens/s | vs ours-plain | compression | host ms / step "
-             "| prefill ms | identical to ours-plain |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "call's (within its time). Compression: the mean of each prompt's new tokens a step; tokens a step and "
+             "fed a step: new and fed tokens over all the set's steps.", "",
+             "| set | system | tokens/s | median tokens/s | vs ours-plain | compression | tokens a step | fed a step "
+             "| host ms / step | prefill ms | identical to ours-plain |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         vs = f"{r['vs_ours_plain']:.2f}x" if r.get("vs_ours_plain") else "—"
         host = f"{r['host_ms_per_step']:.2f}" if r.get("host_ms_per_step") is not None else "—"
         prefill = f"{r['prefill_ms_per_call']:.1f}" if r.get("prefill_ms_per_call") is not None else "—"
+        per_step, fed = (f"{r[k]:.2f}" if r.get(k) is not None else "—" for k in ("tokens_per_step", "fed_per_step"))
         lines.append(f"| {r['set']} | {r['system']} | {r['tokens_per_s']:.1f} | {r['median_tokens_per_s']:.1f} | {vs} "
-                     f"| {r['compression']:.2f} | {host} | {prefill} | {r['identical']}/{r['prompts']} |")
+                     f"| {r['compression']:.2f} | {per_step} | {fed} | {host} | {prefill} | "
+                     f"{r['identical']}/{r['prompts']} |")
     diffs = [p for p in result["per_prompt"] if p["first_diff"] is not None]
     if diffs:
         lines += ["", "Outputs that differ from ours-plain (first differing new-token index):", ""]
@@ -176,7 +183,8 @@ def main(argv=None) -> int:
                     {"set": name, "prompt": i, "system": system, "new_tokens": seq.shape[1] - ids.shape[1],
                      "seconds": seconds, "compression": comp, "identical": diff is None, "first_diff": diff,
                      "steps": stats.steps if stats else None, "host_seconds": stats.host_seconds if stats else None,
-                     "prefill_seconds": stats.prefill_seconds if stats else None})
+                     "prefill_seconds": stats.prefill_seconds if stats else None,
+                     "fed_tokens": stats.fed_tokens if stats else None})
             out.result["rows"] = aggregate(out.result["per_prompt"], systems)
             out.flush()
             print(f"{name} prompt {i}: " + ", ".join(
