@@ -85,6 +85,8 @@ def main(argv=None) -> int:
     ap.add_argument("--step-costs", default="h100", help="'h100' (default) or T:seconds pairs")
     ap.add_argument("--host-ms", type=float, default=0.15, help="host work a lookahead step adds (ms)")
     ap.add_argument("--host-ms-per-row", type=float, default=0.02, help="and per row of the batch (ms)")
+    ap.add_argument("--prefill-ms", type=float, default=0.0,
+                    help="each prompt's prefill (ms), paid by both modes (the H200's eager prefills: about 28)")
     ap.add_argument("--refill", action="store_true",
                     help="every prompt in one call with max_batch_size=B (a finished row's place goes to the next "
                          "prompt) instead of batches of B prompts one after another")
@@ -118,7 +120,9 @@ def main(argv=None) -> int:
                 with fed_tokens(fed), costed_host(args.host_ms, args.host_ms_per_row):
                     out = model.generate(prompt, lookahead=config, **kwargs)
                 rows_now = min(len(batch), B)
-                plain_s += sum(costs(t) for t in plain_fed)
+                prefills = 1e-3 * args.prefill_ms * len(batch)
+                plain_s += prefills + sum(costs(t) for t in plain_fed)
+                lookahead_s += prefills
                 host = 1e-3 * (args.host_ms + args.host_ms_per_row * rows_now)
                 lookahead_s += sum(costs(t) + (host if t > rows_now else 0.0) for t in fed)
                 for t in fed:
@@ -137,7 +141,8 @@ def main(argv=None) -> int:
     result = {"device": "cpu", "machine": machine, "command": command_line(__file__, sys.argv[1:] if argv is None
                                                                            else argv),
               "model": "SmolLM2-135M-Instruct (float32)", "step_costs": pairs,
-              "host_ms": args.host_ms, "host_ms_per_row": args.host_ms_per_row, "prompts": args.prompts,
+              "host_ms": args.host_ms, "host_ms_per_row": args.host_ms_per_row, "prefill_ms": args.prefill_ms,
+              "prompts": args.prompts,
               "max_new_tokens": args.max_new_tokens, "refill": args.refill, "rows": rows}
     write_results(args.out_dir, f"predict-{args.tag}", result, markdown(result))
     return 0
@@ -149,7 +154,9 @@ def markdown(result: dict) -> str:
              "**A prediction, not a measurement**: greedy decoding on this CPU through the static (padded) step path "
              "with the planner given the table below; each step costed at the table's t(rows x tokens) plus "
              f"{result['host_ms']} ms + {result['host_ms_per_row']} ms a row of host work per lookahead step, plain "
-             "decoding at t(rows); the planner's host cost fit learns that host work.", "",
+             "decoding at t(rows); the planner's host cost fit learns that host work"
+             + (f"; each prompt's prefill {result['prefill_ms']} ms in both modes" if result.get("prefill_ms") else "")
+             + ".", "",
              f"Decoded on {m['device']} ({m['cpu']}), torch {m['torch']}, git {m['git']}; the planner learning "
              f"as on a device; first {result['prompts']} prompts a set, {result['max_new_tokens']} new tokens"
              + ("; every prompt of a set in one call of at most `rows` rows at once, a finished row's place going to "
