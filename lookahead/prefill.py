@@ -20,11 +20,11 @@ lookahead, batches and single rows all take this path on the graph path, so they
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from lookahead_kernels import StepLayout
+
+from .runner import capture_graph
 
 SMALLEST_BUCKET = 16
 LARGEST_BUCKET = 2048  # the scratch cache's rows; longer prompts prefill eagerly
@@ -56,11 +56,11 @@ class PrefillGraphs:
         if isinstance(largest, bool) or not isinstance(largest, int) or largest < SMALLEST_BUCKET \
                 or largest & (largest - 1):
             raise ValueError(f"largest must be a power of two >= {SMALLEST_BUCKET}, got {largest!r}")
-        while largest > model.config.max_position_embeddings and largest > SMALLEST_BUCKET:
-            largest //= 2  # the padding's positions must have rotary angles too
+        # The padding's positions must have rotary angles too: at most the model's positions (none below 16).
+        largest = min(largest, 1 << (model.config.max_position_embeddings.bit_length() - 1))
         self.model = model
         self.graphs = bool(graphs)
-        self.largest = largest if largest <= model.config.max_position_embeddings else 0
+        self.largest = largest if largest >= SMALLEST_BUCKET else 0
         self.device, self.dtype = model.device, model.dtype
         self.scratch = None  # a one-row KV cache of `largest` rows, made on first use
         self._buckets: dict[int, _Bucket] = {}
@@ -100,15 +100,11 @@ class PrefillGraphs:
             self._forward(buf)
         else:
             if buf.graph is None:
-                started = time.perf_counter()
-                try:
-                    self._capture(buf)
-                except Exception as exc:
-                    raise RuntimeError(f"capturing the CUDA graph of a {size}-token prefill failed "
-                                       f"({type(exc).__name__}: {exc}); generate(..., cuda_graphs=False) runs the "
-                                       "eager loop") from exc
-                torch.cuda.synchronize(self.device)
-                self.capture_seconds += time.perf_counter() - started
+                if self._pool is None:
+                    self._pool = torch.cuda.graph_pool_handle()
+                buf.graph, _, seconds = capture_graph(lambda: self._forward(buf), self.device, self._pool,
+                                                      f"a {size}-token prefill")
+                self.capture_seconds += seconds
             buf.graph.replay()
         cache_row.k[:, :, :n].copy_(self.scratch.k[:, :, :n])
         cache_row.v[:, :, :n].copy_(self.scratch.v[:, :, :n])
@@ -117,20 +113,6 @@ class PrefillGraphs:
     def _forward(self, buf: _Bucket) -> None:
         with torch.inference_mode():  # hidden states only: a prefill's last token is the first step's input
             self.model.hidden(buf.tokens, buf.positions, self.scratch, buf.start, buf.layout)
-
-    def _capture(self, buf: _Bucket) -> None:
-        stream = torch.cuda.Stream(self.device)  # warm-up on a side stream compiles the kernels, as a step's does
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._forward(buf)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self._forward(buf)
-        buf.graph = graph
 
 
 def prefill_graphs(model, graphs: bool) -> PrefillGraphs:

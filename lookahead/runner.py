@@ -158,14 +158,13 @@ class StepRunner:
             with torch.inference_mode():
                 return self._step(buf, finish)
         if buf.graph is None:
-            capture_started = time.perf_counter()
-            try:
-                self._capture(buf, finish)
-            except Exception as exc:
-                raise RuntimeError(f"capturing the CUDA graph of step shape {shape} failed ({type(exc).__name__}: "
-                                   f"{exc}); generate(..., cuda_graphs=False) runs the eager loop") from exc
-            torch.cuda.synchronize(self.device)  # the warm-up runs' device work belongs to the capture's time
-            self.capture_seconds += time.perf_counter() - capture_started
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            # The warm-up runs rewrite the step's own KV rows from the same inputs (and compact them again from the
+            # same verification), so running them before the capture leaves the cache as one run would.
+            buf.graph, buf.out, seconds = capture_graph(lambda: self._step(buf, finish), self.device, self._pool,
+                                                        f"step shape {shape}")
+            self.capture_seconds += seconds
         buf.graph.replay()
         return buf.out
 
@@ -269,22 +268,28 @@ class StepRunner:
         logits = self._forward(buf)
         return logits if finish is None else finish(logits, self._inputs(buf))
 
-    def _capture(self, buf: _ShapeBuffers, finish) -> None:
-        # Warm-up on a side stream compiles the kernels. It rewrites the step's own KV rows from the same inputs
-        # (and compacts them again from the same verification), so running it before the capture leaves the cache
-        # as one run would.
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+
+def capture_graph(run, device: torch.device, pool, what: str):
+    """Capture ``run()`` (device work only, no host synchronisation) in a CUDA graph drawing on memory ``pool``
+    (``torch.cuda.graph_pool_handle()``): two warm-up runs on a side stream first (they compile the kernels), then
+    the capture. Returns ``(graph, run's output inside the graph, seconds it all took)``, the device's work
+    included. Raises ``RuntimeError`` naming ``what`` and the eager loop when the capture fails."""
+    started = time.perf_counter()
+    try:
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
         with torch.inference_mode(), torch.cuda.stream(stream):
             for _ in range(2):
-                self._step(buf, finish)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+                run()
+        torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
-            buf.out = self._step(buf, finish)
-        buf.graph = graph
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
+            out = run()
+    except Exception as exc:
+        raise RuntimeError(f"capturing the CUDA graph of {what} failed ({type(exc).__name__}: {exc}); "
+                           "generate(..., cuda_graphs=False) runs the eager loop") from exc
+    torch.cuda.synchronize(device)  # the warm-up runs' device work belongs to the capture's time
+    return graph, out, time.perf_counter() - started
 
 
 def _pooled_rows(min_len: int, limit: int) -> int:
