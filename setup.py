@@ -1,6 +1,6 @@
 """Installs the packages ``lookahead`` and ``lookahead_kernels`` and the console script ``lookahead``.
 
-The C++/CUDA n-gram pool in ``csrc/`` is compiled just in time (ninja, through torch.utils.cpp_extension) on
+The C++ n-gram pool in ``csrc/`` is compiled just in time (ninja, through torch.utils.cpp_extension) on
 first use, so installing needs no compiler; see ``lookahead_kernels/pool_ext.py``.
 """
 

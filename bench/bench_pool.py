@@ -1,15 +1,15 @@
 """Microseconds per decoding step spent in the n-gram pool: insert W n-grams, then look up one key.
 
-Backends: Python reference, C++ (CPU) and, on a GPU, CUDA. Defaults: W=15 n-grams of N=5 per step, G=15,
-vocab 49152 and 128256. Medians over the timed steps after warm-up steps.
+Backends: Python reference and C++ (CPU; both serve a GPU too, the draft being built on the host). Defaults:
+W=15 n-grams of N=5 per step, G=15, vocab 49152 and 128256. Medians over the timed steps after warm-up steps.
 
 Token stream: ids drawn from a Zipf-like law (P(rank r) ~ r^-1.1, ranks mapped to random ids), as text is.
 Step t inserts the n-grams starting at stream positions t .. t+W-1 (like the window's columns), each later
 token of an n-gram replaced by a fresh Zipf draw with probability 0.3 (the noise of Jacobi guesses), so keys
 repeat, continuations are sometimes already present and sometimes evict; then it looks up key stream[t+1].
 
-CPU pools are timed with perf_counter around ``insert`` and ``lookup(int)``; the CUDA pool with CUDA events
-around ``insert(check=False)`` and ``lookup_padded(device key)`` (the sync-free hot path).
+Both are timed with perf_counter around ``insert`` and ``lookup(int)``. (Earlier results also have rows for a
+CUDA pool, since removed: bench/MEASUREMENTS.md.)
 
     python bench/bench_pool.py                    # writes bench/results/pool-<device>.{json,md}
     python bench/bench_pool.py --steps 200 --vocab 49152
@@ -33,7 +33,7 @@ sys.path.insert(0, HERE)
 from _common import command_line, device_label, device_slug, machine_info, write_results  # noqa: E402
 
 from lookahead.pool import NGramPool  # noqa: E402
-from lookahead.pools import CppNGramPool, CudaNGramPool  # noqa: E402
+from lookahead.pools import CppNGramPool  # noqa: E402
 
 
 def zipf_tokens(count: int, vocab: int, gen: torch.Generator, exponent: float = 1.1) -> torch.Tensor:
@@ -55,7 +55,7 @@ def make_steps(vocab: int, steps: int, window: int, ngram: int, gen: torch.Gener
     return out
 
 
-def time_cpu(pool, steps, warmup: int) -> dict:
+def time_steps(pool, steps, warmup: int) -> dict:
     ins, look = [], []
     for i, (ngrams, key) in enumerate(steps):
         t0 = time.perf_counter_ns()
@@ -66,23 +66,6 @@ def time_cpu(pool, steps, warmup: int) -> dict:
         if i >= warmup:
             ins.append((t1 - t0) / 1e3)
             look.append((t2 - t1) / 1e3)
-    return summarize(ins, look)
-
-
-def time_cuda(pool, steps, warmup: int) -> dict:
-    dev = pool.device
-    steps = [(ng.to(dev), torch.tensor(k, device=dev)) for ng, k in steps]
-    events = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in steps]
-    torch.cuda.synchronize(dev)
-    for (ngrams, key), (e0, e1, e2) in zip(steps, events):
-        e0.record()
-        pool.insert(ngrams, check=False)
-        e1.record()
-        pool.lookup_padded(key)
-        e2.record()
-    torch.cuda.synchronize(dev)
-    ins = [e0.elapsed_time(e1) * 1e3 for e0, e1, _ in events[warmup:]]
-    look = [e1.elapsed_time(e2) * 1e3 for _, e1, e2 in events[warmup:]]
     return summarize(ins, look)
 
 
@@ -126,38 +109,30 @@ def main(argv=None) -> int:
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     args = ap.parse_args(argv)
 
-    has_cuda = torch.cuda.is_available()
-    info = machine_info("cuda" if has_cuda else "cpu")
+    # The pools run on the host, but a GPU machine's results are filed under its GPU, beside its other runs.
+    info = machine_info("cuda" if torch.cuda.is_available() else "cpu")
     result = {
         "machine": info,
         "command": command_line(__file__, argv if argv is not None else sys.argv[1:]),
         "window": args.window, "ngram": args.ngram, "guess": args.guess, "steps": args.steps,
         "warmup": args.warmup, "rows": [], "notes": [],
     }
-    backends = [("python", lambda v: NGramPool(args.ngram, args.guess), time_cpu),
-                ("cpp", lambda v: CppNGramPool(args.ngram, args.guess, v), time_cpu)]
-    if has_cuda:
-        backends.append(("cuda", lambda v: CudaNGramPool(args.ngram, args.guess, v, "cuda"), time_cuda))
-    else:
-        result["notes"].append("CUDA rows skipped: no GPU on this machine.")
-    result["notes"].append("make pool ms: median of 5 constructions (C++/CUDA: allocating the fixed tables; "
+    backends = [("python", lambda v: NGramPool(args.ngram, args.guess)),
+                ("cpp", lambda v: CppNGramPool(args.ngram, args.guess, v))]
+    result["notes"].append("make pool ms: median of 5 constructions (C++: allocating the fixed tables; "
                            "the first construction, which builds or loads the extension, is not counted).")
 
     for vocab in args.vocab:
         gen = torch.Generator().manual_seed(args.seed)
         steps = make_steps(vocab, args.warmup + args.steps, args.window, args.ngram, gen)
-        for name, make, timer in backends:
+        for name, make in backends:
             make(vocab)  # builds/loads the extension outside the timings
             make_ms = []
             for _ in range(5):
-                if name == "cuda":
-                    torch.cuda.synchronize()
                 t0 = time.perf_counter_ns()
                 pool = make(vocab)
-                if name == "cuda":
-                    torch.cuda.synchronize()
                 make_ms.append((time.perf_counter_ns() - t0) / 1e6)
-            row = {"backend": name, "vocab": vocab, **timer(pool, steps, args.warmup),
+            row = {"backend": name, "vocab": vocab, **time_steps(pool, steps, args.warmup),
                    "make_ms": statistics.median(make_ms), "stored": len(pool)}
             result["rows"].append(row)
             print(f"{name:6s} vocab {vocab:6d}: insert {row['insert_us']:8.1f} us  lookup {row['lookup_us']:7.1f} us"

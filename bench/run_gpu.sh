@@ -5,7 +5,7 @@
 #
 # PARTS, in the order they run (default: all of them):
 #   env        device, driver, versions, revision, copy bandwidth, bf16 matmul rate   (bench/gpu_env.py)
-#   build      the n-gram pool extension (C++ and CUDA) and the CPU ops, started in the background at once
+#   build      the n-gram pool extension (C++) and the CPU ops, started in the background at once
 #   stepcost   t(T) at 7B/8B shape, bf16, eager and CUDA-graph, plain decoding vs bandwidth (bench/gpu_step_cost.py)
 #   kernels    attention vs SDPA (dense mask) vs FlexAttention, T=120, contexts 1k-32k (bench/gpu_kernels.py)
 #   verify     verification microseconds (bench/bench_verify.py)
@@ -51,7 +51,7 @@ PY=${PYTHON:-python3}
 mkdir -p "$OUT" "$WORK"
 exec > >(tee -a "$OUT/run.log") 2>&1
 START=$(date +%s)
-export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
 export LOOKAHEAD_GPU_REPORT_DIR=$WORK LOOKAHEAD_CACHE_DIR=${LOOKAHEAD_CACHE_DIR:-/tmp/lookahead-cache}
 export PYTHONPATH=/tmp/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}
 # The revision the results belong to (the device's .git is the session's base commit: see _common.git_revision).
@@ -112,8 +112,8 @@ BUILD_PID=""
 if wants build; then  # CPU work: overlaps the GPU parts that do not need the pool
   echo "== build (background, time box 300s)"
   ( t0=$(date +%s)
-    timeout -k 10 300 $PY -c "import torch; from lookahead_kernels.pool_ext import load_pool_extension as b; \
-b(torch.cuda.is_available(), verbose=False); print('pool extension ready'); \
+    timeout -k 10 300 $PY -c "from lookahead_kernels.pool_ext import load_pool_extension as b; \
+b(verbose=False); print('pool extension ready'); \
 from lookahead_kernels.cpu_ops import load_cpu_ops; load_cpu_ops(); print('CPU ops ready (GEMM, step attention, draft builder)')" \
       > "$WORK/build.log" 2>&1
     echo -e "build\t$?\t$(( $(date +%s) - t0 ))" >> "$WORK/parts.tsv" ) &

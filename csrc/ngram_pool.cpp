@@ -1,6 +1,5 @@
 // The n-gram pool's torch ops: schemas (namespace lookahead_pool) and the CPU implementation.
-// Table layout and semantics: ngram_pool.h. The CUDA implementation lives in ngram_pool_cuda.cu, built as a
-// separate library that registers CUDA kernels for the schemas defined here.
+// Table layout and semantics: ngram_pool.h.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>

@@ -1,5 +1,4 @@
-// The n-gram pool's table layout, shared by the CPU ops (ngram_pool.cpp) and the CUDA kernels
-// (ngram_pool_kernels.cuh). No torch here, so the kernels can be compile-checked with plain nvcc.
+// The n-gram pool's table layout and the torch-free helpers of its CPU ops (ngram_pool.cpp).
 //
 // Sizes: V = vocab size, G = continuations kept per key (guess set size), M = N - 1 tokens per continuation.
 //
@@ -17,18 +16,12 @@
 
 #include <stdint.h>
 
-#ifdef __CUDACC__
-#define NGRAM_POOL_HD __host__ __device__ __forceinline__
-#else
-#define NGRAM_POOL_HD inline
-#endif
-
 namespace ngram_pool {
 
 constexpr int64_t kEmpty = -1;
 
 // True when every token of row[0 .. n) lies in [0, vocab).
-NGRAM_POOL_HD bool row_in_range(const int64_t* row, int64_t n, int64_t vocab) {
+inline bool row_in_range(const int64_t* row, int64_t n, int64_t vocab) {
   for (int64_t i = 0; i < n; ++i) {
     if (row[i] < 0 || row[i] >= vocab) return false;
   }
@@ -36,7 +29,7 @@ NGRAM_POOL_HD bool row_in_range(const int64_t* row, int64_t n, int64_t vocab) {
 }
 
 // True when the continuation in a slot (int32[M]) equals cont (int64[M]).
-NGRAM_POOL_HD bool same_continuation(const int32_t* slot, const int64_t* cont, int64_t m) {
+inline bool same_continuation(const int32_t* slot, const int64_t* cont, int64_t m) {
   for (int64_t i = 0; i < m; ++i) {
     if (static_cast<int64_t>(slot[i]) != cont[i]) return false;
   }

@@ -1,5 +1,5 @@
-// Input checks shared by the CPU ops and the CUDA ops of the n-gram pool (layout in ngram_pool.h).
-// They look at shapes, dtypes and devices only, never at tensor values, so they cost no host sync on CUDA.
+// Input checks of the n-gram pool's ops (layout in ngram_pool.h): shapes, dtypes and devices; the ops check the
+// token values themselves.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -6,7 +6,7 @@ import dataclasses
 
 from lookahead_kernels.validation import require_int
 
-POOL_BACKENDS = ("auto", "python", "cpp", "cuda")
+POOL_BACKENDS = ("auto", "python", "cpp")
 # Where the verification tree's candidates come from (``lookahead.draft``).
 SOURCES = ("pool", "suffix", "successors")
 
@@ -71,8 +71,8 @@ class LookaheadConfig:
             ``"successors"`` (the model's own top next tokens after each token, from the logits a step computes).
         pool_from_prompt: seed the n-gram pool with the prompt's own n-grams.
         pool_from_output: also add the n-grams of the committed output to the pool.
-        pool_backend: ``"auto"`` (C++ where it builds, on a GPU too, else CUDA on a GPU, else Python), ``"python"``,
-            ``"cpp"`` or ``"cuda"``.
+        pool_backend: ``"auto"`` (C++ where it builds, else Python), ``"python"`` or ``"cpp"``. The pool lives on
+            the host on a GPU too, where the draft tree is built.
         seed: seeds the tokens that fill the window's empty columns (drawn from the sequence so far).
         pad_tree: pad every step's tree to its budget (constant step shape; verification never accepts the
             padding). ``None`` (default): on for CUDA devices, off on the CPU, where padded rows cost compute.
@@ -124,7 +124,11 @@ class LookaheadConfig:
                                  f"counts >= 1 and positive seconds, got {self.step_costs!r}") from exc
             object.__setattr__(self, "step_costs", pairs)
         if self.pool_backend not in POOL_BACKENDS:
-            raise ValueError(f"LookaheadConfig.pool_backend must be one of {POOL_BACKENDS}, got {self.pool_backend!r}")
+            allowed = ", ".join(map(repr, POOL_BACKENDS))
+            # "cuda" was a backend once: its users are told what replaced it.
+            removed = "; the CUDA pool was removed ('auto' takes the C++ pool on a GPU too)"
+            raise ValueError(f"LookaheadConfig.pool_backend must be one of {allowed}, got {self.pool_backend!r}"
+                             f"{removed if self.pool_backend == 'cuda' else ''}")
 
     @property
     def automatic(self) -> bool:

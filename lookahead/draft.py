@@ -375,7 +375,7 @@ class DraftBuilder:
     Args:
         config: the lookahead parameters (sources, pool options).
         vocab_size: the model's vocabulary size.
-        device: where the pool lives (``pool_backend="auto"`` picks from it).
+        device: the device the model runs on (the pool lives on the host whatever it is).
         shape, sources: the resolved step shape and sources (default: the config's own).
         planner: a :class:`lookahead.controller.StepPlanner` that cuts each tree to the size that pays (``None``:
             every tree takes its whole budget).
@@ -397,13 +397,11 @@ class DraftBuilder:
         self.native = native
         self.pool = None
         if "pool" in sources and config.pool_guess > 0:
-            from .pools import TableNGramPool, make_pool
+            from .pools import make_pool
 
             concrete = dataclasses.replace(config, window=shape.window, ngram=shape.ngram, max_step_tokens=None,
                                            guess=config.pool_guess, step_costs=None)
             self.pool = make_pool(concrete, vocab_size, device)
-            # The model's own ids are in range: table pools skip the check (a host sync on CUDA).
-            self._pool_unchecked = isinstance(self.pool, TableNGramPool)
         self.suffix = SuffixIndex() if "suffix" in sources else None
         self.successors = SuccessorTable(vocab_size, SUCCESSORS_PER_NODE) if "successors" in sources else None
         self.stats = AcceptanceStats()
@@ -412,10 +410,7 @@ class DraftBuilder:
     def _pool_insert(self, ngrams: torch.Tensor) -> None:
         if self.pool is None or ngrams.numel() == 0:
             return
-        if self._pool_unchecked:
-            self.pool.insert(ngrams, check=False)
-        else:
-            self.pool.insert(ngrams)
+        self.pool.insert(ngrams)
 
     def start(self, prompt: torch.Tensor) -> None:
         """Called once with the prompt (1-D LongTensor) before the first step."""

@@ -574,7 +574,7 @@ def _sequences(rows, padding, pad_id: int, device) -> torch.Tensor:
     return out.to(device)
 
 
-# (cuda,) variants whose untimed pre-build failed in this process: not tried again before each call.
+# Whether the untimed pre-build of the n-gram pool failed in this process (then not tried again before each call).
 _POOL_PREBUILD_FAILED: set = set()
 
 
@@ -587,17 +587,15 @@ def _load_extensions_untimed(lookahead, device: torch.device) -> None:
     from lookahead_kernels.cpu_ops import cpu_ops_available
 
     cpu_ops_available()  # remembers a failure for the process
-    if "pool" not in lookahead.sources or lookahead.pool_backend == "python":
-        return
-    cuda = lookahead.pool_backend == "cuda"  # "auto" takes the C++ pool on every device
-    if cuda in _POOL_PREBUILD_FAILED:
+    # "auto" and "cpp" both take the C++ pool, on every device.
+    if "pool" not in lookahead.sources or lookahead.pool_backend == "python" or _POOL_PREBUILD_FAILED:
         return
     try:
         from lookahead_kernels.pool_ext import load_pool_extension
 
-        load_pool_extension(cuda=cuda)
+        load_pool_extension()
     except Exception:  # noqa: BLE001 - make_pool reports (or falls back) with the real error
-        _POOL_PREBUILD_FAILED.add(cuda)
+        _POOL_PREBUILD_FAILED.add("cpp")
 
 
 def _processor_settings(args) -> set[str]:

@@ -1,4 +1,4 @@
-"""Just-in-time build of the n-gram pool's C++ (CPU) and CUDA torch ops.
+"""Just-in-time build of the n-gram pool's C++ (CPU) torch ops.
 
 The ops live in the ``torch.ops.lookahead_pool`` namespace (schemas and table layout: ``csrc/ngram_pool.h``
 and ``csrc/ngram_pool.cpp``):
@@ -25,17 +25,16 @@ from .build_lock import exclusive_build, extension_name
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 _CPU_NAME = extension_name("lookahead_pool_cpu", _CSRC)
-_CUDA_NAME = extension_name("lookahead_pool_cuda", _CSRC)
 
 
 class PoolExtensionError(RuntimeError):
     """The n-gram pool extension could not be built or loaded; the message carries the compiler's output."""
 
 
-def _has_kernel(dispatch_key: str) -> bool:
+def _has_kernel() -> bool:
     # Asks torch's op registry (process state owned by torch), so this module keeps no cache of its own.
     try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_pool::insert", dispatch_key)
+        return torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_pool::insert", "CPU")
     except RuntimeError:  # the op's schema is not registered yet
         return False
 
@@ -70,7 +69,7 @@ def _announce_build(name: str, sources: list[Path], cpp_extension) -> None:
               file=sys.stderr, flush=True)
 
 
-def _build(name: str, sources: list[Path], cuda: bool, verbose: bool) -> None:
+def _build(name: str, sources: list[Path], verbose: bool) -> None:
     from torch.utils import cpp_extension
 
     kwargs = dict(
@@ -81,8 +80,6 @@ def _build(name: str, sources: list[Path], cuda: bool, verbose: bool) -> None:
         is_python_module=False,
         verbose=verbose,
     )
-    if cuda:
-        kwargs["extra_cuda_cflags"] = ["-O3"]
     _announce_build(name, sources, cpp_extension)
     try:
         with exclusive_build(name):
@@ -94,21 +91,15 @@ def _build(name: str, sources: list[Path], cuda: bool, verbose: bool) -> None:
         ) from exc
 
 
-def load_pool_extension(cuda: bool = False, verbose: bool = False):
+def load_pool_extension(verbose: bool = False):
     """Build (first time) and load the pool ops; returns the ``torch.ops.lookahead_pool`` namespace.
 
     Args:
-        cuda: also build and load the CUDA kernels (``csrc/ngram_pool_cuda.cu``); needs a CUDA build of torch.
         verbose: print the build commands and compiler output.
 
     Raises:
         PoolExtensionError: the build or load failed; the message includes the compiler's output.
     """
-    if not _has_kernel("CPU"):
-        _build(_CPU_NAME, [_CSRC / "ngram_pool.cpp"], cuda=False, verbose=verbose)
-    if cuda and not _has_kernel("CUDA"):
-        if torch.version.cuda is None:
-            raise PoolExtensionError(
-                f"the CUDA n-gram pool needs a CUDA build of torch; this torch ({torch.__version__}) has no CUDA")
-        _build(_CUDA_NAME, [_CSRC / "ngram_pool_cuda.cu"], cuda=True, verbose=verbose)
+    if not _has_kernel():
+        _build(_CPU_NAME, [_CSRC / "ngram_pool.cpp"], verbose=verbose)
     return torch.ops.lookahead_pool

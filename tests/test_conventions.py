@@ -434,11 +434,11 @@ def test_pool_extension_load_is_not_timed(tiny, monkeypatch):
         pytest.skip("the C++ pool does not build here")
     calls = []
 
-    def slow_first(cuda=False, verbose=False):
-        calls.append(cuda)
+    def slow_first(verbose=False):
+        calls.append(verbose)
         if len(calls) == 1:
             time.sleep(1.5)  # the build
-        return real(cuda, verbose)
+        return real(verbose)
 
     monkeypatch.setattr(pool_ext, "load_pool_extension", slow_first)
     _, model = tiny

@@ -273,7 +273,7 @@ def test_smollm2_dev_prompts_greedy_identical_to_transformers(smollm2, set_name)
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32])
 def test_cuda_lookahead_through_the_kernels_equals_cuda_plain_greedy(smollm2, dtype):
-    """On a GPU the model runs attention and verification through the Triton kernels and the pool on CUDA.
+    """On a GPU the model runs attention and verification through the Triton kernels (the pool stays on the host).
 
     float32 only: in bfloat16 steps of different shapes round differently and greedy paths part where two
     logits nearly tie (H100: 1 to 3 of 5 dev prompts identical over 64 tokens); tests/test_gpu_e2e.py counts

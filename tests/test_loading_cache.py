@@ -266,7 +266,7 @@ def test_pool_extension_announces_a_build_but_not_a_load(tmp_path, monkeypatch, 
     monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path))
     monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: built.append(kwargs["name"]))
     sources = [pool_ext._CSRC / "ngram_pool.cpp"]
-    pool_ext._build("lookahead_pool_cpu", sources, cuda=False, verbose=False)
+    pool_ext._build("lookahead_pool_cpu", sources, verbose=False)
     assert "building the n-gram pool extension" in capsys.readouterr().err  # no library yet
     library = tmp_path / "lookahead_pool_cpu.so"
     library.write_bytes(b"")
@@ -274,10 +274,10 @@ def test_pool_extension_announces_a_build_but_not_a_load(tmp_path, monkeypatch, 
     assert {p.name for p in inputs} == {"ngram_pool.cpp", "ngram_pool.h", "ngram_pool_torch.h"}
     newest = max(p.stat().st_mtime for p in inputs)  # the pool's inputs
     os.utime(library, (newest + 10, newest + 10))
-    pool_ext._build("lookahead_pool_cpu", sources, cuda=False, verbose=False)
+    pool_ext._build("lookahead_pool_cpu", sources, verbose=False)
     assert capsys.readouterr().err == ""  # an up-to-date library is only loaded
     os.utime(library, (newest - 10, newest - 10))
-    pool_ext._build("lookahead_pool_cpu", sources, cuda=False, verbose=False)
+    pool_ext._build("lookahead_pool_cpu", sources, verbose=False)
     assert "building" in capsys.readouterr().err  # sources newer than the library: a rebuild
     assert built == ["lookahead_pool_cpu"] * 3
 
