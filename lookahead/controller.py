@@ -442,7 +442,8 @@ class StepPlanner:
         builder took them (each node after its parent), so any prefix is a tree."""
         return self.choose_batch([gains])
 
-    def choose_batch(self, gains: list[list[float]], sizes: list[int] | None = None, rows: int | None = None) -> int:
+    def choose_batch(self, gains: list[list[float]], sizes: list[int] | None = None, rows: int | None = None,
+                     weights: list[float] | None = None) -> int:
         """One tree size ``V`` for a batch of rows (``gains[b]``: row ``b``'s nodes as in :meth:`choose`): every
         row feeds ``window_tokens + V`` tokens (shorter trees padded), the step costs ``t(R * (window_tokens +
         V))`` plus, for ``V >= 1``, the trees' host work (:class:`HostCost`) and emits ``B + sum_b E_b(V)`` expected
@@ -452,31 +453,42 @@ class StepPlanner:
         ``sizes`` (ascending): the only tree sizes a step can take (a step replayed from a CUDA graph is padded to
         the next of them); each ``V`` is then costed at the size it is padded to. ``rows``: the rows the step feeds,
         ``R`` (default ``B``, the rows with gains): a padded batch keeps its finished rows, parked, and feeds them
-        as many tokens as the others, so its last running rows pay for a tree as wide as the whole batch."""
+        as many tokens as the others, so its last running rows pay for a tree as wide as the whole batch.
+        ``weights[b]``: what a token of row ``b`` is worth (default 1 each): a step's expected tokens are then
+        ``sum_b weights[b] * (1 + E_b(V))`` (a batch whose call ends with its slowest row weighs that row's most)."""
         B = len(gains)
         if B == 0:
             return 0
         # Per tree size v + 1: the expected tokens its v-th nodes add (a column of the rows' gains) and how many
         # rows have a v-th node. One pass over columns, not rows within sizes: this runs every step.
+        if weights is not None and (len(weights) != B or any(not w >= 0 for w in weights)):
+            raise ValueError(f"weights must be None or {B} values >= 0 (one a row), got {weights!r}")
+        if weights is not None and B > 1:
+            worth = float(sum(weights))
+            weighted = [[w * g for g in row] for w, row in zip(weights, gains)]
+        else:
+            worth, weighted = float(B), gains
         if B == 1:
             columns, widths = gains[0], itertools.repeat(1)
         else:
-            columns = [sum(c) for c in itertools.zip_longest(*gains, fillvalue=0.0)]
+            columns = [sum(c) for c in itertools.zip_longest(*weighted, fillvalue=0.0)]
             ends = [0] * (len(columns) + 1)
             for row in gains:
                 ends[len(row)] += 1
             widths = itertools.accumulate(ends[1:], operator.sub, initial=B - ends[0])  # rows longer than v
-        return self._best_size(columns, widths, B, sizes, rows)
+        return self._best_size(columns, widths, B, sizes, rows, worth)
 
-    def _best_size(self, columns, widths, B: int, sizes: list[int] | None = None, rows: int | None = None) -> int:
+    def _best_size(self, columns, widths, B: int, sizes: list[int] | None = None, rows: int | None = None,
+                   worth: float | None = None) -> int:
         """:meth:`choose_batch` from the rows' gains summed per tree depth (``columns[v]``: the expected tokens the
         rows' ``v``-th nodes add) and ``widths[v]``, how many rows have a ``v``-th node."""
         R = B if rows is None else max(rows, B)
-        best, best_rate = 0, B / self._cost(R * self.window_tokens)
+        worth = float(B) if worth is None else worth
+        best, best_rate = 0, worth / self._cost(R * self.window_tokens)
         per_row, per_node = self.host.coefficients if self.host is not None else (0.0, 0.0)  # one fit per call
         host_rows = per_row * B
         scale = self._scale()
-        expected, nodes, fed, cost = float(B), 0, 0, 0.0
+        expected, nodes, fed, cost = worth, 0, 0, 0.0
         padded = iter(sizes) if sizes is not None else None
         for v, (column, width) in enumerate(zip(columns, widths)):
             expected += scale * column

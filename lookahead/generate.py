@@ -519,7 +519,7 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
         host = _HostClock()
         # A padded batch may end on a smaller runner than it began with (_shrunk): that one goes back to the model.
         accepted, runner = _decode(model, cache, runner, rows[:B], sampler, plan, pad, device, clock, host,
-                                   start_late, refill, _on_finish)
+                                   start_late, refill, _on_finish, lambda: bool(waiting))
         if prompt_cache is not None:  # rows past the emitted tokens (a last step's excess) are not kept
             row = rows[0]
             prompt_cache.keep(model, row.emitter.sequence[:row.cache_len], cache)
@@ -758,11 +758,14 @@ class _HostClock:
 
 
 def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: Sampler, plan, pad: bool, device,
-            clock: "_CallClock", host: _HostClock, start_late=None, refill=None, on_finish=None) -> tuple:
+            clock: "_CallClock", host: _HostClock, start_late=None, refill=None, on_finish=None,
+            queued=None) -> tuple:
     """Step until every row has stopped. Returns, per step, the tokens emitted, and the runner the call ended on.
 
     ``refill(cache_row)``: the next waiting row, prefilled into ``cache_row`` (a batch-1 view of the cache), or
     ``None`` when no row waits; a finished row's place goes to it before anything below happens to that place.
+    ``queued()``: whether rows wait (then every token counts alike in a step's plan, else the rows furthest from
+    their end count most: :func:`_finish_weights`).
 
     Without a runner a finished row leaves the batch (its cache row is dropped), so later steps are smaller. With
     one it stays in the batch, parked, its inputs fed at position 0 and its outputs ignored, which keeps the batch
@@ -785,7 +788,8 @@ def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: 
             for row in active:
                 if row.drafts is None:
                     start_late(row, levels)
-            accepted.append(_lookahead_step(model, cache, runner, batch, sampler, plan, pad, device, host, backoff))
+            accepted.append(_lookahead_step(model, cache, runner, batch, sampler, plan, pad, device, host, backoff,
+                                            queued is not None and queued()))
         if processors is not None:  # the tokens each row committed join its context, and its count
             processors.add([r.emitter.sequence[n:] for r, n in zip(batch, before)], [r.emitter.new for r in batch])
         finished = [i for i, r in enumerate(active) if r.emitter.done]
@@ -942,8 +946,20 @@ def _plain_step(model, cache, runner, batch: list[_Row], sampler: Sampler, devic
     return emitted
 
 
+def _finish_weights(active: list[_Row]) -> list[float] | None:
+    """What a token of each running row is worth to a batch that no waiting prompt will join: the call lasts as long
+    as its slowest row, so a token of a row far ahead of it shortens nothing (until rows finish and the batch
+    shrinks). Each row's remaining budget over the largest one (1 for the rows furthest from their end); ``None``
+    (every token alike) for one row."""
+    if len(active) < 2:
+        return None
+    remaining = [r.emitter.max_new_tokens - r.emitter.new for r in active]
+    most = max(remaining)
+    return [n / most for n in remaining]
+
+
 def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, plan, pad: bool, device,
-                    host: _HostClock, backoff: _Backoff | None = None) -> int:
+                    host: _HostClock, backoff: _Backoff | None = None, queued: bool = False) -> int:
     """One step for every row of the batch: plan and build the trees, run, verify, compact, commit and observe.
     Parked rows (finished, with a runner) feed their last token and an empty tree; their outputs are ignored."""
     host_started = time.perf_counter()
@@ -966,7 +982,8 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
     sizes = _tree_sizes(plan, budget, len(batch)) if pad else None
     proposed = keep = max(map(len, proposals.scores))
     if plan.planner is not None:  # one size for all rows: they are padded to one shape anyway
-        keep = plan.planner.choose_batch(proposals.scores, sizes, len(batch))  # parked rows are fed too
+        weights = None if queued else _finish_weights(active)
+        keep = plan.planner.choose_batch(proposals.scores, sizes, len(batch), weights)  # parked rows are fed too
         if keep == 0 and proposed and sampler.greedy:
             plan.planner.observe_declined()
         # The step would feed x (and padding) only: a plain step does the same. One row keeps learning (its

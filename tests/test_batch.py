@@ -211,6 +211,33 @@ def test_the_planner_costs_a_padded_batch_s_parked_rows():
     assert planner.choose_batch(gains, [1], rows=1) == 1  # never fewer rows than those running
 
 
+def test_a_batch_that_ends_with_its_slowest_row_weighs_that_row_s_tokens():
+    planner = StepPlanner(StepCosts.from_pairs([(1, 1e-3), (16, 1e-3), (64, 1.2e-3)]), 1)
+    rich, poor = [0.9, 0.8], []
+    gains = [rich] * 8 + [poor] * 8
+    assert planner.choose_batch(gains) == 2  # 16 + 13.6 expected tokens for 1.13x the plain step's cost
+    assert planner.choose_batch(gains, weights=[1.0] * 16) == 2  # even weights change nothing
+    # the rich rows far ahead: 8.8 + 1.36 worth for 1.13x the cost, less than the plain step's 8.8 (x 1.05)
+    assert planner.choose_batch(gains, weights=[0.1] * 8 + [1.0] * 8) == 0
+    assert planner.choose_batch(gains, weights=[1.0] * 8 + [0.1] * 8) == 2  # the poor rows ahead
+    for bad in ([1.0] * 15, [1.0] * 15 + [-1.0], [float("nan")] * 16):
+        with pytest.raises(ValueError, match="weights"):
+            planner.choose_batch(gains, weights=bad)
+
+
+def test_the_rows_furthest_from_their_end_weigh_most():
+    from types import SimpleNamespace
+
+    from lookahead.generate import _finish_weights
+
+    def row(new, most=64):
+        return SimpleNamespace(emitter=SimpleNamespace(new=new, max_new_tokens=most))
+
+    assert _finish_weights([row(3)]) is None  # one row: every token alike
+    assert _finish_weights([row(0), row(32), row(48)]) == [1.0, 0.5, 0.25]
+    assert _finish_weights([row(8, 16), row(0, 64)]) == [0.125, 1.0]
+
+
 def test_lookahead_turns_itself_off_for_big_batches(tiny):
     flat = LookaheadConfig(step_costs=((1, 0.010), (64, 0.0105), (256, 0.011)))  # a GPU, extrapolated beyond
     assert make_plan(flat, tiny, 1).shape.window == 15
