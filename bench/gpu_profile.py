@@ -1,7 +1,7 @@
 """Where a GPU step's time goes: a diagnostic for issue 11 (prints; not a benchmark of record).
 
 0. ``smolstep``: kernel tables of SmolLM2-shaped float32 steps (T = 1, 16, 128); ``smoltiles``: our attention
-   there by tile and precision.
+   there by tile and precision; ``smollinear``: its linear layers at 1-256 rows, cuBLAS against cuBLASLt.
 1. ``steps``: a SmolLM2-shaped random model (float32): each step size of the controller's menu replayed through a
    StepRunner graph (CUDA events), capture errors printed in full.
 2. ``loop``: cProfile of ``generate`` (plain, fixed 15-5-15, automatic) on that model: the host functions that
@@ -10,7 +10,7 @@
 4. ``attention``: our attention against SDPA (dense mask) at 7B shape, T = 120, 4k, timed with and without host
    launch overhead (``do_bench`` vs ``do_bench_cudagraph``), over a few tile configurations.
 
-    python bench/gpu_profile.py [smolstep smoltiles steps loop verify kernels attention]
+    python bench/gpu_profile.py [smollinear smolstep smoltiles steps loop verify kernels attention]
 """
 
 from __future__ import annotations
@@ -268,7 +268,45 @@ def part_smoltiles(device):
         print(f"   default: {res.get('bm=None bn=None w=None min_chunk=256 splits=None', float('nan')) * 1e3:.1f}")
 
 
-PARTS = {"smolstep": part_smolstep, "smoltiles": part_smoltiles, "steps": part_steps, "loop": part_loop, "kernels": part_kernels,
+def part_smollinear(device):
+    """SmolLM2's float32 linear layers (a step's qkv, o, gate_up, down and the vocabulary projection) at M = 1 to 256
+    rows, through torch's cuBLAS path and through cuBLASLt (``torch.backends.cuda.preferred_blas_library``): the
+    H200 of session 46 ran a 16-row step's products at 2.5x a one-row step's (cuBLAS's float32 GEMM against its
+    GEMV), the growth that bounds lookahead on this model. One layer's five products, microseconds (CUDA graph)."""
+    import triton.testing
+
+    shapes = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576), "lm_head": (576, 49152)}
+    weights = {name: torch.randn(n, k, device=device) / k ** 0.5 for name, (k, n) in shapes.items()}
+    original = torch.backends.cuda.preferred_blas_library()
+    print("smollinear: fp32 F.linear, us a call (do_bench_cudagraph); layer = qkv + o + gate_up + down", flush=True)
+    try:
+        for M in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            line = []
+            for library in ("cublas", "cublaslt"):
+                try:
+                    torch.backends.cuda.preferred_blas_library(library)
+                except RuntimeError as exc:  # a torch built without it
+                    line.append(f"{library}: {exc}"[:120])
+                    continue
+                us = {}
+                for name, w in weights.items():
+                    x = torch.randn(M, w.shape[1], device=device)
+                    fn = lambda: torch.nn.functional.linear(x, w)  # noqa: E731
+                    try:
+                        fn()
+                        us[name] = 1e3 * triton.testing.do_bench_cudagraph(fn)
+                    except Exception as exc:  # a library this build lacks: said, not fatal
+                        us[name] = float("nan")
+                        print(f"smollinear: {library} M={M} {name}: {type(exc).__name__}: {exc}"[:300])
+                layer = sum(us[n] for n in ("qkv", "o", "gate_up", "down"))
+                line.append(f"{library}: layer {layer:6.1f} lm_head {us['lm_head']:6.1f} ("
+                            + " ".join(f"{n} {v:.1f}" for n, v in us.items() if n != "lm_head") + ")")
+            print(f"   M={M:<4d} " + " | ".join(line), flush=True)
+    finally:
+        torch.backends.cuda.preferred_blas_library(original)
+
+
+PARTS = {"smollinear": part_smollinear, "smolstep": part_smolstep, "smoltiles": part_smoltiles, "steps": part_steps, "loop": part_loop, "kernels": part_kernels,
          "attention": part_attention, "verify": part_verify}
 
 
