@@ -3,25 +3,30 @@
 Systems (``bench_speed.py``'s, on ``--device``): ``ours-plain`` (``lookahead=None``), ``ours-plain-eager`` (the
 same without CUDA graphs: ``cuda_graphs=False``), ``ours-lookahead`` (automatic mode, cost model measured first on
 this device), ``ours-fixed-15-5-15``, ``hf-greedy`` (transformers' ``generate``) and ``hf-prompt-lookup``
-(``prompt_lookup_num_tokens=10``). Ours run with CUDA graphs (``generate``'s default on CUDA) unless named eager;
-the graphs are captured in each system's warm-up call and kept on the model (``model.step_runners``), so the
-timed calls replay them. Every prompt is run by every system in turn after one warm-up per system. Times as in
-``bench_speed.py`` (whose runners this uses): ours ``stats.seconds``, transformers' the wall time of its call
-with the device synchronised before and after. ``identical`` counts prompts whose output equals ``ours-plain``'s
-token for token; ``first_diff`` (per prompt) is the first new-token index where it differs.
+(``prompt_lookup_num_tokens=10``), and ``ours-plain-cublas`` / ``ours-lookahead-cublas`` (the first and third with
+every linear layer in cuBLAS, our Triton kernel for steps of 2-64 rows off: a second copy of the model, run with
+``lookahead.cpu_linear.GPU_KERNEL_ROWS`` empty, its own graphs and cost model). Ours run with CUDA graphs
+(``generate``'s default on CUDA) unless named eager; the graphs are captured in each system's warm-up call and kept
+on the model (``model.step_runners``), so the timed calls replay them. Every prompt is run by every system in turn
+after one warm-up per system. Times as in ``bench_speed.py`` (whose runners this uses): ours ``stats.seconds``,
+transformers' the wall time of its call with the device synchronised before and after. ``identical`` counts
+prompts whose output equals ``ours-plain``'s token for token; ``first_diff`` (per prompt) is the first new-token
+index where it differs.
 
 In float32 the output is ``e2e-gpu-<device>.json`` (top-level ``device`` and ``rows`` of ``{"set", "system",
 "tokens_per_s", "identical", ...}``, the file other code reads) plus ``.md``; in another dtype
 ``e2e-gpu-<device>-<dtype>.{json,md}``: the bf16 identity counts.
 
     python bench/gpu_e2e.py --limit 16 --hf-limit 6 --out-dir $OUT/work    # fp32: speed and identity
-    python bench/gpu_e2e.py --dtype bfloat16 --limit 10 --max-new-tokens 64 --systems ours-plain ours-lookahead hf-greedy
+    python bench/gpu_e2e.py --dtype bfloat16 --limit 10 --max-new-tokens 64 --systems ours-plain ours-lookahead \
+        hf-greedy
     python bench/gpu_e2e.py --dry-run --out-dir /tmp/x                     # CPU, 2 prompts, 8 tokens
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -37,8 +42,35 @@ from gpu_util import ResultFile, add_device_args, header, parse_dtype, pick_devi
 from _common import DEFAULT_SETS, hf_default_model, set_name  # noqa: E402
 from bench_speed import SYSTEMS, make_runners  # noqa: E402
 
-# bench_speed's systems plus our eager loop, to show what the CUDA graphs gain.
-GPU_SYSTEMS = SYSTEMS[:1] + ["ours-plain-eager"] + SYSTEMS[1:]
+# bench_speed's systems plus our eager loop, to show what the CUDA graphs gain, and ours without our linear kernel.
+CUBLAS = {"ours-plain-cublas": "ours-plain", "ours-lookahead-cublas": "ours-lookahead"}
+GPU_SYSTEMS = SYSTEMS[:1] + ["ours-plain-eager"] + SYSTEMS[1:] + list(CUBLAS)
+
+
+def cublas_only():
+    """Within the block every float32 product runs in cuBLAS: our kernel's rows (GPU_KERNEL_ROWS) emptied. A bench's
+    switch, not the library's: the kernel is what the model runs."""
+    from unittest import mock
+
+    from lookahead import cpu_linear
+
+    return mock.patch.object(cpu_linear, "GPU_KERNEL_ROWS", range(0))
+
+
+class CublasRunner:
+    """A runner of ``bench_speed.make_runners`` called within :func:`cublas_only` (its graphs are captured there, on
+    the second model's own runners)."""
+
+    def __init__(self, run):
+        self.run = run
+
+    def __call__(self, ids):
+        with cublas_only():
+            return self.run(ids)
+
+    @property
+    def stats(self):
+        return getattr(self.run, "stats", None)
 
 
 def first_diff(seq: torch.Tensor, ref: torch.Tensor, prompt_len: int) -> int | None:
@@ -155,11 +187,18 @@ def main(argv=None) -> int:
     if any(s.startswith("hf-") for s in systems):
         hf_model = hf_default_model(dtype, device)
     out.result["load_seconds"] = time.perf_counter() - t0
-    if "ours-lookahead" in systems:
-        costs = measure_step_costs(model)  # measured here and now, not read from a disk cache
-        model.step_costs_cache = {cost_key(model): costs}
-        out.result["step_costs"] = list(zip(costs.tokens, costs.seconds))
+    cublas_model = from_pretrained(path, dtype=dtype, device=device) if any(s in CUBLAS for s in systems) else None
+    for m, key, wanted, switch in ((model, "step_costs", "ours-lookahead", contextlib.nullcontext),
+                                   (cublas_model, "step_costs_cublas", "ours-lookahead-cublas", cublas_only)):
+        if wanted in systems:
+            with switch():
+                costs = measure_step_costs(m)  # measured here and now, not read from a disk cache
+                m.step_costs_cache = {cost_key(m): costs}
+            out.result[key] = list(zip(costs.tokens, costs.seconds))
     runners = {name: run for name, run in make_runners(model, hf_model, max_new, device).items() if name in systems}
+    if cublas_model is not None:
+        cublas_runners = make_runners(cublas_model, None, max_new, device)
+        runners.update({name: CublasRunner(cublas_runners[base]) for name, base in CUBLAS.items() if name in systems})
 
     with torch.inference_mode():
         sets = {set_name(p): [ids.to(device) for ids in read_prompts(p, tokenizer)[:limit]] for p in args.sets}

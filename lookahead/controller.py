@@ -34,6 +34,7 @@ import torch
 
 from lookahead_kernels import StepLayout
 
+from . import cpu_linear
 from .loading import cache_dir
 
 # Step sizes whose cost is measured; between them the cost is interpolated linearly.
@@ -138,6 +139,10 @@ def cost_key(model) -> str:
         parts.append(f"attention={_cpu_attention_path(model)}")
     else:
         parts.append("steps=graphs+verify")  # as generate runs them: replayed graphs holding verification
+        # float32 steps of a few rows run our linear kernel (cpu_linear.GPU_KERNEL_ROWS): tables measured before it
+        # priced them at cuBLAS's cost.
+        rows = cpu_linear.GPU_KERNEL_ROWS
+        parts.append(f"linear=kernel-{rows.start}-{rows.stop - 1}" if len(rows) else "linear=cublas")
     return "|".join(parts)
 
 

@@ -20,6 +20,9 @@ behind that stream. Two packed paths, both on a copy made at first use (the para
 
 Everything else (another dtype or device, autograd through the weight, a torch built without oneDNN) takes
 plain ``F.linear``; so does mode ``"torch"``, the reference.
+
+On CUDA a float32 step of 2 to 64 rows (:data:`GPU_KERNEL_ROWS`) runs our Triton kernel
+(:func:`lookahead_kernels.step_linear.step_linear`), any other ``F.linear`` (cuBLAS), whatever the mode.
 """
 
 from __future__ import annotations
@@ -36,6 +39,11 @@ CPU_LINEAR_MODES = ("packed", "onednn", "torch")
 GEMM_ENV = "LOOKAHEAD_CPU_GEMM"  # "0" disables our GEMM (mode "packed" then runs on oneDNN)
 
 _answer: dict = {}  # "ok": whether our GEMM serves this process, once known
+# On CUDA, float32 steps of this many rows take our Triton kernel, the others cuBLAS. SmolLM2's linear layers on an
+# H200, one step's in one graph (bench/results/linear-nvidia-h200.md): cuBLAS 0.59 ms at 1 row (its GEMV), 1.49 at
+# 16 and 1.68 at 64 (its float32 GEMM), 1.90 at 128; the kernel 1.18 at 16 and 1.40 at 64 (with the tiles of
+# step_linear.tile_config), 1.33 at 1 and 3.63 at 128 rows (other tiles then).
+GPU_KERNEL_ROWS = range(2, 65)
 
 
 def onednn_linear_available() -> bool:
@@ -136,8 +144,23 @@ def packed_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.device.type == "cpu" and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
 
 
+def step_kernel_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``x @ weight.T`` takes our Triton kernel: float32 on CUDA, :data:`GPU_KERNEL_ROWS` rows, no gradient
+    needed."""
+    return x.is_cuda and x.dtype == torch.float32 and weight.dtype == torch.float32 \
+        and x.shape[:-1].numel() in GPU_KERNEL_ROWS \
+        and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pack: PackedWeight | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, through ``pack`` (our GEMM or oneDNN) when given and :func:`packed_applies`."""
+    """``F.linear(x, weight, bias)``, through ``pack`` (our GEMM or oneDNN) when given and :func:`packed_applies`;
+    on CUDA through our Triton kernel where :func:`step_kernel_applies`."""
+    if x.is_cuda:
+        if step_kernel_applies(x, weight):
+            from lookahead_kernels.step_linear import step_linear
+
+            return step_linear(x, weight, bias)
+        return F.linear(x, weight, bias)
     if pack is None or not packed_applies(x, weight) or (bias is not None and bias.dtype != torch.float32):
         return F.linear(x, weight, bias)
     K = x.shape[-1]

@@ -142,6 +142,11 @@ def _prior(code: int) -> float:
     return _SUCCESSOR_PRIOR_SCALE * upper
 
 
+# Every code's prior, worked out once: each row's statistics start from them (0.25 ms a row when each builder
+# worked them out again, a tenth of a millisecond a step where a batch refills its rows).
+_PRIORS = tuple(_prior(c) for c in range(NUM_CODES))
+
+
 class AcceptanceStats:
     """Running conditional acceptance per key: ``("pool", depth)``, ``("suffix", match class, depth)``, or
     ``("successors", probability bucket, depth)`` where the bucket is that of the probability the model gave the
@@ -152,8 +157,8 @@ class AcceptanceStats:
     def __init__(self):
         self._tested = [0] * NUM_CODES
         self._accepted = [0] * NUM_CODES
-        self._priors = [_prior(c) for c in range(NUM_CODES)]
-        self.rates = torch.tensor(self._priors, dtype=torch.float64)
+        self._priors = _PRIORS
+        self.rates = torch.tensor(_PRIORS, dtype=torch.float64)
         # Written through a NumPy view of the same memory: a tensor's item assignment costs microseconds, and each
         # row records a few trials every step.
         self._rates = self.rates.numpy()

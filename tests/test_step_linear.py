@@ -1,0 +1,189 @@
+"""lookahead_kernels.step_linear: ``x @ weight.T (+ bias)`` against float64 ``F.linear``, each row the same bit for bit
+whatever the other rows of the call; which steps the model's linear layers give it on CUDA. Triton's interpreter on a
+CPU, compiled on a GPU.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.sm90_compile import run_compile_script
+from tests.test_attention import check
+from tests.test_layer_ops import DTYPES, rand
+
+
+@pytest.fixture(scope="module")
+def sl():
+    from lookahead_kernels import step_linear
+
+    return step_linear
+
+
+SHAPES = [
+    # (rows, N, K): one row; a tile and one more; N and K off every tile size; more rows than columns
+    (1, 40, 33),
+    (17, 100, 70),
+    (3, 96, 576),
+    (40, 17, 130),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,N,K", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_step_linear_matches_float64(sl, kernel_device, M, N, K, dtype, bias):
+    x = rand(M, K, dtype=dtype, device=kernel_device)
+    w = rand(N, K, dtype=dtype, device=kernel_device, seed=1, scale=K ** -0.5)
+    b = rand(N, dtype=dtype, device=kernel_device, seed=2) if bias else None
+    want = F.linear(x.double().cpu(), w.double().cpu(), None if b is None else b.double().cpu())
+    y = torch.full((M, N), float("nan"), dtype=dtype, device=kernel_device)  # poisoned: every element written
+    sl._launch(x, w, b, y)
+    check(y, want, dtype)
+    got = sl.step_linear(x, w, b)
+    assert got.dtype == dtype and got.shape == (M, N)
+    assert torch.equal(got, y)
+
+
+def test_leading_dims_and_strided_rows(sl, kernel_device):
+    """``[B, T, K]`` inputs, and rows taken from a wider tensor (a row stride larger than K)."""
+    wide = rand(2, 5, 80, dtype=torch.float32, device=kernel_device)
+    x = wide[..., :48]
+    w = rand(24, 48, dtype=torch.float32, device=kernel_device, seed=1)
+    y = sl.step_linear(x, w)
+    assert y.shape == (2, 5, 24)
+    check(y, F.linear(x.double().cpu(), w.double().cpu()), torch.float32)
+    assert torch.equal(y, sl.step_linear(x.contiguous(), w))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_row_s_result_does_not_depend_on_the_other_rows(sl, kernel_device, dtype):
+    """What the kernel is for: a plain step's one row and the same row inside a step of 1 to 40 rows give the same
+    bits (cuBLAS does not promise it: it changes kernels with the row count)."""
+    N, K = 72, 200
+    x = rand(40, K, dtype=dtype, device=kernel_device)
+    w = rand(N, K, dtype=dtype, device=kernel_device, seed=1, scale=K ** -0.5)
+    b = rand(N, dtype=dtype, device=kernel_device, seed=2)
+    full = sl.step_linear(x, w, b)
+    for rows in (slice(0, 1), slice(7, 8), slice(39, 40), slice(0, 16), slice(3, 20), slice(16, 33)):
+        assert torch.equal(sl.step_linear(x[rows], w, b), full[rows]), rows
+
+
+def test_tile_sizes_come_from_the_weight_alone(sl):
+    """The configuration, and so the order of every sum, is a function of (N, K, dtype): never of the rows."""
+    for N, K in ((576, 576), (960, 576), (3072, 576), (576, 1536), (49152, 576), (12288, 4096), (40, 33)):
+        bn, bk, warps, stages = sl.tile_config(N, K, torch.float32)
+        assert bn in (16, 32, 64) and bk in (16, 32, 64) and warps >= 1 and stages >= 1
+    assert sl.tile_config(576, 576, torch.float32) == (32, 64, 4, 3)  # the H200 sweep's best for SmolLM2
+    assert sl.tile_config(12288, 4096, torch.bfloat16)[:2] == (64, 128)
+
+
+def test_empty_and_degenerate_shapes(sl, kernel_device):
+    w = rand(8, 16, dtype=torch.float32, device=kernel_device)
+    assert sl.step_linear(torch.zeros(0, 16, device=kernel_device), w).shape == (0, 8)
+    b = rand(8, dtype=torch.float32, device=kernel_device, seed=3)
+    y = sl.step_linear(torch.zeros(3, 0, device=kernel_device), torch.zeros(8, 0, device=kernel_device), b)
+    assert torch.equal(y, b.expand(3, 8))
+
+
+def test_bad_inputs_are_value_errors(sl, kernel_device):
+    x = rand(2, 8, dtype=torch.float32, device=kernel_device)
+    w = rand(4, 8, dtype=torch.float32, device=kernel_device)
+    with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
+        sl.step_linear(x.double(), w.double())
+    with pytest.raises(ValueError, match="agree on K"):
+        sl.step_linear(x, w[:, :7])
+    with pytest.raises(ValueError, match="weight must be torch.float32"):
+        sl.step_linear(x, w.half())
+    with pytest.raises(ValueError, match="each row of weight must be contiguous"):
+        sl.step_linear(x, rand(8, 4, dtype=torch.float32, device=kernel_device).t())
+    with pytest.raises(ValueError, match="bias must be None or a contiguous"):
+        sl.step_linear(x, w, rand(5, dtype=torch.float32, device=kernel_device))
+    with pytest.raises(ValueError, match="x must be a tensor"):
+        sl.step_linear([[1.0] * 8], w)
+
+
+def test_registered_as_a_custom_op(sl, kernel_device):
+    x = rand(3, 32, dtype=torch.float32, device=kernel_device)
+    w = rand(16, 32, dtype=torch.float32, device=kernel_device, seed=1)
+    b = rand(16, dtype=torch.float32, device=kernel_device, seed=2)
+    utils = ("test_schema", "test_faketensor")
+    torch.library.opcheck(torch.ops.lookahead.step_linear, (x, w, b), test_utils=utils)
+    torch.library.opcheck(torch.ops.lookahead.step_linear, (x, w, None), test_utils=utils)
+
+
+def test_the_model_takes_the_kernel_for_float32_cuda_steps_of_2_to_64_rows():
+    """Which products take the kernel (cuBLAS beat it at one row and past 64 on the H200; half types not measured
+    for it), and that the CPU path is left as it was."""
+    from types import SimpleNamespace
+
+    from lookahead.cpu_linear import GPU_KERNEL_ROWS, step_kernel_applies
+
+    def tensor(rows, dtype=torch.float32, cuda=True, grad=False):
+        return SimpleNamespace(is_cuda=cuda, dtype=dtype, shape=torch.Size([*rows, 576]), requires_grad=grad)
+
+    w = tensor([960])
+    assert [step_kernel_applies(tensor([m]), w) for m in (1, 2, 16, 64, 65, 128)] == \
+        [False, True, True, True, False, False]
+    assert step_kernel_applies(tensor([1, 16]), w) and step_kernel_applies(tensor([4, 16]), w)  # rows: B x T
+    assert not step_kernel_applies(tensor([16], cuda=False), w)
+    assert not step_kernel_applies(tensor([16], torch.bfloat16), tensor([960], torch.bfloat16))
+    with torch.enable_grad():
+        assert not step_kernel_applies(tensor([16], grad=True), w)
+    assert list(GPU_KERNEL_ROWS) == list(range(2, 65))
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_steps_of_a_few_rows_take_the_kernel_and_decode_as_plain():
+    """float32 through the whole loop (graphs, plain and lookahead steps): the lookahead steps' products take the
+    kernel, the plain steps' cuBLAS, and greedy lookahead gives plain decoding's tokens."""
+    from unittest import mock
+
+    import lookahead_kernels.step_linear as module
+    from lookahead import LookaheadConfig
+    from tests.test_batch import mixed_prompts
+    from tests.test_static_steps import cuda_tiny
+
+    model = cuda_tiny()
+    prompts = [p.cuda() for p in mixed_prompts()]
+    calls = []
+    real = module.step_linear
+
+    def counted(x, weight, bias=None):
+        calls.append(x.shape[:-1].numel())
+        return real(x, weight, bias)
+
+    with mock.patch.object(module, "step_linear", counted):
+        for la in (LookaheadConfig(window=4, ngram=3, guess=4),
+                   LookaheadConfig(step_costs=[(1, 1e-3), (64, 1.01e-3), (256, 1.05e-3)])):
+            for ids in [p[None] for p in prompts] + [prompts]:
+                want = model.generate(ids, max_new_tokens=32, lookahead=None).sequences
+                assert torch.equal(model.generate(ids, max_new_tokens=32, lookahead=la).sequences, want), la
+    assert calls and all(2 <= m <= 64 for m in calls)
+
+
+def test_kernel_compiles_for_h100(kernel_device):
+    """The kernel built for sm_90 through ptxas in float32 (tf32x3 dots, the model's tiles) and bfloat16, without a
+    GPU."""
+    run_compile_script(_SM90_SCRIPT, kernel_device)
+
+
+_SM90_SCRIPT = r'''
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from lookahead_kernels import step_linear as sl
+
+h100 = GPUTarget("cuda", 90, 32)
+fn = sl._linear_kernel
+for dt, (bn, bk, warps, stages) in (("fp32", sl.tile_config(576, 576, torch.float32)),
+                                   ("bf16", sl.tile_config(12288, 4096, torch.bfloat16))):
+    sig = {name: "i32" for name in fn.arg_names}
+    sig.update({p: "*" + dt for p in ("x_ptr", "w_ptr", "b_ptr", "y_ptr")})
+    consts = dict(HAS_BIAS=dt == "bf16", BLOCK_M=sl.BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, F32_INPUTS=dt == "fp32",
+                  UPCAST=False, FP32_DOT=sl._FP32_DOT)
+    sig.update({name: "constexpr" for name in consts})
+    triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=h100,
+                   options=dict(num_warps=warps, num_stages=stages))
+print("sm90 ok")
+'''
