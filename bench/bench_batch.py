@@ -71,7 +71,8 @@ def run_paired(model, prompts: list, batch_size: int, max_new_tokens: int, repea
     for mode in MODES:
         model.generate(prompts[:batch_size], max_new_tokens=max_new_tokens, lookahead=MODES[mode], **generate_kwargs)
     for rep in range(repeats):
-        totals = {mode: dict(new=0, seconds=0.0, prefill=0.0, steps=0, batch_steps=0, fed=0) for mode in MODES}
+        totals = {mode: dict(new=0, seconds=0.0, prefill=0.0, host=0.0, steps=0, batch_steps=0, fed=0)
+                  for mode in MODES}
         for i, batch in enumerate(batches):
             order = list(MODES) if (i + rep) % 2 == 0 else list(reversed(MODES))
             for mode in order:
@@ -84,6 +85,7 @@ def run_paired(model, prompts: list, batch_size: int, max_new_tokens: int, repea
                 t["new"] += out.stats.new_tokens
                 t["seconds"] += out.stats.seconds
                 t["prefill"] += out.stats.prefill_seconds
+                t["host"] += out.stats.host_seconds
                 t["batch_steps"] += out.stats.steps
                 t["steps"] += sum(r.steps for r in out.stats.rows)
                 t["fed"] += out.stats.fed_tokens
@@ -102,6 +104,10 @@ def run_paired(model, prompts: list, batch_size: int, max_new_tokens: int, repea
                                        # beside the step's replay time
                                        "decode_ms_per_batch_step": statistics.median(
                                            1e3 * (p["seconds"] - p["prefill"]) / p["batch_steps"] for p in passes),
+                                       # the trees' host work (planning, building, learning) over all steps,
+                                       # plain ones included: what bench_predict's --host-ms stands for
+                                       "host_ms_per_batch_step": statistics.median(
+                                           1e3 * p["host"] / p["batch_steps"] for p in passes),
                                        "fed_per_row_step": passes[0]["fed"] / passes[0]["steps"],
                                        "tokens_per_step": passes[0]["new"] / passes[0]["steps"]})
     return result
@@ -220,11 +226,12 @@ def markdown(result: dict) -> str:
              "vs plain: the median over the passes of lookahead's tokens/s over plain's, each batch decoded both ways "
              "back to back; passes: the lowest and highest of those ratios (the machine's pass-to-pass noise); "
              "tokens a step: new tokens per row and step (compression); prefill s: the prefills' seconds within "
-             "those; ms a step: the rest over the batch's steps (its forward, host work and read-back); identical: "
+             "those; ms a step: the rest over the batch's steps (its forward, host work and read-back); host ms: the "
+             "trees' host work (`stats.host_seconds`) over all the batch's steps, plain ones included; identical: "
              "rows equal to the prompt's batch-1 plain greedy output (blank when sampling).", "",
              "| set | batch | mode | tokens/s | vs plain | passes | tokens fed per row and step | tokens a step | "
-             "prefill s | ms a step | identical |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "prefill s | ms a step | host ms | identical |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         ratios = r.get("vs_plain_passes") or [r["vs_plain"]]
         spread = "" if r["mode"] == "plain" else f"{min(ratios):.2f}-{max(ratios):.2f}"
@@ -232,9 +239,10 @@ def markdown(result: dict) -> str:
         identical = "" if r["identical"] is None else f"{r['identical']}/{r['prompts']}"
         prefill = f"{r['prefill_seconds']:.3f}" if "prefill_seconds" in r else ""  # (older results lack these)
         step_ms = f"{r['decode_ms_per_batch_step']:.2f}" if "decode_ms_per_batch_step" in r else ""
+        host_ms = f"{r['host_ms_per_batch_step']:.3f}" if "host_ms_per_batch_step" in r else ""
         lines.append(f"| {r['set']} | {r['batch_size']} | {r['mode']} | {r['tokens_per_s']:.2f} | "
                      f"{r['vs_plain']:.2f}x | {spread} | {r['fed_per_row_step']:.2f} | {per_step} | {prefill} | "
-                     f"{step_ms} | {identical} |")
+                     f"{step_ms} | {host_ms} | {identical} |")
     return "\n".join(lines) + "\n"
 
 
