@@ -87,6 +87,8 @@ class LookaheadWindow:
 def stack_step_tokens(windows: list[LookaheadWindow | None], xs: list[int], width: int) -> torch.Tensor:
     """LongTensor ``[B, width]``: each row's lookahead branch of its next step, its window's ``levels * W =
     width`` tokens with its ``x`` first; a row without a window (``None``: finished, parked) feeds ``x`` alone."""
+    if width == 1:  # every row's branch is its x (the automatic mode on a GPU): nothing of the windows to stack
+        return torch.tensor(xs, dtype=torch.long)[:, None]
     out = torch.stack([torch.full((width,), x, dtype=torch.long) if w is None else w.tokens.reshape(-1)
                        for w, x in zip(windows, xs)])
     out[:, 0] = torch.tensor(xs, dtype=torch.long)

@@ -99,6 +99,9 @@ def test_window_warm_up_then_slide_hand_worked():
     assert w.tokens.tolist() == [[7, 7, 9], [11, 12, 9]] and w.warm
     # a parked row (no window) feeds its x throughout
     assert stack_step_tokens([w, None], [5, 4], 6).tolist() == [[5, 7, 9, 11, 12, 9], [4] * 6]
+    alone = LookaheadWindow(window=1, ngram=2, generator=torch.Generator().manual_seed(0))  # x alone: its x
+    alone.reset(torch.tensor([7]))
+    assert stack_step_tokens([alone, None], [5, 4], 1).tolist() == [[5], [4]]
     # warm, a = 1: n-grams are the columns (x first), then level j takes old level j+1 from column a
     ngrams = w.advance(5, torch.tensor([20, 21, 22]), accepted=1, source=torch.tensor([9]))
     assert ngrams.tolist() == [[5, 11, 20], [7, 12, 21], [9, 9, 22]]
