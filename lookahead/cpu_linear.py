@@ -144,11 +144,13 @@ def packed_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.device.type == "cpu" and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
 
 
-def step_kernel_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``x @ weight.T`` takes our Triton kernel: float32 on CUDA, :data:`GPU_KERNEL_ROWS` rows, no gradient
-    needed."""
+def step_kernel_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether ``x @ weight.T (+ bias)`` takes our Triton kernel: float32 on CUDA, :data:`GPU_KERNEL_ROWS` rows, a
+    weight whose rows are contiguous and a contiguous bias (or none; the kernel's layout: anything else goes to
+    cuBLAS), no gradient needed."""
     return x.is_cuda and x.dtype == torch.float32 and weight.dtype == torch.float32 \
-        and x.shape[:-1].numel() in GPU_KERNEL_ROWS \
+        and x.shape[:-1].numel() in GPU_KERNEL_ROWS and weight.dim() == 2 and weight.stride(1) == 1 \
+        and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())) \
         and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
 
 
@@ -156,7 +158,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
     """``F.linear(x, weight, bias)``, through ``pack`` (our GEMM or oneDNN) when given and :func:`packed_applies`;
     on CUDA through our Triton kernel where :func:`step_kernel_applies`."""
     if x.is_cuda:
-        if step_kernel_applies(x, weight):
+        if step_kernel_applies(x, weight, bias):
             from lookahead_kernels.step_linear import step_linear
 
             return step_linear(x, weight, bias)

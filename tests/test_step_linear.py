@@ -118,8 +118,10 @@ def test_the_model_takes_the_kernel_for_float32_cuda_steps_of_2_to_64_rows():
 
     from lookahead.cpu_linear import GPU_KERNEL_ROWS, step_kernel_applies
 
-    def tensor(rows, dtype=torch.float32, cuda=True, grad=False):
-        return SimpleNamespace(is_cuda=cuda, dtype=dtype, shape=torch.Size([*rows, 576]), requires_grad=grad)
+    def tensor(rows, dtype=torch.float32, cuda=True, grad=False, row_stride=1):
+        return SimpleNamespace(is_cuda=cuda, dtype=dtype, shape=torch.Size([*rows, 576]), requires_grad=grad,
+                               dim=lambda: len(rows) + 1, stride=lambda d: row_stride,
+                               is_contiguous=lambda: row_stride == 1)
 
     w = tensor([960])
     assert [step_kernel_applies(tensor([m]), w) for m in (1, 2, 16, 64, 65, 128)] == \
@@ -127,6 +129,10 @@ def test_the_model_takes_the_kernel_for_float32_cuda_steps_of_2_to_64_rows():
     assert step_kernel_applies(tensor([1, 16]), w) and step_kernel_applies(tensor([4, 16]), w)  # rows: B x T
     assert not step_kernel_applies(tensor([16], cuda=False), w)
     assert not step_kernel_applies(tensor([16], torch.bfloat16), tensor([960], torch.bfloat16))
+    assert not step_kernel_applies(tensor([16]), tensor([960], row_stride=960))  # a transposed weight: cuBLAS
+    assert step_kernel_applies(tensor([16]), w, tensor([]))  # a bias: [960]
+    assert not step_kernel_applies(tensor([16]), w, tensor([], row_stride=2))
+    assert not step_kernel_applies(tensor([16]), w, tensor([], torch.float16))
     with torch.enable_grad():
         assert not step_kernel_applies(tensor([16], grad=True), w)
     assert list(GPU_KERNEL_ROWS) == list(range(2, 65))
