@@ -49,6 +49,9 @@ OUT=${OUT:-$ROOT/gpu-out}
 WORK=${WORK:-/tmp/gpu-work}
 BUDGET=${RUN_GPU_BUDGET:-560}
 PY=${PYTHON:-python3}
+# A lease's calls add to one WORK (results.tar.gz accumulates); a dry run is one call, and an old dry run's files
+# (parts since removed) would otherwise stand in its summary.
+[ $DRY = 1 ] && rm -rf "$WORK"
 mkdir -p "$OUT" "$WORK"
 exec > >(tee -a "$OUT/run.log") 2>&1
 START=$(date +%s)
