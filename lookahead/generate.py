@@ -947,10 +947,11 @@ def _plain_step(model, cache, runner, batch: list[_Row], sampler: Sampler, devic
 
 
 def _finish_weights(active: list[_Row]) -> list[float] | None:
-    """What a token of each running row is worth to a batch that no waiting prompt will join: the call lasts as long
-    as its slowest row, so a token of a row far ahead of it shortens nothing (until rows finish and the batch
-    shrinks). Each row's remaining budget over the largest one (1 for the rows furthest from their end); ``None``
-    (every token alike) for one row."""
+    """What a token of each running row is worth to a padded batch that no waiting prompt will join: the call lasts
+    as long as its slowest row, and a finished row stays parked, costing as much as a running one until half the
+    batch has finished, so a token of a row far ahead of the slowest shortens little. Each row's remaining budget
+    over the largest one (1 for the rows furthest from their end); ``None`` (every token alike) for one row. (The
+    eager loop drops a finished row at once, so there every row's tokens shorten the call: it takes no weights.)"""
     if len(active) < 2:
         return None
     remaining = [r.emitter.max_new_tokens - r.emitter.new for r in active]
@@ -982,7 +983,7 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
     sizes = _tree_sizes(plan, budget, len(batch)) if pad else None
     proposed = keep = max(map(len, proposals.scores))
     if plan.planner is not None:  # one size for all rows: they are padded to one shape anyway
-        weights = None if queued else _finish_weights(active)
+        weights = None if queued or runner is None else _finish_weights(active)
         keep = plan.planner.choose_batch(proposals.scores, sizes, len(batch), weights)  # parked rows are fed too
         if keep == 0 and proposed and sampler.greedy:
             plan.planner.observe_declined()
