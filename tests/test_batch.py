@@ -238,6 +238,29 @@ def test_the_rows_furthest_from_their_end_weigh_most():
     assert _finish_weights([row(8, 16), row(0, 64)]) == [0.125, 1.0]
 
 
+def test_only_a_padded_batch_that_no_prompt_waits_to_join_weighs_its_rows(tiny):
+    """The eager loop drops a finished row at once (every token shortens the call) and a refilled batch gives a
+    finished row's place to the next prompt: neither weighs its rows; a padded batch of all its prompts does."""
+    from unittest import mock
+
+    seen = {}
+    real = StepPlanner.choose_batch
+
+    def record(planner, gains, sizes=None, rows=None, weights=None):
+        seen.setdefault(key, []).append(weights)
+        return real(planner, gains, sizes, rows, weights)
+
+    cfg = LookaheadConfig(step_costs=((1, 0.010), (64, 0.0105), (256, 0.011)))
+    prompts = mixed_prompts()
+    with mock.patch.object(StepPlanner, "choose_batch", record):
+        for key, kwargs in (("eager", {}), ("padded", dict(_static_steps=True)),
+                            ("refilled", dict(_static_steps=True, max_batch_size=2))):
+            tiny.generate(prompts, max_new_tokens=12, lookahead=cfg, **kwargs)
+    assert seen["eager"] and all(w is None for w in seen["eager"])
+    assert any(w is not None and len(w) > 1 for w in seen["padded"])
+    assert seen["refilled"][0] is None  # two prompts wait for a place at first
+
+
 def test_lookahead_turns_itself_off_for_big_batches(tiny):
     flat = LookaheadConfig(step_costs=((1, 0.010), (64, 0.0105), (256, 0.011)))  # a GPU, extrapolated beyond
     assert make_plan(flat, tiny, 1).shape.window == 15
