@@ -412,6 +412,11 @@ class DraftBuilder:
         self.stats = AcceptanceStats()
 
     # ---- the pool's inputs ------------------------------------------------------------------------------------
+    @property
+    def learns_ngrams(self) -> bool:
+        """Whether :meth:`observe` does anything with the window's n-grams (they feed the pool)."""
+        return self.pool is not None
+
     def _pool_insert(self, ngrams: torch.Tensor) -> None:
         if self.pool is None or ngrams.numel() == 0:
             return

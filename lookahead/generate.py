@@ -1034,7 +1034,8 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
         a, nodes, emitted = back.accept_len[b], back.nodes[b], back.emitted[b]
         sequence = row.emitter.sequence
         committed = len(sequence)
-        ngrams = row.window.advance(row.x, back.guesses[b], a, sequence)  # committed before this step's
+        ngrams = row.window.advance(row.x, back.guesses[b], a, sequence,  # committed before this step's
+                                    row.drafts.learns_ngrams or row.stats.trace is not None)
         row.cache_len += 1 + a
         taken = row.commit(emitted, step.layout.T, None if back.kept is None else back.kept[b])
         emitted_total += taken

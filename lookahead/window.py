@@ -55,7 +55,7 @@ class LookaheadWindow:
             raise ValueError(f"levels must be in [1, {self.max_levels}], got {levels!r}")
         self.tokens = self._draw(source.reshape(-1).tolist(), levels, self.window)
 
-    def advance(self, x: int, outputs: torch.Tensor, accepted: int, source) -> torch.Tensor | None:
+    def advance(self, x: int, outputs: torch.Tensor, accepted: int, source, ngrams: bool = True) -> torch.Tensor | None:
         """Slide after a step and return the step's n-grams.
 
         Args:
@@ -63,14 +63,17 @@ class LookaheadWindow:
             outputs: the model's new guesses, one per column of the last level (``W`` ints or a LongTensor).
             accepted: ``a``, candidate tokens accepted in the step (the bonus token not counted).
             source: the tokens refills are drawn from (the sequence so far): a list of ints or a 1-D tensor.
+            ngrams: ``False``: the caller has no use for the n-grams (no pool to feed, no trace), and a window of
+                ``x`` alone then makes none.
         Returns:
             LongTensor ``[W, N]`` of n-grams ``(L0[i], .., L_{N-2}[i], outputs[i])`` when the window was warm
             (``L0[0] = x``), else ``None``.
         """
         if self.window == 1 and self.max_levels == 1:
             # x alone (the automatic mode's step without a window): its one column is x at every step, so there
-            # is nothing to slide or refill; the n-gram is x and its guess. A row pays this every step.
-            return torch.tensor([[x, int(outputs[0])]])
+            # is nothing to slide or refill; the n-gram is x and its guess. A row pays this every step (a tensor:
+            # 40 us of a 16-row step's host work on this project's CPU), so it is made only when wanted.
+            return torch.tensor([[x, int(outputs[0])]]) if ngrams else None
         stacked = torch.cat([self.tokens, torch.as_tensor(outputs).reshape(1, -1).cpu()], dim=0)
         stacked[0, 0] = x
         ngrams = stacked.t().contiguous() if self.warm else None

@@ -150,6 +150,7 @@ def test_a_window_of_x_alone_gives_x_and_its_guess():
     for x, out, a in ((3, 8, 0), (8, 9, 2), (7, 1, 5)):
         assert stack_step_tokens([w], [x], 1).tolist() == [[x]] and w.levels == 1
         assert w.advance(x, torch.tensor([out]), accepted=a, source=torch.tensor([6])).tolist() == [[x, out]]
+        assert w.advance(x, torch.tensor([out]), accepted=a, source=torch.tensor([6]), ngrams=False) is None
 
 
 def test_window_acceptance_beyond_width_refills_everything():
