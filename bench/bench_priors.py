@@ -47,7 +47,7 @@ def replay(model, prompt: torch.Tensor, max_new_tokens: int, budget: int, trials
     sequence = out.sequences[0]
     with torch.inference_mode():
         logits = model(sequence[None]).logits[0]
-    builder = DraftBuilder(LookaheadConfig(), model.config.vocab_size, "cpu", shape=StepShape(1, 1, budget),
+    builder = DraftBuilder(LookaheadConfig(), model.config.vocab_size, shape=StepShape(1, 1, budget),
                            sources=("suffix", "successors"))
     builder.start(prompt[0])
     tokens = sequence.tolist()

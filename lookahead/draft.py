@@ -157,7 +157,6 @@ class AcceptanceStats:
     def __init__(self):
         self._tested = [0] * NUM_CODES
         self._accepted = [0] * NUM_CODES
-        self._priors = _PRIORS
         self.rates = torch.tensor(_PRIORS, dtype=torch.float64)
         # Written through a NumPy view of the same memory: a tensor's item assignment costs microseconds, and each
         # row records a few trials every step.
@@ -183,7 +182,7 @@ class AcceptanceStats:
     def record_code(self, code: int, accepted: bool) -> None:
         self._tested[code] += 1
         self._accepted[code] += int(accepted)
-        self._rates[code] = (self._accepted[code] + _PRIOR_WEIGHT * self._priors[code]) / \
+        self._rates[code] = (self._accepted[code] + _PRIOR_WEIGHT * _PRIORS[code]) / \
             (self._tested[code] + _PRIOR_WEIGHT)
 
 
@@ -380,7 +379,6 @@ class DraftBuilder:
     Args:
         config: the lookahead parameters (sources, pool options).
         vocab_size: the model's vocabulary size.
-        device: the device the model runs on (the pool lives on the host whatever it is).
         shape, sources: the resolved step shape and sources (default: the config's own).
         planner: a :class:`lookahead.controller.StepPlanner` that cuts each tree to the size that pays (``None``:
             every tree takes its whole budget).
@@ -388,7 +386,7 @@ class DraftBuilder:
             runs the Python reference below, which makes the same trees (``tests/test_draft_native.py``).
     """
 
-    def __init__(self, config: LookaheadConfig, vocab_size: int, device, *, shape=None, sources=None,
+    def __init__(self, config: LookaheadConfig, vocab_size: int, *, shape=None, sources=None,
                  planner=None, native: bool | None = None):
         self.config = config
         shape = shape if shape is not None else config.shape()
@@ -406,7 +404,7 @@ class DraftBuilder:
 
             concrete = dataclasses.replace(config, window=shape.window, ngram=shape.ngram, max_step_tokens=None,
                                            guess=config.pool_guess, step_costs=None)
-            self.pool = make_pool(concrete, vocab_size, device)
+            self.pool = make_pool(concrete, vocab_size)
         self.suffix = SuffixIndex() if "suffix" in sources else None
         self.successors = SuccessorTable(vocab_size, SUCCESSORS_PER_NODE) if "successors" in sources else None
         self.stats = AcceptanceStats()

@@ -281,13 +281,13 @@ class _Row:
         self.drafts = None
         self.kept = []  # with output_scores/output_logits: per step, float32 [K, taken, vocab] (host)
 
-    def start_lookahead(self, la: LookaheadConfig, plan, vocab_size: int, device, prompt: torch.Tensor,
+    def start_lookahead(self, la: LookaheadConfig, plan, vocab_size: int, prompt: torch.Tensor,
                         native: bool | None, levels: int = 1) -> None:
         shape = plan.shape
         self.window = LookaheadWindow(shape.window, shape.ngram, torch.Generator().manual_seed(la.seed))
         self.window.reset(prompt, levels)
         # The planner cuts the trees of the whole batch at once (_lookahead_step), not each builder alone.
-        self.drafts = DraftBuilder(la, vocab_size, device, shape=shape, sources=plan.sources, native=native)
+        self.drafts = DraftBuilder(la, vocab_size, shape=shape, sources=plan.sources, native=native)
         self.drafts.start(prompt)
 
     def commit(self, tokens: list[int], fed: int, kept: torch.Tensor | None = None) -> int:
@@ -499,10 +499,10 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
         for b, row in enumerate(rows[:B]):
             prefill(row, cache.sequence(b))
             if plan is not None and not deferred:
-                row.start_lookahead(lookahead, plan, cfg.vocab_size, device, prompts[b], _native_draft)
+                row.start_lookahead(lookahead, plan, cfg.vocab_size, prompts[b], _native_draft)
 
         def start_late(row: _Row, levels: int) -> None:  # a deferred or refilled row, at its first lookahead step
-            row.start_lookahead(lookahead, plan, cfg.vocab_size, device, torch.tensor(row.emitter.sequence),
+            row.start_lookahead(lookahead, plan, cfg.vocab_size, torch.tensor(row.emitter.sequence),
                                 _native_draft, levels)
 
         waiting = collections.deque(rows[B:])

@@ -162,7 +162,7 @@ def _short(exc: Exception, limit: int = 800) -> str:
     return text if len(text) <= limit else text[:limit] + " ..."
 
 
-def make_pool(config: LookaheadConfig, vocab_size: int, device="cpu", *, loader: PoolLoader | None = None):
+def make_pool(config: LookaheadConfig, vocab_size: int, *, loader: PoolLoader | None = None):
     """Make the n-gram pool ``config.pool_backend`` asks for.
 
     Args:
@@ -171,22 +171,16 @@ def make_pool(config: LookaheadConfig, vocab_size: int, device="cpu", *, loader:
             (:class:`CppNGramPool`), or ``"auto"``: the C++ pool where it builds, else the Python pool with a
             warning that says why the C++ pool was passed over (``"auto"`` never raises for a failed build).
         vocab_size: token ids lie in ``[0, vocab_size)``; sizes the C++ tables.
-        device: the device the decoder runs on; checked, but every pool lives on the host, where the draft tree
-            is built, on a GPU too.
         loader: ``() -> ops`` builds/loads the extension; default
             :func:`lookahead_kernels.pool_ext.load_pool_extension` (tests inject failing loaders here).
 
     Raises:
-        ValueError: bad ``config``/``vocab_size``/``device``.
+        ValueError: bad ``config``/``vocab_size``.
         lookahead_kernels.pool_ext.PoolExtensionError: backend ``"cpp"`` failed to build.
     """
     if not isinstance(config, LookaheadConfig):
         raise ValueError(f"config must be a LookaheadConfig, got {type(config).__name__}")
     require_int("vocab_size", vocab_size, 1)
-    try:
-        torch.device(device)  # checked only: every pool lives on the host
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"device must be a torch.device or a device string, got {device!r}") from exc
     backend, n, g = config.pool_backend, config.shape().ngram, config.pool_guess
     if backend == "python":
         return NGramPool(n, g)

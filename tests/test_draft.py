@@ -86,7 +86,7 @@ def test_successor_table_keeps_the_top_k_of_the_latest_row():
 # ---- builder -----------------------------------------------------------------------------------------------------
 def builder(**kw):
     cfg = LookaheadConfig(window=3, ngram=4, guess=4, pool_backend="python", **kw)
-    return DraftBuilder(cfg, 50, "cpu")
+    return DraftBuilder(cfg, 50)
 
 
 def check_trie(tree):

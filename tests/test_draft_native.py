@@ -19,7 +19,7 @@ def random_builder(seed: int, vocab: int, sources=("pool", "suffix", "successors
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     cfg = LookaheadConfig(window=3, ngram=ngram, guess=guess, pool_backend="cpp", sources=sources)
-    b = DraftBuilder(cfg, vocab, "cpu", native=True)
+    b = DraftBuilder(cfg, vocab, native=True)
     # Few distinct tokens: sources propose the same tokens, tries share prefixes, scores tie.
     prompt = torch.randint(0, min(vocab, 12), (rng.randint(2, 80),), generator=gen)
     if seed % 2:  # a motif repeated with a few changes: suffix matches of every length class (up to 8+)

@@ -209,31 +209,19 @@ def test_the_removed_cuda_backend_is_refused_with_the_allowed_values():
         LookaheadConfig(pool_backend="cuda")
 
 
-def test_make_pool_auto_on_cpu_uses_cpp_without_warning(cpp_loader):
+def test_make_pool_auto_uses_cpp_without_warning(cpp_loader):
+    # The draft is built on the host: the C++ pool serves a GPU's decoding too (the pool takes no device).
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        pool = make_pool(LookaheadConfig(), 50, "cpu", loader=cpp_loader)
+        pool = make_pool(LookaheadConfig(), 50, loader=cpp_loader)
     assert isinstance(pool, CppNGramPool)
 
 
 def test_make_pool_auto_falls_back_to_python_with_a_reason():
-    with pytest.warns(RuntimeWarning, match="Python n-gram pool.*simulated build failure"):
-        pool = make_pool(LookaheadConfig(ngram=3, guess=2), 50, "cpu", loader=failing_loader)
-    assert isinstance(pool, NGramPool)
-
-
-def test_make_pool_auto_on_cuda_device_takes_cpp(cpp_loader):
-    # The draft is built on the host: the C++ pool serves a GPU too, without a warning.
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        pool = make_pool(LookaheadConfig(), 50, "cuda", loader=cpp_loader)
-    assert isinstance(pool, CppNGramPool)
-
-
-def test_make_pool_auto_on_cuda_device_without_cpp_falls_back_to_python():
-    # No GPU pool to try in between: the Python pool, with the C++ pool's reason.
-    with pytest.warns(RuntimeWarning, match="Python n-gram pool.*C\\+\\+ pool unavailable.*simulated") as caught:
-        pool = make_pool(LookaheadConfig(), 50, "cuda", loader=failing_loader)
+    # No other pool to try in between: the Python pool, with the C++ pool's reason, warned once.
+    with pytest.warns(RuntimeWarning, match="Python n-gram pool.*C\\+\\+ pool unavailable.*simulated build failure") \
+            as caught:
+        pool = make_pool(LookaheadConfig(ngram=3, guess=2), 50, loader=failing_loader)
     assert isinstance(pool, NGramPool) and len(caught) == 1
 
 
