@@ -270,32 +270,36 @@ def part_smoltiles(device):
 
 def part_smollinear(device):
     """SmolLM2's float32 linear layers (a step's qkv, o, gate_up, down and the vocabulary projection) at M = 1 to 256
-    rows, through torch's cuBLAS path and through cuBLASLt (``torch.backends.cuda.preferred_blas_library``): the
-    H200 of session 46 ran a 16-row step's products at 2.5x a one-row step's (cuBLAS's float32 GEMM against its
-    GEMV), the growth that bounds lookahead on this model. One layer's five products, microseconds (CUDA graph)."""
+    rows, through torch's cuBLAS path, through cuBLASLt (``torch.backends.cuda.preferred_blas_library``) and through
+    our kernel (``lookahead_kernels.step_linear``, which the model takes at 2-64 rows): the H200 of session 46 ran a
+    16-row step's products at 2.5x a one-row step's (cuBLAS's float32 GEMM against its GEMV), the growth that bounds
+    lookahead on this model. One layer's five products, microseconds (CUDA graph)."""
     import triton.testing
+
+    from lookahead_kernels.step_linear import step_linear
 
     shapes = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576), "lm_head": (576, 49152)}
     weights = {name: torch.randn(n, k, device=device) / k ** 0.5 for name, (k, n) in shapes.items()}
     original = torch.backends.cuda.preferred_blas_library()
-    print("smollinear: fp32 F.linear, us a call (do_bench_cudagraph); layer = qkv + o + gate_up + down", flush=True)
+    print("smollinear: fp32 products, us a call (do_bench_cudagraph); layer = qkv + o + gate_up + down", flush=True)
     try:
         for M in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             line = []
-            for library in ("cublas", "cublaslt"):
+            for library in ("cublas", "cublaslt", "ours"):
                 try:
-                    torch.backends.cuda.preferred_blas_library(library)
+                    torch.backends.cuda.preferred_blas_library("cublas" if library == "ours" else library)
                 except RuntimeError as exc:  # a torch built without it
                     line.append(f"{library}: {exc}"[:120])
                     continue
+                product = step_linear if library == "ours" else torch.nn.functional.linear
                 us = {}
                 for name, w in weights.items():
                     x = torch.randn(M, w.shape[1], device=device)
-                    fn = lambda: torch.nn.functional.linear(x, w)  # noqa: E731
+                    fn = lambda: product(x, w)  # noqa: E731
                     try:
                         fn()
                         us[name] = 1e3 * triton.testing.do_bench_cudagraph(fn)
-                    except Exception as exc:  # a library this build lacks: said, not fatal
+                    except Exception as exc:  # said, not fatal
                         us[name] = float("nan")
                         print(f"smollinear: {library} M={M} {name}: {type(exc).__name__}: {exc}"[:300])
                 layer = sum(us[n] for n in ("qkv", "o", "gate_up", "down"))
