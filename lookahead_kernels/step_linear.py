@@ -10,9 +10,10 @@ rows only (:data:`lookahead.cpu_linear.GPU_KERNEL_ROWS`), cuBLAS elsewhere.
 
 Each row is computed alone by the same instructions whatever the other rows (tiles of ``BLOCK_M`` rows, K in the
 same order; the configuration depends on the weight only), so a row's result does not depend on the step's size.
-float32 tiles are multiplied as ``tf32x3`` on the tensor cores (each operand split into two tf32 parts: about
-float32's accuracy; on the H200 greedy decoding through it matched cuBLAS's tokens on every dev prompt). float16
-and bfloat16 use the tensor cores directly; every sum is float32, the result rounded once to the input dtype.
+Tiles are multiplied as ``tf32x3`` on the tensor cores (each operand split into two tf32 parts: about float32's
+accuracy; on the H200 greedy decoding through it matched cuBLAS's tokens on every dev prompt), summed in float32.
+float32 only: in bfloat16 at Llama-2-7B's shape the same sweep had it 1.10x slower than cuBLAS at 1 and 16 rows and
+1.9-3.2x at 64-128, so the half types were dropped.
 
 :func:`step_linear` checks its inputs (``ValueError``), allocates and launches; it is the torch custom op
 ``lookahead::step_linear``. On CPU tensors it runs only under Triton's interpreter (``TRITON_INTERPRET=1`` set before
@@ -27,20 +28,17 @@ import triton.language as tl
 
 from .launch import interpreted, on_device
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Rows per tile: tl.dot's least. A step of 1 row computes a tile of 16 (the extra rows masked): the weight
 # tile is read once either way, and the few extra multiply-adds ride on tensor cores that are otherwise idle.
 BLOCK_M = 16
-# How float32 tiles are multiplied on a GPU (see the module docstring); the interpreter computes "ieee" only.
+# How tiles are multiplied on a GPU (see the module docstring); the interpreter computes "ieee" only.
 _FP32_DOT = "tf32x3"
-# Programs wanted per weight: about one wave of an H100's 132 SMs, so the weight streams on every SM.
-_TARGET_PROGRAMS = 128
 
 
 @triton.jit
 def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   F32_INPUTS: tl.constexpr, UPCAST: tl.constexpr, FP32_DOT: tl.constexpr):
+                   FP32_DOT: tl.constexpr):
     # Program (m, n): rows m * BLOCK_M.. of output columns n * BLOCK_N..; K in order, BLOCK_K at a time. The row
     # tiles of one column tile are neighbours in the launch order, so they run together and read its weights from
     # HBM once (a 7B weight does not fit in L2 to be read again later).
@@ -59,32 +57,19 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, st
         k_ok = k < K
         x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
-        if UPCAST:
-            x = x.to(tl.float32)
-            w = w.to(tl.float32)
-        if F32_INPUTS:
-            acc = tl.dot(x, w, acc, input_precision=FP32_DOT)
-        else:
-            acc = tl.dot(x, w, acc)
+        acc = tl.dot(x, w, acc, input_precision=FP32_DOT)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(b_ptr + rn, mask=col_ok, other=0.0)[None, :]
     y = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
-    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(y, acc, mask=row_ok[:, None] & col_ok[None, :])
 
 
-def tile_config(N: int, K: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+def tile_config(N: int, K: int) -> tuple[int, int, int, int]:
     """``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` for a weight ``[N, K]``: from the weight alone, never from the
-    number of rows, which is what keeps a row's result independent of the step's size.
-
-    float32: 32 columns and 64 of K a tile, 4 warps, 3 stages, the best of the H200's sweep over SmolLM2's weights at
-    16 and 64 rows (``bench/results/linear-nvidia-h200.md``). The half types (not taken by the model): the widest of
-    64, 32, 16 columns that still gives about a wave of programs, 128 of K a tile."""
-    if dtype == torch.float32:
-        return 32, min(64, max(16, triton.next_power_of_2(K))), 4, 3
-    block_n = 64
-    while block_n > 16 and triton.cdiv(N, block_n) < _TARGET_PROGRAMS:
-        block_n //= 2
-    return block_n, min(128, max(16, triton.next_power_of_2(K))), 4, 3
+    number of rows, which is what keeps a row's result independent of the step's size. 32 columns and 64 of K a tile
+    (less for a narrower K), 4 warps, 3 stages: the best of the H200's sweep over SmolLM2's weights at 16 and 64 rows
+    (``bench/results/linear-nvidia-h200.md``)."""
+    return 32, min(64, max(16, triton.next_power_of_2(K))), 4, 3
 
 
 def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y2: torch.Tensor,
@@ -98,15 +83,12 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y
     if K == 0:
         y2.copy_(bias.expand(M, N) if bias is not None else torch.zeros_like(y2))
         return
-    block_n, block_k, warps, stages = config or tile_config(N, K, weight.dtype)
+    block_n, block_k, warps, stages = config or tile_config(N, K)
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, block_n))
-    # Triton's CPU interpreter computes tl.dot of bfloat16 operands wrongly: give it float32 there.
-    upcast = weight.dtype == torch.bfloat16 and interpreted(_linear_kernel)
     with on_device(x2):
         _linear_kernel[grid](x2, weight, bias if bias is not None else weight, y2, M, N, K,
                              x2.stride(0), weight.stride(0), y2.stride(0),
                              HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-                             F32_INPUTS=weight.dtype == torch.float32 or upcast, UPCAST=upcast,
                              FP32_DOT="ieee" if interpreted(_linear_kernel) else _FP32_DOT,
                              num_warps=warps, num_stages=stages)
 
@@ -132,13 +114,13 @@ def step_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     the other rows (and however many) of the call.
 
     Args:
-        x: ``[..., K]`` float32, float16 or bfloat16 (any leading shape; rows are copied only where the last
-            dimension is not contiguous).
-        weight: ``[N, K]``, ``x``'s dtype and device, each row contiguous (``nn.Linear``'s layout).
-        bias: optional ``[N]``, ``x``'s dtype and device, contiguous.
+        x: ``[..., K]`` float32 (any leading shape; rows are copied only where the last dimension is not
+            contiguous).
+        weight: ``[N, K]`` float32 on ``x``'s device, each row contiguous (``nn.Linear``'s layout).
+        bias: optional ``[N]`` float32 on ``x``'s device, contiguous.
     Returns:
-        ``[..., N]`` in ``x``'s dtype; each output one float32 sum over K in order (float32 inputs multiplied as
-        tf32x3 on a GPU, exactly under the interpreter), rounded once.
+        ``[..., N]`` float32; each output one sum over K in order (multiplied as tf32x3 on a GPU, exactly under the
+        interpreter).
     Raises:
         ValueError: on another dtype, mismatched shapes, dtypes or devices, or a weight whose rows are not
             contiguous.
@@ -146,8 +128,8 @@ def step_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     for name, t in (("x", x), ("weight", weight)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"step_linear: {name} must be a tensor, got {type(t).__name__}")
-    if x.dtype not in _DTYPES:
-        raise ValueError(f"step_linear: x must be float32, float16 or bfloat16, got {x.dtype}")
+    if x.dtype != torch.float32:
+        raise ValueError(f"step_linear: x must be float32 (the half types lost to cuBLAS), got {x.dtype}")
     if x.dim() < 1 or weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
         raise ValueError(f"step_linear: x [..., K] and weight [N, K] must agree on K, got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
