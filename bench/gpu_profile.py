@@ -1,7 +1,8 @@
 """Where a GPU step's time goes: a diagnostic for issue 11 (prints; not a benchmark of record).
 
 0. ``smolstep``: kernel tables of SmolLM2-shaped float32 steps (T = 1, 16, 128); ``smoltiles``: our attention
-   there by tile and precision; ``smollinear``: its linear layers at 1-256 rows, cuBLAS against cuBLASLt.
+   there by tile and precision; ``smollinear``: its linear layers at 1-256 rows, cuBLAS against cuBLASLt;
+   ``smolstack``: a step's every linear product (own weights, one graph), cuBLAS against our kernel split or not.
 1. ``steps``: a SmolLM2-shaped random model (float32): each step size of the controller's menu replayed through a
    StepRunner graph (CUDA events), capture errors printed in full.
 2. ``loop``: cProfile of ``generate`` (plain, fixed 15-5-15, automatic) on that model: the host functions that
@@ -10,7 +11,7 @@
 4. ``attention``: our attention against SDPA (dense mask) at 7B shape, T = 120, 4k, timed with and without host
    launch overhead (``do_bench`` vs ``do_bench_cudagraph``), over a few tile configurations.
 
-    python bench/gpu_profile.py [smollinear smolstep smoltiles steps loop verify kernels attention]
+    python bench/gpu_profile.py [smolstack smollinear smolstep smoltiles steps loop verify kernels attention]
 """
 
 from __future__ import annotations
@@ -310,7 +311,67 @@ def part_smollinear(device):
         torch.backends.cuda.preferred_blas_library(original)
 
 
-PARTS = {"smollinear": part_smollinear, "smolstep": part_smolstep, "smoltiles": part_smoltiles, "steps": part_steps, "loop": part_loop, "kernels": part_kernels,
+def part_smolstack(device, layers=30, rows=(1, 2, 4, 8, 16, 32, 64, 128)):
+    """SmolLM2's float32 linear layers as a step meets them: 30 layers' qkv, o, gate_up and down and the vocabulary
+    projection, each with its own weight (540 MB: read from HBM, as in a step, not from L2), the whole sequence
+    replayed from one CUDA graph, at M = 1 to 128 rows: cuBLAS; our kernel unsplit (its tiles, K in one run, as at
+    git 92b29f2); split as ``tile_config`` chooses (``TARGET_PROGRAMS`` 256); and with the split aimed at 128 and 512
+    programs. Milliseconds a step (``do_bench_cudagraph`` median); the model takes our kernel at 2-64 rows."""
+    import triton
+    import triton.testing
+
+    from lookahead_kernels import step_linear as sl
+
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * layers + [(49152, 576)]
+    weights = [torch.randn(n, k, device=device) / k ** 0.5 for n, k in shapes]
+
+    def config(w, target):
+        N, K = w.shape
+        base = sl.tile_config(N, K)
+        if target is None:
+            return base[:4] + (1,)
+        k_tiles = triton.cdiv(K, base[1])
+        split = max(1, min(k_tiles, triton.cdiv(target, triton.cdiv(N, base[0]))))
+        return base[:4] + (triton.cdiv(k_tiles, triton.cdiv(k_tiles, split)),)
+
+    variants = {"ours unsplit": None, "ours split (model)": sl.TARGET_PROGRAMS, "ours split 128": 128,
+                "ours split 512": 512}
+    print("smolstack: SmolLM2 fp32, every linear product of a step (own weights), ms a step (one graph)", flush=True)
+    for M in rows:
+        x = {k: torch.randn(M, k, device=device) for k in (576, 1536)}
+        outs = [torch.empty(M, w.shape[0], device=device) for w in weights]
+        line = {}
+        try:
+            line["cuBLAS"] = triton.testing.do_bench_cudagraph(
+                lambda: [torch.nn.functional.linear(x[w.shape[1]], w) for w in weights])
+        except Exception as exc:
+            print(f"smolstack: cuBLAS M={M}: {type(exc).__name__}: {exc}"[:300])
+        for name, target in variants.items():
+            configs = [config(w, target) for w in weights]
+            counters = [torch.zeros(max(1, sl.counters_needed(M, w.shape[0], c)), dtype=torch.int32, device=device)
+                        for w, c in zip(weights, configs)]
+
+            def run():
+                for w, c, n, y in zip(weights, configs, counters, outs):
+                    sl._launch(x[w.shape[1]], w, None, y, n, c)
+            try:
+                run()
+                ok = all(not n.any() for n in counters)
+                line[name] = triton.testing.do_bench_cudagraph(run)
+                err = max(((y - torch.nn.functional.linear(x[w.shape[1]], w)).abs().max()
+                           / torch.nn.functional.linear(x[w.shape[1]], w).abs().max()).item()
+                          for w, y in zip(weights[:4] + weights[-1:], outs[:4] + outs[-1:]))
+                if not ok or not err < 1e-4:
+                    print(f"smolstack: {name} M={M}: counters left zero {ok}, max relative error {err:.2e}")
+            except Exception as exc:
+                print(f"smolstack: {name} M={M}: {type(exc).__name__}: {exc}"[:300])
+        print(f"   M={M:<4d} " + " | ".join(f"{k} {v:.3f}" for k, v in line.items()), flush=True)
+    print("   programs a row tile, split (model): " + ", ".join(
+        f"{n}x{k}: {triton.cdiv(n, 32) * c[4]} ({c[4]})"
+        for (n, k), c in ((s, sl.tile_config(*s)) for s in shapes[:4] + shapes[-1:])), flush=True)
+
+
+PARTS = {"smolstack": part_smolstack, "smollinear": part_smollinear, "smolstep": part_smolstep, "smoltiles": part_smoltiles, "steps": part_steps, "loop": part_loop, "kernels": part_kernels,
          "attention": part_attention, "verify": part_verify}
 
 

@@ -109,10 +109,10 @@ class PackedWeight:
     ``state_dict()``; copies and pickles of the owner start without it.
     """
 
-    __slots__ = ("_ref", "_key", "_packed", "_backend", "mode")
+    __slots__ = ("_ref", "_key", "_packed", "_backend", "_counters", "mode")
 
     def __init__(self, mode: str = "packed") -> None:
-        self._ref = self._key = self._packed = self._backend = None
+        self._ref = self._key = self._packed = self._backend = self._counters = None
         self.mode = mode
 
     def get(self, weight: torch.Tensor) -> tuple[str | None, torch.Tensor | None]:
@@ -131,8 +131,19 @@ class PackedWeight:
             self._ref, self._key, self._backend = weakref.ref(weight), key, backend
         return backend, self._packed
 
+    def step_counters(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The counters our Triton kernel's K splits take for ``weight`` on CUDA (zeros, left zeros by each call;
+        kept here so that a graph replays without filling them), None where the kernel does not split its K."""
+        from lookahead_kernels.step_linear import counters_needed, tile_config
+
+        needed = counters_needed(GPU_KERNEL_ROWS[-1], weight.shape[0], tile_config(*weight.shape))
+        counters = self._counters
+        if needed and (counters is None or counters.device != weight.device or counters.numel() < needed):
+            counters = self._counters = torch.zeros(needed, dtype=torch.int32, device=weight.device)
+        return counters if needed else None
+
     def clear(self) -> None:
-        self._ref = self._key = self._packed = self._backend = None
+        self._ref = self._key = self._packed = self._backend = self._counters = None
 
     def __reduce__(self):  # copies and pickles start empty (an oneDNN tensor can be neither)
         return PackedWeight, (self.mode,)
@@ -161,7 +172,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
         if step_kernel_applies(x, weight, bias):
             from lookahead_kernels.step_linear import step_linear
 
-            return step_linear(x, weight, bias)
+            return step_linear(x, weight, bias, None if pack is None else pack.step_counters(weight))
         return F.linear(x, weight, bias)
     if pack is None or not packed_applies(x, weight) or (bias is not None and bias.dtype != torch.float32):
         return F.linear(x, weight, bias)

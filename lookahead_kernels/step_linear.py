@@ -8,8 +8,16 @@ columns, 64 of K, 4 warps, 3 stages), ran the 16-row step's in 1.18 ms and a 64-
 at one row it took 1.33 ms and at 128 rows 3.63 (cuBLAS 1.90). So the model takes it for float32 steps of 2 to 64
 rows only (:data:`lookahead.cpu_linear.GPU_KERNEL_ROWS`), cuBLAS elsewhere.
 
+Those times are a tenth of the H200's bandwidth: SmolLM2's narrow weights (576 to 3072 columns) give 18 to 96
+column tiles, each program's K loop one load after another, too few loads in flight. So K is split (session 48,
+:func:`tile_config`: about 256 programs a row tile): each split's sum goes to a workspace and the last split of a
+tile to finish adds them, in split order, counted by an atomic counter per tile (one launch, no fill, no reduction
+kernel). Not yet timed on a GPU when written: ``bench/gpu_profile.py smolstack`` times it against cuBLAS and the
+unsplit kernel.
+
 Each row is computed alone by the same instructions whatever the other rows (tiles of ``BLOCK_M`` rows, K in the
-same order; the configuration depends on the weight only), so a row's result does not depend on the step's size.
+same order and split the same way; the configuration depends on the weight only), so a row's result does not
+depend on the step's size.
 Tiles are multiplied as ``tf32x3`` on the tensor cores (each operand split into two tf32 parts: about float32's
 accuracy; on the H200 greedy decoding through it matched cuBLAS's tokens on every dev prompt), summed in float32.
 float32 only: in bfloat16 at Llama-2-7B's shape the same sweep had it 1.10x slower than cuBLAS at 1 and 16 rows and
@@ -33,49 +41,86 @@ from .launch import interpreted, on_device
 BLOCK_M = 16
 # How tiles are multiplied on a GPU (see the module docstring); the interpreter computes "ieee" only.
 _FP32_DOT = "tf32x3"
+# Programs a row tile aims at when K is split (:func:`tile_config`): about two for each of an H100's or H200's 132
+# SMs.
+TARGET_PROGRAMS = 256
 
 
 @triton.jit
-def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   FP32_DOT: tl.constexpr):
-    # Program (m, n): rows m * BLOCK_M.. of output columns n * BLOCK_N..; K in order, BLOCK_K at a time. The row
-    # tiles of one column tile are neighbours in the launch order, so they run together and read its weights from
-    # HBM once (a 7B weight does not fit in L2 to be read again later).
+def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_wn,
+                   stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, FP32_DOT: tl.constexpr):
+    # Program (m, n, s): rows m * BLOCK_M.. of output columns n * BLOCK_N.., over split s of K (K_PER_SPLIT, a
+    # multiple of BLOCK_K) in order, BLOCK_K at a time. The row tiles of one column tile are neighbours in the
+    # launch order, so they run together and read its weights from HBM once.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     row_ok = rm < M
     col_ok = rn < N
+    out_ok = row_ok[:, None] & col_ok[None, :]
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
     w_cols = w_ptr + rn.to(tl.int64)[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = pid_s * K_PER_SPLIT
+    for k0 in range(k_lo, tl.minimum(k_lo + K_PER_SPLIT, K), BLOCK_K):
         k = k0 + rk
         k_ok = k < K
         x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
         acc = tl.dot(x, w, acc, input_precision=FP32_DOT)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=col_ok, other=0.0)[None, :]
     y = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
-    tl.store(y, acc, mask=row_ok[:, None] & col_ok[None, :])
+    if SPLIT == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=col_ok, other=0.0)[None, :]
+        tl.store(y, acc, mask=out_ok)
+    else:
+        # Split K: each split's sum goes to the workspace; the tile's last split to arrive (a counter, one per
+        # output tile) adds them in split order, so the result never depends on which split finished when. The
+        # barrier and the release make every thread's stores visible before the count; the counter is left 0.
+        plane = (pid_s.to(tl.int64) * 0 + M) * N  # one split's [M, N] in the workspace, in 64 bits
+        parts = part_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :]
+        tl.store(parts + pid_s * plane, acc, mask=out_ok)
+        tl.debug_barrier()
+        counter = count_ptr + pid_m * tl.num_programs(1) + pid_n
+        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(SPLIT):
+                total += tl.load(parts + s * plane, mask=out_ok, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(b_ptr + rn, mask=col_ok, other=0.0)[None, :]
+            tl.store(y, total, mask=out_ok)
+            tl.atomic_xchg(counter, 0, sem="relaxed")
 
 
-def tile_config(N: int, K: int) -> tuple[int, int, int, int]:
-    """``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` for a weight ``[N, K]``: from the weight alone, never from the
-    number of rows, which is what keeps a row's result independent of the step's size. 32 columns and 64 of K a tile
-    (less for a narrower K), 4 warps, 3 stages: the best of the H200's sweep over SmolLM2's weights at 16 and 64 rows
-    (``bench/results/linear-nvidia-h200.md``)."""
-    return 32, min(64, max(16, triton.next_power_of_2(K))), 4, 3
+def tile_config(N: int, K: int) -> tuple[int, int, int, int, int]:
+    """``(BLOCK_N, BLOCK_K, num_warps, num_stages, split)`` for a weight ``[N, K]``: from the weight alone, never
+    from the number of rows, which is what keeps a row's result independent of the step's size. 32 columns and 64 of
+    K a tile (less for a narrower K), 4 warps, 3 stages: the best of the H200's sweep over SmolLM2's weights at 16 and
+    64 rows (``bench/results/linear-nvidia-h200.md``). ``split``: K cut into that many runs of whole tiles, enough
+    for about :data:`TARGET_PROGRAMS` programs a row tile. Why: that sweep's best read the weights at 400 GB/s, a
+    tenth of the H200's bandwidth, because SmolLM2's narrow weights give 18-96 column tiles for 132 SMs, too few
+    loads in flight; cuBLAS's one-row GEMV reached 917 GB/s with more programs."""
+    block_n, block_k = 32, min(64, max(16, triton.next_power_of_2(K)))
+    k_tiles = triton.cdiv(K, block_k)
+    split = max(1, min(k_tiles, triton.cdiv(TARGET_PROGRAMS, triton.cdiv(N, block_n))))
+    split = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split))  # no empty split
+    return block_n, block_k, 4, 3, split
+
+
+def counters_needed(M: int, N: int, config: tuple[int, int, int, int, int]) -> int:
+    """How many int32 counters a call of ``M`` rows with ``config`` needs (0 where it does not split K)."""
+    return triton.cdiv(M, BLOCK_M) * triton.cdiv(N, config[0]) if config[4] > 1 else 0
 
 
 def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y2: torch.Tensor,
-            config: tuple[int, int, int, int] | None = None) -> None:
-    """``y2 [M, N] = x2 [M, K] @ weight.T (+ bias)``, inputs already checked; ``config`` overrides
-    :func:`tile_config` (benchmarks compare tile sizes with it)."""
+            counters: torch.Tensor | None = None, config: tuple[int, int, int, int, int] | None = None) -> None:
+    """``y2 [M, N] = x2 [M, K] @ weight.T (+ bias)``, inputs already checked; ``counters`` as :func:`step_linear`
+    takes them (made here where None and needed); ``config`` overrides :func:`tile_config` (benchmarks and tests
+    compare tile sizes and splits with it)."""
     M, K = x2.shape
     N = weight.shape[0]
     if M == 0 or N == 0:
@@ -83,33 +128,45 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y
     if K == 0:
         y2.copy_(bias.expand(M, N) if bias is not None else torch.zeros_like(y2))
         return
-    block_n, block_k, warps, stages = config or tile_config(N, K)
-    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, block_n))
+    block_n, block_k, warps, stages, split = config or tile_config(N, K)
+    k_tiles = triton.cdiv(K, block_k)
+    split = min(split, k_tiles)
+    k_per_split = triton.cdiv(k_tiles, split) * block_k
+    split = triton.cdiv(K, k_per_split)
+    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, block_n), split)
+    parts = y2
+    if split > 1:
+        parts = torch.empty((split, M, N), dtype=torch.float32, device=x2.device)
+        if counters is None:
+            counters = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=x2.device)
     with on_device(x2):
-        _linear_kernel[grid](x2, weight, bias if bias is not None else weight, y2, M, N, K,
+        _linear_kernel[grid](x2, weight, bias if bias is not None else weight, y2, parts,
+                             counters if counters is not None else parts, M, N, K, k_per_split,
                              x2.stride(0), weight.stride(0), y2.stride(0),
                              HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-                             FP32_DOT="ieee" if interpreted(_linear_kernel) else _FP32_DOT,
+                             SPLIT=split, FP32_DOT="ieee" if interpreted(_linear_kernel) else _FP32_DOT,
                              num_warps=warps, num_stages=stages)
 
 
-@torch.library.custom_op("lookahead::step_linear", mutates_args=())
-def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+@torch.library.custom_op("lookahead::step_linear", mutates_args=("counters",))
+def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               counters: torch.Tensor | None) -> torch.Tensor:
     K = x.shape[-1]
     x2 = x.reshape(x.shape[:-1].numel(), K)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     y = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
-    _launch(x2, weight, bias, y.view(-1, weight.shape[0]))
+    _launch(x2, weight, bias, y.view(-1, weight.shape[0]), counters)
     return y
 
 
 @_linear_op.register_fake
-def _linear_fake(x, weight, bias):
+def _linear_fake(x, weight, bias, counters):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-def step_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def step_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                counters: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)``, each row of ``x`` computed alone: its result is the same bit for bit whatever
     the other rows (and however many) of the call.
 
@@ -118,12 +175,16 @@ def step_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
             contiguous).
         weight: ``[N, K]`` float32 on ``x``'s device, each row contiguous (``nn.Linear``'s layout).
         bias: optional ``[N]`` float32 on ``x``'s device, contiguous.
+        counters: where :func:`tile_config` splits K, one int32 counter per output tile (at least
+            :func:`counters_needed`), contiguous on ``x``'s device, all 0, and left all 0; a caller that makes many
+            calls keeps one (a CUDA graph replays without a fill). None: made for the call. Calls that share
+            counters must not run at the same time (one stream).
     Returns:
-        ``[..., N]`` float32; each output one sum over K in order (multiplied as tf32x3 on a GPU, exactly under the
-        interpreter).
+        ``[..., N]`` float32; each output a sum over K in order within each split, the splits' sums added in order
+        (multiplied as tf32x3 on a GPU, exactly under the interpreter).
     Raises:
-        ValueError: on another dtype, mismatched shapes, dtypes or devices, or a weight whose rows are not
-            contiguous.
+        ValueError: on another dtype, mismatched shapes, dtypes or devices, a weight whose rows are not
+            contiguous, or counters too few or of another dtype or device.
     """
     for name, t in (("x", x), ("weight", weight)):
         if not isinstance(t, torch.Tensor):
@@ -147,4 +208,12 @@ def step_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if x.device.type != "cuda" and not interpreted(_linear_kernel):
         raise ValueError(f"step_linear: the Triton kernel needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1 "
                          f"set before lookahead_kernels.step_linear is imported), got {x.device}")
-    return _linear_op(x, weight, bias)
+    if counters is not None:
+        needed = counters_needed(x.shape[:-1].numel(), weight.shape[0], tile_config(*weight.shape))
+        if not isinstance(counters, torch.Tensor) or counters.dtype != torch.int32 or counters.device != x.device \
+                or not counters.is_contiguous() or counters.numel() < needed:
+            got = (counters.dtype, counters.numel(), str(counters.device)) if isinstance(counters, torch.Tensor) \
+                else counters
+            raise ValueError(f"step_linear: counters must be None or a contiguous int32 tensor of at least {needed} "
+                             f"elements on {x.device}, got {got}")
+    return _linear_op(x, weight, bias, counters)

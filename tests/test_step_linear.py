@@ -44,6 +44,42 @@ def test_step_linear_matches_float64(sl, kernel_device, M, N, K, bias):
     assert torch.equal(got, y)
 
 
+@pytest.mark.parametrize("M,N,K", [(1, 40, 200), (17, 100, 130), (33, 24, 576)])
+@pytest.mark.parametrize("split", [2, 3, 9])
+def test_split_k_matches_float64_and_leaves_the_counters_at_zero(sl, kernel_device, M, N, K, split):
+    """K cut into runs (the last one short where K is off the tile), each output tile summed by the last of its
+    splits to arrive; the counters, given or made, are all 0 again after the call and serve the next."""
+    dtype = torch.float32
+    x = rand(M, K, dtype=dtype, device=kernel_device)
+    w = rand(N, K, dtype=dtype, device=kernel_device, seed=1, scale=K ** -0.5)
+    b = rand(N, dtype=dtype, device=kernel_device, seed=2)
+    want = F.linear(x.double().cpu(), w.double().cpu(), b.double().cpu())
+    config = sl.tile_config(N, K)[:4] + (split,)
+    counters = torch.zeros(sl.counters_needed(M, N, config) + 3, dtype=torch.int32, device=kernel_device)
+    for given in (counters, None, counters):
+        y = torch.full((M, N), float("nan"), dtype=dtype, device=kernel_device)
+        sl._launch(x, w, b, y, given, config)
+        check(y, want, dtype)
+        assert not counters.any()
+    first = y.clone()
+    sl._launch(x[:1], w, b, y[:1], counters, config)  # fewer rows, the same counters: row 0's bits again
+    assert torch.equal(y, first) and not counters.any()
+
+
+def test_counters_are_checked(sl, kernel_device):
+    x = rand(5, 576, dtype=torch.float32, device=kernel_device)
+    w = rand(96, 576, dtype=torch.float32, device=kernel_device, seed=1)
+    needed = sl.counters_needed(5, 96, sl.tile_config(96, 576))
+    assert needed == 3  # one row tile, three column tiles: K is split
+    ok = torch.zeros(needed, dtype=torch.int32, device=kernel_device)
+    assert torch.equal(sl.step_linear(x, w, counters=ok), sl.step_linear(x, w))
+    for bad in (torch.zeros(needed - 1, dtype=torch.int32, device=kernel_device),
+                torch.zeros(needed, dtype=torch.int64, device=kernel_device),
+                torch.zeros(2 * needed, dtype=torch.int32, device=kernel_device)[::2], [0] * needed):
+        with pytest.raises(ValueError, match="counters must be None or a contiguous int32 tensor of at least 3"):
+            sl.step_linear(x, w, counters=bad)
+
+
 def test_leading_dims_and_strided_rows(sl, kernel_device):
     """``[B, T, K]`` inputs, and rows taken from a wider tensor (a row stride larger than K)."""
     wide = rand(2, 5, 80, dtype=torch.float32, device=kernel_device)
@@ -70,9 +106,14 @@ def test_a_row_s_result_does_not_depend_on_the_other_rows(sl, kernel_device):
 def test_tile_sizes_come_from_the_weight_alone(sl):
     """The configuration, and so the order of every sum, is a function of (N, K): never of the rows."""
     for N, K in ((576, 576), (960, 576), (3072, 576), (576, 1536), (49152, 576), (12288, 4096), (40, 33)):
-        bn, bk, warps, stages = sl.tile_config(N, K)
+        bn, bk, warps, stages, split = sl.tile_config(N, K)
         assert bn in (16, 32, 64) and bk in (16, 32, 64) and warps >= 1 and stages >= 1
-    assert sl.tile_config(576, 576) == (32, 64, 4, 3)  # the H200 sweep's best for SmolLM2
+        k_tiles = -(-K // bk)
+        assert 1 <= split <= k_tiles and -(-k_tiles // -(-k_tiles // split)) == split  # no split left empty
+        assert split == 1 or -(-N // bn) * split <= 2 * sl.TARGET_PROGRAMS
+    assert sl.tile_config(576, 576) == (32, 64, 4, 3, 9)  # the H200 sweep's best tiles for SmolLM2; 18 x 9 programs
+    assert [sl.tile_config(N, K)[4] for N, K in ((960, 576), (3072, 576), (576, 1536), (49152, 576))] == \
+        [9, 3, 12, 1]
     assert sl.tile_config(40, 10)[1] == 16  # a narrow K: a narrow K tile
 
 
@@ -107,8 +148,9 @@ def test_registered_as_a_custom_op(sl, kernel_device):
     w = rand(16, 32, dtype=torch.float32, device=kernel_device, seed=1)
     b = rand(16, dtype=torch.float32, device=kernel_device, seed=2)
     utils = ("test_schema", "test_faketensor")
-    torch.library.opcheck(torch.ops.lookahead.step_linear, (x, w, b), test_utils=utils)
-    torch.library.opcheck(torch.ops.lookahead.step_linear, (x, w, None), test_utils=utils)
+    counters = torch.zeros(8, dtype=torch.int32, device=kernel_device)
+    torch.library.opcheck(torch.ops.lookahead.step_linear, (x, w, b, None), test_utils=utils)
+    torch.library.opcheck(torch.ops.lookahead.step_linear, (x, w, None, counters), test_utils=utils)
 
 
 def test_the_model_takes_the_kernel_for_float32_cuda_steps_of_2_to_64_rows():
@@ -138,6 +180,23 @@ def test_the_model_takes_the_kernel_for_float32_cuda_steps_of_2_to_64_rows():
     assert list(GPU_KERNEL_ROWS) == list(range(2, 65))
 
 
+def test_each_layer_keeps_its_counters_for_the_kernel():
+    """The model's layers hand the kernel counters they keep (a graph replays them without a fill): enough for the
+    kernel's largest step, zeros, the same tensor call after call; none where the weight's K is not split."""
+    from lookahead.cpu_linear import GPU_KERNEL_ROWS, PackedWeight
+    from lookahead_kernels.step_linear import counters_needed, tile_config
+
+    pack = PackedWeight()
+    w = torch.zeros(576, 1536)
+    counters = pack.step_counters(w)
+    assert counters.dtype == torch.int32 and not counters.any()
+    assert counters.numel() == counters_needed(GPU_KERNEL_ROWS[-1], 576, tile_config(576, 1536)) == 4 * 18
+    assert pack.step_counters(w) is counters
+    assert pack.step_counters(torch.zeros(49152, 576)) is None  # the vocabulary projection: K in one run
+    pack.clear()
+    assert pack.step_counters(w) is not counters
+
+
 @pytest.mark.gpu
 def test_on_the_gpu_steps_of_a_few_rows_take_the_kernel_and_decode_as_plain():
     """float32 through the whole loop (graphs, plain and lookahead steps): the lookahead steps' products take the
@@ -154,9 +213,9 @@ def test_on_the_gpu_steps_of_a_few_rows_take_the_kernel_and_decode_as_plain():
     calls = []
     real = module.step_linear
 
-    def counted(x, weight, bias=None):
+    def counted(x, weight, bias=None, counters=None):
         calls.append(x.shape[:-1].numel())
-        return real(x, weight, bias)
+        return real(x, weight, bias, counters)
 
     with mock.patch.object(module, "step_linear", counted):
         for la in (LookaheadConfig(window=4, ngram=3, guess=4),
@@ -182,13 +241,15 @@ from lookahead_kernels import step_linear as sl
 
 h100 = GPUTarget("cuda", 90, 32)
 fn = sl._linear_kernel
-bn, bk, warps, stages = sl.tile_config(576, 576)
-for bias in (False, True):
-    sig = {name: "i32" for name in fn.arg_names}
-    sig.update({p: "*fp32" for p in ("x_ptr", "w_ptr", "b_ptr", "y_ptr")})
-    consts = dict(HAS_BIAS=bias, BLOCK_M=sl.BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, FP32_DOT=sl._FP32_DOT)
-    sig.update({name: "constexpr" for name in consts})
-    triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=h100,
-                   options=dict(num_warps=warps, num_stages=stages))
+for N, K in ((576, 576), (49152, 576)):  # K split 9 ways; not split
+    bn, bk, warps, stages, split = sl.tile_config(N, K)
+    for bias in (False, True):
+        sig = {name: "i32" for name in fn.arg_names}
+        sig.update({p: "*fp32" for p in ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "part_ptr")})
+        sig["count_ptr"] = "*i32"
+        consts = dict(HAS_BIAS=bias, BLOCK_M=sl.BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, FP32_DOT=sl._FP32_DOT)
+        sig.update({name: "constexpr" for name in consts})
+        triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=h100,
+                       options=dict(num_warps=warps, num_stages=stages))
 print("sm90 ok")
 '''
