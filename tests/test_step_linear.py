@@ -198,6 +198,31 @@ def test_each_layer_keeps_its_counters_for_the_kernel():
 
 
 @pytest.mark.gpu
+def test_split_k_gives_the_same_bits_launch_after_launch_on_the_gpu():
+    """The splits of a tile finish in whatever order the GPU runs them; the last one adds them in split order, so
+    500 launches of SmolLM2's split products (eager and replayed from a graph) give the same bits, and leave their
+    counters at zero. A race (a sum read before it was written) would show as a differing launch."""
+    from lookahead_kernels import step_linear as sl
+
+    for N, K in ((960, 576), (576, 1536)):
+        x = rand(16, K, dtype=torch.float32, device="cuda")
+        w = rand(N, K, dtype=torch.float32, device="cuda", seed=1, scale=K ** -0.5)
+        assert sl.tile_config(N, K)[4] > 1
+        counters = torch.zeros(sl.counters_needed(16, N, sl.tile_config(N, K)), dtype=torch.int32, device="cuda")
+        first = sl.step_linear(x, w, counters=counters)
+        check(first, F.linear(x.double().cpu(), w.double().cpu()), torch.float32)
+        outs = [sl.step_linear(x, w, counters=counters) for _ in range(250)]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = sl.step_linear(x, w, counters=counters)
+        for _ in range(250):
+            graph.replay()
+            outs.append(y.clone())
+        torch.cuda.synchronize()
+        assert all(torch.equal(o, first) for o in outs) and not counters.any()
+
+
+@pytest.mark.gpu
 def test_on_the_gpu_steps_of_a_few_rows_take_the_kernel_and_decode_as_plain():
     """float32 through the whole loop (graphs, plain and lookahead steps): the lookahead steps' products take the
     kernel, the plain steps' cuBLAS, and greedy lookahead gives plain decoding's tokens."""
