@@ -134,13 +134,13 @@ class PackedWeight:
     def step_counters(self, weight: torch.Tensor) -> torch.Tensor | None:
         """The counters our Triton kernel's K splits take for ``weight`` on CUDA (zeros, left zeros by each call;
         kept here so that a graph replays without filling them), None where the kernel does not split its K."""
-        from lookahead_kernels.step_linear import counters_needed, tile_config
+        key = (tuple(weight.shape), weight.device)
+        if self._counters is None or self._counters[0] != key:  # once per weight shape and device: every call asks
+            from lookahead_kernels.step_linear import counters_needed, tile_config
 
-        needed = counters_needed(GPU_KERNEL_ROWS[-1], weight.shape[0], tile_config(*weight.shape))
-        counters = self._counters
-        if needed and (counters is None or counters.device != weight.device or counters.numel() < needed):
-            counters = self._counters = torch.zeros(needed, dtype=torch.int32, device=weight.device)
-        return counters if needed else None
+            needed = counters_needed(GPU_KERNEL_ROWS[-1], weight.shape[0], tile_config(*weight.shape))
+            self._counters = key, torch.zeros(needed, dtype=torch.int32, device=weight.device) if needed else None
+        return self._counters[1]
 
     def clear(self) -> None:
         self._ref = self._key = self._packed = self._backend = self._counters = None
