@@ -226,16 +226,22 @@ def test_a_batch_that_ends_with_its_slowest_row_weighs_that_row_s_tokens():
 
 
 def test_the_rows_furthest_from_their_end_weigh_most():
+    """Steps to go at each row's pace (budget left over tokens a step, from a prior of plain steps), over the most,
+    to a steep power: the rows the call waits for count, rows well ahead hardly."""
     from types import SimpleNamespace
 
-    from lookahead.generate import _finish_weights
+    from lookahead.generate import _PACE_POWER, _PACE_PRIOR, _finish_weights
 
-    def row(new, most=64):
-        return SimpleNamespace(emitter=SimpleNamespace(new=new, max_new_tokens=most))
+    def row(new, most=64, steps=None):
+        return SimpleNamespace(emitter=SimpleNamespace(new=new, max_new_tokens=most),
+                               stats=SimpleNamespace(steps=new if steps is None else steps))
 
     assert _finish_weights([row(3)]) is None  # one row: every token alike
-    assert _finish_weights([row(0), row(32), row(48)]) == [1.0, 0.5, 0.25]
-    assert _finish_weights([row(8, 16), row(0, 64)]) == [0.125, 1.0]
+    assert _finish_weights([row(0), row(32), row(48)]) == [1.0, 0.5 ** _PACE_POWER, 0.25 ** _PACE_POWER]
+    assert _finish_weights([row(8, 16), row(0, 64)]) == [0.125 ** _PACE_POWER, 1.0]
+    # Two rows with as many tokens to go: the one that took half the steps (its guesses came true) is ahead.
+    ahead, behind = _finish_weights([row(32, steps=16), row(32)])
+    assert behind == 1.0 and ahead == pytest.approx(((16 + _PACE_PRIOR) / (32 + _PACE_PRIOR)) ** _PACE_POWER)
 
 
 def test_only_a_padded_batch_that_no_prompt_waits_to_join_weighs_its_rows(tiny):
