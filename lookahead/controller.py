@@ -24,6 +24,7 @@ import functools
 import hashlib
 import itertools
 import json
+import math
 import operator
 import os
 import platform
@@ -63,6 +64,8 @@ CALIBRATION_PRIOR = 10.0
 # A batch builds trees only as large as could pay if each node were accepted with this chance once its parent is
 # (a chain): beyond, no tree pays for its rows' host work (building, learning), and at 0 the batch steps plainly.
 OPTIMISTIC_ACCEPTANCE = 0.9
+# reach() scales its chain by the gain calibration rounded up to a multiple of this.
+REACH_SCALE_STEP = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -419,13 +422,18 @@ class StepPlanner:
         """The largest tree per row (at most ``budget``) that a batch of ``batch_size`` rows would take if every
         node were a chain link accepted with chance ``OPTIMISTIC_ACCEPTANCE``; 0: lookahead cannot pay."""
         # The host cost's coefficients, in steps of 10 us, belong to the key: they change as steps are measured.
-        key = (batch_size, budget, round(self._scale(), 2)) \
-            + tuple(round(c, 5) for c in (self.host.coefficients if self.host else ()))
+        # The gain calibration moves a little every step: the chain is scaled by it rounded up to a multiple of
+        # REACH_SCALE_STEP (optimistic, as a reach must be), so that a call meets a few scales, not one a step
+        # (rounded to 0.01 it missed this cache on a quarter of a row's steps, 0.04-0.1 ms a miss on this
+        # project's CPU, session 48).
+        scale = min(1.0, math.ceil(self._scale() / REACH_SCALE_STEP - 1e-9) * REACH_SCALE_STEP)
+        key = (batch_size, budget, scale) + tuple(round(c, 5) for c in (self.host.coefficients if self.host else ()))
         if key not in self._reach:
             # Every row the same chain: its columns are the chain's links times the rows, without summing a
             # [rows, budget] table (worked out afresh for each batch size and host-cost fit a call meets).
             chain = [batch_size * OPTIMISTIC_ACCEPTANCE ** (d + 1) for d in range(budget)]
-            self._reach[key] = self._best_size(chain, itertools.repeat(batch_size), batch_size) if batch_size else 0
+            self._reach[key] = self._best_size(chain, itertools.repeat(batch_size), batch_size, scale=scale) \
+                if batch_size else 0
         return self._reach[key]
 
     def _scale(self) -> float:
@@ -484,15 +492,16 @@ class StepPlanner:
         return self._best_size(columns, widths, B, sizes, rows, worth)
 
     def _best_size(self, columns, widths, B: int, sizes: list[int] | None = None, rows: int | None = None,
-                   worth: float | None = None) -> int:
+                   worth: float | None = None, scale: float | None = None) -> int:
         """:meth:`choose_batch` from the rows' gains summed per tree depth (``columns[v]``: the expected tokens the
-        rows' ``v``-th nodes add) and ``widths[v]``, how many rows have a ``v``-th node."""
+        rows' ``v``-th nodes add) and ``widths[v]``, how many rows have a ``v``-th node; ``scale``: the gain
+        calibration's factor to use (default its own)."""
         R = B if rows is None else max(rows, B)
         worth = float(B) if worth is None else worth
         best, best_rate = 0, worth / self._cost(R * self.window_tokens)
         per_row, per_node = self.host.coefficients if self.host is not None else (0.0, 0.0)  # one fit per call
         host_rows = per_row * B
-        scale = self._scale()
+        scale = self._scale() if scale is None else scale
         expected, nodes, fed, cost = worth, 0, 0, 0.0
         padded = iter(sizes) if sizes is not None else None
         for v, (column, width) in enumerate(zip(columns, widths)):

@@ -225,6 +225,26 @@ def test_a_batch_that_ends_with_its_slowest_row_weighs_that_row_s_tokens():
             planner.choose_batch(gains, weights=bad)
 
 
+def test_reach_meets_a_few_gain_scales_a_call_not_one_a_step():
+    """reach() caches its answer by the gain calibration rounded up to a multiple of REACH_SCALE_STEP (an optimistic
+    chain, computed at that scale), so a calibration that moves every step costs a few searches, not one a step."""
+    import itertools
+    import math
+
+    from lookahead.controller import OPTIMISTIC_ACCEPTANCE, REACH_SCALE_STEP, HostCost, StepCosts, StepPlanner
+
+    planner = StepPlanner(StepCosts.from_pairs([(1, 1.3e-3), (16, 2.0e-3), (64, 2.3e-3), (256, 4.2e-3)]), 1,
+                          HostCost())
+    for i in range(60):
+        planner.observe_gain(2.0, 1.2 + (i % 7) / 10)  # the factor wanders step by step
+        scale = planner._scale()
+        rounded = math.ceil(scale / REACH_SCALE_STEP - 1e-9) * REACH_SCALE_STEP
+        chain = [4 * OPTIMISTIC_ACCEPTANCE ** (d + 1) for d in range(63)]
+        assert planner.reach(4, 63) == planner._best_size(chain, itertools.repeat(4), 4, scale=min(1.0, rounded))
+    scales = {key[2] for key in planner._reach}
+    assert len(scales) <= 6 and all(abs(s / REACH_SCALE_STEP - round(s / REACH_SCALE_STEP)) < 1e-9 for s in scales)
+
+
 def test_the_rows_furthest_from_their_end_weigh_most():
     """Steps to go at each row's pace (budget left over tokens a step, from a prior of plain steps), over the most,
     to a steep power: the rows the call waits for count, rows well ahead hardly."""
