@@ -313,13 +313,28 @@ def batch_step_costs(model, base: StepCosts, tokens: int, cache_to_disk: bool = 
 
 
 class HostCost:
-    """Seconds of host work a step with trees takes beside the forward: ``a * rows + b * nodes`` (a row's tree
-    building, KV compaction and bookkeeping; each real node's learning, e.g. the successor table's top-k over its
-    logits), fitted by least squares to the steps measured, older ones discounted by ``HOST_DECAY`` per new one.
-    Measured on a CPU with SmolLM2: about 0.5 ms a row and 0.2 ms a node."""
+    """Seconds of host work a step with trees takes beside the forward: ``c + a * rows + b * nodes`` (the step's own
+    work, e.g. packing its inputs and reading back its results; a row's tree building, KV compaction and
+    bookkeeping; each real node's learning, e.g. the successor table's top-k over its logits), fitted by least
+    squares with every part >= 0 to the steps measured, older ones discounted by ``HOST_DECAY`` per new one. Where
+    the steps measured cannot tell the parts apart (one batch size throughout: ``c`` and ``a * rows`` are then one
+    number) the fit without ``c`` is kept. Measured on a CPU with SmolLM2: about 0.5 ms a row and 0.2 ms a node.
+
+    Why ``c`` (session 48): a batch whose rows finish step by step changes size, and a fit through the origin, right
+    at 16 rows, took 8 rows' host work for half of 16's where a fixed part kept it at three quarters; predicted on
+    the H200 with a flat step cost and 0.3 ms + 0.02 ms a row of host work, 48 MT-Bench prompts refilled through 16
+    rows lost to plain decoding (0.98x) on the trees its 8-row tail took; with ``c`` 0.99x (HumanEval 1.04x both)."""
+
+    # The parts' subsets tried where the full fit has a negative part, those without the fixed part first (a tie
+    # keeps the earlier: session 47's fit).
+    _SUBSETS = ((1, 2), (1,), (2,), (0, 1), (0, 2), (0,))
 
     def __init__(self):
-        self._sums = [0.0] * 5  # sum rr, sum rn, sum nn, sum r*y, sum n*y
+        # Discounted sums of x_i * x_j for the features x = (1, rows, nodes), of x_i * seconds, and of seconds^2.
+        self._xx = [[0.0] * 3 for _ in range(3)]
+        self._xy = [0.0] * 3
+        self._yy = 0.0
+        self._fit = (0.0, 0.0, 0.0)
 
     def observe(self, rows: int, nodes: int, seconds: float) -> None:
         if not seconds >= 0 or rows < 1 or nodes < 0:
@@ -332,27 +347,90 @@ class HostCost:
         predicted = self.predict(rows, nodes)
         if predicted > 0:
             seconds = min(seconds, HOST_OUTLIER * predicted)
-        self._sums = [HOST_DECAY * s for s in self._sums]
-        for i, v in enumerate((rows * rows, rows * nodes, nodes * nodes, rows * seconds, nodes * seconds)):
-            self._sums[i] += v
+        d = HOST_DECAY
+        xx, xy = self._xx, self._xy
+        r, n = float(rows), float(nodes)
+        xx[0][0] = d * xx[0][0] + 1.0
+        xx[0][1] = xx[1][0] = d * xx[0][1] + r
+        xx[0][2] = xx[2][0] = d * xx[0][2] + n
+        xx[1][1] = d * xx[1][1] + r * r
+        xx[1][2] = xx[2][1] = d * xx[1][2] + r * n
+        xx[2][2] = d * xx[2][2] + n * n
+        xy[0], xy[1], xy[2] = d * xy[0] + seconds, d * xy[1] + r * seconds, d * xy[2] + n * seconds
+        self._yy = d * self._yy + seconds * seconds
+        self._fit = self._solve()
+
+    def _solve(self) -> tuple[float, float, float]:
+        """The least-squares ``(c, a, b)`` with every part >= 0: the full fit where the rows measured vary and it
+        has no negative part (then no subset fits better); else each subset of the parts solved alone, the one
+        with the least residual kept (without ``c`` where the rows never varied: ``c`` and ``a`` are one)."""
+        xx, xy = self._xx, self._xy
+        rows_vary = xx[0][0] * xx[1][1] - xx[0][1] * xx[0][1] > 1e-9 * xx[0][0] * xx[1][1]
+        if rows_vary:
+            theta = _solve_small(((0, 1, 2),), xx, xy)
+            if theta is not None and min(theta) >= 0:
+                return theta
+        best, best_sse = (0.0, 0.0, 0.0), None
+        for subset in self._SUBSETS:
+            if 0 in subset and not rows_vary:
+                break
+            theta = _solve_small((subset,), xx, xy)
+            if theta is None or min(theta) < 0:
+                continue
+            if not rows_vary and subset == (1, 2):  # the least squares of every part but c: no subset fits better
+                return theta
+            sse = self._yy - 2 * sum(f * y for f, y in zip(theta, xy)) \
+                + sum(theta[i] * theta[j] * xx[i][j] for i in subset for j in subset)
+            if best_sse is None or sse < best_sse - 1e-9 * max(self._yy, 1e-30):
+                best, best_sse = theta, sse
+        return best
 
     @property
     def coefficients(self) -> tuple[float, float]:
         """``(seconds per row, seconds per node)``; ``(0, 0)`` before any measurement."""
-        rr, rn, nn, ry, ny = self._sums
-        if rr == 0:
-            return 0.0, 0.0
-        det = rr * nn - rn * rn
-        if det > 1e-9 * rr * nn:
-            a, b = (ry * nn - ny * rn) / det, (ny * rr - ry * rn) / det
-            if a >= 0 and b >= 0:
-                return a, b
-        # Rows and nodes in one proportion (or a fit with a negative part): one term carries it all.
-        return (ry / rr, 0.0) if nn == 0 or ry / rr * rr <= ny / nn * nn else (0.0, ny / nn)
+        return self._fit[1], self._fit[2]
+
+    @property
+    def per_step(self) -> float:
+        """Seconds a step with trees takes whatever its rows and nodes (``c``)."""
+        return self._fit[0]
 
     def predict(self, rows: int, nodes: int) -> float:
-        a, b = self.coefficients
-        return a * rows + b * nodes
+        c, a, b = self._fit
+        return c + a * rows + b * nodes
+
+
+def _solve_small(subsets: tuple, xx: list, xy: list) -> tuple[float, float, float] | None:
+    """Least squares over the parts ``subsets[0]`` (indices into ``(c, a, b)``) from the normal equations ``xx`` and
+    ``xy``, by Cramer's rule, as a full ``(c, a, b)`` (0 for the parts left out); None where the system is singular
+    or nearly (its determinant under 1e-9 of its diagonal's product)."""
+    idx = subsets[0]
+    k = len(idx)
+    m = [[xx[i][j] for j in idx] for i in idx]
+    y = [xy[i] for i in idx]
+    if k == 1:
+        d, scale = m[0][0], m[0][0]
+        sol = (y[0] / d,) if scale > 0 and d > 1e-9 * scale else None
+    elif k == 2:
+        d, scale = m[0][0] * m[1][1] - m[0][1] * m[1][0], m[0][0] * m[1][1]
+        sol = ((y[0] * m[1][1] - m[0][1] * y[1]) / d, (m[0][0] * y[1] - y[0] * m[1][0]) / d) \
+            if scale > 0 and d > 1e-9 * scale else None
+    else:
+        def det3(a):
+            return (a[0][0] * (a[1][1] * a[2][2] - a[1][2] * a[2][1]) - a[0][1] * (a[1][0] * a[2][2] - a[1][2] * a[2][0])
+                    + a[0][2] * (a[1][0] * a[2][1] - a[1][1] * a[2][0]))
+        d, scale = det3(m), m[0][0] * m[1][1] * m[2][2]
+        if scale > 0 and d > 1e-9 * scale:
+            sol = tuple(det3([[y[r] if c == col else m[r][c] for c in range(3)] for r in range(3)]) / d
+                        for col in range(3))
+        else:
+            sol = None
+    if sol is None:
+        return None
+    full = [0.0, 0.0, 0.0]
+    for i, t in zip(idx, sol):
+        full[i] = t
+    return full[0], full[1], full[2]
 
 
 class GainCalibration:
@@ -427,7 +505,8 @@ class StepPlanner:
         # (rounded to 0.01 it missed this cache on a quarter of a row's steps, 0.04-0.1 ms a miss on this
         # project's CPU, session 48).
         scale = min(1.0, math.ceil(self._scale() / REACH_SCALE_STEP - 1e-9) * REACH_SCALE_STEP)
-        key = (batch_size, budget, scale) + tuple(round(c, 5) for c in (self.host.coefficients if self.host else ()))
+        key = (batch_size, budget, scale) + tuple(round(c, 5) for c in (
+            (self.host.per_step, *self.host.coefficients) if self.host else ()))
         if key not in self._reach:
             # Every row the same chain: its columns are the chain's links times the rows, without summing a
             # [rows, budget] table (worked out afresh for each batch size and host-cost fit a call meets).
@@ -500,7 +579,7 @@ class StepPlanner:
         worth = float(B) if worth is None else worth
         best, best_rate = 0, worth / self._cost(R * self.window_tokens)
         per_row, per_node = self.host.coefficients if self.host is not None else (0.0, 0.0)  # one fit per call
-        host_rows = per_row * B
+        host_rows = per_row * B + (self.host.per_step if self.host is not None else 0.0)
         scale = self._scale() if scale is None else scale
         expected, nodes, fed, cost = worth, 0, 0, 0.0
         padded = iter(sizes) if sizes is not None else None
