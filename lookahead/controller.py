@@ -367,14 +367,14 @@ class HostCost:
         xx, xy = self._xx, self._xy
         rows_vary = xx[0][0] * xx[1][1] - xx[0][1] * xx[0][1] > 1e-9 * xx[0][0] * xx[1][1]
         if rows_vary:
-            theta = _solve_small(((0, 1, 2),), xx, xy)
+            theta = _solve_small((0, 1, 2), xx, xy)
             if theta is not None and min(theta) >= 0:
                 return theta
         best, best_sse = (0.0, 0.0, 0.0), None
         for subset in self._SUBSETS:
             if 0 in subset and not rows_vary:
                 break
-            theta = _solve_small((subset,), xx, xy)
+            theta = _solve_small(subset, xx, xy)
             if theta is None or min(theta) < 0:
                 continue
             if not rows_vary and subset == (1, 2):  # the least squares of every part but c: no subset fits better
@@ -400,35 +400,34 @@ class HostCost:
         return c + a * rows + b * nodes
 
 
-def _solve_small(subsets: tuple, xx: list, xy: list) -> tuple[float, float, float] | None:
-    """Least squares over the parts ``subsets[0]`` (indices into ``(c, a, b)``) from the normal equations ``xx`` and
-    ``xy``, by Cramer's rule, as a full ``(c, a, b)`` (0 for the parts left out); None where the system is singular
-    or nearly (its determinant under 1e-9 of its diagonal's product)."""
-    idx = subsets[0]
-    k = len(idx)
-    m = [[xx[i][j] for j in idx] for i in idx]
-    y = [xy[i] for i in idx]
-    if k == 1:
+def _det3(a) -> float:
+    return (a[0][0] * (a[1][1] * a[2][2] - a[1][2] * a[2][1]) - a[0][1] * (a[1][0] * a[2][2] - a[1][2] * a[2][0])
+            + a[0][2] * (a[1][0] * a[2][1] - a[1][1] * a[2][0]))
+
+
+def _solve_small(parts: tuple, xx: list, xy: list) -> tuple[float, float, float] | None:
+    """Least squares over ``parts`` (indices into ``(c, a, b)``) from the normal equations ``xx`` and ``xy``, by
+    Cramer's rule, as a full ``(c, a, b)`` (0 for the parts left out); None where the system is singular or nearly
+    (its determinant under 1e-9 of its diagonal's product)."""
+    m = [[xx[i][j] for j in parts] for i in parts]
+    y = [xy[i] for i in parts]
+    if len(parts) == 1:
         d, scale = m[0][0], m[0][0]
-        sol = (y[0] / d,) if scale > 0 and d > 1e-9 * scale else None
-    elif k == 2:
+    elif len(parts) == 2:
         d, scale = m[0][0] * m[1][1] - m[0][1] * m[1][0], m[0][0] * m[1][1]
-        sol = ((y[0] * m[1][1] - m[0][1] * y[1]) / d, (m[0][0] * y[1] - y[0] * m[1][0]) / d) \
-            if scale > 0 and d > 1e-9 * scale else None
     else:
-        def det3(a):
-            return (a[0][0] * (a[1][1] * a[2][2] - a[1][2] * a[2][1]) - a[0][1] * (a[1][0] * a[2][2] - a[1][2] * a[2][0])
-                    + a[0][2] * (a[1][0] * a[2][1] - a[1][1] * a[2][0]))
-        d, scale = det3(m), m[0][0] * m[1][1] * m[2][2]
-        if scale > 0 and d > 1e-9 * scale:
-            sol = tuple(det3([[y[r] if c == col else m[r][c] for c in range(3)] for r in range(3)]) / d
-                        for col in range(3))
-        else:
-            sol = None
-    if sol is None:
+        d, scale = _det3(m), m[0][0] * m[1][1] * m[2][2]
+    if not (scale > 0 and d > 1e-9 * scale):
         return None
+    if len(parts) == 1:
+        sol = (y[0] / d,)
+    elif len(parts) == 2:
+        sol = ((y[0] * m[1][1] - m[0][1] * y[1]) / d, (m[0][0] * y[1] - y[0] * m[1][0]) / d)
+    else:
+        sol = tuple(_det3([[y[r] if c == col else m[r][c] for c in range(3)] for r in range(3)]) / d
+                    for col in range(3))
     full = [0.0, 0.0, 0.0]
-    for i, t in zip(idx, sol):
+    for i, t in zip(parts, sol):
         full[i] = t
     return full[0], full[1], full[2]
 
@@ -579,7 +578,7 @@ class StepPlanner:
         worth = float(B) if worth is None else worth
         best, best_rate = 0, worth / self._cost(R * self.window_tokens)
         per_row, per_node = self.host.coefficients if self.host is not None else (0.0, 0.0)  # one fit per call
-        host_rows = per_row * B + (self.host.per_step if self.host is not None else 0.0)
+        host_step = per_row * B + (self.host.per_step if self.host is not None else 0.0)  # beside the nodes' part
         scale = self._scale() if scale is None else scale
         expected, nodes, fed, cost = worth, 0, 0, 0.0
         padded = iter(sizes) if sizes is not None else None
@@ -590,7 +589,7 @@ class StepPlanner:
                 fed = v + 1 if padded is None else next((z for z in padded if z >= v + 1), None)
                 if fed is None:  # past the largest size a step can take
                     break
-                cost = self._cost(R * (self.window_tokens + fed)) + host_rows
+                cost = self._cost(R * (self.window_tokens + fed)) + host_step
             rate = expected / (cost + per_node * nodes)
             if rate > best_rate * (BATCH_MARGIN if R > 1 and best == 0 else 1.0):
                 best, best_rate = v + 1, rate

@@ -946,6 +946,11 @@ def _plain_step(model, cache, runner, batch: list[_Row], sampler: Sampler, devic
     return emitted
 
 
+# _finish_weights: a row's pace starts from this many plain steps; the weights are its steps to go to this power.
+_PACE_PRIOR = 4
+_PACE_POWER = 8
+
+
 def _finish_weights(active: list[_Row]) -> list[float] | None:
     """What a token of each running row is worth to a padded batch that no waiting prompt will join: the call lasts
     as long as its slowest row, and a finished row stays parked, costing as much as a running one until half the
@@ -968,10 +973,6 @@ def _finish_weights(active: list[_Row]) -> list[float] | None:
                  / (r.emitter.new + _PACE_PRIOR) for r in active]
     most = max(remaining)
     return [(n / most) ** _PACE_POWER for n in remaining]
-
-
-_PACE_PRIOR = 4
-_PACE_POWER = 8
 
 
 def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, plan, pad: bool, device,
