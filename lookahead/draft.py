@@ -28,7 +28,7 @@ from lookahead_kernels.tree import TreeShape
 
 from .config import LookaheadConfig
 from .successors import SuccessorTable
-from .suffix import SuffixIndex
+from .suffix import SuffixIndex, suffix_spans
 
 # Prior acceptance estimates and their weight in pseudo-trials: what a source is trusted with before any step.
 _PRIOR_WEIGHT = 4.0
@@ -444,13 +444,16 @@ class DraftBuilder:
         suffix = []
         if self.suffix is not None:
             suffix = self.suffix.matches(sequence, SUFFIX_CANDIDATES)
-        pool = _NO_ROWS
-        if self.pool is not None:
-            if hasattr(self.pool, "lookup_padded"):  # rows past the count are -1 already: no count read
-                pool = self.pool.lookup_padded(sequence[-1])[0].cpu()
-            else:
-                pool = self.pool.lookup(sequence[-1])
-        return suffix, pool
+        return suffix, self._pool_rows(sequence[-1])
+
+    def _pool_rows(self, x: int) -> torch.Tensor:
+        """The pool's continuations of ``x``: int64 ``[C, L]`` on the CPU, a row read until its first negative
+        entry (none without a pool)."""
+        if self.pool is None:
+            return _NO_ROWS
+        if hasattr(self.pool, "lookup_padded"):  # rows past the count are -1 already: no count read
+            return self.pool.lookup_padded(x)[0].cpu()
+        return self.pool.lookup(x)
 
     def propose(self, sequence: list[int], budget: int) -> Proposal:
         """Up to ``budget`` candidate nodes for the step whose ``x`` is ``sequence[-1]``, best first (each after
@@ -561,21 +564,19 @@ _NO_ROWS = torch.empty(0, 0, dtype=torch.long)
 def propose_rows(builders: list[DraftBuilder], sequences: list[list[int]], budget: int) -> Proposals:
     """:meth:`DraftBuilder.propose` for several rows (builder ``i`` for ``sequences[i]``): where every builder is
     native, in one C++ call."""
-    candidates = [b._candidates(seq, budget) for b, seq in zip(builders, sequences)]
     if not all(b.native for b in builders):  # the reference makes the same proposals (tests/test_draft_native.py)
-        return Proposals.concat([b._propose_reference(seq[-1], *c, budget)
-                                 for b, seq, c in zip(builders, sequences, candidates)])
-    span_tokens, span_lens, span_matches, span_counts = [], [], [], []
-    for suffix, _pool in candidates:
-        span_counts.append(len(suffix))
-        for cont, match in suffix:
-            span_lens.append(len(cont))
-            span_matches.append(match)
-            span_tokens.extend(cont)
+        return Proposals.concat([b._propose_reference(seq[-1], *b._candidates(seq, budget), budget)
+                                 for b, seq in zip(builders, sequences)])
+    matched = [i for i, b in enumerate(builders) if b.suffix is not None] if budget else []
+    span_tokens, span_lens, span_matches, found = suffix_spans(
+        [builders[i].suffix for i in matched], [sequences[i] for i in matched], SUFFIX_CANDIDATES)
+    span_counts = [0] * len(builders)  # rows without the suffix source: none
+    for i, count in zip(matched, found):
+        span_counts[i] = count
+    pools = [b._pool_rows(seq[-1]) if budget else _NO_ROWS for b, seq in zip(builders, sequences)]
     tables = [b.successors for b in builders]
     tokens, parents, scores, codes, offsets, counts = torch.ops.lookahead_draft.propose(
-        [seq[-1] for seq in sequences], span_tokens, span_lens, span_matches, span_counts,
-        [pool for _s, pool in candidates],
+        [seq[-1] for seq in sequences], span_tokens, span_lens, span_matches, span_counts, pools,
         [b.stats.rates for b in builders], [_NONE_I32 if t is None else t.ids for t in tables],
         [_NONE_F32 if t is None else t.probs for t in tables], [_NONE_I32 if t is None else t.count for t in tables],
         budget)

@@ -7,6 +7,8 @@ Prompt lookup (transformers' ``prompt_lookup_num_tokens``) is the one-candidate,
 
 from __future__ import annotations
 
+import torch
+
 
 class SuffixIndex:
     """Where each token occurs in the committed sequence; matches are measured from there. Never evicted.
@@ -27,6 +29,9 @@ class SuffixIndex:
         self.max_match, self.max_len = max_match, max_len
         self._at: dict[int, list[int]] = {}
         self._indexed = 0
+        # The C++ op's copy of the sequence (suffix_spans): int64 [capacity], its first _copied tokens written.
+        self._copy = torch.empty(0, dtype=torch.long)
+        self._copied = 0
 
     def _extend(self, sequence: list[int]) -> None:
         # Index every position but the last: an occurrence must have something after it.
@@ -67,3 +72,44 @@ class SuffixIndex:
             if not any(prev[: len(cont)] == cont for prev in out):
                 out[cont] = m
         return list(out.items())
+
+
+def suffix_spans(indexes: list[SuffixIndex], sequences: list[list[int]], limit: int) \
+        -> tuple[list[int], list[int], list[int], list[int]]:
+    """Every row's :meth:`SuffixIndex.matches` (index ``i`` for ``sequences[i]``) flattened as the C++ draft
+    builder takes them (``lookahead_draft.propose``): ``(tokens, lens, matches, counts)``, ``counts[i]``
+    continuations for row ``i``, each one's length in ``lens`` and match length in ``matches``, their tokens one
+    after another in ``tokens``. One C++ call for the batch where the CPU ops are built (the same matches in the
+    same order; a row's query in Python cost 3-4 us), else (or where the indexes' ``max_match`` or ``max_len``
+    differ) the reference row by row."""
+    if not indexes:
+        return [], [], [], []
+    from lookahead_kernels.cpu_ops import cpu_ops_available
+
+    max_match, max_len = indexes[0].max_match, indexes[0].max_len
+    if not cpu_ops_available(build=False) or any(i.max_match != max_match or i.max_len != max_len for i in indexes):
+        tokens, lens, matches, counts = [], [], [], []
+        for index, sequence in zip(indexes, sequences):
+            found = index.matches(sequence, limit)
+            counts.append(len(found))
+            for cont, match in found:
+                tokens.extend(cont)
+                lens.append(len(cont))
+                matches.append(match)
+        return tokens, lens, matches, counts
+    buffers, lengths, new_tokens, new_counts = [], [], [], []
+    for index, sequence in zip(indexes, sequences):
+        n, copied = len(sequence), index._copied
+        if n < copied:
+            raise ValueError("SuffixIndex: the sequence got shorter; use a new index for a new sequence")
+        if n > index._copy.numel():  # room for this and later steps' tokens: grown by doubling
+            grown = torch.empty(max(2 * n, 64), dtype=torch.long)
+            grown[:copied] = index._copy[:copied]
+            index._copy = grown
+        buffers.append(index._copy)
+        lengths.append(copied)
+        new_tokens.extend(sequence[copied:])
+        new_counts.append(n - copied)
+        index._copied = n
+    return torch.ops.lookahead_draft.suffix_spans(buffers, lengths, new_tokens, new_counts, max_match, max_len,
+                                                  limit)

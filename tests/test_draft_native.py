@@ -9,6 +9,7 @@ import torch
 from lookahead import LookaheadConfig
 from lookahead.draft import NUM_CODES, DraftBuilder, Proposals, code_key, encode_rows, key_code, propose_rows
 from lookahead.successors import SuccessorTable, record_step, record_step_reference
+from lookahead.suffix import SuffixIndex, suffix_spans
 from lookahead_kernels.cpu_ops import cpu_ops_available
 from lookahead_kernels.tree import TreeShape, check_tree
 
@@ -162,6 +163,56 @@ def test_a_step_s_successor_records_match_the_python_reference(n, R, j, shared):
     for a, b in zip(native, ref):
         assert torch.equal(a.ids, b.ids) and torch.equal(a.probs, b.probs) and torch.equal(a.count, b.count)
     assert sum(int((t.count > 0).sum()) for t in native) > 0
+
+
+def _flat_reference(indexes, sequences, limit):
+    """``suffix_spans``'s output built from each index's Python ``matches``."""
+    tokens, lens, matches, counts = [], [], [], []
+    for index, sequence in zip(indexes, sequences):
+        found = index.matches(sequence, limit)
+        counts.append(len(found))
+        for cont, match in found:
+            tokens += cont
+            lens.append(len(cont))
+            matches.append(match)
+    return tokens, lens, matches, counts
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_native_suffix_matches_equal_the_reference_as_sequences_grow(seed):
+    # Rows growing by 0-5 tokens a step (a row's buffer regrows past its first 64 tokens), few distinct tokens
+    # (every match length up to max_match, ties of match length, continuations that are prefixes of others).
+    rng = random.Random(seed)
+    rows = rng.randint(1, 6)
+    sizes = [(rng.choice([1, 3, 8]), rng.choice([1, 4, 32])) for _ in range(rows)] if seed % 3 == 0 \
+        else [(8, 32)] * rows  # mixed settings take the reference path: the same result either way
+    native = [SuffixIndex(m, n) for m, n in sizes]
+    ref = [SuffixIndex(m, n) for m, n in sizes]
+    motif = [rng.randrange(5) for _ in range(rng.randint(1, 9))]
+    sequences = [[rng.randrange(5)] for _ in range(rows)]
+    for _ in range(60):
+        for seq in sequences:
+            for _ in range(rng.choice([0, 1, 1, 2, 5])):
+                seq.append(motif[len(seq) % len(motif)] if rng.random() < 0.7 else rng.randrange(5))
+        limit = rng.choice([0, 1, 4, 9])
+        assert suffix_spans(native, sequences, limit) == _flat_reference(ref, sequences, limit)
+    assert max(len(s) for s in sequences) > 64
+
+
+def test_native_suffix_spans_refuse_a_shorter_sequence_and_bad_buffers():
+    index = SuffixIndex()
+    suffix_spans([index], [[1, 2, 3, 1]], 4)
+    with pytest.raises(ValueError, match="shorter"):
+        suffix_spans([index], [[1, 2, 3]], 4)
+    spans = torch.ops.lookahead_draft.suffix_spans
+    with pytest.raises(RuntimeError, match="room for 2"):
+        spans([torch.zeros(2, dtype=torch.long)], [1], [5, 6], [2], 8, 32, 4)
+    with pytest.raises(RuntimeError, match="int64"):
+        spans([torch.zeros(4, dtype=torch.int32)], [0], [5], [1], 8, 32, 4)
+    with pytest.raises(RuntimeError, match="new_tokens has"):
+        spans([torch.zeros(4, dtype=torch.long)], [0], [5], [2], 8, 32, 4)
+    with pytest.raises(RuntimeError, match="max_match"):
+        spans([torch.zeros(4, dtype=torch.long)], [0], [5], [1], 0, 32, 4)
 
 
 def test_the_random_proposals_cover_every_suffix_match_class():
