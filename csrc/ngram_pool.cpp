@@ -57,29 +57,59 @@ void insert_cpu(at::Tensor conts, at::Tensor stamp, at::Tensor clock, const at::
   clock.data_ptr<int64_t>()[0] = now;
 }
 
+// Writes key k's continuations, oldest first, as rows of out [G, M] (int64); returns how many.
+int64_t write_continuations(const at::Tensor& conts, const at::Tensor& stamp, int64_t k, int64_t* out,
+                            std::vector<std::pair<int64_t, int64_t>>& held) {
+  const int64_t guess = conts.size(1), m = conts.size(2);
+  const int64_t* key_stamp = stamp.data_ptr<int64_t>() + k * guess;
+  const int32_t* key_conts = conts.data_ptr<int32_t>() + k * guess * m;
+  held.clear();  // (stamp, slot)
+  for (int64_t s = 0; s < guess; ++s) {
+    if (key_stamp[s] != kEmpty) held.emplace_back(key_stamp[s], s);
+  }
+  std::sort(held.begin(), held.end());
+  for (size_t r = 0; r < held.size(); ++r) {
+    for (int64_t i = 0; i < m; ++i) out[r * m + i] = key_conts[held[r].second * m + i];
+  }
+  return static_cast<int64_t>(held.size());
+}
+
 // Returns (out int64 [G, M] with the key's continuations oldest first then rows of -1, count int64 []).
 std::tuple<at::Tensor, at::Tensor> lookup_cpu(const at::Tensor& conts, const at::Tensor& stamp,
                                               const at::Tensor& key) {
   check_tables(conts, stamp);
   check_key(conts, key);
-  const int64_t vocab = conts.size(0), guess = conts.size(1), m = conts.size(2);
+  const int64_t vocab = conts.size(0);
   const int64_t k = key.item<int64_t>();
   TORCH_CHECK_VALUE(k >= 0 && k < vocab, "lookahead_pool.lookup: key must be in [0, ", vocab, "), got ", k);
-  at::Tensor out = at::full({guess, m}, -1, conts.options().dtype(at::kLong));
-  const int64_t* key_stamp = stamp.data_ptr<int64_t>() + k * guess;
-  const int32_t* key_conts = conts.data_ptr<int32_t>() + k * guess * m;
-  std::vector<std::pair<int64_t, int64_t>> held;  // (stamp, slot)
-  held.reserve(guess);
-  for (int64_t s = 0; s < guess; ++s) {
-    if (key_stamp[s] != kEmpty) held.emplace_back(key_stamp[s], s);
+  at::Tensor out = at::full({conts.size(1), conts.size(2)}, -1, conts.options().dtype(at::kLong));
+  std::vector<std::pair<int64_t, int64_t>> held;
+  const int64_t count = write_continuations(conts, stamp, k, out.data_ptr<int64_t>(), held);
+  return {out, at::scalar_tensor(count, conts.options().dtype(at::kLong))};
+}
+
+// Every row's lookup in one call (a call from Python costs microseconds, which a 16-row batch paid per row):
+// pool i's tables and keys[i] give an int64 [count_i, M] tensor of that key's continuations, oldest first.
+std::vector<at::Tensor> lookup_rows_cpu(at::TensorList conts, at::TensorList stamp, at::IntArrayRef keys) {
+  TORCH_CHECK_VALUE(conts.size() == keys.size() && stamp.size() == keys.size(),
+                    "lookahead_pool.lookup_rows: one conts, one stamp and one key per row");
+  std::vector<at::Tensor> rows;
+  rows.reserve(keys.size());
+  std::vector<std::pair<int64_t, int64_t>> held;
+  std::vector<int64_t> scratch;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    check_tables(conts[i], stamp[i]);
+    TORCH_CHECK_VALUE(conts[i].device().is_cpu(), "lookahead_pool.lookup_rows: the tables must be on the CPU");
+    const int64_t vocab = conts[i].size(0), m = conts[i].size(2);
+    TORCH_CHECK_VALUE(keys[i] >= 0 && keys[i] < vocab, "lookahead_pool.lookup_rows: key must be in [0, ", vocab,
+                      "), got ", keys[i], " for row ", i);
+    scratch.resize(conts[i].size(1) * m);
+    const int64_t count = write_continuations(conts[i], stamp[i], keys[i], scratch.data(), held);
+    at::Tensor out = at::empty({count, m}, conts[i].options().dtype(at::kLong));
+    std::copy(scratch.begin(), scratch.begin() + count * m, out.data_ptr<int64_t>());
+    rows.push_back(std::move(out));
   }
-  std::sort(held.begin(), held.end());
-  int64_t* o = out.data_ptr<int64_t>();
-  for (size_t r = 0; r < held.size(); ++r) {
-    for (int64_t i = 0; i < m; ++i) o[r * m + i] = key_conts[held[r].second * m + i];
-  }
-  at::Tensor count = at::scalar_tensor(static_cast<int64_t>(held.size()), conts.options().dtype(at::kLong));
-  return {out, count};
+  return rows;
 }
 
 }  // namespace
@@ -88,9 +118,11 @@ std::tuple<at::Tensor, at::Tensor> lookup_cpu(const at::Tensor& conts, const at:
 TORCH_LIBRARY(lookahead_pool, m) {
   m.def("insert(Tensor(a!) conts, Tensor(b!) stamp, Tensor(c!) clock, Tensor ngrams) -> ()");
   m.def("lookup(Tensor conts, Tensor stamp, Tensor key) -> (Tensor, Tensor)");
+  m.def("lookup_rows(Tensor[] conts, Tensor[] stamp, int[] keys) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(lookahead_pool, CPU, m) {
   m.impl("insert", &ngram_pool::insert_cpu);
   m.impl("lookup", &ngram_pool::lookup_cpu);
+  m.impl("lookup_rows", &ngram_pool::lookup_rows_cpu);
 }

@@ -27,6 +27,7 @@ import torch
 from lookahead_kernels.tree import TreeShape
 
 from .config import LookaheadConfig
+from .pools import lookup_rows
 from .successors import SuccessorTable
 from .suffix import SuffixIndex, suffix_spans
 
@@ -573,7 +574,8 @@ def propose_rows(builders: list[DraftBuilder], sequences: list[list[int]], budge
     span_counts = [0] * len(builders)  # rows without the suffix source: none
     for i, count in zip(matched, found):
         span_counts[i] = count
-    pools = [b._pool_rows(seq[-1]) if budget else _NO_ROWS for b, seq in zip(builders, sequences)]
+    pools = lookup_rows([b.pool for b in builders], [seq[-1] for seq in sequences]) if budget \
+        else [_NO_ROWS] * len(builders)
     tables = [b.successors for b in builders]
     tokens, parents, scores, codes, offsets, counts = torch.ops.lookahead_draft.propose(
         [seq[-1] for seq in sequences], span_tokens, span_lens, span_matches, span_counts, pools,

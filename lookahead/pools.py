@@ -157,6 +157,30 @@ class CppNGramPool(TableNGramPool):
         super().__init__(ngram, guess, vocab_size, ops)
 
 
+_NO_ROWS = torch.empty(0, 0, dtype=torch.long)
+
+
+def lookup_rows(pools: list, keys: list[int]) -> list[torch.Tensor]:
+    """Pool ``i``'s continuations of ``keys[i]`` for every row of a batch: int64 ``[g, ngram-1]`` on the CPU,
+    oldest first, as its :meth:`lookup` gives them (``None``: no pool, ``[0, 0]``). The table pools' rows in one
+    C++ call: a lookup from Python cost about 5 us a row (a key tensor made, an op dispatched, two tensors back).
+
+    Raises:
+        ValueError: a key outside ``[0, vocab_size)`` of its pool.
+    """
+    out: list[torch.Tensor] = [_NO_ROWS] * len(pools)
+    tables = [i for i, p in enumerate(pools) if isinstance(p, TableNGramPool)]
+    if tables:
+        found = pools[tables[0]]._ops.lookup_rows([pools[i].conts for i in tables], [pools[i].stamp for i in tables],
+                                                  [keys[i] for i in tables])
+        for i, rows in zip(tables, found):
+            out[i] = rows
+    for i, pool in enumerate(pools):
+        if pool is not None and not isinstance(pool, TableNGramPool):
+            out[i] = pool.lookup(keys[i])
+    return out
+
+
 def _short(exc: Exception, limit: int = 800) -> str:
     text = f"{type(exc).__name__}: {exc}"
     return text if len(text) <= limit else text[:limit] + " ..."

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from lookahead.config import LookaheadConfig
 from lookahead.pool import NGramPool
-from lookahead.pools import CppNGramPool, TableNGramPool, make_pool
+from lookahead.pools import CppNGramPool, TableNGramPool, lookup_rows, make_pool
 from lookahead_kernels import pool_ext
 from lookahead_kernels.pool_ext import PoolExtensionError, load_pool_extension
 
@@ -53,6 +53,7 @@ def scenarios(draw):
 def assert_same_lookup(ref: NGramPool, pool: TableNGramPool, key: int) -> None:
     want = ref.lookup(key)
     assert torch.equal(pool.lookup(key), want), f"lookup({key})"
+    assert torch.equal(lookup_rows([pool], [key])[0], want), f"lookup_rows([{key}])"
     out, count = pool.lookup_padded(torch.tensor(key))
     assert out.shape == (pool.guess, pool.ngram - 1) and out.dtype == torch.long and count.dim() == 0
     count = int(count)
@@ -131,6 +132,26 @@ def test_padded_lookup_layout(cpp_loader):
     out, count = pool.lookup_padded(torch.tensor(9))
     assert out.dtype == torch.long and count.dtype == torch.long and count.shape == ()
     assert out.tolist() == [[0, 1], [2, 3], [-1, -1], [-1, -1]] and int(count) == 2
+
+
+def test_a_batch_s_lookups_in_one_call_equal_each_pool_s(cpp_loader):
+    # Table pools of different shapes, a Python pool and a row without one, in one call.
+    pools = [CppNGramPool(3, 4, 10, loader=cpp_loader), None, NGramPool(3, 2),
+             CppNGramPool(4, 2, 20, loader=cpp_loader), CppNGramPool(3, 0, 10, loader=cpp_loader)]
+    gen = torch.Generator().manual_seed(5)
+    for pool in pools:
+        if pool is not None:
+            pool.insert_sequence(torch.randint(0, 6, (40,), generator=gen))
+    for keys in ([1, 0, 1, 2, 1], [9, 3, 7, 19, 0], [2, 2, 2, 2, 2]):
+        got = lookup_rows(pools, keys)
+        assert got[1].shape == (0, 0)
+        for pool, key, rows in zip(pools, keys, got):
+            if pool is not None:
+                assert torch.equal(rows, pool.lookup(key)), (pool, key)
+    assert sum(len(r) for r in lookup_rows(pools, [1] * 5)) > 0
+    with pytest.raises(ValueError, match=r"key must be in \[0, 20\), got 20 for row 1"):
+        lookup_rows([pools[0], pools[3]], [0, 20])
+    assert lookup_rows([], []) == []
 
 
 @pytest.mark.parametrize("bad", [[[1, 2, 10]], [[-1, 2, 3]], [[1, 2, 3], [10, 0, 0]]])
