@@ -105,6 +105,13 @@ class StepCosts:
     def max_tokens(self) -> int:
         return self.tokens[-1]
 
+    def least_from(self, T: int) -> float:
+        """A lower bound of ``t(T')`` for every ``T' >= T`` (a measured table need not grow with ``T``): linear
+        pieces take their least at an end, and beyond the table ``t`` grows, or falls to ``t(tokens[0])``."""
+        ts, ss = self.tokens, self.seconds
+        least = min([self(T)] + [s for t, s in zip(ts, ss) if t > T])
+        return min(least, ss[0]) if len(ts) > 1 and ss[-1] < ss[-2] else least
+
 
 def cpu_model_name(cpuinfo: str = "/proc/cpuinfo") -> str:
     """The CPU's model name with its family and model numbers where ``cpuinfo`` gives them (``"AMD EPYC (family
@@ -509,9 +516,14 @@ class StepPlanner:
         if key not in self._reach:
             # Every row the same chain: its columns are the chain's links times the rows, without summing a
             # [rows, budget] table (worked out afresh for each batch size and host-cost fit a call meets).
-            chain = [batch_size * OPTIMISTIC_ACCEPTANCE ** (d + 1) for d in range(budget)]
-            self._reach[key] = self._best_size(chain, itertools.repeat(batch_size), batch_size, scale=scale) \
-                if batch_size else 0
+            q = OPTIMISTIC_ACCEPTANCE
+            chain = [batch_size * q ** (d + 1) for d in range(budget)]
+
+            def rest(v: int) -> float:  # the links after the v-th: a geometric tail (rounding only adds)
+                return batch_size * (q ** (v + 2) - q ** (budget + 1)) / (1 - q) * (1 + 1e-9) + 1e-12
+
+            self._reach[key] = self._best_size(chain, itertools.repeat(batch_size), batch_size, scale=scale,
+                                               rest=rest) if batch_size else 0
         return self._reach[key]
 
     def _scale(self) -> float:
@@ -570,10 +582,12 @@ class StepPlanner:
         return self._best_size(columns, widths, B, sizes, rows, worth)
 
     def _best_size(self, columns, widths, B: int, sizes: list[int] | None = None, rows: int | None = None,
-                   worth: float | None = None, scale: float | None = None) -> int:
+                   worth: float | None = None, scale: float | None = None, rest=None) -> int:
         """:meth:`choose_batch` from the rows' gains summed per tree depth (``columns[v]``: the expected tokens the
         rows' ``v``-th nodes add) and ``widths[v]``, how many rows have a ``v``-th node; ``scale``: the gain
-        calibration's factor to use (default its own)."""
+        calibration's factor to use (default its own); ``rest(v)``: at least the sum of the columns after the
+        ``v``-th, with which the walk stops where no larger tree could beat the best (the same answer: a chain of
+        1023 links for 16 rows took 0.7 ms walked to its end, at every call's first steps)."""
         R = B if rows is None else max(rows, B)
         worth = float(B) if worth is None else worth
         best, best_rate = 0, worth / self._cost(R * self.window_tokens)
@@ -593,6 +607,12 @@ class StepPlanner:
             rate = expected / (cost + per_node * nodes)
             if rate > best_rate * (BATCH_MARGIN if R > 1 and best == 0 else 1.0):
                 best, best_rate = v + 1, rate
+            # Every 16th size past 32 (a check costs about a size's walk): a larger tree feeds at least v + 2
+            # tokens a row and adds at most rest(v) expected tokens.
+            if rest is not None and v >= 31 and v % 16 == 15:
+                least = self.costs.least_from(R * (self.window_tokens + v + 2)) + host_step + per_node * nodes
+                if (expected + scale * rest(v)) / least <= best_rate * (BATCH_MARGIN if R > 1 and best == 0 else 1.0):
+                    break
         return best
 
 

@@ -245,6 +245,39 @@ def test_reach_meets_a_few_gain_scales_a_call_not_one_a_step():
     assert len(scales) <= 6 and all(abs(s / REACH_SCALE_STEP - round(s / REACH_SCALE_STEP)) < 1e-9 for s in scales)
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_reach_stops_its_chain_early_with_the_answer_of_the_whole_walk(seed):
+    """reach() stops walking its chain where no larger tree could beat the best (a lower bound of the step cost
+    from there on, an upper bound of the links left): the same answer as the whole walk, on tables that grow,
+    flatten and fall (a measured table need not grow), with host costs and gain scales of every kind."""
+    import itertools
+    import random
+
+    rng = random.Random(seed)
+    points = sorted(rng.sample(range(1, 1500), rng.randint(1, 7)))
+    seconds = [rng.uniform(1e-3, 2e-3)]
+    for _ in points[1:]:  # growing, flat or falling steps
+        seconds.append(max(1e-4, seconds[-1] * rng.choice([1.0, 0.8, 1.1, 1.5, 3.0])))
+    costs = StepCosts(tuple(points), tuple(seconds))
+    host = None
+    if rng.random() < 0.7:
+        host = HostCost()
+        for _ in range(rng.randint(1, 5)):
+            host.observe(rng.randint(1, 16), rng.randint(1, 300), rng.uniform(0, 1e-3))
+    planner = StepPlanner(costs, rng.choice([1, 1, 4, 12]), host)
+    for T in range(1, 2000, 7):  # least_from bounds every later cost
+        assert costs.least_from(T) <= min(costs(u) for u in range(T, 2100, 3)) + 1e-15
+    for _ in range(6):
+        B, budget = rng.choice([1, 2, 4, 16, 64]), rng.choice([10, 40, 63, 255, 1023])
+        if host is not None:
+            planner.observe_gain(2.0, rng.uniform(0.2, 2.0))
+        got = planner.reach(B, budget)
+        scale = min(key[2] for key in planner._reach if key[:2] == (B, budget))  # the key just stored
+        chain = [B * OPTIMISTIC_ACCEPTANCE ** (d + 1) for d in range(budget)]
+        assert got == planner._best_size(chain, itertools.repeat(B), B, scale=scale), (B, budget)
+        planner._reach.clear()
+
+
 def test_the_rows_furthest_from_their_end_weigh_most():
     """Steps to go at each row's pace (budget left over tokens a step, from a prior of plain steps), over the most,
     to a steep power: the rows the call waits for count, rows well ahead hardly."""
