@@ -183,7 +183,7 @@ def test_native_suffix_matches_equal_the_reference_as_sequences_grow(seed):
     # Rows growing by 0-5 tokens a step (a row's buffer regrows past its first 64 tokens), few distinct tokens
     # (every match length up to max_match, ties of match length, continuations that are prefixes of others).
     rng = random.Random(seed)
-    rows = rng.randint(1, 6)
+    rows = rng.randint(1, 6) if seed % 4 else 1  # one row takes the Python path, more the C++ op
     sizes = [(rng.choice([1, 3, 8]), rng.choice([1, 4, 32])) for _ in range(rows)] if seed % 3 == 0 \
         else [(8, 32)] * rows  # mixed settings take the reference path: the same result either way
     native = [SuffixIndex(m, n) for m, n in sizes]
