@@ -227,7 +227,8 @@ def markdown(result: dict) -> str:
              "back to back; passes: the lowest and highest of those ratios (the machine's pass-to-pass noise); "
              "tokens a step: new tokens per row and step (compression); prefill s: the prefills' seconds within "
              "those; ms a step: the rest over the batch's steps (its forward, host work and read-back); host ms: the "
-             "trees' host work (`stats.host_seconds`) over all the batch's steps, plain ones included; identical: "
+             "trees' host work (`stats.host_seconds`, declined trees' included since session 49) over all the "
+             "batch's steps, plain ones included; identical: "
              "rows equal to the prompt's batch-1 plain greedy output (blank when sampling).", "",
              "| set | batch | mode | tokens/s | vs plain | passes | tokens fed per row and step | tokens a step | "
              "prefill s | ms a step | host ms | identical |",

@@ -123,7 +123,8 @@ def render(result: dict) -> str:
              + "; wall clock with the device synchronised around each call (prefill included).",
              f"Command: `{result['command']}`", "",
              "Host ms / step: `stats.host_seconds` per step, the lookahead steps' host work outside the forward, "
-             "verification and read-back (plain steps have none). Prefill ms: `stats.prefill_seconds`, the median "
+             "verification and read-back (a plain step has none, one whose trees the planner declined "
+             "its trees' building, since session 49). Prefill ms: `stats.prefill_seconds`, the median "
              "call's (within its time). Compression: the mean of each prompt's new tokens a step; tokens a step and "
              "fed a step: new and fed tokens over all the set's steps.", "",
              "| set | system | tokens/s | median tokens/s | vs ours-plain | compression | tokens a step | fed a step "

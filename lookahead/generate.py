@@ -109,8 +109,9 @@ class GenerationStats:
         prefill_seconds: wall time of the prefill alone.
         reused_tokens: prompt tokens whose keys and values came from ``prompt_cache`` instead of the prefill.
         host_seconds: wall time the lookahead steps spent on the host outside the forward pass, verification and
-            the read-back (candidates, trees, step inputs, learning), over all steps; part of
-            ``seconds``. Where the forward is cheap (a GPU) this bounds the speed.
+            the read-back (candidates, trees, step inputs, learning), over all steps, those whose trees the
+            planner declined included; part of ``seconds``. Where the forward is cheap (a GPU) this bounds the
+            speed.
         accepted: per step, the tokens it emitted over all rows (accepted candidate tokens plus bonus tokens).
         trace: per lookahead step, a :class:`StepTrace` when ``generate`` was called with ``trace=True``, else
             ``None``. For analysing guess quality (``bench/bench_tree.py``, ``bench/bench_calibration.py``); it
@@ -1009,6 +1010,9 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
         if keep == 0 and W == 1:
             if backoff is not None and len(batch) > 1:
                 backoff.miss()
+            # The declined trees' work is host work all the same (on a GPU the device waits for it), though not a
+            # tree step's for the planner's host cost: 50 us a step at one row on this project's CPU (session 49).
+            host.seconds += time.perf_counter() - host_started
             learn = None if pad or len(batch) > 1 else active[0].drafts.successors
             return _plain_step(model, cache, runner, batch, sampler, device, learn)
         if backoff is not None and keep > 0:

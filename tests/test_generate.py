@@ -147,6 +147,22 @@ def test_the_c_plus_plus_draft_builder_makes_the_reference_trees(tiny, static):
         ours.generate(ids, max_new_tokens=3, _native_draft=1)
 
 
+def test_host_seconds_count_the_work_on_trees_the_planner_declined(tiny):
+    """A step whose trees the planner declines still built them: that host work is in ``host_seconds`` (the
+    planner's host cost learns from tree steps alone)."""
+    from unittest import mock
+
+    from lookahead.controller import StepPlanner
+
+    _, ours = tiny
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 9, 3, 1]])
+    cfg = LookaheadConfig(step_costs=((1, 1e-3), (16, 1.1e-3), (64, 1.5e-3)))
+    with mock.patch.object(StepPlanner, "choose_batch", return_value=0):
+        out = ours.generate(ids, max_new_tokens=20, lookahead=cfg, trace=True, cuda_graphs=False)
+    assert out.stats.trace == [] and out.stats.host_seconds > 0
+    assert torch.equal(out.sequences, ours.generate(ids, max_new_tokens=20, lookahead=None).sequences)
+
+
 def test_single_token_prompt_and_one_new_token(tiny):
     hf, ours = tiny
     ids = torch.tensor([[3]])
