@@ -278,6 +278,24 @@ def test_reach_stops_its_chain_early_with_the_answer_of_the_whole_walk(seed):
         planner._reach.clear()
 
 
+def test_a_batch_too_big_for_trees_asks_the_planner_once_per_size_between_lookahead_steps():
+    """While a batch steps plainly because no tree could pay for its rows, the planner does not move, so the
+    answer is kept per batch size (and window level) until a lookahead step: the same tokens, far fewer asks."""
+    from unittest import mock
+
+    import lookahead.generate as generate_module
+
+    ours = LlamaForCausalLM.from_hf(tiny_hf_model(vocab=97))
+    prompts = [[5, 6, 7, 8, 5, 6, 7], [9, 3], [4, 4, 4, 4, 4, 4, 4, 4], [1, 2, 3]]
+    cfg = LookaheadConfig(step_costs=((1, 1e-3), (4, 4e-3), (64, 64e-3)))  # 4 rows: no tree can pay
+    plain = ours.generate(prompts, max_new_tokens=12, lookahead=None)
+    with mock.patch.object(generate_module, "_step_shape", wraps=generate_module._step_shape) as asked:
+        out = ours.generate(prompts, max_new_tokens=12, lookahead=cfg, cuda_graphs=False)
+    assert torch.equal(out.sequences, plain.sequences)
+    assert out.stats.steps == 12 and asked.call_count <= 4  # one ask per batch size met (4, 3, 2 rows...), not 12
+    assert not generate_module._batch_too_big([], [None], None)  # one row: never too big, nothing asked
+
+
 def test_the_rows_furthest_from_their_end_weigh_most():
     """Steps to go at each row's pace (budget left over tokens a step, from a prior of plain steps), over the most,
     to a steep power: the rows the call waits for count, rows well ahead hardly."""
