@@ -605,13 +605,15 @@ class StepPlanner:
                     break
                 cost = self._cost(R * (self.window_tokens + fed)) + host_step
             rate = expected / (cost + per_node * nodes)
-            if rate > best_rate * (BATCH_MARGIN if R > 1 and best == 0 else 1.0):
+            bar = best_rate * (BATCH_MARGIN if R > 1 and best == 0 else 1.0)  # the rate a larger tree must beat
+            if rate > bar:
                 best, best_rate = v + 1, rate
+                bar = rate
             # Every 16th size past 32 (a check costs about a size's walk): a larger tree feeds at least v + 2
             # tokens a row and adds at most rest(v) expected tokens.
             if rest is not None and v >= 31 and v % 16 == 15:
                 least = self.costs.least_from(R * (self.window_tokens + v + 2)) + host_step + per_node * nodes
-                if (expected + scale * rest(v)) / least <= best_rate * (BATCH_MARGIN if R > 1 and best == 0 else 1.0):
+                if (expected + scale * rest(v)) / least <= bar:
                     break
         return best
 

@@ -912,7 +912,7 @@ class _Backoff:
         self.length = 1
 
 
-def _batch_too_big(active: list[_Row], batch: list[_Row], plan, memo: dict | None = None) -> bool:
+def _batch_too_big(active: list[_Row], batch: list[_Row], plan, memo: dict) -> bool:
     """Whether, in automatic mode, no tree could pay for this many rows (and there is no window): a plain step
     then saves every row's host work on trees. ``memo``: answers by rows and window levels that the caller keeps
     while the planner does not move (it learns in lookahead steps only): worked out every plain step, the answer
@@ -920,12 +920,9 @@ def _batch_too_big(active: list[_Row], batch: list[_Row], plan, memo: dict | Non
     if not (len(batch) > 1 and plan.planner is not None and plan.shape.window == 1):
         return False
     key = (len(batch), _levels(active))
-    answer = None if memo is None else memo.get(key)
-    if answer is None:
-        answer = _step_shape(plan, key[1], key[0]).tree_budget == 0
-        if memo is not None:
-            memo[key] = answer
-    return answer
+    if key not in memo:
+        memo[key] = _step_shape(plan, key[1], key[0]).tree_budget == 0
+    return memo[key]
 
 
 def _levels(active: list[_Row]) -> int:

@@ -105,10 +105,16 @@ def tile_config(N: int, K: int, target: int = TARGET_PROGRAMS) -> tuple[int, int
     tenth of the H200's bandwidth, because SmolLM2's narrow weights give 18-96 column tiles for 132 SMs, too few
     loads in flight; cuBLAS's one-row GEMV reached 917 GB/s with more programs."""
     block_n, block_k = 32, min(64, max(16, triton.next_power_of_2(K)))
-    k_tiles = triton.cdiv(K, block_k)
-    split = max(1, min(k_tiles, triton.cdiv(target, triton.cdiv(N, block_n))))
-    split = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split))  # no empty split
+    split, _ = _k_runs(K, block_k, triton.cdiv(target, triton.cdiv(N, block_n)))
     return block_n, block_k, 4, 3, split
+
+
+def _k_runs(K: int, block_k: int, split: int) -> tuple[int, int]:
+    """``(splits, K per split)`` for about ``split`` runs of whole ``block_k`` tiles over ``K``: at least 1, at most
+    one a tile, none empty."""
+    k_tiles = triton.cdiv(K, block_k)
+    k_per_split = triton.cdiv(k_tiles, max(1, min(k_tiles, split))) * block_k
+    return triton.cdiv(K, k_per_split), k_per_split
 
 
 def counters_needed(M: int, N: int, config: tuple[int, int, int, int, int]) -> int:
@@ -129,10 +135,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y
         y2.copy_(bias.expand(M, N) if bias is not None else torch.zeros_like(y2))
         return
     block_n, block_k, warps, stages, split = config or tile_config(N, K)
-    k_tiles = triton.cdiv(K, block_k)
-    split = min(split, k_tiles)
-    k_per_split = triton.cdiv(k_tiles, split) * block_k
-    split = triton.cdiv(K, k_per_split)
+    split, k_per_split = _k_runs(K, block_k, split)  # a config given by a caller may ask for any split
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, block_n), split)
     parts = y2
     if split > 1:

@@ -293,7 +293,7 @@ def test_a_batch_too_big_for_trees_asks_the_planner_once_per_size_between_lookah
         out = ours.generate(prompts, max_new_tokens=12, lookahead=cfg, cuda_graphs=False)
     assert torch.equal(out.sequences, plain.sequences)
     assert out.stats.steps == 12 and asked.call_count <= 4  # one ask per batch size met (4, 3, 2 rows...), not 12
-    assert not generate_module._batch_too_big([], [None], None)  # one row: never too big, nothing asked
+    assert not generate_module._batch_too_big([], [None], None, {})  # one row: never too big, nothing asked
 
 
 def test_the_rows_furthest_from_their_end_weigh_most():
