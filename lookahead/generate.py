@@ -575,10 +575,6 @@ def _sequences(rows, padding, pad_id: int, device) -> torch.Tensor:
     return out.to(device)
 
 
-# Whether the untimed pre-build of the n-gram pool failed in this process (then not tried again before each call).
-_POOL_PREBUILD_FAILED: set = set()
-
-
 def _load_extensions_untimed(lookahead, device: torch.device) -> None:
     """Build (first use) or load the C++ ops lookahead takes, the draft builder's and the n-gram pool's, before
     the clock starts, so ``stats.seconds`` never includes them. A failure is left to the fallbacks inside the loop
@@ -589,14 +585,14 @@ def _load_extensions_untimed(lookahead, device: torch.device) -> None:
 
     cpu_ops_available()  # remembers a failure for the process
     # "auto" and "cpp" both take the C++ pool, on every device.
-    if "pool" not in lookahead.sources or lookahead.pool_backend == "python" or _POOL_PREBUILD_FAILED:
+    if "pool" not in lookahead.sources or lookahead.pool_backend == "python":
         return
     try:
         from lookahead_kernels.pool_ext import load_pool_extension
 
-        load_pool_extension()
+        load_pool_extension()  # a failed build is remembered there, not tried again
     except Exception:  # noqa: BLE001 - make_pool reports (or falls back) with the real error
-        _POOL_PREBUILD_FAILED.add("cpp")
+        pass
 
 
 def _processor_settings(args) -> set[str]:

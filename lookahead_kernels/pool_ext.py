@@ -9,8 +9,9 @@ and ``csrc/ngram_pool.cpp``):
 Nothing is built at import. The first :func:`load_pool_extension` call compiles with ninja into torch's
 extensions directory (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``; a subdirectory per
 checkout, :func:`lookahead_kernels.build_lock.extension_name`); later processes reuse the build, and within a
-process an already registered library is not loaded again. A build (as opposed to loading an existing one) prints
-one line on stderr first; ``scripts/setup.sh`` builds the CPU library at install time.
+process an already registered library is not loaded again, and a failed build is not tried again (it took
+10-60 s; its error is raised again at once). A build (as opposed to loading an existing one) prints one line on
+stderr first; ``scripts/setup.sh`` builds the CPU library at install time.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from .build_lock import exclusive_build, extension_name
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 _CPU_NAME = extension_name("lookahead_pool_cpu", _CSRC)
+# A failed build's error by library name, for the process: every lookahead call makes its rows' pools, and
+# "auto" falls back to the Python pool on an error, which must not cost a compile each time.
+_FAILED: dict[str, str] = {}
 
 
 class PoolExtensionError(RuntimeError):
@@ -32,7 +36,7 @@ class PoolExtensionError(RuntimeError):
 
 
 def _has_kernel() -> bool:
-    # Asks torch's op registry (process state owned by torch), so this module keeps no cache of its own.
+    # Asks torch's op registry (process state owned by torch): a successful load needs no cache of ours.
     try:
         return torch._C._dispatch_has_kernel_for_dispatch_key("lookahead_pool::insert", "CPU")
     except RuntimeError:  # the op's schema is not registered yet
@@ -98,8 +102,15 @@ def load_pool_extension(verbose: bool = False):
         verbose: print the build commands and compiler output.
 
     Raises:
-        PoolExtensionError: the build or load failed; the message includes the compiler's output.
+        PoolExtensionError: the build or load failed (now or at an earlier call in this process, then not
+            tried again); the message includes the compiler's output.
     """
     if not _has_kernel():
-        _build(_CPU_NAME, [_CSRC / "ngram_pool.cpp"], verbose=verbose)
+        if _CPU_NAME in _FAILED:
+            raise PoolExtensionError(_FAILED[_CPU_NAME])
+        try:
+            _build(_CPU_NAME, [_CSRC / "ngram_pool.cpp"], verbose=verbose)
+        except PoolExtensionError as exc:
+            _FAILED[_CPU_NAME] = str(exc)
+            raise
     return torch.ops.lookahead_pool

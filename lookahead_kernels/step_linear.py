@@ -30,6 +30,8 @@ this module is imported). The reference is ``torch.nn.functional.linear`` (in fl
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -96,6 +98,7 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, K_P
             tl.atomic_xchg(counter, 0, sem="relaxed")
 
 
+@functools.cache  # asked twice by an eager call (its counters' check, then the launch); a weight's shape is fixed
 def tile_config(N: int, K: int, target: int = TARGET_PROGRAMS) -> tuple[int, int, int, int, int]:
     """``(BLOCK_N, BLOCK_K, num_warps, num_stages, split)`` for a weight ``[N, K]``: from the weight alone, never
     from the number of rows, which is what keeps a row's result independent of the step's size. 32 columns and 64 of

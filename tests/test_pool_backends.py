@@ -264,6 +264,27 @@ def test_build_failure_carries_the_compiler_message(tmp_path, monkeypatch):
         load_pool_extension()
 
 
+def test_a_failed_build_is_not_tried_again(monkeypatch):
+    # Every lookahead call makes its rows' pools ("auto" then falls back to Python): one compile per process.
+    tries = []
+
+    def broken(name, sources, verbose):
+        tries.append(name)
+        raise PoolExtensionError(f"building {name} failed: simulated compiler error")
+
+    monkeypatch.setattr(pool_ext, "_CPU_NAME", "lookahead_pool_never_built_for_test")
+    monkeypatch.setattr(pool_ext, "_has_kernel", lambda: False)
+    monkeypatch.setattr(pool_ext, "_build", broken)
+    monkeypatch.setattr(pool_ext, "_FAILED", {})
+    for _ in range(3):
+        with pytest.raises(PoolExtensionError, match="lookahead_pool_never_built_for_test failed: simulated"):
+            load_pool_extension()
+    assert tries == ["lookahead_pool_never_built_for_test"]
+    with pytest.warns(RuntimeWarning, match="Python n-gram pool.*simulated compiler error"):
+        assert isinstance(make_pool(LookaheadConfig(), 50), NGramPool)
+    assert len(tries) == 1
+
+
 def test_importing_builds_nothing(tmp_path):
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
     code = "import lookahead.pools, lookahead_kernels.pool_ext, lookahead_kernels; lookahead_kernels.load_pool_extension"
