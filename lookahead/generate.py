@@ -778,8 +778,9 @@ def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: 
     processors = sampler.processors
     while active:
         before = [len(r.emitter.sequence) for r in batch] if processors is not None else None
-        if plan is None or _near_the_end(active, plan.shape, max_pos) \
-                or _batch_too_big(active, batch, plan, too_big) or backoff.waiting():
+        # The memo's answer first: a batch too big for trees then skips reading every row's cache length.
+        if plan is None or _batch_too_big(active, batch, plan, too_big) \
+                or _near_the_end(active, plan.shape, max_pos) or backoff.waiting():
             accepted.append(_plain_step(model, cache, runner, batch, sampler, device))
         else:
             too_big.clear()
