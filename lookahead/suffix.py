@@ -40,6 +40,20 @@ class SuffixIndex:
             at.setdefault(sequence[j], []).append(j)
         self._indexed = max(self._indexed, len(sequence) - 1)
 
+    def _copy_room(self, sequence: list[int]) -> tuple[torch.Tensor, int]:
+        """For :func:`suffix_spans`: the op's copy of the sequence, with room for all of ``sequence`` (grown by
+        doubling, so later steps' tokens fit too), and how many of its tokens it holds; the op appends the rest,
+        which this counts as copied from now on."""
+        n, copied = len(sequence), self._copied
+        if n < copied:
+            raise ValueError("SuffixIndex: the sequence got shorter; use a new index for a new sequence")
+        if n > self._copy.numel():
+            grown = torch.empty(max(2 * n, 64), dtype=torch.long)
+            grown[:copied] = self._copy[:copied]
+            self._copy = grown
+        self._copied = n
+        return self._copy, copied
+
     @staticmethod
     def length_for(match: int, max_len: int) -> int:
         """Continuation length trusted to a match of ``match`` tokens: ``4 * match``, at most ``max_len``."""
@@ -103,17 +117,10 @@ def suffix_spans(indexes: list[SuffixIndex], sequences: list[list[int]], limit: 
         return tokens, lens, matches, counts
     buffers, lengths, new_tokens, new_counts = [], [], [], []
     for index, sequence in zip(indexes, sequences):
-        n, copied = len(sequence), index._copied
-        if n < copied:
-            raise ValueError("SuffixIndex: the sequence got shorter; use a new index for a new sequence")
-        if n > index._copy.numel():  # room for this and later steps' tokens: grown by doubling
-            grown = torch.empty(max(2 * n, 64), dtype=torch.long)
-            grown[:copied] = index._copy[:copied]
-            index._copy = grown
-        buffers.append(index._copy)
+        buffer, copied = index._copy_room(sequence)
+        buffers.append(buffer)
         lengths.append(copied)
         new_tokens.extend(sequence[copied:])
-        new_counts.append(n - copied)
-        index._copied = n
+        new_counts.append(len(sequence) - copied)
     return torch.ops.lookahead_draft.suffix_spans(buffers, lengths, new_tokens, new_counts, max_match, max_len,
                                                   limit)
