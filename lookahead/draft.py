@@ -27,7 +27,7 @@ import torch
 from lookahead_kernels.tree import TreeShape
 
 from .config import LookaheadConfig
-from .pools import lookup_rows
+from .pools import NO_ROWS, lookup_rows
 from .successors import SuccessorTable
 from .suffix import SuffixIndex, suffix_spans
 
@@ -441,7 +441,7 @@ class DraftBuilder:
         of tokens), and the pool's continuations (int64 ``[C, L]`` on the CPU, a row read until its first negative
         entry)."""
         if budget == 0:
-            return [], _NO_ROWS
+            return [], NO_ROWS
         suffix = []
         if self.suffix is not None:
             suffix = self.suffix.matches(sequence, SUFFIX_CANDIDATES)
@@ -451,7 +451,7 @@ class DraftBuilder:
         """The pool's continuations of ``x``: int64 ``[C, L]`` on the CPU, a row read until its first negative
         entry (none without a pool)."""
         if self.pool is None:
-            return _NO_ROWS
+            return NO_ROWS
         if hasattr(self.pool, "lookup_padded"):  # rows past the count are -1 already: no count read
             return self.pool.lookup_padded(x)[0].cpu()
         return self.pool.lookup(x)
@@ -559,7 +559,6 @@ class DraftBuilder:
 
 _NONE_I32 = torch.empty(0, dtype=torch.int32)
 _NONE_F32 = torch.empty(0, dtype=torch.float32)
-_NO_ROWS = torch.empty(0, 0, dtype=torch.long)
 
 
 def propose_rows(builders: list[DraftBuilder], sequences: list[list[int]], budget: int) -> Proposals:
@@ -575,7 +574,7 @@ def propose_rows(builders: list[DraftBuilder], sequences: list[list[int]], budge
     for i, count in zip(matched, found):
         span_counts[i] = count
     pools = lookup_rows([b.pool for b in builders], [seq[-1] for seq in sequences]) if budget \
-        else [_NO_ROWS] * len(builders)
+        else [NO_ROWS] * len(builders)
     tables = [b.successors for b in builders]
     tokens, parents, scores, codes, offsets, counts = torch.ops.lookahead_draft.propose(
         [seq[-1] for seq in sequences], span_tokens, span_lens, span_matches, span_counts, pools,

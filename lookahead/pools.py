@@ -157,7 +157,7 @@ class CppNGramPool(TableNGramPool):
         super().__init__(ngram, guess, vocab_size, ops)
 
 
-_NO_ROWS = torch.empty(0, 0, dtype=torch.long)
+NO_ROWS = torch.empty(0, 0, dtype=torch.long)  # no continuations: a row without a pool, or none found
 
 
 def lookup_rows(pools: list, keys: list[int]) -> list[torch.Tensor]:
@@ -168,7 +168,7 @@ def lookup_rows(pools: list, keys: list[int]) -> list[torch.Tensor]:
     Raises:
         ValueError: a key outside ``[0, vocab_size)`` of its pool.
     """
-    out: list[torch.Tensor] = [_NO_ROWS] * len(pools)
+    out: list[torch.Tensor] = [NO_ROWS] * len(pools)
     tables = [i for i, p in enumerate(pools) if isinstance(p, TableNGramPool)]
     if tables:
         found = pools[tables[0]]._ops.lookup_rows([pools[i].conts for i in tables], [pools[i].stamp for i in tables],
