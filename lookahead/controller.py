@@ -342,6 +342,7 @@ class HostCost:
         self._xy = [0.0] * 3
         self._yy = 0.0
         self._fit = (0.0, 0.0, 0.0)
+        self.rounded = self._fit  # the fit in steps of 10 us: StepPlanner.reach's memo key, made once a fit
 
     def observe(self, rows: int, nodes: int, seconds: float) -> None:
         if not seconds >= 0 or rows < 1 or nodes < 0:
@@ -366,6 +367,7 @@ class HostCost:
         xy[0], xy[1], xy[2] = d * xy[0] + seconds, d * xy[1] + r * seconds, d * xy[2] + n * seconds
         self._yy = d * self._yy + seconds * seconds
         self._fit = self._solve()
+        self.rounded = tuple(round(c, 5) for c in self._fit)
 
     def _solve(self) -> tuple[float, float, float]:
         """The least-squares ``(c, a, b)`` with every part >= 0: the full fit where the rows measured vary and it
@@ -511,8 +513,7 @@ class StepPlanner:
         # (rounded to 0.01 it missed this cache on a quarter of a row's steps, 0.04-0.1 ms a miss on this
         # project's CPU, session 48).
         scale = min(1.0, math.ceil(self._scale() / REACH_SCALE_STEP - 1e-9) * REACH_SCALE_STEP)
-        key = (batch_size, budget, scale) + tuple(round(c, 5) for c in (
-            (self.host.per_step, *self.host.coefficients) if self.host else ()))
+        key = (batch_size, budget, scale) + (self.host.rounded if self.host is not None else ())
         if key not in self._reach:
             # Every row the same chain: its columns are the chain's links times the rows, without summing a
             # [rows, budget] table (worked out afresh for each batch size and host-cost fit a call meets).
