@@ -245,6 +245,19 @@ def test_reach_meets_a_few_gain_scales_a_call_not_one_a_step():
     assert len(scales) <= 6 and all(abs(s / REACH_SCALE_STEP - round(s / REACH_SCALE_STEP)) < 1e-9 for s in scales)
 
 
+def test_reach_keys_its_memo_by_the_host_fit_rounded_once_a_fit():
+    """The host fit's parts in steps of 10 us are part of reach()'s key: made when the fit changes (every call
+    rounding them cost a hit three times its lookup), so the key follows every new fit and nothing else."""
+    host = HostCost()
+    planner = StepPlanner(StepCosts.from_pairs([(1, 1.3e-3), (16, 2.0e-3), (64, 2.3e-3)]), 1, host)
+    assert host.rounded == (0.0, 0.0, 0.0)
+    for rows, nodes, seconds in [(16, 100, 3.1e-4), (8, 50, 2.04e-4), (4, 20, 1.2e-4), (1, 9, 6e-5)]:
+        host.observe(rows, nodes, seconds)
+        assert host.rounded == tuple(round(c, 5) for c in (host.per_step, *host.coefficients))
+        planner.reach(4, 63)
+        assert (4, 63, 1.0) + host.rounded in planner._reach  # no gain observed: the scale is 1
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_reach_stops_its_chain_early_with_the_answer_of_the_whole_walk(seed):
     """reach() stops walking its chain where no larger tree could beat the best (a lower bound of the step cost
