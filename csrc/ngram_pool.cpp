@@ -57,21 +57,25 @@ void insert_cpu(at::Tensor conts, at::Tensor stamp, at::Tensor clock, const at::
   clock.data_ptr<int64_t>()[0] = now;
 }
 
-// Writes key k's continuations, oldest first, as rows of out [G, M] (int64); returns how many.
-int64_t write_continuations(const at::Tensor& conts, const at::Tensor& stamp, int64_t k, int64_t* out,
-                            std::vector<std::pair<int64_t, int64_t>>& held) {
-  const int64_t guess = conts.size(1), m = conts.size(2);
+// Key k's filled slots, oldest first, into held as (stamp, slot).
+void held_slots(const at::Tensor& stamp, int64_t k, std::vector<std::pair<int64_t, int64_t>>& held) {
+  const int64_t guess = stamp.size(1);
   const int64_t* key_stamp = stamp.data_ptr<int64_t>() + k * guess;
-  const int32_t* key_conts = conts.data_ptr<int32_t>() + k * guess * m;
-  held.clear();  // (stamp, slot)
+  held.clear();
   for (int64_t s = 0; s < guess; ++s) {
     if (key_stamp[s] != kEmpty) held.emplace_back(key_stamp[s], s);
   }
   std::sort(held.begin(), held.end());
+}
+
+// Writes key k's continuations in the order of held (held_slots) as rows of out [held.size(), M] (int64).
+void write_continuations(const at::Tensor& conts, int64_t k, const std::vector<std::pair<int64_t, int64_t>>& held,
+                         int64_t* out) {
+  const int64_t guess = conts.size(1), m = conts.size(2);
+  const int32_t* key_conts = conts.data_ptr<int32_t>() + k * guess * m;
   for (size_t r = 0; r < held.size(); ++r) {
     for (int64_t i = 0; i < m; ++i) out[r * m + i] = key_conts[held[r].second * m + i];
   }
-  return static_cast<int64_t>(held.size());
 }
 
 // Returns (out int64 [G, M] with the key's continuations oldest first then rows of -1, count int64 []).
@@ -84,8 +88,9 @@ std::tuple<at::Tensor, at::Tensor> lookup_cpu(const at::Tensor& conts, const at:
   TORCH_CHECK_VALUE(k >= 0 && k < vocab, "lookahead_pool.lookup: key must be in [0, ", vocab, "), got ", k);
   at::Tensor out = at::full({conts.size(1), conts.size(2)}, -1, conts.options().dtype(at::kLong));
   std::vector<std::pair<int64_t, int64_t>> held;
-  const int64_t count = write_continuations(conts, stamp, k, out.data_ptr<int64_t>(), held);
-  return {out, at::scalar_tensor(count, conts.options().dtype(at::kLong))};
+  held_slots(stamp, k, held);
+  write_continuations(conts, k, held, out.data_ptr<int64_t>());
+  return {out, at::scalar_tensor(static_cast<int64_t>(held.size()), conts.options().dtype(at::kLong))};
 }
 
 // Every row's lookup in one call (a call from Python costs microseconds, which a 16-row batch paid per row):
@@ -96,17 +101,15 @@ std::vector<at::Tensor> lookup_rows_cpu(at::TensorList conts, at::TensorList sta
   std::vector<at::Tensor> rows;
   rows.reserve(keys.size());
   std::vector<std::pair<int64_t, int64_t>> held;
-  std::vector<int64_t> scratch;
   for (size_t i = 0; i < keys.size(); ++i) {
     check_tables(conts[i], stamp[i]);
     TORCH_CHECK_VALUE(conts[i].device().is_cpu(), "lookahead_pool.lookup_rows: the tables must be on the CPU");
     const int64_t vocab = conts[i].size(0), m = conts[i].size(2);
     TORCH_CHECK_VALUE(keys[i] >= 0 && keys[i] < vocab, "lookahead_pool.lookup_rows: key must be in [0, ", vocab,
                       "), got ", keys[i], " for row ", i);
-    scratch.resize(conts[i].size(1) * m);
-    const int64_t count = write_continuations(conts[i], stamp[i], keys[i], scratch.data(), held);
-    at::Tensor out = at::empty({count, m}, conts[i].options().dtype(at::kLong));
-    std::copy(scratch.begin(), scratch.begin() + count * m, out.data_ptr<int64_t>());
+    held_slots(stamp[i], keys[i], held);  // the count first: each row's tensor is written in place
+    at::Tensor out = at::empty({static_cast<int64_t>(held.size()), m}, conts[i].options().dtype(at::kLong));
+    write_continuations(conts[i], keys[i], held, out.data_ptr<int64_t>());
     rows.push_back(std::move(out));
   }
   return rows;
