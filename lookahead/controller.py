@@ -66,6 +66,8 @@ CALIBRATION_PRIOR = 10.0
 OPTIMISTIC_ACCEPTANCE = 0.9
 # reach() scales its chain by the gain calibration rounded up to a multiple of this.
 REACH_SCALE_STEP = 0.05
+# reach()'s answers kept on a model (shared by its calls) at most, before they are dropped and worked out anew.
+REACH_MEMO_LIMIT = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -484,9 +486,13 @@ class StepPlanner:
     Args:
         costs: the :class:`StepCosts` of this device, model and dtype.
         window_tokens: tokens the lookahead branch feeds per row (``1``: ``x`` alone, no window).
+        host: the :class:`HostCost` learned so far (``None``: no host work counted, nothing learned).
+        memo: ``(reach answers, t(T) values)``, dicts the caller keeps for planners of these ``costs`` and
+            ``window_tokens`` (:func:`make_plan`: on the model, across calls); ``None``: this planner's own.
     """
 
-    def __init__(self, costs: StepCosts, window_tokens: int, host: "HostCost | None" = None):
+    def __init__(self, costs: StepCosts, window_tokens: int, host: "HostCost | None" = None,
+                 memo: tuple[dict, dict] | None = None):
         self.costs = costs
         self.window_tokens = window_tokens
         # Host work a step with trees adds beside the forward (building, verifying, learning), by batch size:
@@ -495,8 +501,10 @@ class StepPlanner:
         self.host = host
         # The estimates scaled by what came true, where the plan learns (a measured cost table) only.
         self.calibration = GainCalibration() if host is not None else None
-        self._reach: dict[tuple, int] = {}
-        self._costs: dict[int, float] = {}  # t(T) by T: a step's choice asks for the same few sizes again
+        # reach()'s answers, and t(T) by T (a step's choice asks for the same few sizes again). Shared by a model's
+        # calls: a reach missed is a walk of up to ``budget`` links (0.1 ms for 16 rows on this project's CPU), and
+        # each call met its batch's few keys anew (22 walks for 3 calls of 16 rows, session 52).
+        self._reach, self._costs = memo if memo is not None else ({}, {})
 
     def _cost(self, tokens: int) -> float:
         cost = self._costs.get(tokens)
@@ -515,8 +523,10 @@ class StepPlanner:
         scale = min(1.0, math.ceil(self._scale() / REACH_SCALE_STEP - 1e-9) * REACH_SCALE_STEP)
         key = (batch_size, budget, scale) + (self.host.rounded if self.host is not None else ())
         if key not in self._reach:
+            if len(self._reach) >= REACH_MEMO_LIMIT:  # a long-lived model meets host fits without end
+                self._reach.clear()
             # Every row the same chain: its columns are the chain's links times the rows, without summing a
-            # [rows, budget] table (worked out afresh for each batch size and host-cost fit a call meets).
+            # [rows, budget] table (worked out afresh for each batch size and host-cost fit the model meets).
             q = OPTIMISTIC_ACCEPTANCE
             chain = [batch_size * q ** (d + 1) for d in range(budget)]
 
@@ -667,4 +677,11 @@ def make_plan(config, model, batch_size: int = 1) -> Plan:
         if memo is None:
             memo = model.host_costs_cache = {}
         host = memo.setdefault(cost_key(model), HostCost())
-    return Plan(shape, sources, StepPlanner(costs, shape.window * shape.levels, host))
+    window_tokens = shape.window * shape.levels
+    planners = getattr(model, "planner_cache", None)
+    if planners is None:
+        planners = model.planner_cache = {}
+    # Keyed by the table itself (a given one, a measured one, a batch's extension) and the window: every other
+    # input of a reach (batch size, budget, gain scale, host fit) is part of its own key.
+    memo = planners.setdefault((costs, window_tokens), ({}, {}))
+    return Plan(shape, sources, StepPlanner(costs, window_tokens, host, memo))

@@ -258,6 +258,32 @@ def test_reach_keys_its_memo_by_the_host_fit_rounded_once_a_fit():
         assert (4, 63, 1.0) + host.rounded in planner._reach  # no gain observed: the scale is 1
 
 
+def test_a_models_calls_share_their_reach_answers_per_cost_table_and_window(tiny):
+    """make_plan keeps reach()'s answers on the model, one memo per cost table and window: a later call of the same
+    batch asks none of the questions the first one answered, a table of other costs or another window gets its
+    own memo, and a memo that outgrows REACH_MEMO_LIMIT starts over instead of growing without end."""
+    from unittest import mock
+
+    import lookahead.controller as controller
+
+    table = [(1, 1.3e-3), (16, 2.0e-3), (64, 2.3e-3), (256, 4.2e-3)]
+    first = make_plan(LookaheadConfig(step_costs=table), tiny, 4).planner
+    first.reach(4, 63)
+    second = make_plan(LookaheadConfig(step_costs=table), tiny, 4).planner
+    assert second is not first and second._reach is first._reach and second._costs is first._costs
+    with mock.patch.object(StepPlanner, "_best_size", side_effect=AssertionError("walked again")):
+        assert second.reach(4, 63) == first.reach(4, 63)
+    other = make_plan(LookaheadConfig(step_costs=[(1, 1.3e-3), (64, 9e-3)]), tiny, 4).planner
+    assert other._reach is not first._reach and other.reach(4, 63) < first.reach(4, 63)  # steeper: smaller trees
+    flat = LookaheadConfig(step_costs=[(1, 1e-3), (64, 1e-3), (256, 1.04e-3)])
+    windowed, plain_x = make_plan(flat, tiny, 1).planner, make_plan(flat, tiny, 16).planner  # the window pays at 1
+    assert windowed.window_tokens > 1 == plain_x.window_tokens and windowed._reach is not plain_x._reach
+    with mock.patch.object(controller, "REACH_MEMO_LIMIT", 2):
+        for budget in (10, 11, 12):
+            second.reach(4, budget)
+        assert len(second._reach) <= 2 and (4, 12, 1.0) in second._reach
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_reach_stops_its_chain_early_with_the_answer_of_the_whole_walk(seed):
     """reach() stops walking its chain where no larger tree could beat the best (a lower bound of the step cost
