@@ -42,7 +42,7 @@ from .processors import LogitsProcessors
 from .prompt_cache import PromptCache
 from .runner import StepRunner, cache_pool, runner_cache
 from .sequence_rules import bad_words, check_vocabulary
-from .step import build_step, upload
+from .step import build_step, packed_plain_step, upload
 from .stopping import Deadline, RowStops, make_criteria
 from .successors import SuccessorTable, record_step
 from .verification import PlainChoice, Sampler, StepInputs, StepVerifier, step_uniforms
@@ -649,12 +649,13 @@ def _cache_len_arg(lens: list[int], device):
 
 
 def _run(model, cache, runner: StepRunner | None, shape: StepShape, tokens, positions, lens: list[int],
-         layout: StepLayout, logits_rows, num_nodes, finish, host: "_HostClock | None" = None):
+         layout: StepLayout, logits_rows, num_nodes, finish, host: "_HostClock | None" = None, packed=None):
     """Parts 3 and 4 of a step: the forward and ``finish`` (its verification) on the logits, through the runner's
     static buffers (and graphs, which hold ``finish`` too) when there is one, else the model itself.
     With graphs the result is overwritten by the next step of the same shape: the step reads it before then.
     Without a runner ``finish``'s time is added to ``host.verify_seconds``: there it is work the trees cost beside
-    the forward that the planner's step costs (forward passes alone) do not count."""
+    the forward that the planner's step costs (forward passes alone) do not count. ``packed``: the inputs in the
+    runner's layout, one block (:func:`lookahead.step.build_step`'s ``pack``), for the runner to copy in at once."""
     if runner is None:
         logits = model(tokens, positions, cache, _cache_len_arg(lens, device=tokens.device), layout, logits_rows)
         tree = layout.tree
@@ -665,6 +666,8 @@ def _run(model, cache, runner: StepRunner | None, shape: StepShape, tokens, posi
         if host is not None:
             host.verify_seconds = time.perf_counter() - started
         return out
+    if packed is not None:
+        return runner.run(shape, tokens, positions, None, layout.tree, logits_rows, num_nodes, finish, packed)
     # Each row's x sits at its committed length: the positions' first column is cache_len, already on the device.
     return runner.run(shape, tokens, positions, positions[:, 0], layout.tree, logits_rows, num_nodes, finish)
 
@@ -932,11 +935,15 @@ def _plain_step(model, cache, runner, batch: list[_Row], sampler: Sampler, devic
                 learn: SuccessorTable | None = None) -> int:
     """One token a row. ``learn`` (one row, eager): that row's successor table takes the tops of x's logits."""
     lens = [_start(r) for r in batch]
-    # A runner stages host inputs itself (one copy into its buffers); the model takes them on its device.
-    tokens, positions = upload([torch.tensor([[r.x] for r in batch]), torch.tensor([[n] for n in lens])],
-                               "cpu" if runner is not None else device)
+    packed = None
+    if runner is not None:  # the runner's layout in one block, which it copies in at once
+        B = len(batch)
+        packed = packed_plain_step([r.x for r in batch], lens)
+        tokens, positions = packed[:B].view(B, 1), packed[B: 2 * B].view(B, 1)
+    else:  # the model takes them on its device
+        tokens, positions = upload([torch.tensor([[r.x] for r in batch]), torch.tensor([[n] for n in lens])], device)
     result = _run(model, cache, runner, PLAIN, tokens, positions, lens, StepLayout(1, 1), None, None,
-                  PlainChoice(sampler, 0 if learn is None else learn.k))
+                  PlainChoice(sampler, 0 if learn is None else learn.k), packed=packed)
     parts = list(result) if isinstance(result, tuple) else [result]  # chosen, [ids, probs], [kept]
     chosen = parts[0]
     if learn is not None:
@@ -1035,7 +1042,7 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
     window_tokens = stack_step_tokens([None if r.emitter.done else r.window for r in batch], [r.x for r in batch],
                                       levels * W)
     step = build_step(lens, window_tokens, levels, W, drafts, "cpu" if runner is not None else device,
-                      plan.step_constants)
+                      plan.step_constants, pack=runner is not None)
     step_shape = StepShape(W, levels, size)
     successors = active[0].drafts.successors
     if runner is None:  # the eager loop verifies as deep as this step's trees go, and tops only computed rows
@@ -1048,7 +1055,7 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
     # Forward, verification and KV compaction (one graph replay for greedy decoding); one read-back per step.
     host.verify_seconds = 0.0
     back = verifier.read(_run(model, cache, runner, step_shape, step.tokens, step.positions, lens, step.layout,
-                              step.logits_rows, step.num_nodes, verifier, host))
+                              step.logits_rows, step.num_nodes, verifier, host, step.packed))
     forward_done = time.perf_counter()
     emitted_total = 0
     recorded, computed, last = [], [], []  # the successor tables' rows, recorded together after the loop

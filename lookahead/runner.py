@@ -17,7 +17,9 @@ so both devices take one route through the loop.
 The graph path needs a forward without host synchronisation: ``cache_len`` is kept as a device tensor (the
 model and the attention kernel never read it back), the tree lives on the device, and the attention kernel
 sizes its split-KV from the cache's capacity rather than the current length. A step's inputs given on the host
-reach the device in one copy (a pinned staging block laid out like the device buffers).
+reach the device in one copy (a pinned staging block laid out like the device buffers). A caller that packs them
+in that layout itself (:func:`input_spans`; ``generate``'s steps do, :func:`lookahead.step.build_step`) hands the
+block over whole, in one copy, instead of each tensor checked and copied alone.
 """
 
 from __future__ import annotations
@@ -32,18 +34,26 @@ from lookahead_kernels.tree import TreeShape
 from .config import StepShape
 
 
+def input_spans(B: int, T: int, V: int, rows: int | None) -> dict[str, tuple[int, tuple]]:
+    """Where a step's integer inputs lie in a runner's flat int64 block, in order: ``{name: (start, shape)}`` for
+    ``tokens``, ``positions [B, T]``, ``cache_len``, ``num_nodes [B]``, ``depth``, ``end [B, V]`` and ``rows [R]``
+    (empty without rows). A caller that packs a step's inputs in this layout (:func:`lookahead.step.build_step`)
+    hands them over in one copy (:meth:`StepRunner.run`'s ``packed``)."""
+    spans, start = {}, 0
+    for name, shape in (("tokens", (B, T)), ("positions", (B, T)), ("cache_len", (B,)), ("num_nodes", (B,)),
+                        ("depth", (B, V)), ("end", (B, V)), ("rows", (rows or 0,))):
+        spans[name] = (start, shape)
+        start += torch.Size(shape).numel()
+    return spans
+
+
 class _Inputs:
-    """A step's integer inputs as views of one flat int64 block: ``tokens``, ``positions [B, T]``, ``cache_len``,
-    ``num_nodes [B]``, ``depth``, ``end [B, V]``, ``rows [R]`` (``None`` without rows)."""
+    """A step's integer inputs as views of one flat int64 block laid out by :func:`input_spans` (``rows`` is
+    ``None`` without rows)."""
 
     def __init__(self, block: torch.Tensor, B: int, T: int, V: int, rows: int | None):
-        sizes = dict(tokens=(B, T), positions=(B, T), cache_len=(B,), num_nodes=(B,), depth=(B, V), end=(B, V),
-                     rows=(rows or 0,))
-        start = 0
-        for name, shape in sizes.items():
-            n = torch.Size(shape).numel()
-            setattr(self, name, block[start: start + n].view(shape))
-            start += n
+        for name, (start, shape) in input_spans(B, T, V, rows).items():
+            setattr(self, name, block[start: start + torch.Size(shape).numel()].view(shape))
         if rows is None:
             self.rows = None
 
@@ -124,7 +134,7 @@ class StepRunner:
     # ---- public ---------------------------------------------------------------------------------------------
     def run(self, shape: StepShape, tokens: torch.Tensor, positions: torch.Tensor, cache_len,
             tree: TreeShape | None = None, logits_rows: torch.Tensor | None = None, num_nodes=None,
-            finish=None) -> torch.Tensor:
+            finish=None, packed: torch.Tensor | None = None) -> torch.Tensor:
         """Write one step's inputs into ``shape``'s buffers and run the model; returns its logits, or with
         ``finish`` what ``finish`` makes of them.
 
@@ -142,6 +152,11 @@ class StepRunner:
                 (hashable: its own graph per key) and ``uniforms_per_row`` (sampling: that many random numbers a
                 row, drawn into a buffer of this shape before each step, outside the graph:
                 :func:`lookahead.verification.step_uniforms`).
+            packed: optional: the same inputs (every one of them, ``num_nodes`` and ``logits_rows`` included) as one
+                contiguous int64 CPU tensor laid out by :func:`input_spans` for this shape, batch and ``R``: copied
+                in as it is, in one copy, instead of each argument checked and copied alone (the caller packed them
+                from the same values: :func:`lookahead.step.build_step`). The arguments above still pick the
+                buffers (``logits_rows``' length) and are what the eager path would read.
         Returns:
             float32 ``[B, R or T, vocab]`` logits, or ``finish``'s result. With graphs this is the graph's static
             output, overwritten by the next replay of the same shape: read it (or copy it) before then.
@@ -149,7 +164,10 @@ class StepRunner:
             ValueError: on a shape outside the menu or inputs of the wrong shape, dtype or tree size.
         """
         buf = self._buffers_for(shape, logits_rows, None if finish is None or not self.graphs else finish.key)
-        self._write_inputs(buf, tokens, positions, cache_len, tree, logits_rows, num_nodes)
+        if packed is not None:
+            self._write_packed(buf, packed)
+        else:
+            self._write_inputs(buf, tokens, positions, cache_len, tree, logits_rows, num_nodes)
         if finish is not None:
             from .verification import step_uniforms
 
@@ -251,6 +269,33 @@ class StepRunner:
             buf.device_block.copy_(buf.host_block, non_blocking=True)
             buf.staged = torch.cuda.Event()
             buf.staged.record()
+
+    def _write_packed(self, buf: _ShapeBuffers, packed: torch.Tensor) -> None:
+        """``packed`` (see :meth:`run`) into ``buf``'s inputs in one copy (through the pinned block on CUDA). Checked:
+        its type, size and the rows' cache lengths (a step past the cache would write past its rows); the rest is
+        the packer's (tests/test_runner.py checks a packed step against one given argument by argument)."""
+        block = buf.device_block
+        if not isinstance(packed, torch.Tensor) or packed.dtype != torch.long or packed.device.type != "cpu" \
+                or not packed.is_contiguous() or packed.numel() != block.numel():
+            desc = (packed.dtype, tuple(packed.shape), str(packed.device)) if isinstance(packed, torch.Tensor) \
+                else type(packed).__name__
+            raise ValueError(f"packed must be a contiguous int64 CPU tensor of {block.numel()} elements (the "
+                             f"inputs of shape {buf.shape} for {self.batch_size} rows), got {desc}")
+        B, T = self.batch_size, buf.shape.max_tokens
+        start = 2 * B * T  # cache_len's place (input_spans)
+        lens = packed.numpy()[start: start + B]
+        if int(lens.min()) < 0 or int(lens.max()) + T > self.cache.max_len:
+            raise ValueError(f"cache_len {lens.tolist()} + T {T} must lie within the cache's {self.cache.max_len} "
+                             f"rows")
+        if buf.staging is None:
+            block.copy_(packed)
+            return
+        if buf.staged is not None:
+            buf.staged.synchronize()  # the last step's copy has left the staging block (its read-back waited)
+        buf.host_block.copy_(packed)
+        block.copy_(buf.host_block, non_blocking=True)
+        buf.staged = torch.cuda.Event()
+        buf.staged.record()
 
     def _inputs(self, buf: _ShapeBuffers):
         from .verification import StepInputs

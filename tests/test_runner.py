@@ -120,6 +120,110 @@ def test_cuda_graph_replay_equals_eager_on_cuda(batch):
     assert torch.allclose(cache_graph.k, cache_eager.k, rtol=1e-5, atol=1e-5)
 
 
+def packed_steps(batch, seed=7):
+    """(shape, trees, lens, step built argument by argument, the same packed) for plain and tree steps of one and
+    two window levels, trees of other sizes per row padded to the shape, and parked rows at position 0."""
+    from lookahead.draft import DraftTree, DraftTrees
+    from lookahead.step import build_step, packed_plain_step
+
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for shape in (PLAIN, StepShape(1, 1, 5), StepShape(3, 2, 5), StepShape(3, 1, 0)):
+        lens = torch.randint(5, 30, (batch,), generator=gen).tolist()
+        if batch > 1:
+            lens[-1] = 0  # a parked row
+        L, V = shape.window * shape.levels, shape.tree_budget
+        window_tokens = torch.randint(0, 97, (batch, L), generator=gen)
+        if shape == PLAIN:
+            xs = window_tokens[:, 0].tolist()
+            packed = packed_plain_step(xs, lens)
+            plain = (torch.tensor([[x] for x in xs]), torch.tensor([[n] for n in lens]))
+            out.append((shape, None, lens, plain, packed))
+            continue
+        trees = None
+        if V:
+            rows = []
+            for b in range(batch):
+                parents = [-1, 0, 1, -1, 3][: V - b % 2]  # row 1 keeps one node fewer: padded
+                shape_b = TreeShape.from_parents(parents + [-1] * (V - len(parents)))
+                tokens = torch.randint(0, 97, (V,), generator=gen)
+                rows.append(DraftTree(tokens, shape_b, len(parents), parents, [[] for _ in parents],
+                                      int(shape_b.depth[: len(parents)].max())))
+            trees = DraftTrees.stack(rows)
+        given = build_step(lens, window_tokens, shape.levels, shape.window, trees, "cpu")
+        packed = build_step(lens, window_tokens, shape.levels, shape.window, trees, "cpu", pack=True)
+        out.append((shape, trees, lens, given, packed))
+    return out
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_packed_step_is_the_step_given_argument_by_argument(batch):
+    """build_step(pack=True) and packed_plain_step lay a step out as the runner's buffers (input_spans): its views
+    equal the step built tensor by tensor, and the runner's buffers hold the same after either, bit for bit."""
+    model = tiny_model()
+    shapes = [PLAIN, StepShape(1, 1, 5), StepShape(3, 2, 5), StepShape(3, 1, 0)]
+    by_args, by_block = (StepRunner(model, model.new_cache(batch, 64), shapes) for _ in range(2))
+    for shape, trees, lens, given, packed in packed_steps(batch):
+        if shape == PLAIN:
+            tokens, positions = given
+            by_args.run(shape, tokens, positions, torch.tensor(lens))
+            by_block.run(shape, packed[:batch].view(batch, 1), packed[batch: 2 * batch].view(batch, 1), None,
+                         packed=packed)
+        else:
+            for name in ("tokens", "positions", "logits_rows", "logits_tokens", "num_nodes"):
+                assert torch.equal(getattr(packed, name), getattr(given, name)), (shape, name)
+            assert packed.layout.T == given.layout.T and packed.node_rows == given.node_rows
+            assert packed.packed.data_ptr() == packed.tokens.data_ptr()  # views of the block
+            by_args.run(shape, given.tokens, given.positions, given.positions[:, 0], given.layout.tree,
+                        given.logits_rows, given.num_nodes)
+            by_block.run(shape, packed.tokens, packed.positions, None, packed.layout.tree, packed.logits_rows,
+                         packed.num_nodes, packed=packed.packed)
+        rows = None if shape == PLAIN else len(given.logits_rows)
+        a, b = (r._buffers_for(shape, None if rows is None else torch.arange(rows)) for r in (by_args, by_block))
+        assert torch.equal(a.device_block, b.device_block), shape
+    assert torch.equal(by_args.cache.k, by_block.cache.k)
+
+
+@pytest.mark.gpu
+def test_a_packed_step_reaches_a_cuda_runner_through_its_staging_block():
+    """On CUDA the packed block goes through the pinned staging block in one copy: replayed graphs give the same
+    logits as the step given argument by argument."""
+    model = tiny_model("cuda")
+    shapes = [PLAIN, StepShape(1, 1, 5), StepShape(3, 2, 5), StepShape(3, 1, 0)]
+    by_args, by_block = (StepRunner(model, prefilled(model, 3, "cuda"), shapes, graphs=True) for _ in range(2))
+    for shape, trees, lens, given, packed in packed_steps(3):
+        if shape == PLAIN:
+            ref = by_args.run(shape, *given, torch.tensor(lens)).clone()
+            got = by_block.run(shape, packed[:3].view(3, 1), packed[3:6].view(3, 1), None, packed=packed)
+        else:
+            ref = by_args.run(shape, given.tokens, given.positions, given.positions[:, 0], given.layout.tree,
+                              given.logits_rows, given.num_nodes).clone()
+            got = by_block.run(shape, packed.tokens, packed.positions, None, packed.layout.tree, packed.logits_rows,
+                               packed.num_nodes, packed=packed.packed)
+        assert torch.equal(got, ref), shape
+    assert torch.equal(by_block.cache.k, by_args.cache.k)
+
+
+def test_packed_inputs_that_do_not_fit_are_value_errors():
+    from lookahead.step import packed_plain_step
+
+    model = tiny_model()
+    runner = StepRunner(model, prefilled(model, 2, "cpu"), [PLAIN])
+    one = torch.zeros(2, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="packed must be a contiguous int64 CPU tensor of 8 elements"):
+        runner.run(PLAIN, one, one, None, packed=packed_plain_step([1, 2, 3], [4, 5, 6]))
+    with pytest.raises(ValueError, match="packed must be"):
+        runner.run(PLAIN, one, one, None, packed=packed_plain_step([1, 2], [4, 5]).int())
+    with pytest.raises(ValueError, match="within the cache"):
+        runner.run(PLAIN, one, one, None, packed=packed_plain_step([1, 2], [4, 64]))
+    with pytest.raises(ValueError, match="within the cache"):
+        runner.run(PLAIN, one, one, None, packed=packed_plain_step([1, 2], [-1, 3]))
+    with pytest.raises(ValueError, match="device must be the CPU"):
+        from lookahead.step import build_step
+
+        build_step([3], torch.zeros(1, 1, dtype=torch.long), 1, 1, None, "meta", pack=True)
+
+
 @pytest.mark.gpu
 def test_host_inputs_reach_a_cuda_runner_through_its_staging_block():
     """Inputs on the host are staged in pinned memory and copied once: the same logits as device inputs."""
