@@ -5,9 +5,11 @@ speed: candidates, the best-first trees, the step's inputs, the read-back's unpa
 On this machine the forward runs on the same cores and streams the weights through their caches, so host work
 timed beside it runs cold (measured: twice as long at 16 rows, four to six times for single calls). This bench
 therefore decodes each batch twice on the static (padded, graph-shaped) step path: once for real, recording what
-each forward and verification returned, then ``--rounds`` times with ``lookahead.generate._run`` replaced by the
-recording (the host's work is a function of those results, so the replay takes the same steps; checked: same
-tokens). It reports ``stats.host_seconds`` per step both ways.
+each forward and verification returned, then ``--rounds`` times with the step runner's forward and verification
+(``StepRunner._step``, what a graph replays on a GPU) replaced by the recording (the host's work is a function of
+those results, so the replay takes the same steps; checked: same tokens). It reports ``stats.host_seconds`` per
+step both ways, and each step's whole time replayed: everything the host does between a GPU's replays (plain
+steps, packing and copying the step's inputs into the runner's buffers, which ``host_seconds`` leaves out).
 
 The planner chooses trees from a GPU's step costs (``--step-costs``, default the H100's SmolLM2 ``t(T)`` of
 record, ``bench/results/gpu-h100.md``), or takes fixed budgets (``--budgets``); ``--builders`` adds the draft
@@ -36,9 +38,9 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from _common import DEFAULT_SETS, command_line, machine_info, set_name, write_results  # noqa: E402
 
-import lookahead.generate as generate_module  # noqa: E402
 from lookahead import LookaheadConfig, load_default  # noqa: E402
 from lookahead.cli import read_prompts  # noqa: E402
+from lookahead.runner import StepRunner  # noqa: E402
 
 BUILDERS = {"C++": True, "Python": False}
 # SmolLM2 step latency t(T) in seconds on an H100 (CUDA graphs; bench/results/gpu-h100.md, git 5047120).
@@ -46,28 +48,36 @@ H100_STEP_COSTS = [(1, 2.15e-3), (16, 3.29e-3), (64, 3.51e-3), (128, 3.82e-3), (
 
 
 class RecordedForward:
-    """Stands in for ``lookahead.generate._run``: records what each real call returns, then replays it in order."""
+    """Stands in for a step runner's forward and device-side finish (``StepRunner._step``: what a CUDA graph replays
+    on a GPU): records what each real call returns, then replays it in order. Everything else a step does on the
+    host runs for real: the trees, packing the step's inputs and copying them into the runner's buffers, the
+    read-back's unpacking, learning, and the plain steps' own host work."""
 
     def __init__(self):
-        self.real = generate_module._run
-        self.outputs: list[torch.Tensor] = []
+        self.real = StepRunner._step
+        self.outputs: list = []
         self.next = None
 
-    def record(self, *args, **kwargs):
-        out = self.real(*args, **kwargs)
-        self.outputs.append(out.clone())
+    @staticmethod
+    def _clone(out):
+        return tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
+
+    def record(self, runner, buf, finish):
+        out = self.real(runner, buf, finish)
+        self.outputs.append(self._clone(out))
         return out
 
-    def replay(self, *args, **kwargs):
-        return next(self.next).clone()  # callers may read it after the next call, as a graph's output is not
+    def replay(self, runner, buf, finish):
+        return self._clone(next(self.next))  # callers may read it after the next call, as a graph's output is not
 
     def recording(self):
         self.outputs.clear()
-        return mock.patch.object(generate_module, "_run", self.record)
+        # A function, not this bound method, in the class: it then binds the runner as the method it replaces did.
+        return mock.patch.object(StepRunner, "_step", lambda runner, buf, finish: self.record(runner, buf, finish))
 
     def replaying(self):
         self.next = iter(self.outputs)
-        return mock.patch.object(generate_module, "_run", self.replay)
+        return mock.patch.object(StepRunner, "_step", lambda runner, buf, finish: self.replay(runner, buf, finish))
 
 
 def decode(model, batches, kwargs) -> list:
@@ -119,13 +129,14 @@ def main(argv=None) -> int:
                     decode(model, [batches[0]], {**kwargs, "max_new_tokens": 8})  # warm-up: extension, runner
                     with forward.recording():
                         real = decode(model, batches, kwargs)
-                    replayed = []
+                    replayed, whole = [], []
                     for _ in range(args.rounds):
                         with forward.replaying():
                             outs = decode(model, batches, kwargs)
                         if any(not torch.equal(o.sequences, r.sequences) for o, r in zip(outs, real)):
                             raise RuntimeError("the replayed decode took other steps than the recorded one")
                         replayed.append(per_step(outs, lambda o: o.stats.host_seconds))
+                        whole.append(per_step(outs, lambda o: o.stats.seconds - o.stats.prefill_seconds))
                     steps = sum(o.stats.steps for o in real)
                     rows.append({
                         "set": name, "batch_size": batch_size, "config": label, "builder": builder,
@@ -134,6 +145,8 @@ def main(argv=None) -> int:
                         "host_ms_per_step_replayed": statistics.median(replayed),
                         "host_ms_per_step_replayed_min": min(replayed),
                         "host_ms_per_step_replayed_rounds": replayed,
+                        # every step's whole time replayed: its host work, plain steps' and the runner's included
+                        "step_ms_replayed": statistics.median(whole), "step_ms_replayed_min": min(whole),
                         "host_ms_per_step_beside_cpu_forward": per_step(real, lambda o: o.stats.host_seconds),
                         "forward_ms_per_step": per_step(real, lambda o: o.stats.seconds - o.stats.prefill_seconds
                                                         - o.stats.host_seconds),
@@ -142,7 +155,8 @@ def main(argv=None) -> int:
                     print(f"{name:10s} B={batch_size:<3d} {label:9s} {builder:6s} host "
                           f"{r['host_ms_per_step_replayed']:.3f} ms/step replayed (min "
                           f"{r['host_ms_per_step_replayed_min']:.3f}) "
-                          f"({r['host_ms_per_step_beside_cpu_forward']:.3f} beside the CPU forward), "
+                          f"({r['host_ms_per_step_beside_cpu_forward']:.3f} beside the CPU forward), whole step "
+                          f"{r['step_ms_replayed']:.3f} ms replayed, "
                           f"{steps} steps, compression {r['compression']:.2f} a row", flush=True)
     machine["load_average_end"] = machine_info("cpu")["load_average"]
     result = {"device": "cpu", "machine": machine, "command": command_line(__file__, sys.argv[1:] if argv is None
@@ -165,15 +179,21 @@ def markdown(result: dict) -> str:
              f"results returned in order, median and least of {result['rounds']} rounds (warm caches, as beside a "
              "GPU; this machine's speed drifts by up to 2x within minutes: the least is the steadier figure); beside "
              "the CPU forward: the recording run itself; rest: the recording run's other time per step (the CPU "
-             "forward, verification).", "",
+             "forward, verification). Whole step replayed: each step's time with only the forward and the "
+             "verification replayed (since session 52; before, the host column alone, with the runner replayed too): "
+             "what a GPU's host does between replays, plain steps and the copies into the runner's buffers "
+             "included, and, for batches, moving the rows' caches to a smaller runner as rows finish (a copy in "
+             "this CPU's memory here, in the device's there).", "",
              f"Command: `{result['command']}`", "",
-             "| set | rows | config | builder | host ms / step replayed, median (least) | beside the CPU forward "
-             "| rest ms / step | steps | tokens a row-step |",
-             "|---|---:|---|---|---:|---:|---:|---:|---:|"]
+             "| set | rows | config | builder | host ms / step replayed, median (least) | whole step ms replayed, "
+             "median (least) | beside the CPU forward | rest ms / step | steps | tokens a row-step |",
+             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         lines.append(f"| {r['set']} | {r['batch_size']} | {r['config']} | {r['builder']} | "
                      f"{r['host_ms_per_step_replayed']:.3f} ({r['host_ms_per_step_replayed_min']:.3f}) | "
-                     f"{r['host_ms_per_step_beside_cpu_forward']:.3f} | "
+                     + (f"{r['step_ms_replayed']:.3f} ({r['step_ms_replayed_min']:.3f}) | " if "step_ms_replayed" in r
+                        else " | ")
+                     + f"{r['host_ms_per_step_beside_cpu_forward']:.3f} | "
                      f"{r['forward_ms_per_step']:.1f} | {r['steps']} | {r['compression']:.2f} |")
     return "\n".join(lines) + "\n"
 
