@@ -283,10 +283,9 @@ class StepRunner:
                              f"inputs of shape {buf.shape} for {self.batch_size} rows), got {desc}")
         B, T = self.batch_size, buf.shape.max_tokens
         start = 2 * B * T  # cache_len's place (input_spans)
-        lens = packed.numpy()[start: start + B]
-        if int(lens.min()) < 0 or int(lens.max()) + T > self.cache.max_len:
-            raise ValueError(f"cache_len {lens.tolist()} + T {T} must lie within the cache's {self.cache.max_len} "
-                             f"rows")
+        lens = packed.numpy()[start: start + B].tolist()  # a few ints: Python's min and max beat NumPy's calls
+        if min(lens) < 0 or max(lens) + T > self.cache.max_len:
+            raise ValueError(f"cache_len {lens} + T {T} must lie within the cache's {self.cache.max_len} rows")
         if buf.staging is None:
             block.copy_(packed)
             return
