@@ -937,9 +937,7 @@ def _plain_step(model, cache, runner, batch: list[_Row], sampler: Sampler, devic
     lens = [_start(r) for r in batch]
     packed = None
     if runner is not None:  # the runner's layout in one block, which it copies in at once
-        B = len(batch)
-        packed = packed_plain_step([r.x for r in batch], lens)
-        tokens, positions = packed[:B].view(B, 1), packed[B: 2 * B].view(B, 1)
+        packed, tokens, positions = packed_plain_step([r.x for r in batch], lens)
     else:  # the model takes them on its device
         tokens, positions = upload([torch.tensor([[r.x] for r in batch]), torch.tensor([[n] for n in lens])], device)
     result = _run(model, cache, runner, PLAIN, tokens, positions, lens, StepLayout(1, 1), None, None,

@@ -24,6 +24,8 @@ block over whole, in one copy, instead of each tensor checked and copied alone.
 
 from __future__ import annotations
 
+import functools
+import math
 import time
 
 import torch
@@ -34,16 +36,18 @@ from lookahead_kernels.tree import TreeShape
 from .config import StepShape
 
 
-def input_spans(B: int, T: int, V: int, rows: int | None) -> dict[str, tuple[int, tuple]]:
-    """Where a step's integer inputs lie in a runner's flat int64 block, in order: ``{name: (start, shape)}`` for
+@functools.lru_cache(maxsize=256)
+def input_spans(B: int, T: int, V: int, rows: int | None) -> dict[str, tuple[slice, tuple]]:
+    """Where a step's integer inputs lie in a runner's flat int64 block, in order: ``{name: (slice, shape)}`` for
     ``tokens``, ``positions [B, T]``, ``cache_len``, ``num_nodes [B]``, ``depth``, ``end [B, V]`` and ``rows [R]``
-    (empty without rows). A caller that packs a step's inputs in this layout (:func:`lookahead.step.build_step`)
-    hands them over in one copy (:meth:`StepRunner.run`'s ``packed``)."""
+    (empty without rows); the block's size is ``rows``' stop. A caller that packs a step's inputs in this layout
+    (:func:`lookahead.step.build_step`) hands them over in one copy (:meth:`StepRunner.run`'s ``packed``). Cached
+    per shape: read it, never change it."""
     spans, start = {}, 0
     for name, shape in (("tokens", (B, T)), ("positions", (B, T)), ("cache_len", (B,)), ("num_nodes", (B,)),
                         ("depth", (B, V)), ("end", (B, V)), ("rows", (rows or 0,))):
-        spans[name] = (start, shape)
-        start += torch.Size(shape).numel()
+        spans[name] = (slice(start, start + math.prod(shape)), shape)
+        start += math.prod(shape)
     return spans
 
 
@@ -51,15 +55,11 @@ class _Inputs:
     """A step's integer inputs as views of one flat int64 block laid out by :func:`input_spans` (``rows`` is
     ``None`` without rows)."""
 
-    def __init__(self, block: torch.Tensor, B: int, T: int, V: int, rows: int | None):
-        for name, (start, shape) in input_spans(B, T, V, rows).items():
-            setattr(self, name, block[start: start + torch.Size(shape).numel()].view(shape))
-        if rows is None:
+    def __init__(self, block: torch.Tensor, spans: dict, has_rows: bool):
+        for name, (where, shape) in spans.items():
+            setattr(self, name, block[where].view(shape))
+        if not has_rows:
             self.rows = None
-
-    @staticmethod
-    def numel(B: int, T: int, V: int, rows: int | None) -> int:
-        return 2 * B * T + 2 * B + 2 * B * V + (rows or 0)
 
 
 class _ShapeBuffers:
@@ -71,13 +71,14 @@ class _ShapeBuffers:
     def __init__(self, shape: StepShape, batch_size: int, rows: int | None, device: torch.device):
         B, T, V = batch_size, shape.max_tokens, shape.tree_budget
         self.shape = shape
-        size = _Inputs.numel(B, T, V, rows)
+        self.spans = input_spans(B, T, V, rows)
+        size = self.spans["rows"][0].stop
         self.device_block = torch.zeros(size, dtype=torch.long, device=device)
-        self.inputs = _Inputs(self.device_block, B, T, V, rows)
+        self.inputs = _Inputs(self.device_block, self.spans, rows is not None)
         self.host_block = self.staging = self.staged = None
         if device.type == "cuda":
             self.host_block = torch.zeros(size, dtype=torch.long, pin_memory=True)
-            self.staging = _Inputs(self.host_block, B, T, V, rows)
+            self.staging = _Inputs(self.host_block, self.spans, rows is not None)
             self.staged = None  # an event recorded after the last copy out of the staging block
         x = self.inputs
         x.positions.copy_(torch.arange(T).expand(B, T))
@@ -236,10 +237,7 @@ class StepRunner:
             raise ValueError(f"cache_len must be an int or an integer tensor [B={B}], got {cache_len!r}")
         # Host-side bounds only where checking costs no synchronisation.
         if not isinstance(cache_len, torch.Tensor) or cache_len.device.type == "cpu":
-            lens = torch.as_tensor(cache_len).reshape(-1)
-            if int(lens.min()) < 0 or int(lens.max()) + T > self.cache.max_len:
-                raise ValueError(f"cache_len {lens.tolist()} + T {T} must lie within the cache's "
-                                 f"{self.cache.max_len} rows")
+            self._check_cache_len(torch.as_tensor(cache_len).reshape(-1).tolist(), T)
         if num_nodes is not None and (not isinstance(num_nodes, torch.Tensor) or num_nodes.shape != (B,)
                                       or num_nodes.is_floating_point() or num_nodes.dtype == torch.bool):
             raise ValueError(f"num_nodes must be None or an integer tensor [B={B}], got {num_nodes!r}")
@@ -247,8 +245,8 @@ class StepRunner:
         # Host inputs go through the pinned block: one copy to the device instead of one per buffer.
         staged = buf.staging is not None and all(not isinstance(t, torch.Tensor) or t.device.type == "cpu"
                                                  for t in given)
-        if staged and buf.staged is not None:
-            buf.staged.synchronize()  # the last step's copy has left the staging block (its read-back waited)
+        if staged:
+            self._staging_free(buf)
         dst = buf.staging if staged else buf.inputs
         dst.tokens.copy_(tokens, non_blocking=True)
         dst.positions.copy_(positions, non_blocking=True)
@@ -266,9 +264,23 @@ class StepRunner:
         else:
             dst.num_nodes.copy_(num_nodes, non_blocking=True)
         if staged:
-            buf.device_block.copy_(buf.host_block, non_blocking=True)
-            buf.staged = torch.cuda.Event()
-            buf.staged.record()
+            self._send_staged(buf)
+
+    @staticmethod
+    def _staging_free(buf: _ShapeBuffers) -> None:
+        if buf.staged is not None:
+            buf.staged.synchronize()  # the last step's copy has left the staging block (its read-back waited)
+
+    @staticmethod
+    def _send_staged(buf: _ShapeBuffers) -> None:
+        """The staging block to the device in one copy, and an event to know when it has left."""
+        buf.device_block.copy_(buf.host_block, non_blocking=True)
+        buf.staged = torch.cuda.Event()
+        buf.staged.record()
+
+    def _check_cache_len(self, lens: list[int], T: int) -> None:
+        if min(lens) < 0 or max(lens) + T > self.cache.max_len:
+            raise ValueError(f"cache_len {lens} + T {T} must lie within the cache's {self.cache.max_len} rows")
 
     def _write_packed(self, buf: _ShapeBuffers, packed: torch.Tensor) -> None:
         """``packed`` (see :meth:`run`) into ``buf``'s inputs in one copy (through the pinned block on CUDA). Checked:
@@ -281,20 +293,14 @@ class StepRunner:
                 else type(packed).__name__
             raise ValueError(f"packed must be a contiguous int64 CPU tensor of {block.numel()} elements (the "
                              f"inputs of shape {buf.shape} for {self.batch_size} rows), got {desc}")
-        B, T = self.batch_size, buf.shape.max_tokens
-        start = 2 * B * T  # cache_len's place (input_spans)
-        lens = packed.numpy()[start: start + B].tolist()  # a few ints: Python's min and max beat NumPy's calls
-        if min(lens) < 0 or max(lens) + T > self.cache.max_len:
-            raise ValueError(f"cache_len {lens} + T {T} must lie within the cache's {self.cache.max_len} rows")
+        # A few ints: Python's min and max beat NumPy's calls.
+        self._check_cache_len(packed.numpy()[buf.spans["cache_len"][0]].tolist(), buf.shape.max_tokens)
         if buf.staging is None:
             block.copy_(packed)
             return
-        if buf.staged is not None:
-            buf.staged.synchronize()  # the last step's copy has left the staging block (its read-back waited)
+        self._staging_free(buf)
         buf.host_block.copy_(packed)
-        block.copy_(buf.host_block, non_blocking=True)
-        buf.staged = torch.cuda.Event()
-        buf.staged.record()
+        self._send_staged(buf)
 
     def _inputs(self, buf: _ShapeBuffers):
         from .verification import StepInputs

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 
 import numpy as np
 import torch
@@ -119,50 +117,46 @@ def _packed_step(positions: list[int], lookahead_tokens: torch.Tensor, levels: i
                  trees: DraftTrees | None, rows: torch.Tensor, head: torch.Tensor) -> Step:
     """:func:`build_step` with ``pack``: every input written through NumPy views of one block in the runner's layout,
     the step's tokens, positions and node counts views of it. Packing and the runner's copy took a one-row tree step
-    22 us warm on this project's CPU, against 29 us for a dozen small torch calls, then the runner's checks and
+    21 us warm on this project's CPU, against 29 us for a dozen small torch calls, then the runner's checks and
     seven copies (16 rows: 22 against 37; session 52)."""
     B, L = len(positions), window * levels
     V = trees.tokens.shape[1] if trees is not None else 0
     T = L + V
-    at = _packed_slices(B, T, V, rows.numel())
-    block = torch.empty(at["size"], dtype=torch.long)
+    spans = input_spans(B, T, V, rows.numel())
+    block = torch.empty(spans["rows"][0].stop, dtype=torch.long)
     flat = block.numpy()
     p = np.asarray(positions, dtype=np.int64)[:, None]
-    tokens, places = flat[at["tokens"]].reshape(B, T), flat[at["positions"]].reshape(B, T)
+    tokens, places = flat[spans["tokens"][0]].reshape(B, T), flat[spans["positions"][0]].reshape(B, T)
     tokens[:, :L] = lookahead_tokens.numpy().reshape(B, L)
     places[:, :L] = head.numpy() + p
-    flat[at["cache_len"]] = p[:, 0]
-    flat[at["rows"]] = rows.numpy()
+    flat[spans["cache_len"][0]] = p[:, 0]
+    flat[spans["rows"][0]] = rows.numpy()
     if V:
         tokens[:, L:] = trees.tokens.numpy()
         depth = trees.depth.numpy()
         places[:, L:] = depth + p
-        flat[at["depth"]] = depth.reshape(-1)
-        flat[at["end"]] = trees.end.numpy().reshape(-1)
-        flat[at["num_nodes"]] = [t.num_nodes for t in trees.trees]
+        flat[spans["depth"][0]] = depth.reshape(-1)
+        flat[spans["end"][0]] = trees.end.numpy().reshape(-1)
+        flat[spans["num_nodes"][0]] = [t.num_nodes for t in trees.trees]
     else:
-        flat[at["num_nodes"]] = 0
-    tokens_t = block[at["tokens"]].view(B, T)
+        flat[spans["num_nodes"][0]] = 0
+    tokens_t = block[spans["tokens"][0]].view(B, T)
     # The layout's tree is the trees' own (the runner reads the block); the logits rows are the shape's constant.
     layout = StepLayout(window, levels, TreeShape.trusted(trees.depth, trees.end) if V else None)
-    return Step(tokens=tokens_t, positions=block[at["positions"]].view(B, T), layout=layout, logits_rows=rows,
-                logits_tokens=tokens_t if levels == 1 else tokens_t[:, rows], num_nodes=block[at["num_nodes"]],
+    return Step(tokens=tokens_t, positions=block[spans["positions"][0]].view(B, T), layout=layout, logits_rows=rows,
+                logits_tokens=tokens_t if levels == 1 else tokens_t[:, rows], num_nodes=block[spans["num_nodes"][0]],
                 packed=block)
 
 
-@functools.lru_cache(maxsize=256)
-def _packed_slices(B: int, T: int, V: int, R: int) -> dict:
-    """Each input's slice of a packed block (:func:`lookahead.runner.input_spans`), and the block's ``size``."""
-    slices = {name: slice(start, start + math.prod(shape)) for name, (start, shape) in input_spans(B, T, V, R).items()}
-    slices["size"] = slices["rows"].stop
-    return slices
-
-
-def packed_plain_step(tokens: list[int], positions: list[int]) -> torch.Tensor:
+def packed_plain_step(tokens: list[int], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A plain step's inputs (one token a row at its position, no tree, every row's logits) in a step runner's
-    layout (:func:`lookahead.runner.input_spans` with ``T = 1``, ``V = 0``, no rows): int64 ``[4 B]``, tokens, then
-    positions, then the cache lengths (the positions again), then zero nodes a row."""
-    return torch.tensor(tokens + positions + positions + [0] * len(tokens), dtype=torch.long)
+    layout (:func:`lookahead.runner.input_spans` with ``T = 1``, ``V = 0``, no rows): ``(block int64 [4 B], tokens
+    [B, 1], positions [B, 1])``, the last two views of the block (tokens, positions, the cache lengths (the positions
+    again), zero nodes a row)."""
+    B = len(tokens)
+    block = torch.tensor(tokens + positions + positions + [0] * B, dtype=torch.long)
+    spans = input_spans(B, 1, 0, None)
+    return block, block[spans["tokens"][0]].view(B, 1), block[spans["positions"][0]].view(B, 1)
 
 
 def constant_parts(window: int, levels: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:

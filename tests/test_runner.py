@@ -167,8 +167,8 @@ def test_a_packed_step_is_the_step_given_argument_by_argument(batch):
         if shape == PLAIN:
             tokens, positions = given
             by_args.run(shape, tokens, positions, torch.tensor(lens))
-            by_block.run(shape, packed[:batch].view(batch, 1), packed[batch: 2 * batch].view(batch, 1), None,
-                         packed=packed)
+            block, block_tokens, block_positions = packed
+            by_block.run(shape, block_tokens, block_positions, None, packed=block)
         else:
             for name in ("tokens", "positions", "logits_rows", "logits_tokens", "num_nodes"):
                 assert torch.equal(getattr(packed, name), getattr(given, name)), (shape, name)
@@ -194,7 +194,8 @@ def test_a_packed_step_reaches_a_cuda_runner_through_its_staging_block():
     for shape, trees, lens, given, packed in packed_steps(3):
         if shape == PLAIN:
             ref = by_args.run(shape, *given, torch.tensor(lens)).clone()
-            got = by_block.run(shape, packed[:3].view(3, 1), packed[3:6].view(3, 1), None, packed=packed)
+            block, block_tokens, block_positions = packed
+            got = by_block.run(shape, block_tokens, block_positions, None, packed=block)
         else:
             ref = by_args.run(shape, given.tokens, given.positions, given.positions[:, 0], given.layout.tree,
                               given.logits_rows, given.num_nodes).clone()
@@ -211,13 +212,13 @@ def test_packed_inputs_that_do_not_fit_are_value_errors():
     runner = StepRunner(model, prefilled(model, 2, "cpu"), [PLAIN])
     one = torch.zeros(2, 1, dtype=torch.long)
     with pytest.raises(ValueError, match="packed must be a contiguous int64 CPU tensor of 8 elements"):
-        runner.run(PLAIN, one, one, None, packed=packed_plain_step([1, 2, 3], [4, 5, 6]))
+        runner.run(PLAIN, one, one, None, packed=packed_plain_step([1, 2, 3], [4, 5, 6])[0])
     with pytest.raises(ValueError, match="packed must be"):
-        runner.run(PLAIN, one, one, None, packed=packed_plain_step([1, 2], [4, 5]).int())
+        runner.run(PLAIN, one, one, None, packed=packed_plain_step([1, 2], [4, 5])[0].int())
     with pytest.raises(ValueError, match="within the cache"):
-        runner.run(PLAIN, one, one, None, packed=packed_plain_step([1, 2], [4, 64]))
+        runner.run(PLAIN, one, one, None, packed=packed_plain_step([1, 2], [4, 64])[0])
     with pytest.raises(ValueError, match="within the cache"):
-        runner.run(PLAIN, one, one, None, packed=packed_plain_step([1, 2], [-1, 3]))
+        runner.run(PLAIN, one, one, None, packed=packed_plain_step([1, 2], [-1, 3])[0])
     with pytest.raises(ValueError, match="device must be the CPU"):
         from lookahead.step import build_step
 
