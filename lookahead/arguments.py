@@ -544,6 +544,7 @@ def resolve_generate_arguments(input_ids, *, attention_mask=None, max_new_tokens
     _check_token_id("pad_token_id", values.get("pad_token_id"), allow_list=False)
     _check_token_id("forced_bos_token_id", values.get("forced_bos_token_id"), allow_list=False)
     _check_token_id("forced_eos_token_id", values.get("forced_eos_token_id"), allow_list=True)
+    _check_forced_not_suppressed(values, suppressed["suppress_tokens"])
     eos = values.get("eos_token_id")
     if isinstance(eos, torch.Tensor):
         eos = eos.tolist()
@@ -569,6 +570,17 @@ def resolve_generate_arguments(input_ids, *, attention_mask=None, max_new_tokens
         padded_length=given_len,
         stop_strings=values.get("stop_strings"), max_time=values.get("max_time"), outputs=tuple(outputs),
         eos_token_id=eos, pad_token_id=values.get("pad_token_id"), streamer=adapter)
+
+
+def _check_forced_not_suppressed(values: dict, suppressed: list) -> None:
+    """transformers' refusal: a forced token that ``suppress_tokens`` also removes leaves no token at that step (every
+    logit -inf), where sampling could draw nothing and greedy decoding would emit token 0."""
+    for name in ("forced_bos_token_id", "forced_eos_token_id"):
+        forced = _id_list(values.get(name))
+        if suppressed and forced and set(forced) <= set(suppressed):
+            raise ValueError(f"every token of {name} ({sorted(set(forced))}) is also in suppress_tokens: the step that "
+                             f"forces it would have no token left; remove it from one of them (to keep EOS from coming "
+                             f"early, use min_new_tokens)")
 
 
 __all__ = ["GenerateArguments", "StreamerAdapter", "resolve_generate_arguments", "model_generation_config",

@@ -255,6 +255,10 @@ class _Emitter:
         """Append tokens until a stop; returns how many were taken."""
         taken = []
         for t in tokens:
+            if t < 0:  # the draw's sentinel (sampling.sample_rows): a row left no token any probability
+                raise ValueError(f"no token could be drawn for new token {self.new + 1}: the logits processors and "
+                                 f"warpers left every token at probability 0 (suppress_tokens, bad_words_ids, "
+                                 f"prefix_allowed_tokens_fn or a processor of your own removing every token)")
             taken.append(t)
             self.new += 1
             if t in self.eos or self.new >= self.max_new_tokens or (self.stops is not None and self.stops.after(t)):

@@ -148,6 +148,17 @@ def test_bad_arguments_are_clear_errors(tiny, kwargs, message):
         model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, **kwargs)
 
 
+@pytest.mark.parametrize("lookahead", [None, LookaheadConfig(max_step_tokens=8)], ids=["plain", "lookahead"])
+def test_a_sampled_step_with_no_token_left_is_a_clear_error(tiny, lookahead):
+    """A processor that removes every token leaves the draw nothing: a ValueError saying so, where the draw's
+    sentinel (-1) once went into the output (or into the next step's input, failing there)."""
+    _, model = tiny
+    nothing = [lambda ids, scores: torch.full_like(scores, float("-inf"))]
+    with pytest.raises(ValueError, match="no token could be drawn for new token 1"):
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=True, logits_processor=nothing,
+                       lookahead=lookahead)
+
+
 @pytest.mark.gpu
 def test_a_cuda_model_runs_the_callers_processors_eagerly():
     from .test_static_steps import cuda_tiny

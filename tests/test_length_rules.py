@@ -259,6 +259,8 @@ def test_fields_from_a_generation_config(tiny):
     (dict(suppress_tokens=[97]), r"suppress_tokens must hold token ids in \[0, 97\)"),
     (dict(begin_suppress_tokens=[3, 200]), r"begin_suppress_tokens must hold token ids in \[0, 97\)"),
     (dict(forced_bos_token_id=-1), "forced_bos_token_id must be an int >= 0"),
+    (dict(forced_bos_token_id=5, suppress_tokens=[5, 6]), r"every token of forced_bos_token_id \(\[5\]\) is also in"),
+    (dict(forced_eos_token_id=[2, 3], suppress_tokens=[3, 2]), r"every token of forced_eos_token_id \(\[2, 3\]\)"),
     (dict(forced_eos_token_id=[3, 97]), r"forced_eos_token_id must hold token ids in \[0, 97\)"),
     (dict(exponential_decay_length_penalty=(1,)), r"exponential_decay_length_penalty must be \(start_index"),
     (dict(exponential_decay_length_penalty=(1, float("nan"))), "an int and a finite number"),
