@@ -95,8 +95,10 @@ def run_paired(model, prompts: list, batch_size: int, max_new_tokens: int, repea
     for mode, m in per_mode.items():
         passes = m["passes"]
         tps = [p["new"] / p["seconds"] for p in passes]
-        ratios = [(p["new"] / p["seconds"]) / (q["new"] / q["seconds"]) for p, q in zip(passes, per_mode["plain"]["passes"])]
-        result[mode] = (m["outputs"], {"new_tokens": passes[0]["new"], "seconds": statistics.median(p["seconds"] for p in passes),
+        ratios = [(p["new"] / p["seconds"]) / (q["new"] / q["seconds"])
+                  for p, q in zip(passes, per_mode["plain"]["passes"])]
+        result[mode] = (m["outputs"], {"new_tokens": passes[0]["new"],
+                                       "seconds": statistics.median(p["seconds"] for p in passes),
                                        "tokens_per_s": statistics.median(tps), "tokens_per_s_passes": tps,
                                        "vs_plain_passes": ratios, "paired_vs_plain": statistics.median(ratios),
                                        "prefill_seconds": statistics.median(p["prefill"] for p in passes),
@@ -198,10 +200,28 @@ def main(argv=None) -> int:
               "model": f"SmolLM2-135M-Instruct ({args.dtype})", "dtype": args.dtype,
               "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
               "prompts_per_set": args.prompts, "threads": args.threads, "repeats": args.repeats, "refill": args.refill,
-              "rows": rows}
+              "step_costs": planner_tables(model), "rows": rows}
     base = write_results(args.out_dir, f"batch-{tag}", result, markdown(result))
     plot(result, base + ".png")
     return 0
+
+
+def planner_tables(model) -> dict:
+    """The step-cost tables the planner used (``{cost key: [[tokens, seconds], ...]}``, the single-row table and the
+    batch one): on a GPU they say how a step's cost grew with its size in this run's dtype and device."""
+    memo = getattr(model, "step_costs_cache", None) or {}
+    return {key: [[int(t), float(c)] for t, c in zip(costs.tokens, costs.seconds)] for key, costs in memo.items()}
+
+
+def cost_lines(result: dict) -> list[str]:
+    """One line a table: ``t(T)`` in ms, and each size's cost over ``t(1)`` (none in results before session 53)."""
+    lines = []
+    for key, pairs in (result.get("step_costs") or {}).items():
+        base = dict(pairs).get(1)
+        costs = ", ".join(f"t({t}) = {1e3 * c:.3f} ms" + (f" ({c / base:.2f} t(1))" if base and t > 1 else "")
+                          for t, c in pairs)
+        lines.append(f"- {'batch' if key.endswith('|batch') else 'one row'}: {costs}")
+    return ["The planner's step costs:", "", *lines, ""] if lines else []
 
 
 def decoding(result: dict) -> str:
@@ -221,7 +241,7 @@ def markdown(result: dict) -> str:
                 "going to the next prompt)" if result.get("refill") else "") + ". "
              f"Device: {m['device']} ({m.get('gpu') or m['cpu']}), torch {m['torch']}, git {m['git']}, load average "
              f"at the start {m.get('load_average')}, at the end {m.get('load_average_end')}.", "",
-             f"Command: `{result['command']}`", "",
+             f"Command: `{result['command']}`", "", *cost_lines(result),
              f"Tokens/s over the batches (new tokens / seconds; the median of {result.get('repeats', 1)} pass(es)); "
              "vs plain: the median over the passes of lookahead's tokens/s over plain's, each batch decoded both ways "
              "back to back; passes: the lowest and highest of those ratios (the machine's pass-to-pass noise); "
