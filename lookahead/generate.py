@@ -23,8 +23,10 @@ Two ways to run a step's forward ("run", part 3 of ``shared/design/decode-loop.m
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import dataclasses
+import functools
 import time
 from typing import Iterable
 
@@ -307,6 +309,16 @@ class _Row:
         return taken
 
 
+def _one_call_at_a_time(fn):
+    """``fn(model, ...)`` under the model's :class:`lookahead.model.GenerationLock` (a model without one, none)."""
+    @functools.wraps(fn)
+    def locked(model, *args, **kwargs):
+        with getattr(model, "generation_lock", None) or contextlib.nullcontext():
+            return fn(model, *args, **kwargs)
+    return locked
+
+
+@_one_call_at_a_time
 @torch.inference_mode()
 def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
              lookahead: LookaheadConfig | None = AUTOMATIC, do_sample: bool | None = None,

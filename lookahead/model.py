@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import threading
 from typing import Callable
 
 import torch
@@ -454,6 +455,29 @@ class MLP(nn.Module):
         return self.down_proj(_layer_ops().silu_mul(gate_up) if x.is_cuda else silu_mul_reference(gate_up))
 
 
+class GenerationLock:
+    """Held by each ``generate`` call on a model (:func:`lookahead.generate.generate`): the step runners' buffers
+    are handed out one call at a time, but the prefill graphs' scratch cache and the fused stack's looked-up weights
+    are the model's own, so two threads decoding on one model at once gave wrong tokens on the static step path
+    (CUDA graphs' path). Calls from other threads wait; the same thread may call again (from a streamer, a stopping
+    criterion or a processor), as before. Copies and pickles get a lock of their own."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self):
+        self._lock = threading.RLock()
+
+    def __enter__(self) -> "GenerationLock":
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
+
+    def __reduce__(self):
+        return GenerationLock, ()
+
+
 class _PackedAnswer:
     """:meth:`DecoderLayer._packed_weights`' last answer and what it was for. Copies and pickles start empty, as
     the packed weights themselves do (:class:`~lookahead.cpu_linear.PackedWeight`)."""
@@ -588,6 +612,7 @@ class LlamaForCausalLM(nn.Module):
         self._cpu_linear_mode = "packed"
         self._fixed_stack = None  # within weights_fixed(): the fused stack's arguments, looked up once
         self._generation_config = None  # made on first use (importing transformers is slow)
+        self.generation_lock = GenerationLock()  # one generate call at a time (threads wait)
         self.to(dtype)
         # The inverse frequencies must stay float32 whatever dtype the model is cast to, so they are stored
         # as their int32 bit pattern: `Module.to(dtype)` moves integer buffers but never casts them. On a

