@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import os
 import sys
+from pathlib import Path
 
 try:
     import fcntl
@@ -55,3 +56,12 @@ def extension_name(base: str, source_dir) -> str:
     rebuilt each other's library in turn, a minute or more each time, without the line a build announces."""
     digest = hashlib.sha1(os.path.abspath(os.fspath(source_dir)).encode()).hexdigest()[:8]
     return f"{base}_{digest}"
+
+
+def source_dir() -> Path:
+    """Where the C++ sources of our extensions are: ``lookahead_kernels/csrc`` in an installed package (``setup.py``
+    copies the checkout's ``csrc/`` there: the extensions are built on first use, so a wheel must carry their
+    sources), else the checkout's ``csrc/`` (a source tree or an editable install)."""
+    here = Path(__file__).resolve().parent
+    packaged = here / "csrc"
+    return packaged if packaged.is_dir() else here.parent / "csrc"

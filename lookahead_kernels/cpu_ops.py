@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from .build_lock import exclusive_build, extension_name
+from .build_lock import exclusive_build, extension_name, source_dir
 
-_CSRC = Path(__file__).resolve().parent.parent / "csrc"
+_CSRC = source_dir()
 _NAME = extension_name("lookahead_cpu_ops", _CSRC)
 _SOURCES = ("small_gemm.cpp", "cpu_attention.cpp", "cpu_layer.cpp", "draft_tree.cpp", "row_topk.cpp",
             "verify_sample.cpp", "sample_warped.cpp", "kv_compact_cpu.cpp", "suffix_match.cpp")

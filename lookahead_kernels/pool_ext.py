@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from .build_lock import exclusive_build, extension_name
+from .build_lock import exclusive_build, extension_name, source_dir
 
-_CSRC = Path(__file__).resolve().parent.parent / "csrc"
+_CSRC = source_dir()
 _CPU_NAME = extension_name("lookahead_pool_cpu", _CSRC)
 # A failed build's error by library name, for the process: every lookahead call makes its rows' pools, and
 # "auto" falls back to the Python pool on an error, which must not cost a compile each time.
