@@ -3,7 +3,7 @@
 The C++ ops in ``csrc/`` are compiled just in time (ninja, through torch.utils.cpp_extension) on first use, so
 installing needs no compiler; see ``lookahead_kernels/cpu_ops.py`` and ``lookahead_kernels/pool_ext.py``. That is
 also why a built package carries the sources: they are copied into ``lookahead_kernels/csrc``, where
-``lookahead_kernels.build_lock.source_dir`` finds them (a wheel without them ran SmolLM2 about 10x slower, every
+``lookahead_kernels.build_lock.source_dir`` finds them (a wheel without them ran SmolLM2 about 5x slower, every
 C++ op falling back to its Python or oneDNN path).
 """
 

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_a_built_package_carries_the_cpp_sources_and_finds_them(tmp_path):
     """``setup.py``'s ``build_py`` copies ``csrc/`` into ``lookahead_kernels/csrc`` (a wheel or a plain ``pip install
     .`` is made from that build), and ``source_dir()`` there finds them: before, an installed package had no sources,
-    every C++ op fell back to its Python or oneDNN path, and SmolLM2 decoded about 10x slower."""
+    every C++ op fell back to its Python or oneDNN path, and SmolLM2 decoded about 5x slower."""
     from lookahead_kernels import cpu_ops, pool_ext
 
     subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(tmp_path)], cwd=ROOT,
