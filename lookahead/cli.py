@@ -417,19 +417,25 @@ def cmd_convert(args) -> int:
 
 
 def read_prompts(path: str, tokenizer) -> list[torch.Tensor]:
-    """Token ids of a prompt set: rows with ``turns`` are chat (``turns[0]``), rows with ``prompt`` raw text."""
+    """Token ids of a prompt set: rows with ``turns`` are chat (``turns[0]``), rows with ``prompt`` raw text. A
+    line that is not such a JSON object is a ``ValueError`` naming the line (``line N:``)."""
     rows = []
     with open(path) as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            row = json.loads(line)
-            if "turns" in row:
-                rows.append(_encode(tokenizer, row["turns"][0], chat=True))
-            elif "prompt" in row:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"line {line_no}: not JSON ({err.msg} column {err.colno})") from None
+            turns = row.get("turns") if isinstance(row, dict) else None
+            if isinstance(turns, list) and turns and isinstance(turns[0], str):
+                rows.append(_encode(tokenizer, turns[0], chat=True))
+            elif isinstance(row, dict) and isinstance(row.get("prompt"), str):
                 rows.append(_encode(tokenizer, row["prompt"], chat=False))
             else:
-                raise ValueError(f"{path}:{line_no}: a row needs 'turns' (chat) or 'prompt' (raw text)")
+                raise ValueError(f"line {line_no}: a row must be a JSON object with 'turns' (a list of strings: a "
+                                 f"chat) or 'prompt' (a string: raw text)")
     return rows
 
 

@@ -262,6 +262,30 @@ def test_generate_json_and_bench_write_results(capsys, tmp_path):
         [(r["prompt_tokens"], r["new_tokens"]) for r in alone]
 
 
+@pytest.mark.parametrize("text,message", [
+    ('\n\n{"prompt": "a\tb"\n', "line 3: not JSON"),  # blank lines count
+    ('["a list"]\n', "line 1: a row must be a JSON object with 'turns'"),
+    ('{"turns": "one string"}\n', "line 1: a row must be a JSON object"),
+    ('{"text": "no prompt"}\n', "or 'prompt' (a string: raw text)"),
+    ('{"prompt": 3}\n', "line 1: a row must be"),
+])
+def test_a_bad_prompt_line_is_an_error_naming_its_line(tmp_path, text, message):
+    from lookahead.cli import read_prompts
+
+    path = tmp_path / "p.jsonl"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        read_prompts(str(path), tokenizer=None)
+
+
+@needs_model
+def test_a_bad_prompt_file_is_one_line(capsys, tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "Hi"}\n{"prompt": "unfinished\n')
+    _fails_in_one_line(capsys, ["batch", str(path), "--max-new-tokens", "2"], status=1,
+                       contains="p.jsonl: line 2: not JSON")
+
+
 @needs_model
 def test_batch_writes_a_json_line_per_prompt_as_generate_gives_it(capsys, tmp_path):
     """`lookahead batch`: every prompt of a file, two rows at once (a finished row's place going to the next
