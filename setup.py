@@ -14,19 +14,14 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 SOURCES = Path(__file__).resolve().parent / "csrc"
-SOURCE_SUFFIXES = (".cpp", ".h", ".cu", ".cuh")
 
 
 class BuildPyWithSources(build_py):
-    """``build_py``, then ``csrc/``'s sources copied into the built ``lookahead_kernels/csrc``."""
+    """``build_py``, then ``csrc/`` (C++ sources and headers only) copied into the built ``lookahead_kernels/csrc``."""
 
     def run(self):
         super().run()
-        target = Path(self.build_lib) / "lookahead_kernels" / "csrc"
-        target.mkdir(parents=True, exist_ok=True)
-        for source in sorted(SOURCES.iterdir()):
-            if source.suffix in SOURCE_SUFFIXES:
-                shutil.copy2(source, target / source.name)
+        shutil.copytree(SOURCES, Path(self.build_lib) / "lookahead_kernels" / "csrc", dirs_exist_ok=True)
 
 
 setup(

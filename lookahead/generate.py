@@ -670,8 +670,9 @@ def _run(model, cache, runner: StepRunner | None, shape: StepShape, tokens, posi
     static buffers (and graphs, which hold ``finish`` too) when there is one, else the model itself.
     With graphs the result is overwritten by the next step of the same shape: the step reads it before then.
     Without a runner ``finish``'s time is added to ``host.verify_seconds``: there it is work the trees cost beside
-    the forward that the planner's step costs (forward passes alone) do not count. ``packed``: the inputs in the
-    runner's layout, one block (:func:`lookahead.step.build_step`'s ``pack``), for the runner to copy in at once."""
+    the forward that the planner's step costs (forward passes alone) do not count. ``packed`` (with a runner, always):
+    the inputs in the runner's layout, one host block (:func:`lookahead.step.build_step`'s ``pack``,
+    :func:`lookahead.step.packed_plain_step`), which the runner copies in at once."""
     if runner is None:
         logits = model(tokens, positions, cache, _cache_len_arg(lens, device=tokens.device), layout, logits_rows)
         tree = layout.tree
@@ -682,10 +683,8 @@ def _run(model, cache, runner: StepRunner | None, shape: StepShape, tokens, posi
         if host is not None:
             host.verify_seconds = time.perf_counter() - started
         return out
-    if packed is not None:
-        return runner.run(shape, tokens, positions, None, layout.tree, logits_rows, num_nodes, finish, packed)
-    # Each row's x sits at its committed length: the positions' first column is cache_len, already on the device.
-    return runner.run(shape, tokens, positions, positions[:, 0], layout.tree, logits_rows, num_nodes, finish)
+    # The block holds every input (the rows' cache lengths too); the arguments pick the shape's buffers.
+    return runner.run(shape, tokens, positions, None, layout.tree, logits_rows, num_nodes, finish, packed)
 
 
 def _step_shape(plan, levels: int, batch_size: int) -> StepShape:
