@@ -1,11 +1,15 @@
-"""Does a refused call of our C++ ops raise ValueError here, or crash the process?
+"""Does a refused call of our C++ ops raise ValueError here, or crash the process, and where does it crash?
 
-On the H200 of session 46 (git d8b31f2) three tests that pass bad arguments to the CPU ops library
-(`lookahead_draft.sample_warped`, `verify_tree_argmax`, `lookahead_cpu.compact_kv`) ended their pytest worker with
-a segmentation fault inside the op's call, where every other machine raises the ValueError that `TORCH_CHECK_VALUE`
-throws. This script says which conditions crash: each case is one fresh interpreter that imports some modules
-first (those the crashed workers had loaded; `cuda-context`: a CUDA context made first), loads the library and
-makes one refused call. It also records the compiler that built the library and what the library links.
+On the H200 image (sessions 46 and 54) every refused call of the CPU ops library (a ``TORCH_CHECK_VALUE`` that
+fails) ended its process with a segmentation fault, with nothing imported but torch (session 54: all seven import
+cases crashed, and the part's time box ran out before it wrote the compiler and the library's links); every other
+machine raises the ValueError. This script writes what it learns as it goes (facts first, one row a case):
+
+- facts: the compiler, torch's build configuration and C++ ABI, what the library links;
+- two probe libraries of one op each that throws (``TORCH_CHECK_VALUE``, and ``TORCH_CHECK``), built from a few
+  lines with our flags (``-O3 -fopenmp``) and without OpenMP: whether any throw crashes, or only our library's;
+- each crash again under ``segv_trace.so`` (``LD_PRELOAD``; built here from ``bench/segv_trace.c``), which prints
+  the native frames: where the throw dies.
 
     python bench/cpp_errors.py --out-dir /tmp/x
 
@@ -20,37 +24,65 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-CALL = r"""
-import importlib, sys
-import torch
-for name in sys.argv[1:]:
-    if name == "cuda-context":  # the tests' workers had one
-        torch.zeros(1, device="cuda")
-    else:
-        importlib.import_module(name)
+# One refused call of our library (temperature 0 is refused).
+OURS = r"""
+import sys, torch
+if "cuda-context" in sys.argv[1:]:
+    torch.zeros(1, device="cuda")
 from lookahead_kernels.cpu_ops import load_cpu_ops
 load_cpu_ops()
 try:
     u = torch.zeros(2, dtype=torch.float64)
-    torch.ops.lookahead_draft.sample_warped(torch.zeros(2, 5), 0.0, 0, 1.0, 0.0, u)  # temperature 0: refused
+    torch.ops.lookahead_draft.sample_warped(torch.zeros(2, 5), 0.0, 0, 1.0, 0.0, u)
 except ValueError as exc:
     print("ValueError:", str(exc)[:60])
 else:
     print("no error")
 """
-# What the crashed workers had loaded before the call (their "Extension modules" lines), one at a time then all.
-ALONE = ["cuda-context", "scipy.stats", "Cython.Compiler.Code", "triton", "pyarrow", "pandas", "sklearn",
-         "transformers"]
-CASES = [[]] + [[name] for name in ALONE] + [ALONE]
+# One refused call of a probe library: argv = library path, op namespace, op name.
+PROBE = r"""
+import sys, torch
+torch.ops.load_library(sys.argv[1])
+try:
+    getattr(getattr(torch.ops, sys.argv[2]), sys.argv[3])(torch.zeros(1), 0.0)
+except (ValueError, RuntimeError) as exc:
+    print(type(exc).__name__ + ":", str(exc).splitlines()[0][:60])
+else:
+    print("no error")
+"""
+PROBE_SOURCE = r"""
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+at::Tensor refuse_value(const at::Tensor& x, double t) {
+  TORCH_CHECK_VALUE(t > 0, "refuse_value: t must be > 0, got ", t);
+  return x;
+}
+at::Tensor refuse_runtime(const at::Tensor& x, double t) {
+  TORCH_CHECK(t > 0, "refuse_runtime: t must be > 0, got ", t);
+  return x;
+}
+TORCH_LIBRARY(NAMESPACE, m) {
+  m.def("refuse_value(Tensor x, float t) -> Tensor");
+  m.def("refuse_runtime(Tensor x, float t) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(NAMESPACE, CPU, m) {
+  m.impl("refuse_value", &refuse_value);
+  m.impl("refuse_runtime", &refuse_runtime);
+}
+"""
+PROBES = {"cpperr_probe_omp": ["-O3", "-fopenmp"], "cpperr_probe_plain": ["-O3"]}
 
 
-def run(cmd: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
+def run(cmd: list[str], timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
 def outcome(proc: subprocess.CompletedProcess) -> str:
@@ -62,6 +94,66 @@ def outcome(proc: subprocess.CompletedProcess) -> str:
     return proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "no output"
 
 
+def native_frames(stderr: str) -> str:
+    """The lines segv_trace.so printed (its header and the frames), else the last lines of stderr."""
+    lines = stderr.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("segv_trace:")), None)
+    return "\n".join(lines[start:start + 40] if start is not None else lines[-15:])
+
+
+def build_probes(work: str) -> dict:
+    """name -> the built library's path, or the error that stopped its build (each built in its own process, both
+    at once)."""
+    procs = {}
+    for name, flags in PROBES.items():
+        code = ("import sys, torch\nfrom torch.utils import cpp_extension\n"
+                f"src = {PROBE_SOURCE.replace('NAMESPACE', name)!r}\n"
+                f"cpp_extension.load_inline(name={name!r}, cpp_sources=[src], extra_cflags={flags!r}, "
+                f"extra_ldflags={[f for f in flags if f == '-fopenmp']!r}, is_python_module=False, "
+                f"build_directory={os.path.join(work, name)!r})\n")
+        os.makedirs(os.path.join(work, name), exist_ok=True)
+        procs[name] = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True)
+    built = {}
+    for name, proc in procs.items():
+        _, err = proc.communicate(timeout=120)
+        path = os.path.join(work, name, f"{name}.so")
+        built[name] = path if proc.returncode == 0 and os.path.exists(path) else f"build failed: {err[-300:]}"
+    return built
+
+
+class Report:
+    """The JSON and markdown, rewritten after every row (a time box may stop the script at any point)."""
+
+    def __init__(self, out_dir: str, device: str, facts: dict):
+        os.makedirs(out_dir, exist_ok=True)
+        self.base = os.path.join(out_dir, f"cpp-errors-{device}")
+        self.result = {"device": device, "facts": facts, "rows": []}
+        self.write()
+
+    def add(self, case: str, got: str, frames: str | None = None) -> None:
+        self.result["rows"].append({"case": case, "outcome": got, "native_frames": frames})
+        print(f"{case:48s} {got}", flush=True)
+        if frames:
+            print(frames, flush=True)
+        self.write()
+
+    def write(self) -> None:
+        facts, rows = self.result["facts"], self.result["rows"]
+        with open(self.base + ".json", "w") as f:
+            json.dump(self.result, f, indent=1)
+        lines = [f"# A refused call of C++ ops: ValueError or a crash ({self.result['device']})", "",
+                 "Command: `python bench/cpp_errors.py`", "", "| case | outcome |", "|---|---|"]
+        lines += [f"| {r['case']} | {r['outcome']} |" for r in rows]
+        for r in rows:
+            if r["native_frames"]:
+                lines += ["", f"Native frames, {r['case']}:", "", "```", r["native_frames"], "```"]
+        for key, value in facts.items():
+            lines += ["", f"{key}:", "", "```", str(value), "```"]
+        with open(self.base + ".md", "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
@@ -71,36 +163,54 @@ def main(argv=None) -> int:
 
     from lookahead_kernels.cpu_ops import _NAME, load_cpu_ops
 
-    load_cpu_ops()
-    library = os.path.join(cpp_extension._get_build_directory(_NAME, False), f"{_NAME}.so")
-    facts = {"torch": torch.__version__, "python": sys.version.split()[0]}
-    for key, cmd in (("c++", ["c++", "--version"]), ("ldd", ["ldd", library])):
+    device = torch.cuda.get_device_name().lower().replace(" ", "-") if torch.cuda.is_available() else "cpu"
+    facts = {"torch": torch.__version__, "python": sys.version.split()[0],
+             "torch C++ ABI (_GLIBCXX_USE_CXX11_ABI)": getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", "?"),
+             "torch build": torch.__config__.show()}
+    for key, cmd in (("c++ --version", ["c++", "--version"]), ("which c++ gcc g++ clang++ gdb", ["which", "c++", "gcc",
+                     "g++", "clang++", "gdb"])):
         try:
             facts[key] = run(cmd).stdout.strip()
         except (OSError, subprocess.SubprocessError) as exc:
             facts[key] = f"{type(exc).__name__}: {exc}"
-    rows = []
-    for modules in CASES:
+    report = Report(args.out_dir, device, facts)
+    work = tempfile.mkdtemp(prefix="cpperr-")
+    trace = os.path.join(work, "segv_trace.so")
+    traced = run(["cc", "-shared", "-fPIC", "-O1", "-o", trace, os.path.join(HERE, "segv_trace.c")]).returncode == 0
+    probes = build_probes(work)
+
+    def case(name: str, cmd: list[str]) -> None:
         try:
-            got = outcome(run([sys.executable, "-c", CALL, *modules]))
+            proc = run(cmd)
         except subprocess.TimeoutExpired:
-            got = "timed out"
-        rows.append({"imported first": modules, "outcome": got})
-        print(f"{' '.join(modules) or '(nothing)':40s} {got}", flush=True)
-    device = torch.cuda.get_device_name().lower().replace(" ", "-") if torch.cuda.is_available() else "cpu"
-    result = {"device": device, "facts": facts, "rows": rows}
-    os.makedirs(args.out_dir, exist_ok=True)
-    base = os.path.join(args.out_dir, f"cpp-errors-{device}")
-    with open(base + ".json", "w") as f:
-        json.dump(result, f, indent=1)
-    lines = [f"# A refused call of the CPU ops: ValueError or a crash ({device})", "",
-             f"torch {facts['torch']}, Python {facts['python']}. Command: `python bench/cpp_errors.py`", "",
-             "| imported first | outcome |", "|---|---|"]
-    lines += [f"| {' '.join(r['imported first']) or '(nothing)'} | {r['outcome']} |" for r in rows]
-    lines += ["", "Compiler:", "", "```", facts["c++"], "```", "", "The library links:", "", "```", facts["ldd"], "```"]
-    with open(base + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {base}.json and {base}.md")
+            report.add(name, "timed out")
+            return
+        got = outcome(proc)
+        frames = None
+        if got.startswith("crashed") and traced:  # again, with the native stack printed
+            try:
+                frames = native_frames(run(cmd, env={"LD_PRELOAD": trace}).stderr)
+            except subprocess.TimeoutExpired:
+                frames = "timed out"
+        report.add(name, got, frames)
+
+    for name, path in probes.items():
+        if not os.path.exists(path):
+            report.add(f"probe {name}", path)
+            continue
+        for op in ("refuse_value", "refuse_runtime"):
+            case(f"probe {name} {op} ({' '.join(PROBES[name])})", [sys.executable, "-c", PROBE, path, name, op])
+    load_cpu_ops()
+    library = os.path.join(cpp_extension._get_build_directory(_NAME, False), f"{_NAME}.so")
+    try:
+        facts["ldd (our CPU ops)"] = run(["ldd", library]).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as exc:
+        facts["ldd (our CPU ops)"] = f"{type(exc).__name__}: {exc}"
+    report.write()
+    case("ours: sample_warped, temperature 0", [sys.executable, "-c", OURS])
+    if torch.cuda.is_available():
+        case("ours, after a CUDA context", [sys.executable, "-c", OURS, "cuda-context"])
+    print(f"wrote {report.base}.json and {report.base}.md")
     return 0
 
 

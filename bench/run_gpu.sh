@@ -156,7 +156,7 @@ if [ $DRY = 1 ]; then
 else
   wants pool && part pool 40 $PY bench/bench_pool.py --steps 300 --warmup 50 --out-dir "$WORK"
 fi
-wants cpperr && part cpperr 40 $PY bench/cpp_errors.py --out-dir "$WORK"
+wants cpperr && part cpperr 90 $PY bench/cpp_errors.py --out-dir "$WORK"
 [ $DRY = 0 ] && wants profile && part profile 150 $PY bench/gpu_profile.py smollinear smolstep smoltiles steps
 
 wants model && part model 90 env PYTHON="$PY" bash scripts/gpu_model_setup.sh
