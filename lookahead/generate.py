@@ -288,8 +288,11 @@ class _Row:
         self.drafts = None
         self.kept = []  # with output_scores/output_logits: per step, float32 [K, taken, vocab] (host)
 
-    def start_lookahead(self, la: LookaheadConfig, plan, vocab_size: int, prompt: torch.Tensor,
-                        native: bool | None, levels: int = 1) -> None:
+    def start_lookahead(self, la: LookaheadConfig, plan, vocab_size: int, native: bool | None,
+                        levels: int = 1) -> None:
+        """The row's window and draft builder, from its sequence so far (a host list: a prompt on the GPU read
+        here would wait for the prefill just queued, so the host's work here could not overlap it)."""
+        prompt = torch.tensor(self.emitter.sequence)
         shape = plan.shape
         self.window = LookaheadWindow(shape.window, shape.ngram, torch.Generator().manual_seed(la.seed))
         self.window.reset(prompt, levels)
@@ -516,11 +519,10 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
         for b, row in enumerate(rows[:B]):
             prefill(row, cache.sequence(b))
             if plan is not None and not deferred:
-                row.start_lookahead(lookahead, plan, cfg.vocab_size, prompts[b], _native_draft)
+                row.start_lookahead(lookahead, plan, cfg.vocab_size, _native_draft)
 
         def start_late(row: _Row, levels: int) -> None:  # a deferred or refilled row, at its first lookahead step
-            row.start_lookahead(lookahead, plan, cfg.vocab_size, torch.tensor(row.emitter.sequence),
-                                _native_draft, levels)
+            row.start_lookahead(lookahead, plan, cfg.vocab_size, _native_draft, levels)
 
         waiting = collections.deque(rows[B:])
 
