@@ -6,8 +6,9 @@ cases crashed, and the part's time box ran out before it wrote the compiler and 
 machine raises the ValueError. This script writes what it learns as it goes (facts first, one row a case):
 
 - facts: the compiler, torch's build configuration and C++ ABI, what the library links;
-- two probe libraries of one op each that throws (``TORCH_CHECK_VALUE``, and ``TORCH_CHECK``), built from a few
-  lines with our flags (``-O3 -fopenmp``) and without OpenMP: whether any throw crashes, or only our library's;
+- probe libraries of two ops that throw (``TORCH_CHECK_VALUE``, and ``TORCH_CHECK``), built from a few lines
+  with our flags (``-O3 -fopenmp``), without OpenMP, and with the new ``std::string`` ABI forced: whether any
+  throw crashes, or only our library's, and whether the string's layout decides it;
 - each crash again under ``segv_trace.so`` (``LD_PRELOAD``; built here from ``bench/segv_trace.c``), which prints
   the native frames: where the throw dies.
 
@@ -77,7 +78,11 @@ TORCH_LIBRARY_IMPL(NAMESPACE, CPU, m) {
   m.impl("refuse_runtime", &refuse_runtime);
 }
 """
-PROBES = {"cpperr_probe_omp": ["-O3", "-fopenmp"], "cpperr_probe_plain": ["-O3"]}
+# Our flags; without OpenMP; and the new std::string ABI forced (a throw hands libc10 a std::string, the one thing
+# an error path passes that a normal call does not: a layout mismatch would crash there and nowhere else; the old
+# ABI forced does not load beside torch 2.x at all, so it is no probe).
+PROBES = {"cpperr_probe_omp": ["-O3", "-fopenmp"], "cpperr_probe_plain": ["-O3"],
+          "cpperr_probe_abi1": ["-O3", "-D_GLIBCXX_USE_CXX11_ABI=1"]}
 
 
 def run(cmd: list[str], timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -102,7 +107,7 @@ def native_frames(stderr: str) -> str:
 
 
 def build_probes(work: str) -> dict:
-    """name -> the built library's path, or the error that stopped its build (each built in its own process, both
+    """name -> the built library's path, or the error that stopped its build (each built in its own process, all
     at once)."""
     procs = {}
     for name, flags in PROBES.items():
@@ -167,8 +172,9 @@ def main(argv=None) -> int:
     facts = {"torch": torch.__version__, "python": sys.version.split()[0],
              "torch C++ ABI (_GLIBCXX_USE_CXX11_ABI)": getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", "?"),
              "torch build": torch.__config__.show()}
-    for key, cmd in (("c++ --version", ["c++", "--version"]), ("which c++ gcc g++ clang++ gdb", ["which", "c++", "gcc",
-                     "g++", "clang++", "gdb"])):
+    for key, cmd in (("c++ --version", ["c++", "--version"]),
+                     ("which c++ gcc g++ clang++ gdb", ["which", "c++", "gcc", "g++", "clang++", "gdb"]),
+                     ("readlink -f $(which c++)", ["readlink", "-f", "/usr/bin/c++"])):
         try:
             facts[key] = run(cmd).stdout.strip()
         except (OSError, subprocess.SubprocessError) as exc:
