@@ -182,7 +182,16 @@ def main(argv=None) -> int:
     report = Report(args.out_dir, device, facts)
     work = tempfile.mkdtemp(prefix="cpperr-")
     trace = os.path.join(work, "segv_trace.so")
-    traced = run(["cc", "-shared", "-fPIC", "-O1", "-o", trace, os.path.join(HERE, "segv_trace.c")]).returncode == 0
+    traced = False
+    for compiler in ("cc", "gcc", "c++"):  # whichever the machine has
+        try:
+            traced = run([compiler, "-x", "c", "-shared", "-fPIC", "-O1", "-o", trace,
+                          os.path.join(HERE, "segv_trace.c")]).returncode == 0
+        except OSError:
+            continue
+        if traced:
+            break
+    facts["segv_trace built"] = traced
     probes = build_probes(work)
 
     def case(name: str, cmd: list[str]) -> None:
