@@ -445,16 +445,7 @@ class DraftBuilder:
         suffix = []
         if self.suffix is not None:
             suffix = self.suffix.matches(sequence, SUFFIX_CANDIDATES)
-        return suffix, self._pool_rows(sequence[-1])
-
-    def _pool_rows(self, x: int) -> torch.Tensor:
-        """The pool's continuations of ``x``: int64 ``[C, L]`` on the CPU, a row read until its first negative
-        entry (none without a pool)."""
-        if self.pool is None:
-            return NO_ROWS
-        if hasattr(self.pool, "lookup_padded"):  # rows past the count are -1 already: no count read
-            return self.pool.lookup_padded(x)[0].cpu()
-        return self.pool.lookup(x)
+        return suffix, lookup_rows([self.pool], [sequence[-1]])[0]  # as propose_rows looks a batch's rows up
 
     def propose(self, sequence: list[int], budget: int) -> Proposal:
         """Up to ``budget`` candidate nodes for the step whose ``x`` is ``sequence[-1]``, best first (each after
