@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from lookahead_kernels import StepLayout
+from lookahead_kernels.cpu_ops import cpu_ops_available
 from lookahead_kernels.tree import TreeShape
 
 from .draft import DraftTree, DraftTrees
@@ -115,11 +116,34 @@ def build_step(positions: list[int], lookahead_tokens: torch.Tensor, levels: int
 
 def _packed_step(positions: list[int], lookahead_tokens: torch.Tensor, levels: int, window: int,
                  trees: DraftTrees | None, rows: torch.Tensor, head: torch.Tensor) -> Step:
-    """:func:`build_step` with ``pack``: every input written through NumPy views of one block in the runner's layout,
-    the step's tokens, positions and node counts views of it. Packing and the runner's copy took a one-row tree step
-    21 us warm on this project's CPU, against 29 us for a dozen small torch calls, then the runner's checks and
-    seven copies (16 rows: 22 against 37; session 52)."""
+    """:func:`build_step` with ``pack``: every input in one block in the runner's layout, the step's tokens,
+    positions and node counts views of it; the block written by one C++ call where the CPU ops are loaded
+    (``csrc/pack_step.cpp``: the NumPy writes, about twenty small calls, took a one-row tree step 24 us warm and
+    about 80 us in the decoding loop, session 54), else by :func:`pack_step_reference`."""
     B, L = len(positions), window * levels
+    V = trees.tokens.shape[1] if trees is not None else 0
+    T = L + V
+    spans = input_spans(B, T, V, rows.numel())
+    if cpu_ops_available(build=False):
+        tree = (trees.tokens.contiguous(), trees.depth.contiguous(), trees.end.contiguous()) if V else (None,) * 3
+        block = torch.ops.lookahead_draft.pack_step(
+            positions, lookahead_tokens.reshape(B, L).contiguous(), head.contiguous(), *tree,
+            [t.num_nodes for t in trees.trees] if V else [0] * B, rows.contiguous())
+    else:
+        block = pack_step_reference(positions, lookahead_tokens, L, trees, rows, head)
+    tokens_t = block[spans["tokens"][0]].view(B, T)
+    # The layout's tree is the trees' own (the runner reads the block); the logits rows are the shape's constant.
+    layout = StepLayout(window, levels, TreeShape.trusted(trees.depth, trees.end) if V else None)
+    return Step(tokens=tokens_t, positions=block[spans["positions"][0]].view(B, T), layout=layout, logits_rows=rows,
+                logits_tokens=tokens_t if levels == 1 else tokens_t[:, rows], num_nodes=block[spans["num_nodes"][0]],
+                packed=block)
+
+
+def pack_step_reference(positions: list[int], lookahead_tokens: torch.Tensor, L: int, trees: DraftTrees | None,
+                        rows: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    """The block ``lookahead_draft.pack_step`` writes (:func:`lookahead.runner.input_spans`' layout), through
+    NumPy views: the op's reference and the path without the CPU ops."""
+    B = len(positions)
     V = trees.tokens.shape[1] if trees is not None else 0
     T = L + V
     spans = input_spans(B, T, V, rows.numel())
@@ -140,12 +164,7 @@ def _packed_step(positions: list[int], lookahead_tokens: torch.Tensor, levels: i
         flat[spans["num_nodes"][0]] = [t.num_nodes for t in trees.trees]
     else:
         flat[spans["num_nodes"][0]] = 0
-    tokens_t = block[spans["tokens"][0]].view(B, T)
-    # The layout's tree is the trees' own (the runner reads the block); the logits rows are the shape's constant.
-    layout = StepLayout(window, levels, TreeShape.trusted(trees.depth, trees.end) if V else None)
-    return Step(tokens=tokens_t, positions=block[spans["positions"][0]].view(B, T), layout=layout, logits_rows=rows,
-                logits_tokens=tokens_t if levels == 1 else tokens_t[:, rows], num_nodes=block[spans["num_nodes"][0]],
-                packed=block)
+    return block
 
 
 def packed_plain_step(tokens: list[int], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -30,7 +30,7 @@ from .build_lock import exclusive_build, extension_name, source_dir
 _CSRC = source_dir()
 _NAME = extension_name("lookahead_cpu_ops", _CSRC)
 _SOURCES = ("small_gemm.cpp", "cpu_attention.cpp", "cpu_layer.cpp", "draft_tree.cpp", "row_topk.cpp",
-            "verify_sample.cpp", "sample_warped.cpp", "kv_compact_cpu.cpp", "suffix_match.cpp")
+            "verify_sample.cpp", "sample_warped.cpp", "kv_compact_cpu.cpp", "suffix_match.cpp", "pack_step.cpp")
 _HEADERS = ("cpu_ops.h", "cpu_vec.h")  # a change to one rebuilds the library too
 _state: dict = {}  # "ok": bool once tried in this process, "error": why not
 _lock = threading.Lock()
