@@ -186,8 +186,7 @@ def test_a_packed_step_is_the_step_given_argument_by_argument(batch):
 
 @pytest.mark.parametrize("B,L,V,R", [(1, 1, 0, 1), (1, 1, 15, 16), (3, 6, 5, 8), (2, 3, 0, 3), (4, 1, 1, 0)])
 def test_the_pack_op_writes_the_reference_block(B, L, V, R):
-    """lookahead_draft.pack_step (C++) writes what pack_step_reference writes through NumPy, bit for bit; a
-    refused argument is a ValueError."""
+    """lookahead_draft.pack_step (C++) writes what pack_step_reference writes through NumPy, bit for bit."""
     from lookahead.draft import DraftTrees
     from lookahead.step import pack_step_reference
     from lookahead_kernels.cpu_ops import cpu_ops_available
@@ -212,10 +211,25 @@ def test_the_pack_op_writes_the_reference_block(B, L, V, R):
     nodes = [t.num_nodes for t in trees.trees] if V else [0] * B
     got = torch.ops.lookahead_draft.pack_step(positions, window, head, *tree, nodes, rows)
     assert got.dtype == torch.long and torch.equal(got, want)
-    with pytest.raises(ValueError, match="offsets"):
-        torch.ops.lookahead_draft.pack_step(positions, window, head[:0] if L else head, *tree, nodes, rows)
-    with pytest.raises(ValueError, match="num_nodes"):
-        torch.ops.lookahead_draft.pack_step(positions, window, head, *tree, nodes + [0], rows)
+
+
+def test_the_pack_op_refuses_inputs_that_do_not_fit():
+    from lookahead_kernels.cpu_ops import cpu_ops_available
+
+    if not cpu_ops_available():
+        pytest.skip("the CPU ops did not build")
+    pack = torch.ops.lookahead_draft.pack_step
+    window, head, rows = torch.zeros(2, 3, dtype=torch.long), torch.zeros(3, dtype=torch.long), torch.zeros(4).long()
+    tree = (torch.zeros(2, 5, dtype=torch.long),) * 3
+    pack([1, 2], window, head, *tree, [5, 5], rows)  # fits
+    for args, match in (((window, head[:2], *tree, [5, 5], rows), "offsets"),
+                        ((window, head, *tree, [5], rows), "num_nodes"),
+                        ((window.int(), head, *tree, [5, 5], rows), "window_tokens"),
+                        ((window, head, tree[0], tree[1][:, :4].contiguous(), tree[2], [5, 5], rows), "one width"),
+                        ((window, head, tree[0], None, tree[2], [5, 5], rows), "together"),
+                        ((window, head, *tree, [5, 5], rows[None]), "rows")):
+        with pytest.raises(ValueError, match=match):
+            pack([1, 2], *args)
 
 
 @pytest.mark.gpu
