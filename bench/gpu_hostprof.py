@@ -1,13 +1,14 @@
 """Where a lookahead step's host work goes on the GPU machine's CPU, and whether torch's thread count moves it.
 
 On the H200 of session 54 automatic lookahead spent 0.26 / 0.31 ms of host work a step (MT-Bench / HumanEval,
-`stats.host_seconds` over all steps) where this project's CPU, replaying the same steps, spends about 0.13: a
-fifth of a HumanEval step's 2.1 ms, and the difference between its 1.70x and issue 11's 1.8x. This script decodes
-SmolLM2 (float32, CUDA graphs) on the first prompts of each set with automatic lookahead, once with torch's
-default thread count and once with one thread, and reports host ms a step, tokens/s and whole ms a step; then
-profiles one more pass (cProfile, the functions with the most own time and the lookahead functions by their
-cumulative time). Last, a static batch of 16 rows (half the tokens), plain and lookahead, timed and profiled: there
-lookahead lost 6% while declining nearly every tree. Writes hostprof-<device>.{json,md}.
+`stats.host_seconds` over all steps) where this project's CPU, replaying the same steps, spends about 0.13; and a
+HumanEval step took 2.10 ms where its replays, a plain step's overhead and that host work add up to 1.83. This
+script decodes SmolLM2 (float32, CUDA graphs) on the first prompts of each set with automatic lookahead, once with
+torch's default thread count and once with one thread, and reports host ms a step, tokens/s and whole ms a step;
+then profiles one more pass (cProfile: the functions with the most own time, and lookahead's by cumulative time);
+on a GPU, one prompt's decoding under torch.profiler (kernel time against wall time). Last, a static batch of 16
+rows (half the tokens), plain and lookahead, timed and profiled: there lookahead lost 6% while declining nearly
+every tree. Writes hostprof-<device>.{json,md}.
 
     python bench/gpu_hostprof.py               # on a GPU (needs the SmolLM2 wheel installed)
     python bench/gpu_hostprof.py --dry-run     # the CPU, 1 prompt a set, 8 new tokens
@@ -47,6 +48,9 @@ def render(result: dict) -> str:
                        ("Cumulative time, lookahead's functions", "profile_cumtime")):
         if result.get(key):
             lines += ["", f"{title}:", "", "```", result[key], "```"]
+    if result.get("device_profile"):
+        lines += ["", "One prompt's decoding under torch.profiler (the device's kernels, graphs included):", "", "```",
+                  result["device_profile"], "```"]
     for mode in ("plain", "lookahead"):
         b = result.get(f"batch_{mode}")
         if b:
@@ -113,6 +117,20 @@ def main(argv=None) -> int:
             stats = pstats.Stats(profiler, stream=text).sort_stats(order)
             stats.print_stats(*([pattern] if pattern else []), count)
             out.result[key] = text.getvalue().strip()[-12000:]
+        if device.type == "cuda":  # the device's side of one prompt's decoding: kernel time against wall time
+            from torch.profiler import ProfilerActivity, profile
+
+            prompt = sets[next(reversed(list(sets)))][0]
+            try:
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    timed = model.generate(prompt, max_new_tokens=max_new).stats
+                table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+                out.result["device_profile"] = (
+                    f"{timed.steps} steps, {timed.seconds * 1e3:.1f} ms (prefill {timed.prefill_seconds * 1e3:.1f}, "
+                    f"host {timed.host_seconds * 1e3:.1f})\n{table}")[-12000:]
+                out.flush()
+            except Exception as exc:  # noqa: BLE001 - the profiler must not cost the batch's rows below
+                out.note(f"torch.profiler failed: {type(exc).__name__}: {exc}"[:300])
         # A static batch of 16 rows, where lookahead lost 6% to plain decoding while declining nearly every tree
         # (session 54): each mode once to warm its runners, then once timed and once profiled.
         batch = [ids[0].to(device) for ids in read_prompts(args.sets[0], tokenizer)[: 2 if args.dry_run else 16]]
