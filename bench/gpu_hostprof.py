@@ -38,9 +38,15 @@ def render(result: dict) -> str:
     lines = [f"# Host work of automatic lookahead on {result['device']}", "",
              f"Command: `{result['command']}`; git {result['machine'].get('git')}, torch "
              f"{result['machine'].get('torch')}. SmolLM2 float32, {result['max_new_tokens']} new tokens, the first "
-             f"{result['limit']} prompts of each set, one after another.", "",
-             "| torch threads | set | tokens/s | tokens a step | whole ms a step | host ms a step |",
-             "|---:|---|---:|---:|---:|---:|"]
+             f"{result['limit']} prompts of each set, one after another.", ""]
+    parts = [f"| {r['T']} | {r['forward_ms']:.3f} | {r['with_finish_ms']:.3f} | {r['with_finish_synced_ms']:.3f} |"
+             for r in result.get("step_parts") or []]
+    if parts:
+        lines += ["A step of T tokens, ms: the forward alone and with its greedy finish, replayed back to back; and "
+                  "with the finish, synchronised after every step (as decoding and the planner's table run it):", "",
+                  "| T | forward | with finish | with finish, synchronised |", "|---:|---:|---:|---:|", *parts, ""]
+    lines += ["| torch threads | set | tokens/s | tokens a step | whole ms a step | host ms a step |",
+              "|---:|---|---:|---:|---:|---:|"]
     for r in result["rows"]:
         lines.append(f"| {r['threads']} | {r['set']} | {r['tokens_per_s']:.1f} | {r['tokens_per_step']:.2f} | "
                      f"{r['ms_per_step']:.3f} | {r['host_ms_per_step']:.3f} |")
@@ -59,6 +65,44 @@ def render(result: dict) -> str:
                       f"{b['host_seconds'] * 1e3:.1f} ms, {b['new_tokens']} new tokens of {b['fed_tokens']} fed; "
                       "its profiled call:", "", "```", b["profile_cumtime"], "```"]
     return "\n".join(lines) + "\n"
+
+
+def step_parts(model, device, context: int = 256) -> list[dict]:
+    """Per step size T (a chain tree of T - 1 nodes, as the planner's table times it), in ms: the forward alone and
+    with its greedy finish (verification, successor tops, KV compaction), each replayed back to back (the device's
+    time), and with the finish synchronised after every step as the planner's table and the decoding loop run it
+    (the device's time plus each step's launch and wait)."""
+    from gpu_util import synchronize, time_ms
+
+    from lookahead.config import StepShape
+    from lookahead.controller import _greedy_finish
+    from lookahead.runner import StepRunner
+    from lookahead_kernels.tree import TreeShape
+
+    menu = (1, 16, 64)
+    shapes = [StepShape(1, 1, T - 1) for T in menu]
+    runner = StepRunner(model, model.new_cache(1, context + max(menu)), shapes, graphs=device.type == "cuda")
+    rows = []
+    for shape, T in zip(shapes, menu):
+        ids = torch.zeros(1, T, dtype=torch.long, device=device)
+        pos = torch.arange(context, context + T, device=device)[None]
+        tree = TreeShape.from_parents(list(range(-1, T - 2)), device=device) if T > 1 else None
+        finish = _greedy_finish(shape)
+
+        def forward():
+            runner.run(shape, ids, pos, context, tree)
+
+        def finished():
+            runner.run(shape, ids, pos, context, tree, None, None, finish)
+
+        def synced():
+            finished()
+            synchronize(device)
+
+        rows.append({"T": T, "forward_ms": time_ms(forward, device, reps=20),
+                     "with_finish_ms": time_ms(finished, device, reps=20),
+                     "with_finish_synced_ms": time_ms(synced, "cpu", reps=20)})
+    return rows
 
 
 def main(argv=None) -> int:
@@ -83,7 +127,11 @@ def main(argv=None) -> int:
     path = default_gguf_path()
     model = from_pretrained(path, dtype=torch.float32, device=device)
     tokenizer = load_tokenizer(path)
-    model.step_costs_cache = {cost_key(model): measure_step_costs(model)}  # measured here, not from a disk cache
+    costs = measure_step_costs(model)  # measured here, not from a disk cache
+    model.step_costs_cache = {cost_key(model): costs}
+    out.result["step_costs"] = list(zip(costs.tokens, costs.seconds))
+    out.result["step_parts"] = step_parts(model, device)
+    out.flush()
     with torch.inference_mode():
         sets = {set_name(p): [ids.to(device) for ids in read_prompts(p, tokenizer)[:limit]] for p in args.sets}
 
