@@ -17,7 +17,7 @@ SOURCES = Path(__file__).resolve().parent / "csrc"
 
 
 class BuildPyWithSources(build_py):
-    """``build_py``, then ``csrc/`` (C++ sources and headers only) copied into the built ``lookahead_kernels/csrc``."""
+    """``build_py``, then ``csrc/`` copied into the built ``lookahead_kernels/csrc``."""
 
     def run(self):
         super().run()

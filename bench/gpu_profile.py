@@ -11,7 +11,7 @@
 4. ``attention``: our attention against SDPA (dense mask) at 7B shape, T = 120, 4k, timed with and without host
    launch overhead (``do_bench`` vs ``do_bench_cudagraph``), over a few tile configurations.
 
-    python bench/gpu_profile.py [smolstack plainlearn smollinear smolstep smoltiles steps loop verify kernels attention]
+    python bench/gpu_profile.py [smolstack smollinear smolstep smoltiles steps loop verify kernels attention]
 """
 
 from __future__ import annotations
@@ -70,55 +70,6 @@ def part_steps(device):
 
     costs = measure_step_costs(model)
     print("steps: measure_step_costs:", list(zip(costs.tokens, [round(s * 1e3, 3) for s in costs.seconds])))
-
-
-def part_plainlearn(device):
-    """What a row's plain step would cost on a GPU if it fed the row's successor table (session 48 predicted +5% on
-    HumanEval, -1% on MT-Bench at one row with a guessed 0.05 ms a plain step; ``bench/MEASUREMENTS.md``): a
-    SmolLM2-shaped T = 1 step replayed through a StepRunner graph, read back as ``generate`` reads it, with
-    ``PlainChoice(sampler)`` (now) and with ``PlainChoice(sampler, 8)`` plus the two extra read-backs and the host's
-    record into a SuccessorTable. Milliseconds a step, wall time, median of 5 rounds of 200 steps."""
-    import statistics
-
-    from lookahead.generate import PLAIN
-    from lookahead.runner import StepRunner
-    from lookahead.successors import SuccessorTable
-    from lookahead.verification import PlainChoice, Sampler
-
-    model = smol_model(device)
-    context = 256
-    cache = model.new_cache(1, context + 1)
-    runner = StepRunner(model, cache, [PLAIN], graphs=True)
-    sampler = Sampler(False, 1.0, 0, 1.0, torch.Generator(device).manual_seed(0))
-    table = SuccessorTable(model.config.vocab_size, 8)
-    tokens = torch.zeros(1, 1, dtype=torch.long)
-    positions = torch.full((1, 1), context, dtype=torch.long)
-
-    def plain():
-        runner.run(PLAIN, tokens, positions, positions[:, 0], None, None, None, PlainChoice(sampler)).tolist()
-
-    def learning():
-        chosen, ids, probs = runner.run(PLAIN, tokens, positions, positions[:, 0], None, None, None,
-                                        PlainChoice(sampler, 8))
-        chosen.tolist()
-        table.record(tokens[:, 0], ids[:, 0].cpu(), probs[:, 0].cpu())
-
-    for name, step in (("plain", plain), ("plain + successors", learning), ("plain", plain),
-                       ("plain + successors", learning)):
-        try:
-            step()
-            rounds = []
-            for _ in range(5):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(200):
-                    step()
-                rounds.append((time.perf_counter() - t0) / 200 * 1e3)
-            print(f"plainlearn: {name}: {statistics.median(rounds):.4f} ms a step (rounds "
-                  f"{min(rounds):.4f}-{max(rounds):.4f})", flush=True)
-        except Exception:
-            print(f"plainlearn: {name}: FAILED", flush=True)
-            traceback.print_exc()
 
 
 def part_loop(device):
@@ -412,7 +363,7 @@ def part_smolstack(device, layers=30, rows=(16, 64, 1, 4, 128, 2, 8, 32)):
         for (n, k), c in ((s, sl.tile_config(*s)) for s in shapes[:4] + shapes[-1:])), flush=True)
 
 
-PARTS = {"smolstack": part_smolstack, "plainlearn": part_plainlearn, "smollinear": part_smollinear, "smolstep": part_smolstep, "smoltiles": part_smoltiles, "steps": part_steps, "loop": part_loop, "kernels": part_kernels,
+PARTS = {"smolstack": part_smolstack, "smollinear": part_smollinear, "smolstep": part_smolstep, "smoltiles": part_smoltiles, "steps": part_steps, "loop": part_loop, "kernels": part_kernels,
          "attention": part_attention, "verify": part_verify}
 
 

@@ -10,7 +10,6 @@
 #   kernels    attention vs SDPA (dense mask) vs FlexAttention, T=120, contexts 1k-32k (bench/gpu_kernels.py)
 #   verify     verification microseconds (bench/bench_verify.py)
 #   stack      SmolLM2's linear products a step through cuBLAS and our kernel, split or not (gpu_profile smolstack)
-#   plainlearn a T = 1 graph step with and without feeding the successor table (gpu_profile plainlearn; session 48)
 #   pool       n-gram pool microseconds (bench/bench_pool.py)
 #   cpperr     whether a refused call of the CPU ops raises ValueError or crashes, and under what (bench/cpp_errors.py)
 #   profile    where a SmolLM2 step's device time goes: its linear layers at 1-256 rows (cuBLAS, cuBLASLt), kernel
@@ -42,11 +41,11 @@ PARTS=()
 for a in "$@"; do
   case "$a" in
     --dry-run) DRY=1 ;;
-    env|build|ktests|stepcost|kernels|verify|stack|plainlearn|pool|cpperr|profile|model|e2e|hostprof|batch|batchbf16|batchrefill|gputests) PARTS+=("$a") ;;
-    *) echo "unknown part '$a'; parts: env build ktests stepcost kernels verify stack plainlearn pool cpperr profile model e2e hostprof batch batchbf16 batchrefill gputests" >&2; exit 2 ;;
+    env|build|ktests|stepcost|kernels|verify|stack|pool|cpperr|profile|model|e2e|hostprof|batch|batchbf16|batchrefill|gputests) PARTS+=("$a") ;;
+    *) echo "unknown part '$a'; parts: env build ktests stepcost kernels verify stack pool cpperr profile model e2e hostprof batch batchbf16 batchrefill gputests" >&2; exit 2 ;;
   esac
 done
-[ ${#PARTS[@]} -eq 0 ] && PARTS=(env build ktests stepcost kernels verify stack plainlearn pool cpperr profile model e2e hostprof batch batchbf16 batchrefill gputests)
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(env build ktests stepcost kernels verify stack pool cpperr profile model e2e hostprof batch batchbf16 batchrefill gputests)
 wants() { local p; for p in "${PARTS[@]}"; do [ "$p" = "$1" ] && return 0; done; return 1; }
 
 OUT=${OUT:-$ROOT/gpu-out}
@@ -152,7 +151,6 @@ fi
 [ $DRY = 0 ] && wants stack && part stack 60 $PY bench/gpu_profile.py smolstack
 wait_build
 # What a plain step's feeding the successor table costs (session 48): the C++ ops record it.
-[ $DRY = 0 ] && wants plainlearn && part plainlearn 40 $PY bench/gpu_profile.py plainlearn
 if [ $DRY = 1 ]; then
   wants pool && part pool 60 $PY bench/bench_pool.py --steps 50 --warmup 10 --vocab 49152 --out-dir "$WORK"
 else

@@ -421,10 +421,10 @@ class DraftBuilder:
             return
         self.pool.insert(ngrams)
 
-    def start(self, prompt: torch.Tensor) -> None:
-        """Called once with the prompt (1-D LongTensor) before the first step."""
+    def start(self, prompt) -> None:
+        """Called once with the prompt (a list of ints or a 1-D LongTensor) before the first step."""
         if self.pool is not None and self.config.pool_from_prompt:
-            self.pool.insert_sequence(prompt.reshape(-1).cpu())
+            self.pool.insert_sequence(torch.as_tensor(prompt, dtype=torch.long).reshape(-1).cpu())
 
     # ---- building ---------------------------------------------------------------------------------------------
     def build(self, sequence: list[int], budget: int, pad: bool = False) -> DraftTree:

@@ -292,7 +292,7 @@ class _Row:
                         levels: int = 1) -> None:
         """The row's window and draft builder, from its sequence so far (a host list: a prompt on the GPU read
         here would wait for the prefill just queued, so the host's work here could not overlap it)."""
-        prompt = torch.tensor(self.emitter.sequence)
+        prompt = self.emitter.sequence
         shape = plan.shape
         self.window = LookaheadWindow(shape.window, shape.ngram, torch.Generator().manual_seed(la.seed))
         self.window.reset(prompt, levels)

@@ -47,13 +47,14 @@ class LookaheadWindow:
         idx = torch.randint(len(source), (rows, cols), generator=self.generator)
         return torch.tensor([source[i] for i in idx.reshape(-1).tolist()], dtype=torch.long).reshape(rows, cols)
 
-    def reset(self, source: torch.Tensor, levels: int = 1) -> None:
-        """Start warm-up: ``levels`` levels of tokens drawn from ``source`` (the prompt). More than one: a row that
-        joins a batch whose windows are further on (every row of a step feeds as many levels); the drawn levels
-        are guesses like any other, which verification keeps or drops."""
+    def reset(self, source, levels: int = 1) -> None:
+        """Start warm-up: ``levels`` levels of tokens drawn from ``source`` (the prompt: a list of ints or a 1-D
+        tensor). More than one: a row that joins a batch whose windows are further on (every row of a step feeds as
+        many levels); the drawn levels are guesses like any other, which verification keeps or drops."""
         if not 1 <= levels <= self.max_levels:
             raise ValueError(f"levels must be in [1, {self.max_levels}], got {levels!r}")
-        self.tokens = self._draw(source.reshape(-1).tolist(), levels, self.window)
+        source = source.reshape(-1).tolist() if isinstance(source, torch.Tensor) else list(source)
+        self.tokens = self._draw(source, levels, self.window)
 
     def advance(self, x: int, outputs: torch.Tensor, accepted: int, source, ngrams: bool = True) -> torch.Tensor | None:
         """Slide after a step and return the step's n-grams.
