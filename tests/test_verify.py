@@ -300,8 +300,8 @@ def test_row_argmax(vk, kernel_device, R, V, splits, ties):
 
 def test_row_argmax_lane_edge_cases(vk, kernel_device):
     """Each lane keeps its own best over a slice's blocks: -inf rows, NaN in a late block or at a slice's end, the
-    same maximum in several lanes and blocks, and an empty last slice (9 logits in 4 slices of 3) all give
-    torch.argmax's index."""
+    same maximum in several lanes and blocks, slices that are only a tail (9 logits: one slice of 16, masked) or
+    end in one (40 logits in 3 slices of 16, 16 and 8) all give torch.argmax's index."""
     inf, nan = float("inf"), float("nan")
     V = 40000  # several blocks per slice on a GPU (2048 logits a block) and under the interpreter (16384)
     rows = torch.randn(8, V, generator=torch.Generator().manual_seed(3))
@@ -322,6 +322,19 @@ def test_row_argmax_lane_edge_cases(vk, kernel_device):
     small = torch.tensor([[-inf] * 9, [0.0] * 8 + [1.0], [nan] + [0.0] * 8])
     got = vk.row_argmax(small.to(kernel_device), vocab_splits=4)
     assert got.cpu().tolist() == [0, 8, 0]
+    tails = torch.full((4, 40), -inf)
+    tails[0, 39], tails[1, [15, 16]], tails[2, 33:] = 1.0, 2.0, nan
+    tails[3, :] = torch.arange(40.0).flip(0)
+    got = vk.row_argmax(tails.to(kernel_device), vocab_splits=3)
+    assert got.cpu().tolist() == [39, 15, 33, 0]
+
+
+@pytest.mark.parametrize("V", [1, 9, 40, 1000, 32000, 49152, 128256])
+def test_vocab_slices_are_aligned_and_never_empty(vk, V):
+    for asked in (1, 2, 3, 5, 7, 40, 64):
+        slice_len, slices = vk._vocab_slices(V, asked)
+        assert slice_len % 16 == 0 and 1 <= slices <= asked
+        assert (slices - 1) * slice_len < V <= slices * slice_len
 
 
 # ---- sampling: kernel == reference ---------------------------------------------------------------------------------
@@ -1104,6 +1117,19 @@ for has_n, ones in ((True, ("stv", "sev")), (False, ("A", "S", "V"))):
           dict(val_ptr="*fp64", idx_ptr="*i64", tok_ptr="*i64", end_ptr="*i64", n_ptr="*i64", acc_ptr="*i64",
                path_ptr="*i64", emit_ptr="*i64"), dict(HAS_N_TENSOR=has_n, BLOCK_N=128, BLOCK_A=8, CHUNK=16), ones)
 build(vk._row_argmax_merge_kernel, dict(val_ptr="*fp64", idx_ptr="*i64", out_ptr="*i64"), dict(BLOCK_R=128))
+# The launcher's slices are multiples of 16 logits (vk._vocab_slices) so that the partial argmax loads 16 bytes at a
+# time: with the slice length, the pointers and strides known divisible by 16 (as Triton specialises them), the
+# float32 loads are 4-wide.
+fn = vk._argmax_partial_kernel
+sig = {name: "i32" for name in fn.arg_names}
+sig.update(dict(x_ptr="*fp32", c_ptr="*fp32", n_ptr="*i64", val_ptr="*fp64", idx_ptr="*i64"))
+consts = dict(HAS_X=True, HAS_N_TENSOR=False, F64=False, BLOCK_V=2048, sxv=1, scv=1, K=1)
+sig.update({name: "constexpr" for name in consts})
+aligned = ("x_ptr", "c_ptr", "n_ptr", "val_ptr", "idx_ptr", "V", "sxb", "scb", "scg", "sck", "slice_len")
+attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=h100,
+                     options=dict(num_warps=8)).asm["ptx"]
+assert "ld.global.v4.b32" in ptx and "ld.global.b32" not in ptx, "the partial argmax's loads are not 16 bytes wide"
 print("sm90 ok")
 '''
 
