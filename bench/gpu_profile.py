@@ -314,7 +314,9 @@ def part_smolstack(device, layers=30, rows=(16, 64, 1, 4, 128, 2, 8, 32)):
     projection, each with its own weight (540 MB: read from HBM, as in a step, not from L2), the whole sequence
     replayed from one CUDA graph, at M = 1 to 128 rows (the likeliest steps first, in case the time box ends it):
     cuBLAS; our kernel unsplit (its tiles, K in one run, as at git 92b29f2); split as ``tile_config`` chooses
-    (``TARGET_PROGRAMS`` 256); and with the split aimed at 128 and 512 programs. Milliseconds a step (``do_bench_cudagraph`` median); the model takes our kernel at 2-64 rows."""
+    (``TARGET_PROGRAMS`` 256); and with the split aimed at 128 and 512 programs; at up to 32 rows also other tiles
+    (``tile_variants``: column tiles of 16-64, K tiles of 64-128, 2 or 4 warps). Milliseconds a step
+    (``do_bench_cudagraph`` median); the model takes our kernel at 2-64 rows."""
     import triton
     import triton.testing
 
@@ -326,8 +328,20 @@ def part_smolstack(device, layers=30, rows=(16, 64, 1, 4, 128, 2, 8, 32)):
     def config(w, target):
         return sl.tile_config(*w.shape, target=target or 1)  # no target: K in one run (as at 92b29f2)
 
+    def tiles(block_n, block_k, warps, target):  # another tile, K split for about `target` programs a row tile
+        def make(w, _target):
+            n, k = w.shape
+            return (block_n, block_k, warps, 3, sl._k_runs(k, block_k, triton.cdiv(target, triton.cdiv(n, block_n)))[0])
+        return make
+
     variants = {"ours unsplit": None, "ours split (model)": sl.TARGET_PROGRAMS, "ours split 128": 128,
                 "ours split 512": 512}
+    # Session 55: at 1-16 rows the split kernel took 5.6 us a layer product against cuBLAS's one-row GEMV's 4.7
+    # (smollinear), nearly flat in the rows: a latency, not bandwidth. Tiles that cut each program's fixed work
+    # (fewer partial sums, narrower column tiles, fewer warps) at the step sizes lookahead feeds most.
+    tile_variants = {"bn16 t256": tiles(16, 64, 4, 256), "bn16 w2 t256": tiles(16, 64, 2, 256),
+                     "bn32 w2 t256": tiles(32, 64, 2, 256), "bn64 t256": tiles(64, 64, 4, 256),
+                     "bn16 bk128 t128": tiles(16, 128, 4, 128), "bn32 bk128 t128": tiles(32, 128, 4, 128)}
     print("smolstack: SmolLM2 fp32, every linear product of a step (own weights), ms a step (one graph)", flush=True)
     for M in rows:
         x = {k: torch.randn(M, k, device=device) for k in (576, 1536)}
@@ -338,8 +352,8 @@ def part_smolstack(device, layers=30, rows=(16, 64, 1, 4, 128, 2, 8, 32)):
                 lambda: [torch.nn.functional.linear(x[w.shape[1]], w) for w in weights])
         except Exception as exc:
             print(f"smolstack: cuBLAS M={M}: {type(exc).__name__}: {exc}"[:300])
-        for name, target in variants.items():
-            configs = [config(w, target) for w in weights]
+        for name, target in list(variants.items()) + (list(tile_variants.items()) if M <= 32 else []):
+            configs = [target(w, None) if callable(target) else config(w, target) for w in weights]
             counters = [torch.zeros(max(1, sl.counters_needed(M, w.shape[0], c)), dtype=torch.int32, device=device)
                         for w, c in zip(weights, configs)]
 

@@ -148,7 +148,7 @@ else
   wants verify && part verify 60 $PY bench/bench_verify.py --out-dir "$WORK"
 fi
 # The split linear kernel against cuBLAS and the unsplit one (session 48): Triton only, beside the build.
-[ $DRY = 0 ] && wants stack && part stack 60 $PY bench/gpu_profile.py smolstack
+[ $DRY = 0 ] && wants stack && part stack 90 $PY bench/gpu_profile.py smolstack
 wait_build
 # What a plain step's feeding the successor table costs (session 48): the C++ ops record it.
 if [ $DRY = 1 ]; then
