@@ -329,7 +329,7 @@ def part_smolstack(device, layers=30, rows=(16, 64, 1, 4, 128, 2, 8, 32)):
         return sl.tile_config(*w.shape, target=target or 1)  # no target: K in one run (as at 92b29f2)
 
     def tiles(block_n, block_k, warps, target):  # another tile, K split for about `target` programs a row tile
-        def make(w, _target):
+        def make(w):
             n, k = w.shape
             return (block_n, block_k, warps, 3, sl._k_runs(k, block_k, triton.cdiv(target, triton.cdiv(n, block_n)))[0])
         return make
@@ -353,7 +353,7 @@ def part_smolstack(device, layers=30, rows=(16, 64, 1, 4, 128, 2, 8, 32)):
         except Exception as exc:
             print(f"smolstack: cuBLAS M={M}: {type(exc).__name__}: {exc}"[:300])
         for name, target in list(variants.items()) + (list(tile_variants.items()) if M <= 32 else []):
-            configs = [target(w, None) if callable(target) else config(w, target) for w in weights]
+            configs = [target(w) if callable(target) else config(w, target) for w in weights]
             counters = [torch.zeros(max(1, sl.counters_needed(M, w.shape[0], c)), dtype=torch.int32, device=device)
                         for w, c in zip(weights, configs)]
 
