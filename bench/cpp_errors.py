@@ -10,7 +10,12 @@ machine raises the ValueError. This script writes what it learns as it goes (fac
   with our flags (``-O3 -fopenmp``), without OpenMP, and with the new ``std::string`` ABI forced: whether any
   throw crashes, or only our library's, and whether the string's layout decides it;
 - each crash again under ``segv_trace.so`` (``LD_PRELOAD``; built here from ``bench/segv_trace.c``), which prints
-  the native frames: where the throw dies.
+  the native frames: where the throw dies;
+- for each crash, and for our library's case always, where the throw's symbols (``_Unwind_RaiseException``,
+  ``__cxa_throw``, ...) were bound (``LD_DEBUG=bindings``): two unwinders in one process crash a throw.
+
+Session 55 ran it on this project's CPU machine under the image's torch build (2.11.0+cu130 from PyPI), with
+Python 3.11, 3.12.1 and, in a Debian 13 chroot, 3.13 with g++ 14: every case raised, none crashed.
 
     python bench/cpp_errors.py --out-dir /tmp/x
 
@@ -106,6 +111,42 @@ def native_frames(stderr: str) -> str:
     return "\n".join(lines[start:start + 40] if start is not None else lines[-15:])
 
 
+# The symbols a C++ throw goes through: which library each call site is bound to. Two unwinders in one process (a
+# libunwind.so.8 ahead of libgcc_s in the lookup order, say) crash a throw that one starts and the other resumes.
+UNWIND_SYMBOLS = ("_Unwind_RaiseException", "_Unwind_Resume", "_Unwind_Find_FDE", "__cxa_throw",
+                  "__gxx_personality_v0")
+RUNTIME_LIBRARIES = ("unwind", "gcc_s", "stdc++", "libc10", "cxxrt", "c++abi")
+
+
+def unwinder_bindings(cmd: list[str], work: str) -> str:
+    """Where ``cmd``'s throw-related symbols were bound (``LD_DEBUG=bindings``), one line per distinct binding with
+    the libraries' base names; the libraries named like an unwinder or a C++ runtime that took part."""
+    out = os.path.join(work, "ld-debug")
+    for old in os.listdir(work):
+        if old.startswith("ld-debug"):
+            os.remove(os.path.join(work, old))
+    try:
+        run(cmd, timeout=120, env={"LD_DEBUG": "bindings", "LD_DEBUG_OUTPUT": out})
+    except subprocess.TimeoutExpired:
+        return "timed out"
+    seen, libs = [], set()
+    for name in sorted(f for f in os.listdir(work) if f.startswith("ld-debug")):
+        with open(os.path.join(work, name), errors="replace") as f:
+            for line in f:
+                if "binding file" not in line:
+                    continue
+                parts = line.split("binding file", 1)[1].split()
+                for part in parts:
+                    if ".so" in part and any(key in part for key in RUNTIME_LIBRARIES):
+                        libs.add(os.path.basename(part))
+                if any(f"`{sym}'" in line for sym in UNWIND_SYMBOLS):
+                    text = " ".join(os.path.basename(p) if "/" in p else p for p in parts)
+                    if text not in seen:
+                        seen.append(text)
+        os.remove(os.path.join(work, name))
+    return "\n".join(seen[:40] + ["libraries seen: " + ", ".join(sorted(libs))])
+
+
 def build_probes(work: str) -> dict:
     """name -> the built library's path, or the error that stopped its build (each built in its own process, all
     at once)."""
@@ -194,7 +235,7 @@ def main(argv=None) -> int:
     facts["segv_trace built"] = traced
     probes = build_probes(work)
 
-    def case(name: str, cmd: list[str]) -> None:
+    def case(name: str, cmd: list[str], bindings: bool = False) -> None:
         try:
             proc = run(cmd)
         except subprocess.TimeoutExpired:
@@ -207,6 +248,8 @@ def main(argv=None) -> int:
                 frames = native_frames(run(cmd, env={"LD_PRELOAD": trace}).stderr)
             except subprocess.TimeoutExpired:
                 frames = "timed out"
+        if got.startswith("crashed") or bindings:  # and where its throw's symbols were bound
+            facts[f"unwinder bindings, {name}"] = unwinder_bindings(cmd, work)
         report.add(name, got, frames)
 
     for name, path in probes.items():
@@ -222,7 +265,7 @@ def main(argv=None) -> int:
     except (OSError, subprocess.SubprocessError) as exc:
         facts["ldd (our CPU ops)"] = f"{type(exc).__name__}: {exc}"
     report.write()
-    case("ours: sample_warped, temperature 0", [sys.executable, "-c", OURS])
+    case("ours: sample_warped, temperature 0", [sys.executable, "-c", OURS], bindings=True)
     if torch.cuda.is_available():
         case("ours, after a CUDA context", [sys.executable, "-c", OURS, "cuda-context"])
     print(f"wrote {report.base}.json and {report.base}.md")
