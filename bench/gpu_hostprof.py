@@ -67,6 +67,14 @@ def render(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def profile_text(profiler, order: str, pattern: str, count: int, limit: int = 12000) -> str:
+    """``profiler``'s ``count`` functions by ``order`` (those matching ``pattern`` only, where given), as pstats
+    prints them, the last ``limit`` characters."""
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(*([pattern] if pattern else []), count)
+    return text.getvalue().strip()[-limit:]
+
+
 def step_parts(model, device, context: int = 256) -> list[dict]:
     """Per step size T (a chain tree of T - 1 nodes, as the planner's table times it), in ms: the forward alone and
     with its greedy finish (verification, successor tops, KV compaction), each replayed back to back (the device's
@@ -159,12 +167,8 @@ def main(argv=None) -> int:
             decode(prompts)
         profiler.disable()
         out.result["profiled_seconds"] = time.perf_counter() - started
-        for key, order, pattern, count in (("profile_tottime", "tottime", "", 35),
-                                           ("profile_cumtime", "cumulative", "lookahead", 45)):
-            text = io.StringIO()
-            stats = pstats.Stats(profiler, stream=text).sort_stats(order)
-            stats.print_stats(*([pattern] if pattern else []), count)
-            out.result[key] = text.getvalue().strip()[-12000:]
+        out.result["profile_tottime"] = profile_text(profiler, "tottime", "", 35)
+        out.result["profile_cumtime"] = profile_text(profiler, "cumulative", "lookahead", 45)
         if device.type == "cuda":  # the device's side of one prompt's decoding: kernel time against wall time
             from torch.profiler import ProfilerActivity, profile
 
@@ -190,12 +194,11 @@ def main(argv=None) -> int:
                 profiler.enable()
                 model.generate(batch, max_new_tokens=max_new // 2, lookahead=config)
                 profiler.disable()
-                text = io.StringIO()
-                pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats("lookahead", 30)
                 out.result[f"batch_{mode}"] = {
                     "rows": len(batch), "seconds": timed.seconds, "prefill_seconds": timed.prefill_seconds,
                     "steps": timed.steps, "host_seconds": timed.host_seconds, "fed_tokens": timed.fed_tokens,
-                    "new_tokens": timed.new_tokens, "profile_cumtime": text.getvalue().strip()[-8000:]}
+                    "new_tokens": timed.new_tokens,
+                    "profile_cumtime": profile_text(profiler, "cumulative", "lookahead", 30, 8000)}
                 out.flush()
     out.finish()
     return 0

@@ -328,11 +328,8 @@ def part_smolstack(device, layers=30, rows=(16, 64, 1, 4, 128, 2, 8, 32)):
     def config(w, target):
         return sl.tile_config(*w.shape, target=target or 1)  # no target: K in one run (as at 92b29f2)
 
-    def tiles(block_n, block_k, warps, target):  # another tile, K split for about `target` programs a row tile
-        def make(w):
-            n, k = w.shape
-            return (block_n, block_k, warps, 3, sl._k_runs(k, block_k, triton.cdiv(target, triton.cdiv(n, block_n)))[0])
-        return make
+    def tiles(block_n, block_k, warps, target):  # another tile, K split by tile_config's rule
+        return lambda w: sl.tile_config(*w.shape, target=target, block_n=block_n, block_k=block_k, warps=warps)
 
     variants = {"ours unsplit": None, "ours split (model)": sl.TARGET_PROGRAMS, "ours split 128": 128,
                 "ours split 512": 512}

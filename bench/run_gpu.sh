@@ -150,7 +150,6 @@ fi
 # The split linear kernel against cuBLAS and the unsplit one (session 48): Triton only, beside the build.
 [ $DRY = 0 ] && wants stack && part stack 90 $PY bench/gpu_profile.py smolstack
 wait_build
-# What a plain step's feeding the successor table costs (session 48): the C++ ops record it.
 if [ $DRY = 1 ]; then
   wants pool && part pool 60 $PY bench/bench_pool.py --steps 50 --warmup 10 --vocab 49152 --out-dir "$WORK"
 else

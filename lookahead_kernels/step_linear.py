@@ -99,17 +99,20 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, K_P
 
 
 @functools.cache  # asked twice by an eager call (its counters' check, then the launch); a weight's shape is fixed
-def tile_config(N: int, K: int, target: int = TARGET_PROGRAMS) -> tuple[int, int, int, int, int]:
+def tile_config(N: int, K: int, target: int = TARGET_PROGRAMS, block_n: int = 32, block_k: int = 64,
+                warps: int = 4) -> tuple[int, int, int, int, int]:
     """``(BLOCK_N, BLOCK_K, num_warps, num_stages, split)`` for a weight ``[N, K]``: from the weight alone, never
     from the number of rows, which is what keeps a row's result independent of the step's size. 32 columns and 64 of
     K a tile (less for a narrower K), 4 warps, 3 stages: the best of the H200's sweep over SmolLM2's weights at 16 and
     64 rows (``bench/results/linear-nvidia-h200.md``). ``split``: K cut into that many runs of whole tiles, enough
-    for about ``target`` programs a row tile (:data:`TARGET_PROGRAMS`; 1: K in one run). Why: that sweep's best read the weights at 400 GB/s, a
-    tenth of the H200's bandwidth, because SmolLM2's narrow weights give 18-96 column tiles for 132 SMs, too few
-    loads in flight; cuBLAS's one-row GEMV reached 917 GB/s with more programs."""
-    block_n, block_k = 32, min(64, max(16, triton.next_power_of_2(K)))
+    for about ``target`` programs a row tile (:data:`TARGET_PROGRAMS`; 1: K in one run). Why: that sweep's best read
+    the weights at 400 GB/s, a tenth of the H200's bandwidth, because SmolLM2's narrow weights give 18-96 column
+    tiles for 132 SMs, too few loads in flight; cuBLAS's one-row GEMV reached 917 GB/s with more programs.
+    ``block_n``, ``block_k`` (at most K's next power of two) and ``warps``: other tiles, split by the same rule
+    (benchmarks compare them)."""
+    block_k = min(block_k, max(16, triton.next_power_of_2(K)))
     split, _ = _k_runs(K, block_k, triton.cdiv(target, triton.cdiv(N, block_n)))
-    return block_n, block_k, 4, 3, split
+    return block_n, block_k, warps, 3, split
 
 
 def _k_runs(K: int, block_k: int, split: int) -> tuple[int, int]:

@@ -115,6 +115,11 @@ def test_tile_sizes_come_from_the_weight_alone(sl):
     assert [sl.tile_config(N, K)[4] for N, K in ((960, 576), (3072, 576), (576, 1536), (49152, 576))] == \
         [9, 3, 12, 1]
     assert sl.tile_config(40, 10)[1] == 16  # a narrow K: a narrow K tile
+    # Other tiles (benchmarks compare them) split by the same rule: 60 column tiles want 5 runs of 9 K tiles (5 runs
+    # of 2); 30 column tiles aiming at 128 programs want 5 runs of 5 K tiles of 128.
+    assert sl.tile_config(960, 576, block_n=16, warps=2) == (16, 64, 2, 3, 5)
+    assert sl.tile_config(960, 576, 128, block_n=32, block_k=128) == (32, 128, 4, 3, 5)
+    assert sl.tile_config(40, 10, block_k=128)[1] == 16
 
 
 def test_empty_and_degenerate_shapes(sl, kernel_device):

@@ -1095,12 +1095,15 @@ assert isinstance(vk._tree_sample_walk_kernel, triton.runtime.JITFunction)
 h100 = GPUTarget("cuda", 90, 32)
 
 
-def build(fn, pointers, consts, ones=()):
+def build(fn, pointers, consts, ones=(), aligned=()):
     sig = {name: "i32" for name in fn.arg_names}  # sizes and strides
     sig.update(pointers)
     consts = dict(consts, **{name: 1 for name in ones})  # Triton specialises ints equal to 1 as constants
     sig.update({name: "constexpr" for name in consts})
-    triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=h100, options=dict(num_warps=8))
+    # ... and pointers and ints divisible by 16 as such
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=h100,
+                          options=dict(num_warps=8))
 
 
 for dtype, ones in (("fp32", ("sxv", "scv", "suv", "stv", "sev", "A")), ("bf16", ("V",))):
@@ -1120,15 +1123,10 @@ build(vk._row_argmax_merge_kernel, dict(val_ptr="*fp64", idx_ptr="*i64", out_ptr
 # The launcher's slices are multiples of 16 logits (vk._vocab_slices) so that the partial argmax loads 16 bytes at a
 # time: with the slice length, the pointers and strides known divisible by 16 (as Triton specialises them), the
 # float32 loads are 4-wide.
-fn = vk._argmax_partial_kernel
-sig = {name: "i32" for name in fn.arg_names}
-sig.update(dict(x_ptr="*fp32", c_ptr="*fp32", n_ptr="*i64", val_ptr="*fp64", idx_ptr="*i64"))
-consts = dict(HAS_X=True, HAS_N_TENSOR=False, F64=False, BLOCK_V=2048, sxv=1, scv=1, K=1)
-sig.update({name: "constexpr" for name in consts})
-aligned = ("x_ptr", "c_ptr", "n_ptr", "val_ptr", "idx_ptr", "V", "sxb", "scb", "scg", "sck", "slice_len")
-attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=h100,
-                     options=dict(num_warps=8)).asm["ptx"]
+ptx = build(vk._argmax_partial_kernel,
+            dict(x_ptr="*fp32", c_ptr="*fp32", n_ptr="*i64", val_ptr="*fp64", idx_ptr="*i64"),
+            dict(HAS_X=True, HAS_N_TENSOR=False, F64=False, BLOCK_V=2048), ("sxv", "scv", "K"),
+            ("x_ptr", "c_ptr", "n_ptr", "val_ptr", "idx_ptr", "V", "sxb", "scb", "scg", "sck", "slice_len")).asm["ptx"]
 assert "ld.global.v4.b32" in ptx and "ld.global.b32" not in ptx, "the partial argmax's loads are not 16 bytes wide"
 print("sm90 ok")
 '''
