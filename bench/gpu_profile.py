@@ -315,7 +315,8 @@ def part_smolstack(device, layers=30, rows=(16, 64, 1, 4, 128, 2, 8, 32)):
     replayed from one CUDA graph, at M = 1 to 128 rows (the likeliest steps first, in case the time box ends it):
     cuBLAS; our kernel unsplit (its tiles, K in one run, as at git 92b29f2); split as ``tile_config`` chooses
     (``TARGET_PROGRAMS`` 256); and with the split aimed at 128 and 512 programs; at up to 32 rows also other tiles
-    (``tile_variants``: column tiles of 16-64, K tiles of 64-128, 2 or 4 warps). Milliseconds a step
+    (``tile_variants``: column tiles of 16-64, K tiles of 64-128, 2 or 4 warps; and unsplit, or split in two, with a
+    pipeline as deep as K's tiles, "deep"). Milliseconds a step
     (``do_bench_cudagraph`` median); the model takes our kernel at 2-64 rows."""
     import triton
     import triton.testing
@@ -331,6 +332,10 @@ def part_smolstack(device, layers=30, rows=(16, 64, 1, 4, 128, 2, 8, 32)):
     def tiles(block_n, block_k, warps, target):  # another tile, K split by tile_config's rule
         return lambda w: sl.tile_config(*w.shape, target=target, block_n=block_n, block_k=block_k, warps=warps)
 
+    def deep(block_n, block_k, warps, most, split=1):  # K in `split` runs, each run's tiles all in flight
+        return lambda w: (block_n, block_k, warps, min(most, triton.cdiv(triton.cdiv(w.shape[1], block_k), split)),
+                          split)
+
     variants = {"ours unsplit": None, "ours split (model)": sl.TARGET_PROGRAMS, "ours split 128": 128,
                 "ours split 512": 512}
     # Session 55: at 1-16 rows the split kernel took 5.6 us a layer product against cuBLAS's one-row GEMV's 4.7
@@ -339,6 +344,12 @@ def part_smolstack(device, layers=30, rows=(16, 64, 1, 4, 128, 2, 8, 32)):
     tile_variants = {"bn16 t256": tiles(16, 64, 4, 256), "bn16 w2 t256": tiles(16, 64, 2, 256),
                      "bn32 w2 t256": tiles(32, 64, 2, 256), "bn64 t256": tiles(64, 64, 4, 256),
                      "bn16 bk128 t128": tiles(16, 128, 4, 128), "bn32 bk128 t128": tiles(32, 128, 4, 128)}
+    # Session 56: the split's second round (partial sums stored, a counter, the last split reading them back) is a
+    # latency of its own. Unsplit with as many stages as K has tiles (up to `most`), every load of a program is in
+    # flight at once: one round trip to HBM, as cuBLAS's GEMV. 64-123 KB of shared memory (sm_90, Triton 3.6).
+    tile_variants.update({"bn16 deep": deep(16, 64, 4, 16), "bn16 w2 deep": deep(16, 64, 2, 16),
+                          "bn32 deep": deep(32, 64, 4, 8), "bn16 bk128 deep": deep(16, 128, 4, 8),
+                          "bn16 split2 deep": deep(16, 64, 4, 16, split=2)})
     print("smolstack: SmolLM2 fp32, every linear product of a step (own weights), ms a step (one graph)", flush=True)
     for M in rows:
         x = {k: torch.randn(M, k, device=device) for k in (576, 1536)}
