@@ -309,14 +309,15 @@ def part_smollinear(device):
         torch.backends.cuda.preferred_blas_library(original)
 
 
-def part_smolstack(device, layers=30, rows=(16, 64, 1, 4, 128, 2, 8, 32)):
+def part_smolstack(device, layers=30, rows=(16, 64, 1, 4, 128, 2, 8, 32, 256)):
     """SmolLM2's float32 linear layers as a step meets them: 30 layers' qkv, o, gate_up and down and the vocabulary
     projection, each with its own weight (540 MB: read from HBM, as in a step, not from L2), the whole sequence
-    replayed from one CUDA graph, at M = 1 to 128 rows (the likeliest steps first, in case the time box ends it):
+    replayed from one CUDA graph, at M = 1 to 256 rows (the likeliest steps first, in case the time box ends it):
     cuBLAS; our kernel unsplit (its tiles, K in one run, as at git 92b29f2); split as ``tile_config`` chooses
     (``TARGET_PROGRAMS`` 256); and with the split aimed at 128 and 512 programs; at up to 32 rows also other tiles
     (``tile_variants``: column tiles of 16-64, K tiles of 64-128, 2 or 4 warps; and unsplit, or split in two, with a
-    pipeline as deep as K's tiles, "deep"). Milliseconds a step
+    pipeline as deep as K's tiles, "deep"); at 64 rows and more taller row tiles (``tall_variants``: 32-128 rows,
+    wgmma on sm_90). Milliseconds a step
     (``do_bench_cudagraph`` median); the model takes our kernel at 2-64 rows."""
     import triton
     import triton.testing
@@ -331,6 +332,10 @@ def part_smolstack(device, layers=30, rows=(16, 64, 1, 4, 128, 2, 8, 32)):
 
     def tiles(block_n, block_k, warps, target):  # another tile, K split by tile_config's rule
         return lambda w: sl.tile_config(*w.shape, target=target, block_n=block_n, block_k=block_k, warps=warps)
+
+    def tall(block_m, block_n, block_k, warps, target):  # a taller row tile, K split by tile_config's rule
+        return lambda w: sl.tile_config(*w.shape, target=target, block_n=block_n, block_k=block_k, warps=warps) \
+            + (block_m,)
 
     def deep(block_n, block_k, warps, most, split=1):  # K in `split` runs, each run's tiles all in flight
         return lambda w: (block_n, block_k, warps, min(most, triton.cdiv(triton.cdiv(w.shape[1], block_k), split)),
@@ -350,6 +355,13 @@ def part_smolstack(device, layers=30, rows=(16, 64, 1, 4, 128, 2, 8, 32)):
     tile_variants.update({"bn16 deep": deep(16, 64, 4, 16), "bn16 w2 deep": deep(16, 64, 2, 16),
                           "bn32 deep": deep(32, 64, 4, 8), "bn16 bk128 deep": deep(16, 128, 4, 8),
                           "bn16 split2 deep": deep(16, 64, 4, 16, split=2)})
+    # Session 56: at 64-256 rows (the steps a batch's trees need) a tile of 16 rows reads each weight tile once per
+    # 16 rows and multiplies on mma.sync; cuBLAS's float32 GEMM (its kernels named f32f32: no tensor cores) took
+    # 1.68 ms a step's products at 64 rows (fd9ef40) and 1.90 at 128 (d8b31f2). Taller tiles multiply on wgmma
+    # (tf32x3 as ours does: about float32's accuracy).
+    tall_variants = {"bm64 bn64 unsplit": tall(64, 64, 32, 4, 1), "bm64 bn64 t64": tall(64, 64, 32, 4, 64),
+                     "bm64 bn32 t64": tall(64, 32, 32, 4, 64), "bm128 bn64 unsplit": tall(128, 64, 32, 8, 1),
+                     "bm32 bn32 t128": tall(32, 32, 64, 4, 128)}
     print("smolstack: SmolLM2 fp32, every linear product of a step (own weights), ms a step (one graph)", flush=True)
     for M in rows:
         x = {k: torch.randn(M, k, device=device) for k in (576, 1536)}
@@ -360,7 +372,7 @@ def part_smolstack(device, layers=30, rows=(16, 64, 1, 4, 128, 2, 8, 32)):
                 lambda: [torch.nn.functional.linear(x[w.shape[1]], w) for w in weights])
         except Exception as exc:
             print(f"smolstack: cuBLAS M={M}: {type(exc).__name__}: {exc}"[:300])
-        for name, target in list(variants.items()) + (list(tile_variants.items()) if M <= 32 else []):
+        for name, target in list(variants.items()) + list((tile_variants if M <= 32 else tall_variants).items()):
             configs = [target(w) if callable(target) else config(w, target) for w in weights]
             counters = [torch.zeros(max(1, sl.counters_needed(M, w.shape[0], c)), dtype=torch.int32, device=device)
                         for w, c in zip(weights, configs)]

@@ -148,7 +148,7 @@ else
   wants verify && part verify 60 $PY bench/bench_verify.py --out-dir "$WORK"
 fi
 # The split linear kernel against cuBLAS and the unsplit one (session 48): Triton only, beside the build.
-[ $DRY = 0 ] && wants stack && part stack 120 $PY bench/gpu_profile.py smolstack
+[ $DRY = 0 ] && wants stack && part stack 150 $PY bench/gpu_profile.py smolstack
 wait_build
 if [ $DRY = 1 ]; then
   wants pool && part pool 60 $PY bench/bench_pool.py --steps 50 --warmup 10 --vocab 49152 --out-dir "$WORK"

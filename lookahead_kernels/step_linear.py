@@ -123,16 +123,23 @@ def _k_runs(K: int, block_k: int, split: int) -> tuple[int, int]:
     return triton.cdiv(K, k_per_split), k_per_split
 
 
-def counters_needed(M: int, N: int, config: tuple[int, int, int, int, int]) -> int:
+def counters_needed(M: int, N: int, config: tuple[int, ...]) -> int:
     """How many int32 counters a call of ``M`` rows with ``config`` needs (0 where it does not split K)."""
-    return triton.cdiv(M, BLOCK_M) * triton.cdiv(N, config[0]) if config[4] > 1 else 0
+    return triton.cdiv(M, _rows_a_tile(config)) * triton.cdiv(N, config[0]) if config[4] > 1 else 0
+
+
+def _rows_a_tile(config: tuple[int, ...]) -> int:
+    """A config's rows a tile: its sixth element where a caller gave one (benchmarks try taller tiles for steps of
+    many rows), else :data:`BLOCK_M`."""
+    return config[5] if len(config) > 5 else BLOCK_M
 
 
 def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y2: torch.Tensor,
-            counters: torch.Tensor | None = None, config: tuple[int, int, int, int, int] | None = None) -> None:
+            counters: torch.Tensor | None = None, config: tuple[int, ...] | None = None) -> None:
     """``y2 [M, N] = x2 [M, K] @ weight.T (+ bias)``, inputs already checked; ``counters`` as :func:`step_linear`
     takes them (made here where None and needed); ``config`` overrides :func:`tile_config` (benchmarks and tests
-    compare tile sizes and splits with it)."""
+    compare tile sizes and splits with it), optionally with a sixth element, the rows a tile (a power of two >= 16;
+    default :data:`BLOCK_M`)."""
     M, K = x2.shape
     N = weight.shape[0]
     if M == 0 or N == 0:
@@ -140,9 +147,11 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y
     if K == 0:
         y2.copy_(bias.expand(M, N) if bias is not None else torch.zeros_like(y2))
         return
-    block_n, block_k, warps, stages, split = config or tile_config(N, K)
+    config = config or tile_config(N, K)
+    block_n, block_k, warps, stages, split = config[:5]
+    block_m = _rows_a_tile(config)
     split, k_per_split = _k_runs(K, block_k, split)  # a config given by a caller may ask for any split
-    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, block_n), split)
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), split)
     parts = y2
     if split > 1:
         parts = torch.empty((split, M, N), dtype=torch.float32, device=x2.device)
@@ -152,7 +161,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y
         _linear_kernel[grid](x2, weight, bias if bias is not None else weight, y2, parts,
                              counters if counters is not None else parts, M, N, K, k_per_split,
                              x2.stride(0), weight.stride(0), y2.stride(0),
-                             HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+                             HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                              SPLIT=split, FP32_DOT="ieee" if interpreted(_linear_kernel) else _FP32_DOT,
                              num_warps=warps, num_stages=stages)
 

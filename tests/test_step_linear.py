@@ -66,6 +66,27 @@ def test_split_k_matches_float64_and_leaves_the_counters_at_zero(sl, kernel_devi
     assert torch.equal(y, first) and not counters.any()
 
 
+@pytest.mark.parametrize("block_m", [32, 64])
+@pytest.mark.parametrize("split", [1, 3])
+def test_taller_row_tiles_match_float64(sl, kernel_device, block_m, split):
+    """A config's optional sixth element, the rows a tile (benchmarks try taller tiles for steps of many rows): rows
+    past the last full tile masked, the counters counted per tile of that height and left at zero."""
+    dtype = torch.float32
+    M, N, K = block_m + 7, 48, 200
+    x = rand(M, K, dtype=dtype, device=kernel_device)
+    w = rand(N, K, dtype=dtype, device=kernel_device, seed=1, scale=K ** -0.5)
+    b = rand(N, dtype=dtype, device=kernel_device, seed=2)
+    want = F.linear(x.double().cpu(), w.double().cpu(), b.double().cpu())
+    config = (16, 64, 4, 3, split, block_m)
+    needed = sl.counters_needed(M, N, config)
+    assert needed == (2 * 3 if split > 1 else 0)  # two row tiles of block_m, three column tiles of 16
+    counters = torch.zeros(max(needed, 1), dtype=torch.int32, device=kernel_device)
+    y = torch.full((M, N), float("nan"), dtype=dtype, device=kernel_device)
+    sl._launch(x, w, b, y, counters, config)
+    check(y, want, dtype)
+    assert not counters.any()
+
+
 def test_counters_are_checked(sl, kernel_device):
     x = rand(5, 576, dtype=torch.float32, device=kernel_device)
     w = rand(96, 576, dtype=torch.float32, device=kernel_device, seed=1)
