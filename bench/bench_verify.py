@@ -134,6 +134,24 @@ def add_gpu_warp_cases(cases: dict, x, nodes, tokens, end, depth, gen, kind, voc
 
 
 # ---- timing ------------------------------------------------------------------------------------------------------
+def add_gpu_top_cases(cases: dict, x, nodes) -> None:
+    """The successor table's tops of a tree step's rows (``x`` and its nodes: 33 rows, a 32-node tree; 121, this
+    bench's trees): ``torch.topk`` and its softmax (``SuccessorTable.top_reference``, what the GPU's graph ran
+    until session 56) against the Triton kernels (``lookahead_kernels.row_topk``), each in a graph."""
+    from lookahead.successors import SuccessorTable
+    from lookahead_kernels.row_topk import row_top_k
+
+    logits = torch.cat([x[:, None], nodes], dim=1)  # [1, 1 + NODES, V], as a step's logits
+    for rows in (33, 1 + NODES):
+        part = logits[:, :rows]
+        ids, probs = row_top_k(part, 8)
+        ref_ids, ref_probs = SuccessorTable.top_reference(part, 8)
+        if not torch.equal(ids, ref_ids) or not torch.allclose(probs, ref_probs, rtol=1e-5, atol=1e-7):
+            raise RuntimeError(f"row_top_k differs from torch.topk over {rows} rows")
+        cases[(f"tops {rows} rows", "torch graph")] = lambda p=part: SuccessorTable.top_reference(p, 8)
+        cases[(f"tops {rows} rows", "triton graph")] = lambda p=part: row_top_k(p, 8)
+
+
 def time_cpu(fn, min_reps=5, budget_s=0.5):
     fn()  # warm-up
     times = []
@@ -229,6 +247,8 @@ def main(argv=None) -> int:
                         cases[("greedy", f"triton graph {splits:02d} slices")] = \
                             lambda s=splits: verify_tree_greedy(x, nodes, tokens, end, None, depth, vocab_splits=s)
                 add_gpu_warp_cases(cases, x, nodes, tokens, end, depth, gen, kind, vocab)
+                if kind == "linear":
+                    add_gpu_top_cases(cases, x, nodes)
             for (mode, method), fn in sorted(cases.items()):
                 try:
                     us, reps = (time_gpu_graph if "graph" in method else timer)(fn)

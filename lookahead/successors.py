@@ -42,11 +42,18 @@ class SuccessorTable:
         among themselves, where ``logits [R, vocab]`` are (on their device: a GPU step reads back only these)."""
         if _native_applies(logits):  # one pass over each row (torch.topk took 3-4% of a CPU step)
             return torch.ops.lookahead_draft.top_successors(logits, k)
+        if logits.is_cuda and logits.dim() in (2, 3) and logits.shape[-1] > 0 and logits.stride(-1) == 1 \
+                and logits.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            # Two launches in the step's graph, where torch.topk makes several radix passes and a sort.
+            from lookahead_kernels.row_topk import row_top_k
+
+            return row_top_k(logits, k)
         return SuccessorTable.top_reference(logits, k)
 
     @staticmethod
     def top_reference(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`top` in torch: the C++ op's reference, and the path on a GPU (inside its CUDA graph)."""
+        """:meth:`top` in torch: the reference of the C++ op (CPU) and of the Triton kernels (CUDA,
+        ``lookahead_kernels.row_topk``), and the path where neither applies."""
         top = logits.float().topk(min(k, logits.shape[-1]), dim=-1)
         # The probability among the top k only: a confidence the builder calibrates by measured acceptance, at
         # a fraction of the cost of a softmax over the vocabulary (which took ~6% of a CPU step).

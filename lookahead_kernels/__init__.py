@@ -17,6 +17,7 @@ _LAZY = {
     "verify_tree_greedy": ".verify",
     "verify_tree_sample": ".verify",
     "row_argmax": ".verify",
+    "row_top_k": ".row_topk",
     "compact_kv": ".kv_compact",
     "load_pool_extension": ".pool_ext",
     "attention_cpu": ".cpu_attention",
