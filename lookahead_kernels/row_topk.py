@@ -8,12 +8,13 @@ over its 16-33 rows. Here: two launches. The first cuts each row into slices of 
 each slice's ``k`` largest (``k`` rounds of a maximum over the slice, in registers); the second takes each row's
 largest ``k`` among its slices' and their softmax.
 
-Order, as ``csrc/row_topk.cpp`` (the CPU op) and ``torch.topk``: larger first, NaN the largest, the lower index
+Order, as ``csrc/row_topk.cpp`` (the CPU op): larger first, NaN the largest (as ``torch.topk``), the lower index
 first among equal entries. Entries are compared through an int32 key with float32's order (NaN above +inf).
 
 :func:`row_top_k` checks its inputs (``ValueError``), allocates and launches; it is the torch custom op
 ``lookahead::row_top_k``. On CPU tensors it runs only under Triton's interpreter (``TRITON_INTERPRET=1`` set before
-this module is imported). The reference is ``SuccessorTable.top_reference`` (``torch.topk`` and a softmax).
+this module is imported). The reference is ``SuccessorTable.top_reference`` (``torch.topk`` and a softmax; the
+tests also compare with a stable top-k in float64, which fixes the order of ties).
 """
 
 from __future__ import annotations
