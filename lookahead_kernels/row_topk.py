@@ -4,9 +4,10 @@ hands the successor table (``lookahead/successors.py``, ``SuccessorTable.top``) 
 Why a kernel: ``torch.topk`` selects by several radix passes, each a few launches, and sorts what it selected. On
 an H200 (session 54) reading one row's top 8 of SmolLM2's 49152 logits back from a plain step's graph, and
 recording them, cost 0.25-0.28 ms a step (1.65 against 1.37-1.41 ms); a tree step's graph runs the same selection
-over every row it computed (x and its tree's nodes: mostly 16-33 at one row, up to 256). Here: two launches. The first cuts each row into slices of :data:`SLICE` entries and keeps
-each slice's ``k`` largest (``k`` rounds of a maximum over the slice, in registers); the second takes each row's
-largest ``k`` among its slices' and their softmax.
+over every row it computed (x and its tree's nodes: mostly 16-33 at one row, up to 256). Here: two launches. The
+first cuts each row into slices of :data:`SLICE` entries and keeps each slice's ``k`` largest (``k`` rounds of a
+maximum over the slice, in registers); the second takes each row's largest ``k`` among its slices' and their
+softmax.
 
 Order, as ``csrc/row_topk.cpp`` (the CPU op): larger first, NaN the largest (as ``torch.topk``), the lower index
 first among equal entries. Entries are compared through an int32 key with float32's order (NaN above +inf).
