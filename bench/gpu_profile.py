@@ -334,8 +334,7 @@ def part_smolstack(device, layers=30, rows=(16, 64, 1, 4, 128, 2, 8, 32, 256)):
         return lambda w: sl.tile_config(*w.shape, target=target, block_n=block_n, block_k=block_k, warps=warps)
 
     def tall(block_m, block_n, block_k, warps, target):  # a taller row tile, K split by tile_config's rule
-        return lambda w: sl.tile_config(*w.shape, target=target, block_n=block_n, block_k=block_k, warps=warps) \
-            + (block_m,)
+        return lambda w: tiles(block_n, block_k, warps, target)(w) + (block_m,)
 
     def deep(block_n, block_k, warps, most, split=1):  # K in `split` runs, each run's tiles all in flight
         return lambda w: (block_n, block_k, warps, min(most, triton.cdiv(triton.cdiv(w.shape[1], block_k), split)),

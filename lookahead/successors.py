@@ -42,12 +42,11 @@ class SuccessorTable:
         among themselves, where ``logits [R, vocab]`` are (on their device: a GPU step reads back only these)."""
         if _native_applies(logits):  # one pass over each row (torch.topk took 3-4% of a CPU step)
             return torch.ops.lookahead_draft.top_successors(logits, k)
-        if logits.is_cuda and logits.dim() in (2, 3) and logits.shape[-1] > 0 and logits.stride(-1) == 1 \
-                and logits.dtype in (torch.float32, torch.bfloat16, torch.float16):
-            # Two launches in the step's graph, where torch.topk makes several radix passes and a sort.
-            from lookahead_kernels.row_topk import row_top_k
+        if logits.is_cuda:  # two launches in the step's graph, where torch.topk makes radix passes and a sort
+            from lookahead_kernels import row_topk
 
-            return row_top_k(logits, k)
+            if row_topk.unreadable(logits) is None:
+                return row_topk.row_top_k(logits, k)
         return SuccessorTable.top_reference(logits, k)
 
     @staticmethod

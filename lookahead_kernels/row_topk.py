@@ -145,15 +145,24 @@ def row_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
         ValueError: on another dtype or rank, a non-contiguous last dimension, an empty vocabulary, ``k < 1``, or
             CPU tensors without Triton's interpreter.
     """
-    if not isinstance(logits, torch.Tensor) or logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        got = logits.dtype if isinstance(logits, torch.Tensor) else type(logits).__name__
-        raise ValueError(f"row_top_k: logits must be a float32, bfloat16 or float16 tensor, got {got}")
-    if logits.dim() not in (2, 3) or logits.shape[-1] == 0 or (logits.shape[-1] > 1 and logits.stride(-1) != 1):
-        raise ValueError(f"row_top_k: logits must be [R, V] or [B, R, V] with V >= 1 and the last dimension "
-                         f"contiguous, got shape {tuple(logits.shape)} strides {logits.stride()}")
+    problem = unreadable(logits)
+    if problem is not None:
+        raise ValueError(f"row_top_k: {problem}")
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"row_top_k: k must be an int >= 1, got {k!r}")
-    if logits.device.type != "cuda" and not interpreted(_slice_top_kernel):
-        raise ValueError(f"row_top_k: the Triton kernels need CUDA tensors (or CPU tensors with TRITON_INTERPRET=1 "
-                         f"set before lookahead_kernels.row_topk is imported), got {logits.device}")
     return _row_top_k_op(logits, k)
+
+
+def unreadable(logits) -> str | None:
+    """Why :func:`row_top_k` cannot take ``logits`` (what it needs, and what was given), or ``None`` where it can:
+    the one check its callers share (``SuccessorTable.top`` falls back to ``torch.topk`` instead)."""
+    if not isinstance(logits, torch.Tensor) or logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        got = logits.dtype if isinstance(logits, torch.Tensor) else type(logits).__name__
+        return f"logits must be a float32, bfloat16 or float16 tensor, got {got}"
+    if logits.dim() not in (2, 3) or logits.shape[-1] == 0 or (logits.shape[-1] > 1 and logits.stride(-1) != 1):
+        return (f"logits must be [R, V] or [B, R, V] with V >= 1 and the last dimension contiguous, got shape "
+                f"{tuple(logits.shape)} strides {logits.stride()}")
+    if logits.device.type != "cuda" and not interpreted(_slice_top_kernel):
+        return (f"the Triton kernels need CUDA tensors (or CPU tensors with TRITON_INTERPRET=1 set before "
+                f"lookahead_kernels.row_topk is imported), got {logits.device}")
+    return None

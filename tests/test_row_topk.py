@@ -77,6 +77,8 @@ def test_registered_as_a_custom_op(rt, kernel_device):
 
 
 def test_bad_inputs_are_value_errors(rt, kernel_device):
+    assert rt.unreadable(torch.zeros(2, 3, 5, device=kernel_device)[:, 1:]) is None  # what SuccessorTable.top asks
+    assert "float32" in rt.unreadable(torch.zeros(2, 5, dtype=torch.float64, device=kernel_device))
     with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
         rt.row_top_k(torch.zeros(2, 5, dtype=torch.float64, device=kernel_device), 3)
     with pytest.raises(ValueError, match="last dimension contiguous"):
