@@ -1,18 +1,20 @@
 """Does a refused call of our C++ ops raise ValueError here, or crash the process, and where does it crash?
 
-On the H200 image (sessions 46 and 54) every refused call of the CPU ops library (a ``TORCH_CHECK_VALUE`` that
-fails) ended its process with a segmentation fault, with nothing imported but torch (session 54: all seven import
-cases crashed, and the part's time box ran out before it wrote the compiler and the library's links); every other
-machine raises the ValueError. This script writes what it learns as it goes (facts first, one row a case):
+On the H200 image every refused call of the CPU ops library (a ``TORCH_CHECK_VALUE`` that fails) ended its process
+with a segmentation fault (sessions 46 and 54). Session 57 found why: the crash is in formatting the message's
+number (``std::ostream::_M_insert<double>``), inside the probe library itself, whose image-built copy holds
+libstdc++'s code (frames at offsets past 1 MB of a library 0.25 MB large when built here): the toolchain there
+links libstdc++ statically, and a second copy of its locale machinery beside the process's ``libstdc++.so.6``
+crashes. Our extensions now name the loaded ``libstdc++.so.6`` on their link line
+(``lookahead_kernels/cxx_runtime.py``). This script checks that on a machine, facts first, one row a case:
 
-- facts: the compiler, torch's build configuration and C++ ABI, what the library links;
-- probe libraries of two ops that throw (``TORCH_CHECK_VALUE``, and ``TORCH_CHECK``), built from a few lines
-  with our flags (``-O3 -fopenmp``), without OpenMP, and with the new ``std::string`` ABI forced: whether any
-  throw crashes, or only our library's, and whether the string's layout decides it;
+- facts: the compiler, where it finds ``libstdc++.so`` and ``libstdc++.a``, the libstdc++ this process loaded,
+  ``LIBRARY_PATH``, torch's build, and each library's size and links;
+- two probe libraries of two ops that throw with a number in the message (``TORCH_CHECK_VALUE``, ``TORCH_CHECK``):
+  our compile flags as before (``-O3 -fopenmp``), and the same with the loaded libstdc++ linked (the fix);
+- our library's refused call, alone and after a CUDA context;
 - each crash again under ``segv_trace.so`` (``LD_PRELOAD``; built here from ``bench/segv_trace.c``), which prints
-  the native frames: where the throw dies;
-- for each crash, and for our library's case always, where the throw's symbols (``_Unwind_RaiseException``,
-  ``__cxa_throw``, ...) were bound (``LD_DEBUG=bindings``): two unwinders in one process crash a throw.
+  the native frames.
 
 Session 55 ran it on this project's CPU machine under the image's torch build (2.11.0+cu130 from PyPI), with
 Python 3.11, 3.12.1 and, in a Debian 13 chroot, 3.13 with g++ 14: every case raised, none crashed.
@@ -83,11 +85,10 @@ TORCH_LIBRARY_IMPL(NAMESPACE, CPU, m) {
   m.impl("refuse_runtime", &refuse_runtime);
 }
 """
-# Our flags; without OpenMP; and the new std::string ABI forced (a throw hands libc10 a std::string, the one thing
-# an error path passes that a normal call does not: a layout mismatch would crash there and nowhere else; the old
-# ABI forced does not load beside torch 2.x at all, so it is no probe).
-PROBES = {"cpperr_probe_omp": ["-O3", "-fopenmp"], "cpperr_probe_plain": ["-O3"],
-          "cpperr_probe_abi1": ["-O3", "-D_GLIBCXX_USE_CXX11_ABI=1"]}
+# Our compile flags, linked as before and with the loaded libstdc++ named (the fix). Session 57 dropped the probes
+# without OpenMP and with the new string ABI forced: on the image they crashed as this one did, in the same frames.
+PROBE_FLAGS = ["-O3", "-fopenmp"]
+PROBES = ("cpperr_probe_omp", "cpperr_probe_runtime")
 
 
 def run(cmd: list[str], timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -111,51 +112,28 @@ def native_frames(stderr: str) -> str:
     return "\n".join(lines[start:start + 40] if start is not None else lines[-15:])
 
 
-# The symbols a C++ throw goes through: which library each call site is bound to. Two unwinders in one process (a
-# libunwind.so.8 ahead of libgcc_s in the lookup order, say) crash a throw that one starts and the other resumes.
-UNWIND_SYMBOLS = ("_Unwind_RaiseException", "_Unwind_Resume", "_Unwind_Find_FDE", "__cxa_throw",
-                  "__gxx_personality_v0")
-RUNTIME_LIBRARIES = ("unwind", "gcc_s", "stdc++", "libc10", "cxxrt", "c++abi")
-
-
-def unwinder_bindings(cmd: list[str], work: str) -> str:
-    """Where ``cmd``'s throw-related symbols were bound (``LD_DEBUG=bindings``), one line per distinct binding with
-    the libraries' base names; the libraries named like an unwinder or a C++ runtime that took part."""
-    out = os.path.join(work, "ld-debug")
-    for old in os.listdir(work):
-        if old.startswith("ld-debug"):
-            os.remove(os.path.join(work, old))
+def command_output(cmd: list[str]) -> str:
     try:
-        run(cmd, timeout=120, env={"LD_DEBUG": "bindings", "LD_DEBUG_OUTPUT": out})
-    except subprocess.TimeoutExpired:
-        return "timed out"
-    seen, libs = [], set()
-    for name in sorted(f for f in os.listdir(work) if f.startswith("ld-debug")):
-        with open(os.path.join(work, name), errors="replace") as f:
-            for line in f:
-                if "binding file" not in line:
-                    continue
-                parts = line.split("binding file", 1)[1].split()
-                for part in parts:
-                    if ".so" in part and any(key in part for key in RUNTIME_LIBRARIES):
-                        libs.add(os.path.basename(part))
-                if any(f"`{sym}'" in line for sym in UNWIND_SYMBOLS):
-                    text = " ".join(os.path.basename(p) if "/" in p else p for p in parts)
-                    if text not in seen:
-                        seen.append(text)
-        os.remove(os.path.join(work, name))
-    return "\n".join(seen[:40] + ["libraries seen: " + ", ".join(sorted(libs))])
+        return run(cmd).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{type(exc).__name__}: {exc}"
 
 
-def build_probes(work: str) -> dict:
-    """name -> the built library's path, or the error that stopped its build (each built in its own process, all
-    at once)."""
+def library_facts(path: str) -> str:
+    """A library's size (a statically linked libstdc++ adds about 1.5 MB) and what it links (``ldd``)."""
+    return f"{os.path.getsize(path)} bytes\n" + command_output(["ldd", path])
+
+
+def build_probes(work: str, runtime: list[str]) -> dict:
+    """name -> the built library's path, or the error that stopped its build (each built in its own process, both
+    at once); ``runtime``: the link flags of the fix (``cxx_runtime.runtime_link_flags``)."""
     procs = {}
-    for name, flags in PROBES.items():
+    for name in PROBES:
+        ldflags = ["-fopenmp"] + (runtime if name == "cpperr_probe_runtime" else [])
         code = ("import sys, torch\nfrom torch.utils import cpp_extension\n"
                 f"src = {PROBE_SOURCE.replace('NAMESPACE', name)!r}\n"
-                f"cpp_extension.load_inline(name={name!r}, cpp_sources=[src], extra_cflags={flags!r}, "
-                f"extra_ldflags={[f for f in flags if f == '-fopenmp']!r}, is_python_module=False, "
+                f"cpp_extension.load_inline(name={name!r}, cpp_sources=[src], extra_cflags={PROBE_FLAGS!r}, "
+                f"extra_ldflags={ldflags!r}, is_python_module=False, "
                 f"build_directory={os.path.join(work, name)!r})\n")
         os.makedirs(os.path.join(work, name), exist_ok=True)
         procs[name] = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -208,18 +186,21 @@ def main(argv=None) -> int:
     from torch.utils import cpp_extension
 
     from lookahead_kernels.cpu_ops import _NAME, load_cpu_ops
+    from lookahead_kernels.cxx_runtime import loaded_libstdcxx, runtime_link_flags
 
     device = torch.cuda.get_device_name().lower().replace(" ", "-") if torch.cuda.is_available() else "cpu"
     facts = {"torch": torch.__version__, "python": sys.version.split()[0],
              "torch C++ ABI (_GLIBCXX_USE_CXX11_ABI)": getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", "?"),
              "torch build": torch.__config__.show()}
     for key, cmd in (("c++ --version", ["c++", "--version"]),
-                     ("which c++ gcc g++ clang++ gdb", ["which", "c++", "gcc", "g++", "clang++", "gdb"]),
-                     ("readlink -f $(which c++)", ["readlink", "-f", "/usr/bin/c++"])):
-        try:
-            facts[key] = run(cmd).stdout.strip()
-        except (OSError, subprocess.SubprocessError) as exc:
-            facts[key] = f"{type(exc).__name__}: {exc}"
+                     ("c++ -print-file-name=libstdc++.so", ["c++", "-print-file-name=libstdc++.so"]),
+                     ("c++ -print-file-name=libstdc++.a", ["c++", "-print-file-name=libstdc++.a"]),
+                     ("readlink -f /usr/bin/c++", ["readlink", "-f", "/usr/bin/c++"])):
+        facts[key] = command_output(cmd)
+    found = facts["c++ -print-file-name=libstdc++.so"]
+    facts["that libstdc++.so resolved"] = os.path.realpath(found) if os.path.exists(found) else "missing"
+    facts["loaded libstdc++"] = loaded_libstdcxx()
+    facts["LIBRARY_PATH"] = os.environ.get("LIBRARY_PATH")
     report = Report(args.out_dir, device, facts)
     work = tempfile.mkdtemp(prefix="cpperr-")
     trace = os.path.join(work, "segv_trace.so")
@@ -233,9 +214,9 @@ def main(argv=None) -> int:
         if traced:
             break
     facts["segv_trace built"] = traced
-    probes = build_probes(work)
+    probes = build_probes(work, runtime_link_flags())
 
-    def case(name: str, cmd: list[str], bindings: bool = False) -> None:
+    def case(name: str, cmd: list[str]) -> None:
         try:
             proc = run(cmd)
         except subprocess.TimeoutExpired:
@@ -248,24 +229,20 @@ def main(argv=None) -> int:
                 frames = native_frames(run(cmd, env={"LD_PRELOAD": trace}).stderr)
             except subprocess.TimeoutExpired:
                 frames = "timed out"
-        if got.startswith("crashed") or bindings:  # and where its throw's symbols were bound
-            facts[f"unwinder bindings, {name}"] = unwinder_bindings(cmd, work)
         report.add(name, got, frames)
 
     for name, path in probes.items():
         if not os.path.exists(path):
             report.add(f"probe {name}", path)
             continue
+        facts[f"size and links, {name}"] = library_facts(path)
         for op in ("refuse_value", "refuse_runtime"):
-            case(f"probe {name} {op} ({' '.join(PROBES[name])})", [sys.executable, "-c", PROBE, path, name, op])
+            case(f"probe {name} {op}", [sys.executable, "-c", PROBE, path, name, op])
     load_cpu_ops()
-    library = os.path.join(cpp_extension._get_build_directory(_NAME, False), f"{_NAME}.so")
-    try:
-        facts["ldd (our CPU ops)"] = run(["ldd", library]).stdout.strip()
-    except (OSError, subprocess.SubprocessError) as exc:
-        facts["ldd (our CPU ops)"] = f"{type(exc).__name__}: {exc}"
+    facts["size and links, our CPU ops"] = library_facts(
+        os.path.join(cpp_extension._get_build_directory(_NAME, False), f"{_NAME}.so"))
     report.write()
-    case("ours: sample_warped, temperature 0", [sys.executable, "-c", OURS], bindings=True)
+    case("ours: sample_warped, temperature 0", [sys.executable, "-c", OURS])
     if torch.cuda.is_available():
         case("ours, after a CUDA context", [sys.executable, "-c", OURS, "cuda-context"])
     print(f"wrote {report.base}.json and {report.base}.md")

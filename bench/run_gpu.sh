@@ -11,7 +11,7 @@
 #   verify     verification microseconds (bench/bench_verify.py)
 #   stack      SmolLM2's linear products a step through cuBLAS and our kernel, split or not (gpu_profile smolstack)
 #   pool       n-gram pool microseconds (bench/bench_pool.py)
-#   cpperr     whether a refused call of the CPU ops raises ValueError or crashes, and under what (bench/cpp_errors.py)
+#   cpperr     whether a refused call of the CPU ops raises ValueError or crashes, with the libstdc++ fix (bench/cpp_errors.py)
 #   profile    where a SmolLM2 step's device time goes: its linear layers at 1-256 rows (cuBLAS, cuBLASLt), kernel
 #              tables at T = 1, 16, 128, our attention's tiles and the step menu's graph replays
 #              (bench/gpu_profile.py smollinear smolstep smoltiles steps; a diagnostic, profile.log)

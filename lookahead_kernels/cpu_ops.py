@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from .build_lock import exclusive_build, extension_name, source_dir
+from .cxx_runtime import runtime_link_flags
 
 _CSRC = source_dir()
 _NAME = extension_name("lookahead_cpu_ops", _CSRC)
@@ -82,7 +83,8 @@ def load_cpu_ops(verbose: bool = False) -> None:
         try:
             with exclusive_build(_NAME):
                 cpp_extension.load(name=_NAME, sources=[str(s) for s in sources], extra_cflags=["-O3", "-fopenmp"],
-                                   extra_ldflags=["-fopenmp"], is_python_module=False, verbose=verbose)
+                                   extra_ldflags=["-fopenmp", *runtime_link_flags()], is_python_module=False,
+                                   verbose=verbose)
         except Exception as exc:  # compiler, linker or loader failure: one clear error
             raise CpuOpsError(f"building the CPU ops extension {_NAME!r} from {', '.join(_SOURCES)} failed "
                               f"(torch {torch.__version__}):\n{exc}") from exc

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from .build_lock import exclusive_build, extension_name, source_dir
+from .cxx_runtime import runtime_link_flags
 
 _CSRC = source_dir()
 _CPU_NAME = extension_name("lookahead_pool_cpu", _CSRC)
@@ -81,6 +82,7 @@ def _build(name: str, sources: list[Path], verbose: bool) -> None:
         sources=[str(s) for s in sources],
         extra_include_paths=[str(_CSRC)],
         extra_cflags=["-O3"],
+        extra_ldflags=runtime_link_flags(),
         is_python_module=False,
         verbose=verbose,
     )

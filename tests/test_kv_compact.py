@@ -199,7 +199,7 @@ def test_cpu_compact_kv_narrowed_clamped_and_refused(cpu_compact):
                         ((k, v, lens, 2, acc, path[0]), "path must be"),
                         ((k, v, lens, 0, acc, path), "offset"),
                         ((k.transpose(3, 4), v.transpose(3, 4), lens, 2, acc, path), "contiguous"),
-                        ((k, v, torch.tensor([0, 27]), 2, acc, path), "outside the cache")):
+                        ((k, v, torch.tensor([0, 27]), 2, acc, path), r"outside the cache's 30 rows")):
         with pytest.raises(ValueError, match=match):
             cpu_compact(*args)
     assert same(k, want[0]) and same(v, want[1])  # nothing written by a refused call
