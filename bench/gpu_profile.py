@@ -309,12 +309,13 @@ def part_smollinear(device):
         torch.backends.cuda.preferred_blas_library(original)
 
 
-def part_smolstack(device, layers=30, rows=(16, 64, 1, 4, 128, 2, 8, 32, 256)):
+def part_smolstack(device, layers=30, rows=(16, 64, 1, 4, 128, 2, 8, 32, 256, 48)):
     """SmolLM2's float32 linear layers as a step meets them: 30 layers' qkv, o, gate_up and down and the vocabulary
     projection, each with its own weight (540 MB: read from HBM, as in a step, not from L2), the whole sequence
     replayed from one CUDA graph, at M = 1 to 256 rows (the likeliest steps first, in case the time box ends it):
-    cuBLAS; our kernel unsplit (its tiles, K in one run, as at git 92b29f2); split as ``tile_config`` chooses
-    (``TARGET_PROGRAMS`` 256); and with the split aimed at 128 and 512 programs; at up to 32 rows also other tiles
+    cuBLAS; our kernel unsplit (its tiles, K in one run, as at git 92b29f2); as the model runs it
+    (``rows_config``: 16-row tiles split for 256 programs up to 32 rows, 64-row tiles beyond, session 57); with
+    16-row tiles split for 128 and 512 programs; at up to 32 rows also other tiles
     (``tile_variants``: column tiles of 16-64, K tiles of 64-128, 2 or 4 warps; and unsplit, or split in two, with a
     pipeline as deep as K's tiles, "deep"); at 64 rows and more taller row tiles (``tall_variants``: 32-128 rows,
     wgmma on sm_90). Milliseconds a step
@@ -328,6 +329,8 @@ def part_smolstack(device, layers=30, rows=(16, 64, 1, 4, 128, 2, 8, 32, 256)):
     weights = [torch.randn(n, k, device=device) / k ** 0.5 for n, k in shapes]
 
     def config(w, target):
+        if target == "model":
+            return sl.rows_config(M, *w.shape)
         return sl.tile_config(*w.shape, target=target or 1)  # no target: K in one run (as at 92b29f2)
 
     def tiles(block_n, block_k, warps, target):  # another tile, K split by tile_config's rule
@@ -340,8 +343,7 @@ def part_smolstack(device, layers=30, rows=(16, 64, 1, 4, 128, 2, 8, 32, 256)):
         return lambda w: (block_n, block_k, warps, min(most, triton.cdiv(triton.cdiv(w.shape[1], block_k), split)),
                           split)
 
-    variants = {"ours unsplit": None, "ours split (model)": sl.TARGET_PROGRAMS, "ours split 128": 128,
-                "ours split 512": 512}
+    variants = {"ours unsplit": None, "ours (model)": "model", "ours split 128": 128, "ours split 512": 512}
     # Session 55: at 1-16 rows the split kernel took 5.6 us a layer product against cuBLAS's one-row GEMV's 4.7
     # (smollinear), nearly flat in the rows: a latency, not bandwidth. Tiles that cut each program's fixed work
     # (fewer partial sums, narrower column tiles, fewer warps) at the step sizes lookahead feeds most.

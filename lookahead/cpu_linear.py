@@ -21,7 +21,7 @@ behind that stream. Two packed paths, both on a copy made at first use (the para
 Everything else (another dtype or device, autograd through the weight, a torch built without oneDNN) takes
 plain ``F.linear``; so does mode ``"torch"``, the reference.
 
-On CUDA a float32 step of 2 to 64 rows (:data:`GPU_KERNEL_ROWS`) runs our Triton kernel
+On CUDA a float32 step of 2 to 256 rows (:data:`GPU_KERNEL_ROWS`) runs our Triton kernel
 (:func:`lookahead_kernels.step_linear.step_linear`), any other ``F.linear`` (cuBLAS), whatever the mode.
 """
 
@@ -40,10 +40,10 @@ GEMM_ENV = "LOOKAHEAD_CPU_GEMM"  # "0" disables our GEMM (mode "packed" then run
 
 _answer: dict = {}  # "ok": whether our GEMM serves this process, once known
 # On CUDA, float32 steps of this many rows take our Triton kernel, the others cuBLAS. SmolLM2's linear layers on an
-# H200, one step's in one graph (bench/results/linear-nvidia-h200.md): cuBLAS 0.59 ms at 1 row (its GEMV), 1.49 at
-# 16 and 1.68 at 64 (its float32 GEMM), 1.90 at 128; the kernel 1.18 at 16 and 1.40 at 64 (with the tiles of
-# step_linear.tile_config), 1.33 at 1 and 3.63 at 128 rows (other tiles then).
-GPU_KERNEL_ROWS = range(2, 65)
+# H200, one step's 121 products in one graph (bench/results/gpu-h200-s57.md, `stack`): cuBLAS 0.60 ms at 1 row (its
+# GEMV; the kernel 0.70), 1.51 at 16, 1.68 at 64, 1.93 at 128 and 2.72 at 256 (its float32 GEMM); the kernel with
+# step_linear.rows_config's tiles 0.73 at 16, 1.29 at 64, 1.56 at 128 and 2.01 at 256. Past 256 rows unmeasured.
+GPU_KERNEL_ROWS = range(2, 257)
 
 
 def onednn_linear_available() -> bool:
@@ -136,9 +136,9 @@ class PackedWeight:
         kept here so that a graph replays without filling them), None where the kernel does not split its K."""
         key = (tuple(weight.shape), weight.device)
         if self._counters is None or self._counters[0] != key:  # once per weight shape and device: every call asks
-            from lookahead_kernels.step_linear import counters_needed, tile_config
+            from lookahead_kernels.step_linear import counters_for_rows
 
-            needed = counters_needed(GPU_KERNEL_ROWS[-1], weight.shape[0], tile_config(*weight.shape))
+            needed = counters_for_rows(GPU_KERNEL_ROWS[-1], *weight.shape)
             self._counters = key, torch.zeros(needed, dtype=torch.int32, device=weight.device) if needed else None
         return self._counters[1]
 

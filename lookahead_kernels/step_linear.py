@@ -5,8 +5,8 @@ Why a kernel of our own where cuBLAS is at hand: SmolLM2 in float32 on an H200 (
 step's products in 0.59 ms (cuBLAS's GEMV) but a 16-row step's in 1.49 ms (its float32 GEMM, 2.5x), the growth of
 ``t(T)`` that bounds what lookahead gains on that model. This kernel, with the tiles that sweep found best (32
 columns, 64 of K, 4 warps, 3 stages), ran the 16-row step's in 1.18 ms and a 64-row step's in 1.40 (cuBLAS 1.68);
-at one row it took 1.33 ms and at 128 rows 3.63 (cuBLAS 1.90). So the model takes it for float32 steps of 2 to 64
-rows only (:data:`lookahead.cpu_linear.GPU_KERNEL_ROWS`), cuBLAS elsewhere.
+at one row it took 1.33 ms and at 128 rows 3.63 (cuBLAS 1.90). So the model took it for float32 steps of 2 to 64
+rows only, cuBLAS elsewhere, until the taller tiles below (:data:`lookahead.cpu_linear.GPU_KERNEL_ROWS`).
 
 Those times are a tenth of the H200's bandwidth: SmolLM2's narrow weights (576 to 3072 columns) give 18 to 96
 column tiles, each program's K loop one load after another, too few loads in flight. So K is split (session 48,
@@ -15,9 +15,15 @@ tile to finish adds them, in split order, counted by an atomic counter per tile 
 kernel). Not yet timed on a GPU when written: ``bench/gpu_profile.py smolstack`` times it against cuBLAS and the
 unsplit kernel.
 
+Steps of more rows (a batch's trees) take taller row tiles (session 57, :func:`rows_config`): 64 rows a tile,
+multiplied on sm_90's wgmma, reading each weight tile once for 64 rows, K split to about 64 programs a row tile. A
+step's products on the H200 (``bench/results/gpu-h200-s57.md``, ``stack``): 1.29 ms at 64 rows (16-row tiles 1.40,
+cuBLAS 1.68), 1.56 at 128 (cuBLAS 1.93) and 2.01 at 256 (cuBLAS 2.72); so the model takes the kernel for float32
+steps of 2 to 256 rows.
+
 Each row is computed alone by the same instructions whatever the other rows (tiles of ``BLOCK_M`` rows, K in the
-same order and split the same way; the configuration depends on the weight only), so a row's result does not
-depend on the step's size.
+same order and split the same way), so a row's result does not depend on the other rows, nor on the step's size
+within each of the two ranges of rows (1-32, 33 or more) whose tiles :func:`rows_config` gives.
 Tiles are multiplied as ``tf32x3`` on the tensor cores (each operand split into two tf32 parts: about float32's
 accuracy; on the H200 greedy decoding through it matched cuBLAS's tokens on every dev prompt), summed in float32.
 float32 only: in bfloat16 at Llama-2-7B's shape the same sweep had it 1.10x slower than cuBLAS at 1 and 16 rows and
@@ -46,6 +52,10 @@ _FP32_DOT = "tf32x3"
 # Programs a row tile aims at when K is split (:func:`tile_config`): about two for each of an H100's or H200's 132
 # SMs.
 TARGET_PROGRAMS = 256
+# Steps of this many rows or more take taller row tiles (:func:`rows_config`): rows a tile, K tile, programs a row
+# tile; the best of the H200's sweep at 64-256 rows (bench/results/gpu-h200-s57.md, `stack`).
+TALL_FROM_ROWS = 33
+TALL_BLOCK_M, TALL_BLOCK_K, TALL_TARGET_PROGRAMS = 64, 32, 64
 
 
 @triton.jit
@@ -102,10 +112,11 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, K_P
 def tile_config(N: int, K: int, target: int = TARGET_PROGRAMS, block_n: int = 32, block_k: int = 64,
                 warps: int = 4) -> tuple[int, int, int, int, int]:
     """``(BLOCK_N, BLOCK_K, num_warps, num_stages, split)`` for a weight ``[N, K]``: from the weight alone, never
-    from the number of rows, which is what keeps a row's result independent of the step's size. 32 columns and 64 of
-    K a tile (less for a narrower K), 4 warps, 3 stages: the best of the H200's sweep over SmolLM2's weights at 16 and
-    64 rows (``bench/results/linear-nvidia-h200.md``). ``split``: K cut into that many runs of whole tiles, enough
-    for about ``target`` programs a row tile (:data:`TARGET_PROGRAMS`; 1: K in one run). Why: that sweep's best read
+    from the number of rows (:func:`rows_config` picks between this and taller tiles by the rows' range). 32
+    columns and 64 of K a tile (less for a narrower K), 4 warps, 3 stages: the best of the H200's sweep over
+    SmolLM2's weights at 16 and 64 rows (``bench/results/linear-nvidia-h200.md``). ``split``: K cut into that many
+    runs of whole tiles, enough for about ``target`` programs a row tile (:data:`TARGET_PROGRAMS`; 1: K in one
+    run). Why: that sweep's best read
     the weights at 400 GB/s, a tenth of the H200's bandwidth, because SmolLM2's narrow weights give 18-96 column
     tiles for 132 SMs, too few loads in flight; cuBLAS's one-row GEMV reached 917 GB/s with more programs.
     ``block_n``, ``block_k`` (at most K's next power of two) and ``warps``: other tiles, split by the same rule
@@ -113,6 +124,21 @@ def tile_config(N: int, K: int, target: int = TARGET_PROGRAMS, block_n: int = 32
     block_k = min(block_k, max(16, triton.next_power_of_2(K)))
     split, _ = _k_runs(K, block_k, triton.cdiv(target, triton.cdiv(N, block_n)))
     return block_n, block_k, warps, 3, split
+
+
+def rows_config(M: int, N: int, K: int) -> tuple[int, ...]:
+    """The configuration a call of ``M`` rows takes (:func:`step_linear`; the model's layers): :func:`tile_config`'s
+    16-row tiles below :data:`TALL_FROM_ROWS` rows, else its rule with 64-row tiles (a sixth element), 32 of K and K
+    split to about 64 programs a row tile. The choice depends on the row count's range only, so a row's result is
+    the same for any step size within each range."""
+    if M < TALL_FROM_ROWS:
+        return tile_config(N, K)
+    return tile_config(N, K, TALL_TARGET_PROGRAMS, block_k=TALL_BLOCK_K) + (TALL_BLOCK_M,)
+
+
+def counters_for_rows(rows: int, N: int, K: int) -> int:
+    """Counters enough for every call of 1 to ``rows`` rows under :func:`rows_config` (a layer keeps them)."""
+    return max(counters_needed(m, N, rows_config(m, N, K)) for m in (min(rows, TALL_FROM_ROWS - 1), rows))
 
 
 def _k_runs(K: int, block_k: int, split: int) -> tuple[int, int]:
@@ -137,7 +163,7 @@ def _rows_a_tile(config: tuple[int, ...]) -> int:
 def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y2: torch.Tensor,
             counters: torch.Tensor | None = None, config: tuple[int, ...] | None = None) -> None:
     """``y2 [M, N] = x2 [M, K] @ weight.T (+ bias)``, inputs already checked; ``counters`` as :func:`step_linear`
-    takes them (made here where None and needed); ``config`` overrides :func:`tile_config` (benchmarks and tests
+    takes them (made here where None and needed); ``config`` overrides :func:`rows_config` (benchmarks and tests
     compare tile sizes and splits with it), optionally with a sixth element, the rows a tile (a power of two >= 16;
     default :data:`BLOCK_M`)."""
     M, K = x2.shape
@@ -147,7 +173,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y
     if K == 0:
         y2.copy_(bias.expand(M, N) if bias is not None else torch.zeros_like(y2))
         return
-    config = config or tile_config(N, K)
+    config = config or rows_config(M, N, K)
     block_n, block_k, warps, stages, split = config[:5]
     block_m = _rows_a_tile(config)
     split, k_per_split = _k_runs(K, block_k, split)  # a config given by a caller may ask for any split
@@ -186,14 +212,14 @@ def _linear_fake(x, weight, bias, counters):
 def step_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 counters: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)``, each row of ``x`` computed alone: its result is the same bit for bit whatever
-    the other rows (and however many) of the call.
+    the other rows of the call, and however many within each range of :func:`rows_config` (1-32 rows, 33 or more).
 
     Args:
         x: ``[..., K]`` float32 (any leading shape; rows are copied only where the last dimension is not
             contiguous).
         weight: ``[N, K]`` float32 on ``x``'s device, each row contiguous (``nn.Linear``'s layout).
         bias: optional ``[N]`` float32 on ``x``'s device, contiguous.
-        counters: where :func:`tile_config` splits K, one int32 counter per output tile (at least
+        counters: where :func:`rows_config` splits K, one int32 counter per output tile (at least
             :func:`counters_needed`), contiguous on ``x``'s device, all 0, and left all 0; a caller that makes many
             calls keeps one (a CUDA graph replays without a fill). None: made for the call. Calls that share
             counters must not run at the same time (one stream).
@@ -227,7 +253,8 @@ def step_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         raise ValueError(f"step_linear: the Triton kernel needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1 "
                          f"set before lookahead_kernels.step_linear is imported), got {x.device}")
     if counters is not None:
-        needed = counters_needed(x.shape[:-1].numel(), weight.shape[0], tile_config(*weight.shape))
+        rows = x.shape[:-1].numel()
+        needed = counters_needed(rows, weight.shape[0], rows_config(rows, *weight.shape))
         if not isinstance(counters, torch.Tensor) or counters.dtype != torch.int32 or counters.device != x.device \
                 or not counters.is_contiguous() or counters.numel() < needed:
             got = (counters.dtype, counters.numel(), str(counters.device)) if isinstance(counters, torch.Tensor) \

@@ -113,15 +113,32 @@ def test_leading_dims_and_strided_rows(sl, kernel_device):
 
 
 def test_a_row_s_result_does_not_depend_on_the_other_rows(sl, kernel_device):
-    """A plain step's one row and the same row inside a step of 1 to 40 rows give the same bits (cuBLAS does not
-    promise it: it changes kernels with the row count)."""
+    """A plain step's one row and the same row inside a step of 1 to 32 rows give the same bits, and so do steps of
+    33 to 80 rows among themselves (taller tiles; cuBLAS does not promise it: it changes kernels with the row
+    count)."""
     N, K, dtype = 72, 200, torch.float32
-    x = rand(40, K, dtype=dtype, device=kernel_device)
+    x = rand(80, K, dtype=dtype, device=kernel_device)
     w = rand(N, K, dtype=dtype, device=kernel_device, seed=1, scale=K ** -0.5)
     b = rand(N, dtype=dtype, device=kernel_device, seed=2)
-    full = sl.step_linear(x, w, b)
-    for rows in (slice(0, 1), slice(7, 8), slice(39, 40), slice(0, 16), slice(3, 20), slice(16, 33)):
-        assert torch.equal(sl.step_linear(x[rows], w, b), full[rows]), rows
+    short, tall = sl.step_linear(x[:32], w, b), sl.step_linear(x, w, b)
+    for rows in (slice(0, 1), slice(7, 8), slice(31, 32), slice(0, 16), slice(3, 20), slice(16, 32)):
+        assert torch.equal(sl.step_linear(x[rows], w, b), short[rows]), rows
+    for rows in (slice(0, 33), slice(40, 80), slice(5, 70)):
+        assert torch.equal(sl.step_linear(x[rows], w, b), tall[rows]), rows
+    want = F.linear(x.double().cpu(), w.double().cpu(), b.double().cpu())
+    check(short, want[:32], dtype)
+    check(tall, want, dtype)
+
+
+def test_steps_of_more_rows_take_taller_tiles(sl):
+    """rows_config: tile_config's 16-row tiles below 33 rows, 64-row tiles from 33 (K split for about 64 programs
+    a row tile); a layer's counters cover both up to its largest step."""
+    assert sl.rows_config(1, 576, 576) == sl.rows_config(32, 576, 576) == sl.tile_config(576, 576)
+    assert sl.rows_config(33, 576, 576) == sl.rows_config(256, 576, 576) == (32, 32, 4, 3, 4, 64)
+    assert sl.rows_config(64, 49152, 576)[4] == 1  # 1536 column tiles: K in one run
+    assert sl.counters_for_rows(256, 576, 576) == max(2 * 18, 4 * 18)
+    assert sl.counters_for_rows(16, 576, 576) == 18 and sl.counters_for_rows(33, 576, 576) == 2 * 18
+    assert sl.counters_for_rows(256, 49152, 576) == 0
 
 
 def test_tile_sizes_come_from_the_weight_alone(sl):
@@ -179,9 +196,9 @@ def test_registered_as_a_custom_op(sl, kernel_device):
     torch.library.opcheck(torch.ops.lookahead.step_linear, (x, w, None, counters), test_utils=utils)
 
 
-def test_the_model_takes_the_kernel_for_float32_cuda_steps_of_2_to_64_rows():
-    """Which products take the kernel (cuBLAS beat it at one row and past 64 on the H200; half types not measured
-    for it), and that the CPU path is left as it was."""
+def test_the_model_takes_the_kernel_for_float32_cuda_steps_of_2_to_256_rows():
+    """Which products take the kernel (cuBLAS beat it at one row on the H200; past 256 rows unmeasured; half types
+    not measured for it), and that the CPU path is left as it was."""
     from types import SimpleNamespace
 
     from lookahead.cpu_linear import GPU_KERNEL_ROWS, step_kernel_applies
@@ -192,8 +209,8 @@ def test_the_model_takes_the_kernel_for_float32_cuda_steps_of_2_to_64_rows():
                                is_contiguous=lambda: row_stride == 1)
 
     w = tensor([960])
-    assert [step_kernel_applies(tensor([m]), w) for m in (1, 2, 16, 64, 65, 128)] == \
-        [False, True, True, True, False, False]
+    assert [step_kernel_applies(tensor([m]), w) for m in (1, 2, 16, 64, 65, 256, 257, 1024)] == \
+        [False, True, True, True, True, True, False, False]
     assert step_kernel_applies(tensor([1, 16]), w) and step_kernel_applies(tensor([4, 16]), w)  # rows: B x T
     assert not step_kernel_applies(tensor([16], cuda=False), w)
     assert not step_kernel_applies(tensor([16], torch.bfloat16), tensor([960], torch.bfloat16))
@@ -203,20 +220,20 @@ def test_the_model_takes_the_kernel_for_float32_cuda_steps_of_2_to_64_rows():
     assert not step_kernel_applies(tensor([16]), w, tensor([], torch.float16))
     with torch.enable_grad():
         assert not step_kernel_applies(tensor([16], grad=True), w)
-    assert list(GPU_KERNEL_ROWS) == list(range(2, 65))
+    assert list(GPU_KERNEL_ROWS) == list(range(2, 257))
 
 
 def test_each_layer_keeps_its_counters_for_the_kernel():
     """The model's layers hand the kernel counters they keep (a graph replays them without a fill): enough for the
     kernel's largest step, zeros, the same tensor call after call; none where the weight's K is not split."""
     from lookahead.cpu_linear import GPU_KERNEL_ROWS, PackedWeight
-    from lookahead_kernels.step_linear import counters_needed, tile_config
+    from lookahead_kernels.step_linear import counters_for_rows
 
     pack = PackedWeight()
     w = torch.zeros(576, 1536)
     counters = pack.step_counters(w)
     assert counters.dtype == torch.int32 and not counters.any()
-    assert counters.numel() == counters_needed(GPU_KERNEL_ROWS[-1], 576, tile_config(576, 1536)) == 4 * 18
+    assert counters.numel() == counters_for_rows(GPU_KERNEL_ROWS[-1], 576, 1536) == 4 * 18  # 256 rows, 64 a tile
     assert pack.step_counters(w) is counters
     assert pack.step_counters(torch.zeros(49152, 576)) is None  # the vocabulary projection: K in one run
     pack.clear()
@@ -274,12 +291,12 @@ def test_on_the_gpu_steps_of_a_few_rows_take_the_kernel_and_decode_as_plain():
             for ids in [p[None] for p in prompts] + [prompts]:
                 want = model.generate(ids, max_new_tokens=32, lookahead=None).sequences
                 assert torch.equal(model.generate(ids, max_new_tokens=32, lookahead=la).sequences, want), la
-    assert calls and all(2 <= m <= 64 for m in calls)
+    assert calls and all(2 <= m <= 256 for m in calls)
 
 
 def test_kernel_compiles_for_h100(kernel_device):
-    """The kernel built for sm_90 through ptxas (tf32x3 dots, the model's tiles; with and without a bias), without a
-    GPU."""
+    """The kernel built for sm_90 through ptxas (tf32x3 dots, the model's tiles at 16 rows and the taller ones; with
+    and without a bias), without a GPU."""
     run_compile_script(_SM90_SCRIPT, kernel_device)
 
 
@@ -292,13 +309,15 @@ from lookahead_kernels import step_linear as sl
 
 h100 = GPUTarget("cuda", 90, 32)
 fn = sl._linear_kernel
-for N, K in ((576, 576), (49152, 576)):  # K split 9 ways; not split
-    bn, bk, warps, stages, split = sl.tile_config(N, K)
+for N, K, M in ((576, 576, 16), (49152, 576, 16), (576, 576, 64), (576, 1536, 256)):  # split 9 ways, not; 64 rows
+    config = sl.rows_config(M, N, K)
+    bn, bk, warps, stages, split = config[:5]
     for bias in (False, True):
         sig = {name: "i32" for name in fn.arg_names}
         sig.update({p: "*fp32" for p in ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "part_ptr")})
         sig["count_ptr"] = "*i32"
-        consts = dict(HAS_BIAS=bias, BLOCK_M=sl.BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, FP32_DOT=sl._FP32_DOT)
+        consts = dict(HAS_BIAS=bias, BLOCK_M=sl._rows_a_tile(config), BLOCK_N=bn, BLOCK_K=bk, SPLIT=split,
+                      FP32_DOT=sl._FP32_DOT)
         sig.update({name: "constexpr" for name in consts})
         triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=h100,
                        options=dict(num_warps=warps, num_stages=stages))
