@@ -230,7 +230,9 @@ def part_smoltiles(device):
     """Our attention at SmolLM2's shape by split-KV count and the least keys a split takes (CUDA-graph timing), the
     float32 products the GPU runs (tf32x3). T = 1 too: on the H200 (session 46) a plain step's attention took 10.4
     us a layer at 256 keys plus 2.3 us merging its key ranges, a third of the step; with at least 256 keys a split
-    (``_MIN_CHUNK``), 256 keys are one program's four key tiles in a row whatever the split count."""
+    (``_MIN_CHUNK``), 256 keys are one program's four key tiles in a row whatever the split count. Session 57: the
+    least range is 128 keys for up to 64 query rows (``_min_chunk``), and the merge reads only the ranges the keys
+    fill; ``default`` is that, the other rows force the least range (and the split count)."""
     import triton.testing
 
     from lookahead_kernels import StepLayout
@@ -239,6 +241,7 @@ def part_smoltiles(device):
 
     # Session 54 (context 256): the default tiles were as good as any other, and 4 key ranges of 64 rows beat the
     # default split by 3.4 us a layer at T = 1 (10.0 against 13.4): the split counts and least ranges at two contexts.
+    # The default is timed first and again last (session 57's first loop ran slower than the same configs later).
     for context in (256, 1024):
         for T, W, lv, V in ((1, 1, 1, 0), (16, 1, 1, 15), (75, 15, 4, 15), (120, 15, 4, 60)):
             tree = TreeShape.from_parents(list(range(-1, V - 1)), device=device) if V else None
@@ -247,24 +250,26 @@ def part_smoltiles(device):
             k = torch.randn(1, 2048, 3, 64, device=device)
             v = torch.randn(1, 2048, 3, 64, device=device)
             lens = torch.tensor([context], device=device)
-            min_chunk = attn._MIN_CHUNK
+            min_chunk = attn._min_chunk
             res = {}
-            for chunk in (256, 128, 64):
-                attn._MIN_CHUNK = chunk
-                for splits in (None, 1, 2, 4, 8):
+            for chunk in ("default", 256, 128, 64, "default again"):
+                if not isinstance(chunk, str):
+                    attn._min_chunk = lambda M, c=chunk: c
+                for splits in (None,) if isinstance(chunk, str) else (None, 1, 2, 4, 8):
                     fn = lambda: attn.lookahead_attention(q, k, v, cache_len=lens, layout=layout,  # noqa: E731
                                                           num_splits=splits)
-                    name = f"min_chunk={chunk} splits={splits}"
+                    name = chunk if isinstance(chunk, str) else f"min_chunk={chunk} splits={splits}"
                     try:
                         fn()
                         res[name] = triton.testing.do_bench_cudagraph(fn)
                     except Exception as exc:
                         print(f"smoltiles: {name}: {type(exc).__name__}: {exc}"[:300])
-            attn._MIN_CHUNK = min_chunk
+                attn._min_chunk = min_chunk
             print(f"smoltiles: attention fp32 T={T} (W={W}, levels={lv}, tree {V}) context {context}: us (cudagraph)")
             for key, b in sorted(res.items(), key=lambda kv: kv[1])[:8]:
                 print(f"   {key:30s} {b * 1e3:8.1f}", flush=True)
-            print(f"   default: {res.get(f'min_chunk={min_chunk} splits=None', float('nan')) * 1e3:.1f}")
+            firsts = (f"{res.get(k, float('nan')) * 1e3:.1f}" for k in ("default", "default again"))
+            print("   default (first, last): " + " / ".join(firsts))
 
 
 def part_smollinear(device):

@@ -11,7 +11,8 @@ key row of the tile, so O(BLOCK_N) loads; node ``j`` is visible to node ``i`` if
 
 Split-KV (flash-decoding): when ``B * Hkv`` query tiles would leave the GPU idle, the key rows
 ``0 .. cache_len + T - 1`` of each sequence are cut into ``num_splits`` ranges, one program each; every program
-writes a normalised partial output and its log-sum-exp, and a second small kernel merges them.
+writes a normalised partial output and its log-sum-exp, and a second small kernel merges them, reading only the
+ranges the sequence's keys fill (a graph's split count is chosen for its cache's capacity, not the context).
 
 The torch reference is :func:`lookahead_kernels.attention_ref.attention_torch` (CPU path, same arguments);
 the test oracle is :func:`lookahead_kernels.attention_ref.attention_dense_reference`.
@@ -33,8 +34,14 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 80, 96, 128)  # 16 and 32: small test models
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 _LOG2E = 1.4426950408889634
-# Smallest key range worth a program of its own (a multiple of every BLOCK_N used below).
+# Smallest key range worth a program of its own (a multiple of every BLOCK_N used below): 128 rows for query
+# tiles of up to 64 packed rows (up to 21 tokens of SmolLM2's 3 query heads a key head), 256 above
+# (:func:`_min_chunk`). On the H200 at SmolLM2's shape (session 57, ``gpu_profile.py smoltiles``), a context of
+# 256: one row's attention 9.1 us a layer in 4 ranges of at least 128 rows against 13.4 with ranges of at least 256
+# (one range did all the work), 16 rows 11.3 against 17.9; at 75 and 120 rows and a context of 1024, 128 lost.
 _MIN_CHUNK = 256
+_MIN_CHUNK_FEW_ROWS = 128
+_FEW_ROWS = 64
 _MAX_SPLITS = 64
 # Used to size the split when no CUDA device is involved (the interpreter): an H100's SM count.
 _DEFAULT_SMS = 132
@@ -203,21 +210,27 @@ def _attn_fwd_kernel(
         tl.store(o_ptrs, o.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["M", "num_splits"])
+@triton.jit(do_not_specialize=["T", "M", "num_splits"])
 def _attn_merge_kernel(
     # pointers
-    O_PART, LSE_PART, OUT,
+    O_PART, LSE_PART, CACHE_LEN, OUT,
     # sizes
-    M, HKV, GROUP, num_splits,
+    T, M, HKV, GROUP, num_splits,
     # strides
     stride_ps, stride_ls, stride_ob, stride_ot, stride_oh, stride_od,
     # meta-parameters
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, FWD_BLOCK_N: tl.constexpr,
+    MIN_CHUNK: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // HKV
     h = pid_bh % HKV
+    # Only the ranges the forward kernel gave rows (its chunk rule): a graph's split count is set for its cache's
+    # capacity, while a sequence's keys may fill a few ranges of it; the others are neither written nor read.
+    total = tl.load(CACHE_LEN + b).to(tl.int32) + T
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(total, num_splits), FWD_BLOCK_N) * FWD_BLOCK_N, MIN_CHUNK)
+    used = tl.minimum(tl.cdiv(total, chunk), num_splits)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < M
     offs_d = tl.arange(0, BLOCK_D)
@@ -227,7 +240,7 @@ def _attn_merge_kernel(
     m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_run = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for s in range(0, num_splits):
+    for s in range(0, used):
         lse = tl.load(LSE_PART + s * stride_ls + row, mask=row_ok, other=float("-inf"))
         o = tl.load(O_PART + s * stride_ps + row[:, None] * HEAD_DIM + offs_d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
@@ -262,15 +275,23 @@ def _tile_config(M: int, D: int, dtype: torch.dtype):
     return block_m, block_n, block_d, 4, 2
 
 
-def choose_num_splits(programs: int, max_rows: int, num_sms: int = _DEFAULT_SMS) -> int:
+def _min_chunk(M: int) -> int:
+    """The least key range of a program for query tiles of ``M`` packed rows (``G * T``)."""
+    return _MIN_CHUNK_FEW_ROWS if M <= _FEW_ROWS else _MIN_CHUNK
+
+
+def choose_num_splits(programs: int, max_rows: int, num_sms: int = _DEFAULT_SMS,
+                      min_chunk: int = _MIN_CHUNK) -> int:
     """How many key ranges to give each query tile.
 
     ``programs`` is the number of programs without splitting (query tiles x ``B * Hkv``); ``max_rows`` an upper
     bound on ``cache_len + T``. Split only while the GPU is not already busy, keep every range at least
-    ``_MIN_CHUNK`` rows, and among the counts that fit pick the fewest splits whose last wave is nearly full.
+    ``min_chunk`` rows (:func:`_min_chunk`), and among the counts that fit pick the fewest splits whose last wave
+    is nearly full. Where ``max_rows`` is a cache's capacity (a graph's), the kernels use as many of the ranges as
+    the sequence's keys fill.
     """
     slots = max(1, num_sms * _PROGRAMS_PER_SM)
-    max_useful = max(1, min(_MAX_SPLITS, -(-max_rows // _MIN_CHUNK)))
+    max_useful = max(1, min(_MAX_SPLITS, -(-max_rows // min_chunk)))
     if programs >= 0.8 * slots or max_useful == 1:
         return 1
     eff = []
@@ -317,19 +338,29 @@ def _launch(q, k_cache, v_cache, cache_len, window, levels, tree_size, end, sm_s
         stride_eb, stride_ev,
         stride_ps, stride_ls,
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        MIN_CHUNK=_MIN_CHUNK, SPLIT=split, F32_INPUTS=q.dtype == torch.float32 or upcast, UPCAST=upcast,
+        MIN_CHUNK=_min_chunk(M), SPLIT=split, F32_INPUTS=q.dtype == torch.float32 or upcast, UPCAST=upcast,
         FP32_DOT="ieee" if interpreted(_attn_fwd_kernel) else _FP32_DOT,
         num_warps=warps, num_stages=stages,
     )
     if split:
-        merge_m = 32
-        _attn_merge_kernel[(triton.cdiv(M, merge_m), B * Hkv)](
-            o_part, lse_part, out,
-            M, Hkv, G, num_splits,
-            stride_ps, stride_ls, *out.stride(),
-            HEAD_DIM=D, BLOCK_M=merge_m, BLOCK_D=block_d,
-            num_warps=4,
-        )
+        _merge(o_part, lse_part, cache_len, out, G)
+
+
+def _merge(o_part, lse_part, cache_len, out, G: int) -> None:
+    """The split partials (``o_part [splits, B, Hkv, M, D]``, ``lse_part [splits, B, Hkv, M]`` float32, as the
+    forward kernel wrote them for ``out``'s step and ``cache_len``) merged into ``out [B, T, Hq, D]``; only the
+    ranges each sequence's keys fill are read."""
+    num_splits, B, Hkv, M, D = o_part.shape
+    T = out.shape[1]
+    _, block_n, block_d, _, _ = _tile_config(M, D, out.dtype)
+    merge_m = 32
+    _attn_merge_kernel[(triton.cdiv(M, merge_m), B * Hkv)](
+        o_part, lse_part, cache_len, out,
+        T, M, Hkv, G, num_splits,
+        o_part.stride(0), lse_part.stride(0), *out.stride(),
+        HEAD_DIM=D, BLOCK_M=merge_m, BLOCK_D=block_d, FWD_BLOCK_N=block_n, MIN_CHUNK=_min_chunk(M),
+        num_warps=4,
+    )
 
 
 def tree_end(layout: StepLayout, batch: int, device) -> torch.Tensor:
@@ -446,7 +477,7 @@ def lookahead_attention(q, k_cache, v_cache, *, cache_len, layout: StepLayout, s
     if num_splits is None:
         M = (Hq // Hkv) * T
         programs = triton.cdiv(M, _tile_config(M, D, q.dtype)[0]) * B * Hkv
-        num_splits = choose_num_splits(programs, max_rows, _num_sms(q.device))
+        num_splits = choose_num_splits(programs, max_rows, _num_sms(q.device), _min_chunk(M))
     elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= _MAX_SPLITS:
         raise ValueError(f"num_splits must be None or an int in 1..{_MAX_SPLITS}, got {num_splits!r}")
     args = (q, k_cache, v_cache, lens, layout.window, layout.levels, layout.tree_size, tree_end(layout, B, q.device),

@@ -244,6 +244,41 @@ def test_split_workspace_fully_written(attn, kernel_device):
     check(out, attention_dense_reference(q, k, v, cache_len=lens, layout=layout), torch.float32)
 
 
+@pytest.mark.parametrize("group,splits,lens", [(2, 4, [20, 520]), (1, 16, [0, 130, 1000]), (32, 3, [5, 700])])
+def test_the_merge_skips_only_empty_ranges(attn, kernel_device, group, splits, lens):
+    """The merge reads a sequence's first ranges only, as many as its keys fill by the forward kernel's chunk rule
+    (a graph's split count is set for its cache's capacity): every range past those is empty (lse -inf in every
+    row), the last one read is not, and the output matches the oracle with the unread ranges poisoned."""
+    layout = StepLayout.linear(3, 2, 1, 2)
+    q, k, v, lens_t = make_inputs(layout, lens, 1, group, 64, torch.float32, kernel_device)
+    B, T, hq, d = q.shape
+    m = group * T
+    o_part = torch.full((splits, B, 1, m, d), float("nan"), device=kernel_device)
+    lse_part = torch.full((splits, B, 1, m), float("nan"), device=kernel_device)
+    out = torch.full_like(q, float("nan"))
+    lens_t = lens_t.to(device=kernel_device, dtype=torch.int64)
+    args = (q, k, v, lens_t, layout.window, layout.levels, layout.tree_size, attn.tree_end(layout, B, kernel_device),
+            1 / math.sqrt(d), splits, out)
+    attn._launch(*args, o_part, lse_part)
+    block_n, chunk_floor = attn._tile_config(m, d, q.dtype)[1], attn._min_chunk(m)
+    for b, n in enumerate(lens):
+        total = n + T
+        chunk = max(-(-(-(-total // splits)) // block_n) * block_n, chunk_floor)
+        used = min(-(-total // chunk), splits)
+        assert torch.isneginf(lse_part[used:, b]).all() and not torch.isneginf(lse_part[used - 1, b]).all()
+        o_part[used:, b], lse_part[used:, b] = float("nan"), float("nan")
+    out.fill_(float("nan"))
+    attn._merge(o_part, lse_part, lens_t, out, group)
+    check(out, attention_dense_reference(q, k, v, cache_len=lens_t.cpu(), layout=layout), torch.float32)
+
+
+def test_few_query_rows_take_shorter_key_ranges(attn):
+    """Query tiles of up to 64 packed rows split the keys into ranges of at least 128 rows, more rows into 256."""
+    assert attn._min_chunk(3) == attn._min_chunk(64) == 128 and attn._min_chunk(65) == attn._min_chunk(360) == 256
+    assert attn.choose_num_splits(3, 2048, 132, attn._min_chunk(3)) == 14  # SmolLM2's one row, a 2048-row cache
+    assert attn.choose_num_splits(3, 2048, 132) == 7
+
+
 def test_choose_num_splits(attn):
     # Llama-2-7B (32 kv heads, 2 query tiles) and Llama-3-8B (8 kv heads, 8 tiles): 64 programs each.
     s = attn.choose_num_splits(64, 8192 + 121, num_sms=132)
@@ -423,8 +458,8 @@ for split, dt, d in ((False, "fp16", 80), (True, "fp16", 80), (False, "fp32", 64
     triton.compile(ASTSource(fn=fwd, signature=sig, constexprs=const), target=target,
                    options=dict(num_warps=4, num_stages=2))
 sig = {n: "i32" for n in merge.arg_names}
-sig.update(O_PART="*fp32", LSE_PART="*fp32", OUT="*fp16")
-const = dict(HEAD_DIM=80, BLOCK_M=32, BLOCK_D=128)
+sig.update(O_PART="*fp32", LSE_PART="*fp32", CACHE_LEN="*i64", OUT="*fp16")
+const = dict(HEAD_DIM=80, BLOCK_M=32, BLOCK_D=128, FWD_BLOCK_N=64, MIN_CHUNK=128)
 sig.update({k: "constexpr" for k in const})
 triton.compile(ASTSource(fn=merge, signature=sig, constexprs=const), target=target, options=dict(num_warps=4))
 print("compiled")
