@@ -48,7 +48,7 @@ try:
     u = torch.zeros(2, dtype=torch.float64)
     torch.ops.lookahead_draft.sample_warped(torch.zeros(2, 5), 0.0, 0, 1.0, 0.0, u)
 except ValueError as exc:
-    print("ValueError:", str(exc)[:60])
+    print("ValueError:", str(exc)[:90])  # the number at its end shows the message formatted whole
 else:
     print("no error")
 """
