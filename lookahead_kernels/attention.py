@@ -227,7 +227,7 @@ def _attn_merge_kernel(
     b = pid_bh // HKV
     h = pid_bh % HKV
     # Only the ranges the forward kernel gave rows (its chunk rule): a graph's split count is set for its cache's
-    # capacity, while a sequence's keys may fill a few ranges of it; the others are neither written nor read.
+    # capacity, while a sequence's keys may fill a few ranges of it; the others hold empty partials, left unread.
     total = tl.load(CACHE_LEN + b).to(tl.int32) + T
     chunk = tl.maximum(tl.cdiv(tl.cdiv(total, num_splits), FWD_BLOCK_N) * FWD_BLOCK_N, MIN_CHUNK)
     used = tl.minimum(tl.cdiv(total, chunk), num_splits)

@@ -116,9 +116,9 @@ def tile_config(N: int, K: int, target: int = TARGET_PROGRAMS, block_n: int = 32
     columns and 64 of K a tile (less for a narrower K), 4 warps, 3 stages: the best of the H200's sweep over
     SmolLM2's weights at 16 and 64 rows (``bench/results/linear-nvidia-h200.md``). ``split``: K cut into that many
     runs of whole tiles, enough for about ``target`` programs a row tile (:data:`TARGET_PROGRAMS`; 1: K in one
-    run). Why: that sweep's best read
-    the weights at 400 GB/s, a tenth of the H200's bandwidth, because SmolLM2's narrow weights give 18-96 column
-    tiles for 132 SMs, too few loads in flight; cuBLAS's one-row GEMV reached 917 GB/s with more programs.
+    run). Why: that sweep's best read the weights at 400 GB/s, a tenth of the H200's bandwidth, because SmolLM2's
+    narrow weights give 18-96 column tiles for 132 SMs, too few loads in flight; cuBLAS's one-row GEMV reached 917
+    GB/s with more programs.
     ``block_n``, ``block_k`` (at most K's next power of two) and ``warps``: other tiles, split by the same rule
     (benchmarks compare them)."""
     block_k = min(block_k, max(16, triton.next_power_of_2(K)))
