@@ -24,17 +24,42 @@ class SuccessorTable:
             of row ``t`` are written).
         probs: float32 ``[vocab_size, k]``, their probabilities among the token's top ``k`` (likewise).
         count: int32 ``[vocab_size]``, successors recorded per token (0: none yet).
+        recorded: whether those exist yet: they are made when first asked for (a record), so that a row whose
+            batch never takes a tree never pays for them (readers take a table not yet recorded as empty).
     """
 
     def __init__(self, vocab_size: int, k: int = 8):
         if vocab_size < 1 or k < 1:
             raise ValueError(f"SuccessorTable needs vocab_size >= 1 and k >= 1, got {vocab_size}, {k}")
         self.k, self.vocab_size = k, vocab_size
-        # Read only up to each token's count: left unwritten, the 3 MB a row (SmolLM2) cost a 16-row batch 15 ms of
-        # page faults when it started lookahead.
-        self.ids = torch.empty(vocab_size, k, dtype=torch.int32)
-        self.probs = torch.empty(vocab_size, k, dtype=torch.float32)
-        self.count = torch.zeros(vocab_size, dtype=torch.int32)
+        self._tensors = None
+
+    def _made(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # Made at first use, not with the row's lookahead state: three allocations of 3 MB a row (SmolLM2) took
+        # 0.12 ms of each row's start on the H200 machine's host, 2 ms of a 16-row batch whose planner then
+        # declined every tree (session 57). Read only up to each token's count: ids and probs left unwritten (their
+        # page faults cost a 16-row batch 15 ms when they were zeroed).
+        if self._tensors is None:
+            self._tensors = (torch.empty(self.vocab_size, self.k, dtype=torch.int32),
+                             torch.empty(self.vocab_size, self.k, dtype=torch.float32),
+                             torch.zeros(self.vocab_size, dtype=torch.int32))
+        return self._tensors
+
+    @property
+    def recorded(self) -> bool:
+        return self._tensors is not None
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return self._made()[0]
+
+    @property
+    def probs(self) -> torch.Tensor:
+        return self._made()[1]
+
+    @property
+    def count(self) -> torch.Tensor:
+        return self._made()[2]
 
     @staticmethod
     def top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,6 +101,8 @@ class SuccessorTable:
 
     def successors(self, token: int) -> list[tuple[int, float]]:
         """``(next token, probability)`` pairs after ``token``, most likely first (empty when none recorded)."""
+        if not self.recorded:
+            return []
         n = int(self.count[token])
         return list(zip(self.ids[token, :n].tolist(), self.probs[token, :n].tolist()))
 
