@@ -343,16 +343,16 @@ def _launch(q, k_cache, v_cache, cache_len, window, levels, tree_size, end, sm_s
         num_warps=warps, num_stages=stages,
     )
     if split:
-        _merge(o_part, lse_part, cache_len, out, G)
+        _merge(o_part, lse_part, cache_len, out, G, block_n)
 
 
-def _merge(o_part, lse_part, cache_len, out, G: int) -> None:
+def _merge(o_part, lse_part, cache_len, out, G: int, block_n: int) -> None:
     """The split partials (``o_part [splits, B, Hkv, M, D]``, ``lse_part [splits, B, Hkv, M]`` float32, as the
-    forward kernel wrote them for ``out``'s step and ``cache_len``) merged into ``out [B, T, Hq, D]``; only the
-    ranges each sequence's keys fill are read."""
+    forward kernel wrote them for ``out``'s step and ``cache_len`` with key tiles of ``block_n``) merged into
+    ``out [B, T, Hq, D]``; only the ranges each sequence's keys fill are read."""
     num_splits, B, Hkv, M, D = o_part.shape
     T = out.shape[1]
-    _, block_n, block_d, _, _ = _tile_config(M, D, out.dtype)
+    block_d = triton.next_power_of_2(D)
     merge_m = 32
     _attn_merge_kernel[(triton.cdiv(M, merge_m), B * Hkv)](
         o_part, lse_part, cache_len, out,

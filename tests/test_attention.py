@@ -268,7 +268,7 @@ def test_the_merge_skips_only_empty_ranges(attn, kernel_device, group, splits, l
         assert torch.isneginf(lse_part[used:, b]).all() and not torch.isneginf(lse_part[used - 1, b]).all()
         o_part[used:, b], lse_part[used:, b] = float("nan"), float("nan")
     out.fill_(float("nan"))
-    attn._merge(o_part, lse_part, lens_t, out, group)
+    attn._merge(o_part, lse_part, lens_t, out, group, block_n)
     check(out, attention_dense_reference(q, k, v, cache_len=lens_t.cpu(), layout=layout), torch.float32)
 
 
