@@ -569,7 +569,7 @@ def propose_rows(builders: list[DraftBuilder], sequences: list[list[int]], budge
         span_counts[i] = count
     pools = lookup_rows([b.pool for b in builders], [seq[-1] for seq in sequences]) if budget \
         else [NO_ROWS] * len(builders)
-    tables = [t if t is not None and t.recorded else None for t in (b.successors for b in builders)]
+    tables = [t if t is not None and t.allocated else None for t in (b.successors for b in builders)]
     tokens, parents, scores, codes, offsets, counts = torch.ops.lookahead_draft.propose(
         [seq[-1] for seq in sequences], span_tokens, span_lens, span_matches, span_counts, pools,
         [b.stats.rates for b in builders], [_NONE_I32 if t is None else t.ids for t in tables],

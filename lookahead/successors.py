@@ -24,8 +24,8 @@ class SuccessorTable:
             of row ``t`` are written).
         probs: float32 ``[vocab_size, k]``, their probabilities among the token's top ``k`` (likewise).
         count: int32 ``[vocab_size]``, successors recorded per token (0: none yet).
-        recorded: whether those exist yet: they are made when first asked for (a record), so that a row whose
-            batch never takes a tree never pays for them (readers take a table not yet recorded as empty).
+        allocated: whether those exist yet: they are made when first asked for (a record), so that a row whose
+            batch never takes a tree never pays for them (readers take a table not yet allocated as empty).
     """
 
     def __init__(self, vocab_size: int, k: int = 8):
@@ -46,7 +46,7 @@ class SuccessorTable:
         return self._tensors
 
     @property
-    def recorded(self) -> bool:
+    def allocated(self) -> bool:
         return self._tensors is not None
 
     @property
@@ -101,7 +101,7 @@ class SuccessorTable:
 
     def successors(self, token: int) -> list[tuple[int, float]]:
         """``(next token, probability)`` pairs after ``token``, most likely first (empty when none recorded)."""
-        if not self.recorded:
+        if not self.allocated:
             return []
         n = int(self.count[token])
         return list(zip(self.ids[token, :n].tolist(), self.probs[token, :n].tolist()))

@@ -58,6 +58,13 @@ _FP32_DOT = "tf32x3"
 # ---------------------------------------------------------------------------------------------------------------
 # The step's sizes change from step to step (warm-up, tree size): do not compile a variant per value. The
 # tree strides follow V (a [B, V] tree's row stride is V; 0 for a tree shared by the batch).
+@triton.jit
+def _key_range(total, num_splits, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr):
+    # The key rows of one split-KV range for a sequence of `total` keys: whole key tiles, at least MIN_CHUNK. The
+    # forward kernel cuts the keys so, and the merge reads the ranges that holds.
+    return tl.maximum(tl.cdiv(tl.cdiv(total, num_splits), BLOCK_N) * BLOCK_N, MIN_CHUNK)
+
+
 @triton.jit(do_not_specialize=["T", "M", "S", "window", "lookahead_len", "tree_size", "num_splits",
                                "stride_eb", "stride_ev"])
 def _attn_fwd_kernel(
@@ -103,8 +110,7 @@ def _attn_fwd_kernel(
     # Key rows this program covers.
     total = L + T
     if SPLIT:
-        chunk = tl.cdiv(tl.cdiv(total, num_splits), BLOCK_N) * BLOCK_N
-        chunk = tl.maximum(chunk, MIN_CHUNK)
+        chunk = _key_range(total, num_splits, BLOCK_N, MIN_CHUNK)
         lo = split * chunk
         hi = tl.minimum(lo + chunk, total)
     else:
@@ -229,8 +235,7 @@ def _attn_merge_kernel(
     # Only the ranges the forward kernel gave rows (its chunk rule): a graph's split count is set for its cache's
     # capacity, while a sequence's keys may fill a few ranges of it; the others hold empty partials, left unread.
     total = tl.load(CACHE_LEN + b).to(tl.int32) + T
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(total, num_splits), FWD_BLOCK_N) * FWD_BLOCK_N, MIN_CHUNK)
-    used = tl.minimum(tl.cdiv(total, chunk), num_splits)
+    used = tl.minimum(tl.cdiv(total, _key_range(total, num_splits, FWD_BLOCK_N, MIN_CHUNK)), num_splits)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < M
     offs_d = tl.arange(0, BLOCK_D)

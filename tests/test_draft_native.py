@@ -182,19 +182,19 @@ def test_a_successor_table_is_made_at_its_first_record_and_reads_as_empty_before
     """Nothing allocated until a record (a batch's rows whose trees are all declined never pay for their 3 MB
     each); a table not yet made proposes what a made but empty one does, and proposing does not make it."""
     table = SuccessorTable(40, 4)
-    assert not table.recorded and table.successors(3) == []
+    assert not table.allocated and table.successors(3) == []
     cfg = LookaheadConfig(window=3, ngram=4, guess=6, pool_backend="cpp", sources=("suffix", "successors"))
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     fresh, made = DraftBuilder(cfg, 40, native=True), DraftBuilder(cfg, 40, native=True)
     for b in (fresh, made):
         b.start(prompt)
-    assert not made.successors.count.any() and made.successors.recorded and not fresh.successors.recorded
+    assert not made.successors.count.any() and made.successors.allocated and not fresh.successors.allocated
     a, b = propose_rows([fresh], [prompt], 16), propose_rows([made], [prompt], 16)
     assert a.scores == b.scores and a.scores[0]
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
-    assert not fresh.successors.recorded
+    assert not fresh.successors.allocated
     table.record(torch.tensor([3]), torch.tensor([[7, 8, 9, 10]]), torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
-    assert table.recorded and [t for t, _ in table.successors(3)] == [7, 8, 9, 10] and table.successors(4) == []
+    assert table.allocated and [t for t, _ in table.successors(3)] == [7, 8, 9, 10] and table.successors(4) == []
 
 
 @pytest.mark.parametrize("seed", range(12))
