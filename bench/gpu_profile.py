@@ -320,12 +320,9 @@ def part_smolstack(device, layers=30, rows=(16, 64, 1, 4, 128, 2, 8, 32, 256, 48
     replayed from one CUDA graph, at M = 1 to 256 rows (the likeliest steps first, in case the time box ends it):
     cuBLAS; our kernel unsplit (its tiles, K in one run, as at git 92b29f2); as the model runs it
     (``rows_config``: 16-row tiles split for 256 programs up to 32 rows, 64-row tiles beyond, session 57); with
-    16-row tiles split for 128 and 512 programs; at up to 32 rows also other tiles
-    (``tile_variants``: column tiles of 16-64, K tiles of 64-128, 2 or 4 warps; and unsplit, or split in two, with a
-    pipeline as deep as K's tiles, "deep"); at 64 rows and more taller row tiles (``tall_variants``: 32-128 rows,
-    wgmma on sm_90). Milliseconds a step
-    (``do_bench_cudagraph`` median); the model takes our kernel at 2-64 rows."""
-    import triton
+    16-row tiles split for 128 and 512 programs; at up to 32 rows one other tile (``tile_variants``), at 33 rows and
+    more one other 64-row tile (``tall_variants``). Milliseconds a step (``do_bench_cudagraph`` median); the model
+    takes our kernel at 2-256 rows."""
     import triton.testing
 
     from lookahead_kernels import step_linear as sl
@@ -338,36 +335,17 @@ def part_smolstack(device, layers=30, rows=(16, 64, 1, 4, 128, 2, 8, 32, 256, 48
             return sl.rows_config(M, *w.shape)
         return sl.tile_config(*w.shape, target=target or 1)  # no target: K in one run (as at 92b29f2)
 
-    def tiles(block_n, block_k, warps, target):  # another tile, K split by tile_config's rule
-        return lambda w: sl.tile_config(*w.shape, target=target, block_n=block_n, block_k=block_k, warps=warps)
-
-    def tall(block_m, block_n, block_k, warps, target):  # a taller row tile, K split by tile_config's rule
-        return lambda w: tiles(block_n, block_k, warps, target)(w) + (block_m,)
-
-    def deep(block_n, block_k, warps, most, split=1):  # K in `split` runs, each run's tiles all in flight
-        return lambda w: (block_n, block_k, warps, min(most, triton.cdiv(triton.cdiv(w.shape[1], block_k), split)),
-                          split)
+    def tiles(block_n, block_k, warps, target, block_m=None):  # another tile, K split by tile_config's rule
+        return lambda w: sl.tile_config(*w.shape, target=target, block_n=block_n, block_k=block_k, warps=warps) \
+            + ((block_m,) if block_m else ())
 
     variants = {"ours unsplit": None, "ours (model)": "model", "ours split 128": 128, "ours split 512": 512}
-    # Session 55: at 1-16 rows the split kernel took 5.6 us a layer product against cuBLAS's one-row GEMV's 4.7
-    # (smollinear), nearly flat in the rows: a latency, not bandwidth. Tiles that cut each program's fixed work
-    # (fewer partial sums, narrower column tiles, fewer warps) at the step sizes lookahead feeds most.
-    tile_variants = {"bn16 t256": tiles(16, 64, 4, 256), "bn16 w2 t256": tiles(16, 64, 2, 256),
-                     "bn32 w2 t256": tiles(32, 64, 2, 256), "bn64 t256": tiles(64, 64, 4, 256),
-                     "bn16 bk128 t128": tiles(16, 128, 4, 128), "bn32 bk128 t128": tiles(32, 128, 4, 128)}
-    # Session 56: the split's second round (partial sums stored, a counter, the last split reading them back) is a
-    # latency of its own. Unsplit with as many stages as K has tiles (up to `most`), every load of a program is in
-    # flight at once: one round trip to HBM, as cuBLAS's GEMV. 64-123 KB of shared memory (sm_90, Triton 3.6).
-    tile_variants.update({"bn16 deep": deep(16, 64, 4, 16), "bn16 w2 deep": deep(16, 64, 2, 16),
-                          "bn32 deep": deep(32, 64, 4, 8), "bn16 bk128 deep": deep(16, 128, 4, 8),
-                          "bn16 split2 deep": deep(16, 64, 4, 16, split=2)})
-    # Session 56: at 64-256 rows (the steps a batch's trees need) a tile of 16 rows reads each weight tile once per
-    # 16 rows and multiplies on mma.sync; cuBLAS's float32 GEMM (its kernels named f32f32: no tensor cores) took
-    # 1.68 ms a step's products at 64 rows (fd9ef40) and 1.90 at 128 (d8b31f2). Taller tiles multiply on wgmma
-    # (tf32x3 as ours does: about float32's accuracy).
-    tall_variants = {"bm64 bn64 unsplit": tall(64, 64, 32, 4, 1), "bm64 bn64 t64": tall(64, 64, 32, 4, 64),
-                     "bm64 bn32 t64": tall(64, 32, 32, 4, 64), "bm128 bn64 unsplit": tall(128, 64, 32, 8, 1),
-                     "bm32 bn32 t128": tall(32, 32, 64, 4, 128)}
+    # Sessions 55-57 swept 11 other tiles at up to 32 rows and 5 taller ones at 64-256 (in git at 4a84d54; results
+    # in bench/results/gpu-h200-s57.md): the "deep" tiles (K unsplit, every K tile in flight) lost everywhere by
+    # 60-100%, narrower or wider column tiles and K tiles of 128 lost at 1-16 rows; 64-row tiles won at 64-256 rows
+    # and became the model's (`rows_config`). Kept: the two that came close or won somewhere, timed again.
+    tile_variants = {"bn32 w2 t256": tiles(32, 64, 2, 256)}  # 32 rows: 0.855 ms against the model's 0.947
+    tall_variants = {"bm64 bn64 t64": tiles(64, 32, 4, 64, block_m=64)}  # 256 rows: 1.960 against 2.007
     print("smolstack: SmolLM2 fp32, every linear product of a step (own weights), ms a step (one graph)", flush=True)
     for M in rows:
         x = {k: torch.randn(M, k, device=device) for k in (576, 1536)}
