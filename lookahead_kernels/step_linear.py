@@ -155,7 +155,7 @@ def counters_needed(M: int, N: int, config: tuple[int, ...]) -> int:
 
 
 def _rows_a_tile(config: tuple[int, ...]) -> int:
-    """A config's rows a tile: its sixth element where a caller gave one (benchmarks try taller tiles for steps of
+    """A config's rows a tile: its sixth element where a caller gave one (:func:`rows_config` gives 64 for steps of
     many rows), else :data:`BLOCK_M`."""
     return config[5] if len(config) > 5 else BLOCK_M
 

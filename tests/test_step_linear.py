@@ -69,7 +69,7 @@ def test_split_k_matches_float64_and_leaves_the_counters_at_zero(sl, kernel_devi
 @pytest.mark.parametrize("block_m", [32, 64])
 @pytest.mark.parametrize("split", [1, 3])
 def test_taller_row_tiles_match_float64(sl, kernel_device, block_m, split):
-    """A config's optional sixth element, the rows a tile (benchmarks try taller tiles for steps of many rows): rows
+    """A config's optional sixth element, the rows a tile (rows_config takes 64 from 33 rows): rows
     past the last full tile masked, the counters counted per tile of that height and left at zero."""
     dtype = torch.float32
     M, N, K = block_m + 7, 48, 200
