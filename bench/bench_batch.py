@@ -133,6 +133,7 @@ def main(argv=None) -> int:
                     help="sample at this temperature (default: greedy decoding, outputs compared with plain's)")
     ap.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass, with --temperature")
     ap.add_argument("--tag", default=None, help="result file tag (default: the device)")
+    ap.add_argument("--tag-suffix", default="", help="appended to the default tag (another run on the same device)")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     ap.add_argument("--render", metavar="JSON", help="only re-write the markdown and plot of a results file")
     ap.add_argument("--dry-run", action="store_true",
@@ -195,7 +196,8 @@ def main(argv=None) -> int:
     machine["load_average_end"] = machine_info(args.device)["load_average"]
     tag = args.tag or ("cpu" if args.device == "cpu" else device_label(machine).lower().replace(" ", "-")) \
         + ("" if args.dtype == "float32" else f"-{args.dtype}") \
-        + ("-refill" if args.refill else "") + ("-dry-run" if args.dry_run else "")
+        + ("-refill" if args.refill else "") + (f"-{args.tag_suffix}" if args.tag_suffix else "") \
+        + ("-dry-run" if args.dry_run else "")
     result = {"machine": machine, "command": command_line(__file__, sys.argv[1:] if argv is None else argv),
               "model": f"SmolLM2-135M-Instruct ({args.dtype})", "dtype": args.dtype,
               "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,

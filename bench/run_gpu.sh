@@ -20,6 +20,7 @@
 #   hostprof   where automatic lookahead's host work goes there, and whether torch's thread count moves it
 #              (bench/gpu_hostprof.py; needs model)
 #   batch      SmolLM2 batches of 1, 4, 16 rows: lookahead against plain (bench/bench_batch.py --device cuda)
+#   batch64    64 rows (HumanEval's first 64 prompts in one batch, MT-Bench's 40), issue 12's largest batch size
 #   batchbf16  the same in bfloat16, 1 and 16 rows (tensor cores keep a step's cost flat to larger sizes)
 #   batchrefill  48 prompts a set through 16 rows, a finished row's place going to the next prompt (--refill)
 #   gputests   every other test marked gpu (pytest -m gpu), bf16 identity counts included
@@ -41,11 +42,11 @@ PARTS=()
 for a in "$@"; do
   case "$a" in
     --dry-run) DRY=1 ;;
-    env|build|ktests|stepcost|kernels|verify|stack|pool|cpperr|profile|model|e2e|hostprof|batch|batchbf16|batchrefill|gputests) PARTS+=("$a") ;;
-    *) echo "unknown part '$a'; parts: env build ktests stepcost kernels verify stack pool cpperr profile model e2e hostprof batch batchbf16 batchrefill gputests" >&2; exit 2 ;;
+    env|build|ktests|stepcost|kernels|verify|stack|pool|cpperr|profile|model|e2e|hostprof|batch|batch64|batchbf16|batchrefill|gputests) PARTS+=("$a") ;;
+    *) echo "unknown part '$a'; parts: env build ktests stepcost kernels verify stack pool cpperr profile model e2e hostprof batch batch64 batchbf16 batchrefill gputests" >&2; exit 2 ;;
   esac
 done
-[ ${#PARTS[@]} -eq 0 ] && PARTS=(env build ktests stepcost kernels verify stack pool cpperr profile model e2e hostprof batch batchbf16 batchrefill gputests)
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(env build ktests stepcost kernels verify stack pool cpperr profile model e2e hostprof batch batch64 batchbf16 batchrefill gputests)
 wants() { local p; for p in "${PARTS[@]}"; do [ "$p" = "$1" ] && return 0; done; return 1; }
 
 OUT=${OUT:-$ROOT/gpu-out}
@@ -177,9 +178,14 @@ if [ $DRY = 1 ]; then  # the batches' loop as a GPU runs it (static steps, a pla
     --sets "${SETS[@]}" --out-dir "$WORK"
   wants batchrefill && part batchrefill 90 $PY bench/bench_batch.py --dry-run --refill --prompts 6 --batch-sizes 4 \
     --max-new-tokens 8 --sets "${SETS[@]}" --out-dir "$WORK"
+  wants batch64 && part batch64 120 $PY bench/bench_batch.py --dry-run --prompts 6 --batch-sizes 6 \
+    --max-new-tokens 8 --tag-suffix 64rows --sets "${SETS[@]}" --out-dir "$WORK"
 else  # issue 12's GPU figure: lookahead against plain at 1, 4 and 16 rows (graphs on)
   wants batch && part batch 150 $PY bench/bench_batch.py --device cuda --prompts 16 --batch-sizes 1 4 16 \
     --repeats 3 --max-new-tokens 64 --sets "${SETS[@]}" --out-dir "$WORK"
+  # Issue 12's largest size, never run on a GPU: 64 rows take the 64-row tiles (MT-Bench has 40 dev prompts).
+  wants batch64 && part batch64 120 $PY bench/bench_batch.py --device cuda --prompts 64 --batch-sizes 64 \
+    --repeats 2 --max-new-tokens 64 --tag-suffix 64rows --sets "${SETS[@]}" --out-dir "$WORK"
   wants batchbf16 && part batchbf16 90 $PY bench/bench_batch.py --device cuda --dtype bfloat16 --prompts 16 \
     --batch-sizes 1 16 --repeats 1 --max-new-tokens 64 --sets "${SETS[@]}" --out-dir "$WORK"
   wants batchrefill && part batchrefill 90 $PY bench/bench_batch.py --device cuda --refill --prompts 48 \

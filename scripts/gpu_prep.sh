@@ -25,5 +25,5 @@ Call 2, at once after it (the machine stays warm 30 s), RUN_GPU_BUDGET = what st
 (at most 560) (carry [".device-model/part-b", ".device-model/wheels", ".device-model/SHA256", ".device-model/data", ".device-model/REVISION"]):
   RUN_GPU_BUDGET=<left - 60> bash bench/run_gpu.sh build verify profile model e2e hostprof batch batchrefill gputests
 Then give_back. Each call's $OUT: summary.md, results.tar.gz, run.log (and e2e-gpu-<device>.json from call 2).
-With 120 s or more left, a third call at once: build stack batchbf16 pool (GPU_RUN.md).
+With 120 s or more left, a third call at once: build stack batch64 batchbf16 pool (GPU_RUN.md).
 TXT
