@@ -92,8 +92,10 @@ pack() {  # summary.md and results.tar.gz from whatever WORK holds now
     tail -n +2 "$WORK/parts.tsv" | awk -F'\t' '{printf "| %s | %s | %s |\n", $1, $2, $3}'
     echo; echo "rc 124: stopped by its time box (partial results kept); 125: skipped, no time left."; echo
     for f in "$WORK"/*.md; do [ -f "$f" ] && { echo; cat "$f"; }; done
-    [ -f "$WORK/bf16-identity.json" ] && { echo; echo '## bf16 identity (tests/test_gpu_e2e.py)'; echo '```';
-      $PY -c "import json,sys; print(json.dumps(json.load(open(sys.argv[1]))['summary'], indent=1))" "$WORK/bf16-identity.json"; echo '```'; }
+    for half in bf16 fp16; do
+      [ -f "$WORK/$half-identity.json" ] && { echo; echo "## $half identity (tests/test_gpu_e2e.py)"; echo '```';
+        $PY -c "import json,sys; print(json.dumps(json.load(open(sys.argv[1]))['summary'], indent=1))" "$WORK/$half-identity.json"; echo '```'; }
+    done
     for f in "$WORK"/*.log; do [ -f "$f" ] && { echo; echo "## tail of $(basename "$f")"; echo '```'; tail -n 25 "$f"; echo '```'; }; done
   } > "$OUT/summary.md" 2>/dev/null
   tar czf "$OUT/results.tar.gz" -C "$WORK" . 2>/dev/null
