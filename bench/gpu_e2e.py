@@ -15,7 +15,8 @@ index where it differs.
 
 In float32 the output is ``e2e-gpu-<device>.json`` (top-level ``device`` and ``rows`` of ``{"set", "system",
 "tokens_per_s", "identical", ...}``, the file other code reads) plus ``.md``; in another dtype
-``e2e-gpu-<device>-<dtype>.{json,md}``: the bf16 identity counts.
+``e2e-gpu-<device>-<dtype>.{json,md}``: the bf16 identity counts. A bar chart of every system's tokens/s
+(``.png``) at the end; ``--render JSON`` draws it and the markdown again from a results file.
 
     python bench/gpu_e2e.py --limit 16 --hf-limit 6 --out-dir $OUT/work    # fp32: speed and identity
     python bench/gpu_e2e.py --dtype bfloat16 --limit 10 --max-new-tokens 64 --systems ours-plain ours-lookahead \
@@ -39,7 +40,7 @@ sys.path.insert(0, HERE)
 
 from gpu_util import ResultFile, add_device_args, header, parse_dtype, pick_device  # noqa: E402
 
-from _common import DEFAULT_SETS, hf_default_model, set_name  # noqa: E402
+from _common import DEFAULT_SETS, hf_default_model, pyplot, render as render_files, set_name  # noqa: E402
 from bench_speed import SYSTEMS, make_runners  # noqa: E402
 
 # bench_speed's systems plus our eager loop, to show what the CUDA graphs gain, and ours without our linear kernel.
@@ -145,8 +146,46 @@ def render(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(result: dict, path: str) -> None:
+    """Tokens/s of every system, a group of bars a set (log scale: transformers' run at a twentieth of ours), each
+    labelled with its tokens/s and its ratio to ours-plain (transformers' on the prompts they ran)."""
+    plt = pyplot()
+    rows = result["rows"]
+    if plt is None or not rows:
+        return
+    sets = list(dict.fromkeys(r["set"] for r in rows))
+    systems = list(dict.fromkeys(r["system"] for r in rows))
+    width = 0.8 / len(systems)
+    fig, ax = plt.subplots(figsize=(max(7.0, 0.75 * len(sets) * len(systems)), 5))
+    for i, system in enumerate(systems):
+        xs, ys, labels = [], [], []
+        for j, name in enumerate(sets):
+            r = next((r for r in rows if r["set"] == name and r["system"] == system), None)
+            if r is not None:
+                xs.append(j + (i - (len(systems) - 1) / 2) * width)
+                ys.append(r["tokens_per_s"])
+                labels.append(f"{r['tokens_per_s']:.0f}" + (f"\n{r['vs_ours_plain']:.2f}x"
+                                                            if r.get("vs_ours_plain") else ""))
+        bars = ax.bar(xs, ys, width, label=system)
+        ax.bar_label(bars, labels=labels, fontsize=6, padding=1)
+    ax.set_yscale("log")
+    ax.set_ylim(top=2 * max(r["tokens_per_s"] for r in rows))  # room for the tallest bar's label
+    ax.set_xticks(range(len(sets)), sets)
+    ax.set_ylabel("tokens per second")
+    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.08))
+    ax.grid(axis="y", alpha=0.3)
+    hf = f"; transformers' on the first {result['hf_limit']}" if result.get("hf_limit") else ""
+    ax.set_title(f"{result['model']} {result['dtype']}, greedy, {result['max_new_tokens']} new tokens, first "
+                 f"{result['limit']} prompts a set{hf}: {result['device']}, git {result['machine'].get('git')}",
+                 fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--render", metavar="JSON", help="only re-write the markdown and plot of a results file")
     ap.add_argument("--sets", nargs="+", default=DEFAULT_SETS)
     ap.add_argument("--systems", nargs="+", default=GPU_SYSTEMS, choices=GPU_SYSTEMS)
     ap.add_argument("--dtype", default="float32")
@@ -157,6 +196,9 @@ def main(argv=None) -> int:
                          "they take most of the run)")
     add_device_args(ap, "CPU, 2 prompts per set, 8 new tokens")
     args = ap.parse_args(argv)
+    if args.render:
+        render_files(args.render, render, plot)
+        return 0
     device = pick_device(args.dry_run, args.device)
     dtype = parse_dtype(args.dtype)
     limit, max_new = (args.limit or None), args.max_new_tokens
@@ -176,7 +218,7 @@ def main(argv=None) -> int:
                 dry_run=args.dry_run, systems=systems, per_prompt=[])
     stem = f"e2e-gpu-{head['device_slug']}" + ("" if dtype == torch.float32 else f"-{dname}") \
         + ("-dry-run" if args.dry_run else "")
-    out = ResultFile(args.out_dir, stem, head, render)
+    out = ResultFile(args.out_dir, stem, head, render, plot)
     if args.dry_run:
         out.note("dry run on the CPU: 2 prompts, 8 new tokens; checks the plumbing only")
 

@@ -14,7 +14,8 @@ read per token) / (measured device-to-device copy bandwidth).
     python bench/gpu_step_cost.py --out-dir $OUT/work            # GPU: both models, T and contexts below
     python bench/gpu_step_cost.py --dry-run --out-dir /tmp/x      # tiny models on the CPU: plumbing only
 
-Writes ``step-cost-<device>.{json,md}`` after every row.
+Writes ``step-cost-<device>.{json,md}`` after every row, and a plot of ``t(T) / t(1)`` (``.png``) at the end;
+``--render JSON`` draws them again from a results file.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from _common import pyplot, render as render_files  # noqa: E402
 from gpu_util import (DRY_MODELS, ResultFile, add_device_args, capture_graph, copy_bandwidth_gbs, header,  # noqa: E402
                       kv_bytes_per_token, parse_dtype, pick_device, random_model, synchronize, time_ms,
                       weight_bytes_per_token)
@@ -120,8 +122,40 @@ def render(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(result: dict, path: str) -> None:
+    """One panel a model: ``t(T) / t(1)`` against ``T``, a line a context (graph replays, else eager), with issue
+    11's bound on ``t(120) / t(1)`` (1.35)."""
+    plt = pyplot()
+    rows = [r for r in result["rows"] if "T" in r]
+    if plt is None or not rows:
+        return
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False, sharey=True)
+    for ax, model in zip(axes[0], models):
+        for context in dict.fromkeys(r["context"] for r in rows if r["model"] == model):
+            pts = [(r["T"], r.get("graph_ms") or r["eager_ms"]) for r in rows
+                   if r["model"] == model and r["context"] == context]
+            t1 = next((ms for T, ms in pts if T == 1), None)
+            if t1:
+                ax.plot([T for T, _ in pts], [ms / t1 for _, ms in pts], marker="o", label=f"context {context}")
+        ax.axhline(1.35, color="gray", linestyle=":", linewidth=1)
+        ax.axvline(120, color="gray", linestyle=":", linewidth=1)
+        ax.set_title(model, fontsize=9)
+        ax.set_xlabel("tokens a step, T")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("t(T) / t(1)")
+    m = result["machine"]
+    fig.suptitle(f"One step of T tokens against one of 1: {result['device']}, {result.get('dtype')}, "
+                 f"git {m.get('git')} (dotted: t(120) / t(1) = 1.35)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--render", metavar="JSON", help="only re-write the markdown and plot of a results file")
     ap.add_argument("--models", nargs="+", default=MODELS)
     ap.add_argument("--T", type=int, nargs="+", help=f"step sizes (default {STEP_SIZES}; dry run 1 16 64 120)")
     ap.add_argument("--contexts", type=int, nargs="+", help=f"committed rows (default {CONTEXTS}; dry run 64 200)")
@@ -130,6 +164,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-graphs", action="store_true", help="eager timings only")
     add_device_args(ap, "tiny models, short contexts, on the CPU")
     args = ap.parse_args(argv)
+    if args.render:
+        render_files(args.render, render, plot)
+        return 0
     device = pick_device(args.dry_run, args.device)
     dtype = parse_dtype(args.dtype)
     models = [DRY_MODELS.get(m, m) for m in args.models] if args.dry_run else args.models
@@ -142,7 +179,7 @@ def main(argv=None) -> int:
     head = header(device, sys.argv[1:] if argv is None else argv, __file__)
     head.update(dtype=str(dtype).replace("torch.", ""), dry_run=args.dry_run)
     out = ResultFile(args.out_dir, f"step-cost-{head['device_slug']}" + ("-dry-run" if args.dry_run else ""), head,
-                     render)
+                     render, plot)
     out.result["copy_gbs"] = bw = copy_bandwidth_gbs(device)
     print(f"{head['device']}: copy bandwidth {bw:.0f} GB/s", flush=True)
     if args.dry_run:

@@ -135,12 +135,14 @@ def capture_graph(fn, device):
 
 
 class ResultFile:
-    """``out_dir/stem.json`` and ``.md``, rewritten after every row so a killed run keeps its rows."""
+    """``out_dir/stem.json`` and ``.md``, rewritten after every row so a killed run keeps its rows; ``plot(result,
+    png_path)``, where given, draws ``stem.png`` when the run finishes."""
 
-    def __init__(self, out_dir: str, stem: str, header: dict, render):
+    def __init__(self, out_dir: str, stem: str, header: dict, render, plot=None):
         self.base = os.path.join(out_dir, stem)
         self.result = dict(header, rows=[], notes=[], complete=False)
         self.render = render
+        self.plot = plot
         os.makedirs(out_dir, exist_ok=True)
         self.flush()
 
@@ -156,6 +158,8 @@ class ResultFile:
     def finish(self) -> None:
         self.result["complete"] = True
         self.flush()
+        if self.plot is not None:
+            self.plot(self.result, self.base + ".png")
         print(f"wrote {self.base}.json and {self.base}.md", flush=True)
 
     def flush(self) -> None:
