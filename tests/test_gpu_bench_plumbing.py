@@ -12,6 +12,7 @@ import torch
 
 from .test_generate import DATA, HAS_SMOLLM2
 
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 
 
@@ -34,6 +35,11 @@ def test_step_cost_dry_run_writes_rows_and_the_bandwidth_table(tmp_path):
     (plain,) = [r for r in result["rows"] if r.get("kind") == "plain-vs-bandwidth"]
     assert plain["bytes_per_token"] > 0 and plain["limit_tokens_per_s"] > 0
     assert "| tiny-gqa | 64 | 16 |" in (tmp_path / "step-cost-cpu-dry-run.md").read_text()
+    if HAS_MATPLOTLIB:  # t(T) / t(1) drawn at the end, and again from the JSON alone
+        png = tmp_path / "step-cost-cpu-dry-run.png"
+        assert png.stat().st_size > 0
+        png.unlink()
+        assert bench.main(["--render", str(tmp_path / "step-cost-cpu-dry-run.json")]) == 0 and png.stat().st_size > 0
 
 
 def test_step_layouts_have_the_asked_sizes():
@@ -42,7 +48,7 @@ def test_step_layouts_have_the_asked_sizes():
         assert bench.step_layout(T, "cpu").T == T
 
 
-def test_e2e_rows_have_the_fields_other_code_reads():
+def test_e2e_rows_have_the_fields_other_code_reads(tmp_path):
     bench = load("gpu_e2e")
     ref = torch.tensor([[1, 2, 3, 4, 5]])
     assert bench.first_diff(ref, ref, 2) is None
@@ -64,6 +70,10 @@ def test_e2e_rows_have_the_fields_other_code_reads():
               "per_prompt": per_prompt, "notes": [], "complete": True}
     md = bench.render(result)
     assert "| humaneval | ours-lookahead | 20.0 |" in md and "humaneval prompt 1 ours-lookahead: at 3" in md
+    if HAS_MATPLOTLIB:
+        result.update(model="SmolLM2-135M-Instruct", hf_limit=None)
+        bench.plot(result, str(tmp_path / "e2e.png"))
+        assert (tmp_path / "e2e.png").stat().st_size > 0
 
 
 def test_e2e_compares_a_system_run_on_fewer_prompts_with_ours_plain_on_those():
