@@ -84,6 +84,16 @@ def measure(model, context: int, T: int, reps: int, graphs: bool, device) -> dic
     return row
 
 
+def _ms(row: dict) -> float:
+    """A step row's time: its graph replay where one was captured, else the eager call."""
+    return row.get("graph_ms") or row["eager_ms"]
+
+
+def _one_token_ms(rows: list) -> dict:
+    """``t(1)`` per ``(model, context)`` among the step rows, for the ratios the table and the plot give."""
+    return {(r["model"], r["context"]): _ms(r) for r in rows if r.get("T") == 1}
+
+
 def render(result: dict) -> str:
     m = result["machine"]
     lines = [f"# Step latency t(T), random weights, {result.get('dtype')}", "",
@@ -92,15 +102,12 @@ def render(result: dict) -> str:
              f"Copy bandwidth (read + write): {result.get('copy_gbs', 0):.0f} GB/s.", "",
              "| model | context | T | layout | eager ms | graph ms | t(T)/t(1) (graph, else eager) |",
              "|---|---:|---:|---|---:|---:|---:|"]
-    base = {}
+    base = _one_token_ms(result["rows"])
     for r in result["rows"]:
         if "T" not in r:
             continue
-        best = r.get("graph_ms") or r["eager_ms"]
-        if r["T"] == 1:
-            base[(r["model"], r["context"])] = best
         t1 = base.get((r["model"], r["context"]))
-        ratio = f"{best / t1:.2f}" if t1 else "—"
+        ratio = f"{_ms(r) / t1:.2f}" if t1 else "—"
         graph = f"{r['graph_ms']:.3f}" if r.get("graph_ms") else ("failed" if "graph_error" in r else "—")
         lines.append(f"| {r['model']} | {r['context']} | {r['T']} | {r['layout']} | {r['eager_ms']:.3f} | {graph} "
                      f"| {ratio} |")
@@ -129,15 +136,15 @@ def plot(result: dict, path: str) -> None:
     rows = [r for r in result["rows"] if "T" in r]
     if plt is None or not rows:
         return
+    base = _one_token_ms(rows)
     models = list(dict.fromkeys(r["model"] for r in rows))
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False, sharey=True)
     for ax, model in zip(axes[0], models):
         for context in dict.fromkeys(r["context"] for r in rows if r["model"] == model):
-            pts = [(r["T"], r.get("graph_ms") or r["eager_ms"]) for r in rows
-                   if r["model"] == model and r["context"] == context]
-            t1 = next((ms for T, ms in pts if T == 1), None)
+            t1 = base.get((model, context))
+            pts = [r for r in rows if r["model"] == model and r["context"] == context]
             if t1:
-                ax.plot([T for T, _ in pts], [ms / t1 for _, ms in pts], marker="o", label=f"context {context}")
+                ax.plot([r["T"] for r in pts], [_ms(r) / t1 for r in pts], marker="o", label=f"context {context}")
         ax.axhline(1.35, color="gray", linestyle=":", linewidth=1)
         ax.axvline(120, color="gray", linestyle=":", linewidth=1)
         ax.set_title(model, fontsize=9)
