@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from _common import DEFAULT_SETS, command_line, machine_info, set_name, write_results  # noqa: E402
 
-from lookahead import LookaheadConfig, load_default  # noqa: E402
+from lookahead import DraftMemory, LookaheadConfig, load_default  # noqa: E402
 from lookahead.cli import read_prompts  # noqa: E402
 from lookahead.controller import HostCost, StepCosts, cost_key  # noqa: E402
 from lookahead.runner import StepRunner  # noqa: E402
@@ -90,6 +90,9 @@ def main(argv=None) -> int:
     ap.add_argument("--refill", action="store_true",
                     help="every prompt in one call with max_batch_size=B (a finished row's place goes to the next "
                          "prompt) instead of batches of B prompts one after another")
+    ap.add_argument("--memory", action="store_true",
+                    help="one DraftMemory a set: each call's lookahead reads the earlier calls' text (their plain "
+                         "calls add nothing, so both modes decode the same prompts in the same order)")
     ap.add_argument("--sets", nargs="+", default=DEFAULT_SETS)
     ap.add_argument("--tag", default="h100")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
@@ -106,6 +109,7 @@ def main(argv=None) -> int:
         name = set_name(set_path)
         prompts = [ids[0] for ids in read_prompts(set_path, tokenizer)[: args.prompts]]
         for B in args.batch_sizes:
+            memory = DraftMemory() if args.memory else None
             plain_s = lookahead_s = 0.0
             tokens = row_steps = identical = 0
             sizes: dict[int, int] = {}
@@ -118,7 +122,7 @@ def main(argv=None) -> int:
                 with fed_tokens(plain_fed):
                     plain = model.generate(prompt, lookahead=None, **kwargs)
                 with fed_tokens(fed), costed_host(args.host_ms, args.host_ms_per_row):
-                    out = model.generate(prompt, lookahead=config, **kwargs)
+                    out = model.generate(prompt, lookahead=config, draft_memory=memory, **kwargs)
                 rows_now = min(len(batch), B)
                 prefills = 1e-3 * args.prefill_ms * len(batch)
                 plain_s += prefills + sum(costs(t) for t in plain_fed)
@@ -143,7 +147,7 @@ def main(argv=None) -> int:
               "model": "SmolLM2-135M-Instruct (float32)", "step_costs": pairs,
               "host_ms": args.host_ms, "host_ms_per_row": args.host_ms_per_row, "prefill_ms": args.prefill_ms,
               "prompts": args.prompts,
-              "max_new_tokens": args.max_new_tokens, "refill": args.refill, "rows": rows}
+              "max_new_tokens": args.max_new_tokens, "refill": args.refill, "memory": args.memory, "rows": rows}
     write_results(args.out_dir, f"predict-{args.tag}", result, markdown(result))
     return 0
 
@@ -161,7 +165,9 @@ def markdown(result: dict) -> str:
              f"as on a device; first {result['prompts']} prompts a set, {result['max_new_tokens']} new tokens"
              + ("; every prompt of a set in one call of at most `rows` rows at once, a finished row's place going to "
                 "the next prompt (`max_batch_size`)" if result.get("refill") else "; batches of `rows` prompts one "
-                "after another") + ". "
+                "after another")
+             + ("; one draft memory a set and batch size, filled by the lookahead calls in prompt order"
+                if result.get("memory") else "") + ". "
              f"Step costs (tokens, seconds): {list(result['step_costs'])}.", "",
              f"Command: `{result['command']}`", "",
              "| set | rows | predicted vs plain | tokens a row-step | identical | steps by tokens fed |",

@@ -1,5 +1,6 @@
-"""Tokens per second, side by side on one machine: our plain decoding, our automatic lookahead, fixed (15,5,15),
-transformers' greedy ``generate`` and transformers' prompt lookup, on the dev prompt sets.
+"""Tokens per second, side by side on one machine: our plain decoding, our automatic lookahead (alone, and with one
+``DraftMemory`` a set: each prompt reads the set's earlier prompts and outputs), fixed (15,5,15), transformers'
+greedy ``generate`` and transformers' prompt lookup, on the dev prompt sets.
 
 Every prompt is run by every system in turn (so drift in the machine's load hits all of them alike), after one
 warm-up prompt per system. Each system's output is compared token for token with our plain greedy output.
@@ -32,12 +33,13 @@ sys.path.insert(0, os.path.dirname(HERE))
 from _common import (DEFAULT_SETS, add_output_args, command_line, hf_default_model, machine_info, pyplot,  # noqa: E402
                      read_results, set_name)
 
-from lookahead import LookaheadConfig, load_default  # noqa: E402
+from lookahead import DraftMemory, LookaheadConfig, load_default  # noqa: E402
 from lookahead.cli import read_prompts  # noqa: E402
 from lookahead.controller import cost_key, measure_step_costs  # noqa: E402
 from lookahead_kernels import StepLayout  # noqa: E402
 
-SYSTEMS = ["ours-plain", "ours-lookahead", "ours-fixed-15-5-15", "hf-greedy", "hf-prompt-lookup"]
+SYSTEMS = ["ours-plain", "ours-lookahead", "ours-lookahead-memory", "ours-fixed-15-5-15", "hf-greedy",
+           "hf-prompt-lookup"]
 
 
 def make_runners(model, hf_model, max_new_tokens: int, device=None):
@@ -50,11 +52,15 @@ def make_runners(model, hf_model, max_new_tokens: int, device=None):
         if device is not None and torch.device(device).type == "cuda":
             torch.cuda.synchronize(device)
 
-    def ours(config, **kwargs):
+    def ours(config, remembering: bool = False, **kwargs):
         def run(ids):
+            if remembering:
+                kwargs["draft_memory"] = run.memory
             out = model.generate(ids, max_new_tokens=max_new_tokens, lookahead=config, **kwargs)
             run.stats = out.stats  # the last call's statistics (host work per step, say), for who wants them
             return out.sequences.cpu(), out.stats.seconds, out.stats.compression_ratio
+        if remembering:  # the caller gives each prompt set a memory of its own: see remember_per_set
+            run.memory = DraftMemory()
         return run
 
     def hf(**kwargs):
@@ -84,10 +90,21 @@ def make_runners(model, hf_model, max_new_tokens: int, device=None):
         # The eager loop (on the CPU the default; on CUDA without graphs): what the graphs gain on a GPU.
         "ours-plain-eager": ours(None, cuda_graphs=False),
         "ours-lookahead": ours(LookaheadConfig()),
+        # One DraftMemory a prompt set: each prompt's lookahead reads the set's earlier prompts and outputs.
+        "ours-lookahead-memory": ours(LookaheadConfig(), remembering=True),
         "ours-fixed-15-5-15": ours(LookaheadConfig(window=15, ngram=5, guess=15)),
         "hf-greedy": hf(),
         "hf-prompt-lookup": hf(prompt_lookup_num_tokens=10),
     }
+
+
+def remember_per_set(runners: dict, memories: dict, set_name: str) -> None:
+    """Give every remembering runner (``ours-lookahead-memory``) the memory of ``set_name`` (made on first use in
+    ``memories``): a set's prompts read only that set's earlier prompts, the warm-up's none."""
+    memory = memories.setdefault(set_name, DraftMemory())
+    for run in runners.values():
+        if hasattr(run, "memory"):
+            run.memory = memory
 
 
 def main(argv=None) -> int:
@@ -121,6 +138,7 @@ def main(argv=None) -> int:
             prompts = read_prompts(set_path, tokenizer)[: args.limit]
             for run in runners.values():  # warm-up: packing, caches, allocator
                 run(prompts[0])
+            remember_per_set(runners, {}, name)  # after the warm-up, which fed the memory its first prompt
             results = {s: [] for s in runners}
             for i, ids in enumerate(tqdm(prompts, desc=name)):
                 ref = None

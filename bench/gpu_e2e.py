@@ -1,17 +1,18 @@
 """SmolLM2-135M-Instruct end to end on a GPU: tokens/s and greedy identity of our decoding and transformers'.
 
-Systems (``bench_speed.py``'s, on ``--device``): ``ours-plain`` (``lookahead=None``), ``ours-plain-eager`` (the
-same without CUDA graphs: ``cuda_graphs=False``), ``ours-lookahead`` (automatic mode, cost model measured first on
-this device), ``ours-fixed-15-5-15``, ``hf-greedy`` (transformers' ``generate``) and ``hf-prompt-lookup``
+Systems (``bench_speed.py``'s, on ``--device``): ``ours-plain`` (``lookahead=None``), ``ours-plain-eager`` (the same
+without CUDA graphs: ``cuda_graphs=False``), ``ours-lookahead`` (automatic mode, cost model measured first on this
+device), ``ours-lookahead-memory`` (the same with one ``DraftMemory`` a set: each prompt reads the set's earlier
+prompts and outputs), ``ours-fixed-15-5-15``, ``hf-greedy`` (transformers' ``generate``) and ``hf-prompt-lookup``
 (``prompt_lookup_num_tokens=10``), and ``ours-plain-cublas`` / ``ours-lookahead-cublas`` (the first and third with
 every linear layer in cuBLAS, our Triton kernel for steps of 2-64 rows off: a second copy of the model, run with
 ``lookahead.cpu_linear.GPU_KERNEL_ROWS`` empty, its own graphs and cost model). Ours run with CUDA graphs
 (``generate``'s default on CUDA) unless named eager; the graphs are captured in each system's warm-up call and kept
 on the model (``model.step_runners``), so the timed calls replay them. Every prompt is run by every system in turn
 after one warm-up per system. Times as in ``bench_speed.py`` (whose runners this uses): ours ``stats.seconds``,
-transformers' the wall time of its call with the device synchronised before and after. ``identical`` counts
-prompts whose output equals ``ours-plain``'s token for token; ``first_diff`` (per prompt) is the first new-token
-index where it differs.
+transformers' the wall time of its call with the device synchronised before and after. ``identical`` counts prompts
+whose output equals ``ours-plain``'s token for token; ``first_diff`` (per prompt) is the first new-token index where
+it differs.
 
 In float32 the output is ``e2e-gpu-<device>.json`` (top-level ``device`` and ``rows`` of ``{"set", "system",
 "tokens_per_s", "identical", ...}``, the file other code reads) plus ``.md``; in another dtype
@@ -41,7 +42,7 @@ sys.path.insert(0, HERE)
 from gpu_util import ResultFile, add_device_args, header, parse_dtype, pick_device  # noqa: E402
 
 from _common import DEFAULT_SETS, hf_default_model, pyplot, render as render_files, set_name  # noqa: E402
-from bench_speed import SYSTEMS, make_runners  # noqa: E402
+from bench_speed import SYSTEMS, make_runners, remember_per_set  # noqa: E402
 
 # bench_speed's systems plus our eager loop, to show what the CUDA graphs gain, and ours without our linear kernel.
 CUBLAS = {"ours-plain-cublas": "ours-plain", "ours-lookahead-cublas": "ours-lookahead"}
@@ -251,8 +252,10 @@ def main(argv=None) -> int:
         # Prompt i of every set before prompt i + 1 of any: a time box leaves every set measured alike.
         order = [(name, i, ids) for i in range(max(map(len, sets.values()))) for name, prompts in sets.items()
                  for ids in prompts[i: i + 1]]
+        memories = {}  # one DraftMemory a set, begun after the warm-ups (ours-lookahead-memory)
         for name, i, ids in order:
             ref = None
+            remember_per_set(runners, memories, name)
             for system, run in runners.items():
                 if system.startswith("hf-") and hf_limit is not None and i >= hf_limit:
                     continue

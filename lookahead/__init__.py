@@ -8,9 +8,11 @@
 from .config import LookaheadConfig
 from .generate import GenerateOutput, GenerationStats, StepTrace
 from .loading import load_default, load_tokenizer
+from .memory import DraftMemory
 from .model import KVCache, LlamaForCausalLM, ModelConfig
 from .prompt_cache import PromptCache
 from .scoring import CausalLMOutput
 
 __all__ = ["LookaheadConfig", "LlamaForCausalLM", "ModelConfig", "KVCache", "load_default", "load_tokenizer",
-           "GenerateOutput", "GenerationStats", "StepTrace", "CausalLMOutput", "PromptCache"]
+           "GenerateOutput", "GenerationStats", "StepTrace", "CausalLMOutput", "PromptCache",
+           "DraftMemory"]

@@ -27,6 +27,7 @@ import torch
 from lookahead_kernels.tree import TreeShape
 
 from .config import LookaheadConfig
+from .memory import DraftMemory, merged_matches
 from .pools import NO_ROWS, lookup_rows
 from .successors import SuccessorTable
 from .suffix import SuffixIndex, suffix_spans
@@ -34,6 +35,8 @@ from .suffix import SuffixIndex, suffix_spans
 # Prior acceptance estimates and their weight in pseudo-trials: what a source is trusted with before any step.
 _PRIOR_WEIGHT = 4.0
 SUFFIX_CANDIDATES = 4
+# Continuations a draft memory adds beside the row's own (lookahead.memory).
+MEMORY_CANDIDATES = 2
 SUCCESSORS_PER_NODE = 8
 _MAX_DEPTH_KEY = 8
 _MAX_SUCCESSOR_DEPTH = 4
@@ -391,7 +394,7 @@ class DraftBuilder:
     """
 
     def __init__(self, config: LookaheadConfig, vocab_size: int, *, shape=None, sources=None,
-                 planner=None, native: bool | None = None):
+                 planner=None, native: bool | None = None, memory: DraftMemory | None = None):
         self.config = config
         shape = shape if shape is not None else config.shape()
         sources = config.sources if sources is None else sources
@@ -410,6 +413,8 @@ class DraftBuilder:
                                            guess=config.pool_guess, step_costs=None)
             self.pool = make_pool(concrete, vocab_size)
         self.suffix = SuffixIndex() if "suffix" in sources else None
+        # Earlier calls' text, whose matches join the suffix source's (lookahead.memory).
+        self.memory = memory if self.suffix is not None else None
         self.successors = SuccessorTable(vocab_size, SUCCESSORS_PER_NODE) if "successors" in sources else None
         self.stats = AcceptanceStats()
 
@@ -448,6 +453,8 @@ class DraftBuilder:
         suffix = []
         if self.suffix is not None:
             suffix = self.suffix.matches(sequence, SUFFIX_CANDIDATES)
+        if self.memory is not None:
+            suffix = merged_matches(suffix, self.memory.matches(sequence, MEMORY_CANDIDATES))
         return suffix, lookup_rows([self.pool], [sequence[-1]])[0]  # as propose_rows looks a batch's rows up
 
     def propose(self, sequence: list[int], budget: int) -> Proposal:
@@ -567,6 +574,9 @@ def propose_rows(builders: list[DraftBuilder], sequences: list[list[int]], budge
     span_counts = [0] * len(builders)  # rows without the suffix source: none
     for i, count in zip(matched, found):
         span_counts[i] = count
+    if any(builders[i].memory is not None for i in matched):
+        span_tokens, span_lens, span_matches = _with_memory(builders, sequences, span_tokens, span_lens,
+                                                            span_matches, span_counts)
     pools = lookup_rows([b.pool for b in builders], [seq[-1] for seq in sequences]) if budget \
         else [NO_ROWS] * len(builders)
     tables = [t if t is not None and t.allocated else None for t in (b.successors for b in builders)]
@@ -579,6 +589,29 @@ def propose_rows(builders: list[DraftBuilder], sequences: list[list[int]], budge
     for n in counts.tolist():
         starts.append(starts[-1] + n)
     return Proposals(tokens, parents, [scores[a:b] for a, b in zip(starts, starts[1:])], codes, offsets, starts)
+
+
+def _with_memory(builders: list[DraftBuilder], sequences: list[list[int]], tokens: list[int], lens: list[int],
+                 matches: list[int], counts: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """The rows' flattened suffix spans (:func:`lookahead.suffix.suffix_spans`' layout, ``counts`` per builder)
+    with each memory's matches merged into its row's (:func:`lookahead.memory.merged_matches`); ``counts`` is
+    updated in place."""
+    out_tokens, out_lens, out_matches = [], [], []
+    at = span = 0
+    for i, (builder, sequence) in enumerate(zip(builders, sequences)):
+        own = []
+        for _ in range(counts[i]):
+            own.append((tuple(tokens[at: at + lens[span]]), matches[span]))
+            at += lens[span]
+            span += 1
+        if builder.memory is not None:
+            own = merged_matches(own, builder.memory.matches(sequence, MEMORY_CANDIDATES))
+        counts[i] = len(own)
+        for cont, match in own:
+            out_tokens.extend(cont)
+            out_lens.append(len(cont))
+            out_matches.append(match)
+    return out_tokens, out_lens, out_matches
 
 
 @dataclasses.dataclass

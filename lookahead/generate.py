@@ -39,6 +39,7 @@ from .config import LookaheadConfig, StepShape
 from .controller import make_plan
 from .custom_processors import make_custom_processors
 from .draft import DraftBuilder, encode_rows, propose_rows
+from .memory import DraftMemory
 from .prefill import prefill_graphs
 from .processors import LogitsProcessors
 from .prompt_cache import PromptCache
@@ -278,10 +279,11 @@ class _Row:
     """One sequence of the batch: its emitter and statistics, its cache length and next input ``x``, and with
     lookahead its window and draft builder."""
 
-    def __init__(self, emitter: _Emitter, stats: GenerationStats, index: int = 0):
+    def __init__(self, emitter: _Emitter, stats: GenerationStats, index: int = 0, memory: DraftMemory | None = None):
         self.index = index  # among the call's prompts (a refilled batch's rows are not in prompt order)
         self.emitter = emitter
         self.stats = stats
+        self.memory = memory
         self.cache_len = len(emitter.sequence) - 1
         self.x = emitter.sequence[-1]
         self.window = None
@@ -297,8 +299,15 @@ class _Row:
         self.window = LookaheadWindow(shape.window, shape.ngram, torch.Generator().manual_seed(la.seed))
         self.window.reset(prompt, levels)
         # The planner cuts the trees of the whole batch at once (_lookahead_step), not each builder alone.
-        self.drafts = DraftBuilder(la, vocab_size, shape=shape, sources=plan.sources, native=native)
+        self.drafts = DraftBuilder(la, vocab_size, shape=shape, sources=plan.sources, native=native,
+                                   memory=self.memory)
         self.drafts.start(prompt)
+
+    def finished(self, seconds: float) -> None:
+        """The row has ended (``seconds`` into the call): its sequence joins the draft memory, if any."""
+        self.stats.seconds = seconds
+        if self.memory is not None:
+            self.memory.add(self.emitter.sequence)
 
     def commit(self, tokens: list[int], fed: int, kept: torch.Tensor | None = None) -> int:
         """Count a step that fed ``fed`` tokens for this row and emit ``tokens``; returns how many were taken.
@@ -330,6 +339,7 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
              attention_mask: torch.Tensor | None = None, generation_config=None, streamer=None,
              trace: bool = False, cuda_graphs: bool | None = None, _static_steps: bool | None = None,
              _native_draft: bool | None = None, prompt_cache: PromptCache | None = None,
+             draft_memory: DraftMemory | None = None,
              stopping_criteria=None, tokenizer=None, logits_processor=None, prefix_allowed_tokens_fn=None,
              max_batch_size: int | None = None, _on_finish=None, **kwargs) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` tokens after each prompt.
@@ -379,6 +389,10 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     ``prompt_cache`` (one prompt): a :class:`~lookahead.prompt_cache.PromptCache` whose tokens the prompt may
     start with (a conversation's earlier turns); their keys and values are copied instead of prefilled
     (``stats.reused_tokens``), and after the call it holds this prompt and its new tokens.
+    ``draft_memory``: a :class:`~lookahead.memory.DraftMemory` of earlier calls' text: its suffix matches join each
+    row's own as guesses, and each row's prompt and output join it as the row finishes (plain decoding adds too).
+    The output does not depend on it (greedy: the same tokens; sampling: the same distribution, though a seeded
+    call's draws follow its guesses, so the same seed may give other text with a fuller memory).
     ``_native_draft`` (private, for tests and benches) picks the draft builder: ``True`` the C++ one, ``False`` its
     Python reference, ``None`` the C++ one where it builds. ``_on_finish`` (private, for the command line's
     progress bar) is called with the number of rows that just finished, as they finish.
@@ -398,6 +412,8 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     if streamer is not None and N > 1:
         raise ValueError(f"a streamer follows one sequence but generate got a batch of {N} prompts; stream one "
                          f"prompt at a time, or pass no streamer for a batch (transformers refuses this too)")
+    if draft_memory is not None and not isinstance(draft_memory, DraftMemory):
+        raise ValueError(f"draft_memory must be a lookahead.DraftMemory or None, got {type(draft_memory).__name__}")
     if prompt_cache is not None:
         if not isinstance(prompt_cache, PromptCache):
             raise ValueError(f"prompt_cache must be a lookahead.PromptCache or None, got {type(prompt_cache).__name__}")
@@ -463,7 +479,7 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     rows = [_Row(_Emitter(p.tolist(), max_new_tokens, eos, streamer,
                           RowStops(criteria, pad.tolist(), p.tolist(), max_new_tokens) if criteria else None,
                           deadline if deadline.at is not None else None),
-                 GenerationStats(trace=[] if trace else None), b)
+                 GenerationStats(trace=[] if trace else None), b, draft_memory)
             for b, (p, pad) in enumerate(zip(prompts, args.padding))]
 
     # One-time setup is not part of this call's time: the CPU forward's packed weights (made once per weight), the
@@ -816,7 +832,7 @@ def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: 
         if finished:
             now = clock.elapsed()
             for i in finished:
-                active[i].stats.seconds = now
+                active[i].finished(now)
             if on_finish is not None:
                 on_finish(len(finished))
             if refill is not None:
