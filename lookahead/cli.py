@@ -299,10 +299,14 @@ def cmd_batch(args) -> int:
     _sampling_generator(sampling, args.seed, model.device)
     from tqdm.auto import tqdm
 
+    from .memory import DraftMemory
+
+    # A file's prompts write alike: each finished row's text is guessed from by the rows still running.
+    memory = None if args.no_draft_memory or la is None else DraftMemory()
     with tqdm(total=len(prompts), desc="prompts", unit="prompt", file=sys.stderr, leave=False) as bar:
         out = model.generate(prompts, max_new_tokens=args.max_new_tokens, lookahead=la,
                              max_batch_size=args.max_batch_size, cuda_graphs=_cuda_graphs(args),
-                             _on_finish=bar.update, **_stops(args, tokenizer), **sampling)
+                             _on_finish=bar.update, draft_memory=memory, **_stops(args, tokenizer), **sampling)
     L = max(p.numel() for p in prompts)
     lines = []
     for b, row in enumerate(out.stats.rows):
@@ -553,6 +557,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "prompt at once)")
     m.add_argument("--limit", type=int, default=None, help="first N prompts of the file")
     m.add_argument("--out", default=None, help="write the JSON lines here instead of stdout")
+    m.add_argument("--no-draft-memory", action="store_true",
+                   help="guess only from each prompt's own text (default: finished prompts' text is guessed from "
+                        "too, a DraftMemory; the output is the same either way)")
     _add_decoding_args(m)
     m.set_defaults(func=cmd_batch)
     c = sub.add_parser("chat", help="a conversation: turns read from stdin, answers streamed")

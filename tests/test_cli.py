@@ -300,6 +300,9 @@ def test_batch_writes_a_json_line_per_prompt_as_generate_gives_it(capsys, tmp_pa
     assert main(["batch", str(prompts), "--no-lookahead", "--max-new-tokens", "6"]) == 0
     plain = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["tokens"] for r in plain] == [r["tokens"] for r in lines]
+    assert main(["batch", str(prompts), "--no-draft-memory", "--max-batch-size", "1", "--max-new-tokens", "6"]) == 0
+    alone = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["tokens"] for r in alone] == [r["tokens"] for r in lines]
     assert main(["generate", "Paris is", "--raw", "--json", "--max-new-tokens", "6"]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] == lines[2]["tokens"]
 

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from lookahead import LookaheadConfig
+from lookahead import DraftMemory, LookaheadConfig
 from lookahead.draft import NUM_CODES, DraftBuilder, Proposals, code_key, encode_rows, key_code, propose_rows
 from lookahead.successors import SuccessorTable, record_step, record_step_reference
 from lookahead.suffix import SuffixIndex, suffix_spans
@@ -20,7 +20,7 @@ def random_builder(seed: int, vocab: int, sources=("pool", "suffix", "successors
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     cfg = LookaheadConfig(window=3, ngram=ngram, guess=guess, pool_backend="cpp", sources=sources)
-    b = DraftBuilder(cfg, vocab, native=True)
+    b = DraftBuilder(cfg, vocab, native=True, memory=_random_memory(seed, vocab) if seed % 3 == 0 else None)
     # Few distinct tokens: sources propose the same tokens, tries share prefixes, scores tie.
     prompt = torch.randint(0, min(vocab, 12), (rng.randint(2, 80),), generator=gen)
     if seed % 2:  # a motif repeated with a few changes: suffix matches of every length class (up to 8+)
@@ -37,6 +37,15 @@ def random_builder(seed: int, vocab: int, sources=("pool", "suffix", "successors
     for _ in range(rng.randint(0, 300)):
         b.stats.record_code(rng.randrange(NUM_CODES), rng.random() < 0.4)
     return b, prompt.tolist()
+
+
+def _random_memory(seed: int, vocab: int) -> DraftMemory:
+    """A draft memory of a few sequences over the builders' few tokens: its matches join the suffix source's."""
+    rng = random.Random(-seed - 1)
+    memory = DraftMemory(max_match=rng.choice([2, 8]), max_len=rng.choice([3, 32]))
+    for _ in range(rng.randint(1, 4)):
+        memory.add([rng.randrange(min(vocab, 12)) for _ in range(rng.randint(3, 60))])
+    return memory
 
 
 def propose_both(b, sequence, budget):
@@ -327,3 +336,14 @@ def test_top_successors_refuses_what_it_cannot_read():
         torch.ops.lookahead_draft.top_successors(torch.zeros(5, 2).t(), 3)
     with pytest.raises(ValueError, match="k must be >= 1"):
         torch.ops.lookahead_draft.top_successors(torch.zeros(2, 5), 0)
+
+
+def test_some_random_builders_propose_from_their_memory():
+    differ = 0
+    for seed in range(0, 60, 3):
+        b, seq = random_builder(seed, 50, ("suffix",))
+        remembered = b.propose(seq, 63)
+        b.memory = None
+        alone = b.propose(seq, 63)
+        differ += not torch.equal(remembered.tokens, alone.tokens)
+    assert differ >= 5
