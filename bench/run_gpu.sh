@@ -167,8 +167,8 @@ if [ $DRY = 1 ]; then
 else
   wants e2e && part e2e 220 $PY bench/gpu_e2e.py --limit "${E2E_LIMIT:-16}" --hf-limit "${HF_LIMIT:-4}" --sets "${SETS[@]}" \
     --out-dir "$WORK" \
-    --systems ours-plain ours-lookahead ours-fixed-15-5-15 hf-greedy hf-prompt-lookup ours-plain-cublas \
-    ours-lookahead-cublas
+    --systems ours-plain ours-lookahead ours-lookahead-memory ours-fixed-15-5-15 hf-greedy hf-prompt-lookup \
+    ours-plain-cublas ours-lookahead-cublas
 fi
 if [ $DRY = 1 ]; then
   wants hostprof && part hostprof 300 $PY bench/gpu_hostprof.py --dry-run --sets "${SETS[@]}" --out-dir "$WORK"

@@ -5,8 +5,8 @@ phrases, idioms and boilerplate again from one answer to the next. A :class:`Dra
 (prompt and output) and offers, for a step whose last tokens occurred in them, what followed there: the suffix
 source's matches (:mod:`lookahead.suffix`), looked up in earlier calls' text instead of the call's own. Its
 continuations join the row's own suffix matches and are verified like any guess, so the output stays the model's
-own (greedy: the same tokens; sampling: the same distribution). Measured as a prediction on the H200's step table
-(session 59, ``bench/MEASUREMENTS.md``): HumanEval 2.13x -> 2.52x plain decoding, MT-Bench 1.65x -> 1.71x, 40
+own (greedy: the same tokens; sampling: the same distribution). Predicted on the H200's step table
+(session 59, ``bench/MEASUREMENTS.md``): HumanEval 2.13x -> 2.55x plain decoding, MT-Bench 1.65x -> 1.70x, 40
 prompts a set decoded one after another with one memory.
 
 The memory is an explicit object: ``generate(..., draft_memory=memory)`` reads it at each lookahead step and adds
