@@ -415,6 +415,7 @@ class DraftBuilder:
         self.suffix = SuffixIndex() if "suffix" in sources else None
         # Earlier calls' text, whose matches join the suffix source's (lookahead.memory).
         self.memory = memory if self.suffix is not None else None
+        self.vocab_size = vocab_size
         self.successors = SuccessorTable(vocab_size, SUCCESSORS_PER_NODE) if "successors" in sources else None
         self.stats = AcceptanceStats()
 
@@ -454,7 +455,7 @@ class DraftBuilder:
         if self.suffix is not None:
             suffix = self.suffix.matches(sequence, SUFFIX_CANDIDATES)
         if self.memory is not None:
-            suffix = merged_matches(suffix, self.memory.matches(sequence, MEMORY_CANDIDATES))
+            suffix = merged_matches(suffix, self.memory.matches(sequence, MEMORY_CANDIDATES, self.vocab_size))
         return suffix, lookup_rows([self.pool], [sequence[-1]])[0]  # as propose_rows looks a batch's rows up
 
     def propose(self, sequence: list[int], budget: int) -> Proposal:
@@ -605,7 +606,7 @@ def _with_memory(builders: list[DraftBuilder], sequences: list[list[int]], token
             at += lens[span]
             span += 1
         if builder.memory is not None:
-            own = merged_matches(own, builder.memory.matches(sequence, MEMORY_CANDIDATES))
+            own = merged_matches(own, builder.memory.matches(sequence, MEMORY_CANDIDATES, builder.vocab_size))
         counts[i] = len(own)
         for cont, match in own:
             out_tokens.extend(cont)

@@ -76,6 +76,8 @@ class DraftMemory:
         fewer than three tokens have nothing to offer and are not kept; one longer than ``max_tokens`` keeps its
         last ``max_tokens``."""
         tokens = [int(t) for t in (sequence.tolist() if hasattr(sequence, "tolist") else sequence)]
+        if tokens and min(tokens) < 0:
+            raise ValueError(f"DraftMemory.add takes token ids >= 0, got {min(tokens)}")
         if len(tokens) < MIN_MATCH + 1:
             return
         tokens = tokens[-self.max_tokens:]
@@ -103,12 +105,14 @@ class DraftMemory:
         for tokens in kept:
             self._append(tokens)
 
-    def matches(self, sequence: list[int], limit: int) -> list[tuple[tuple, int]]:
+    def matches(self, sequence: list[int], limit: int, vocab_size: int | None = None) -> list[tuple[tuple, int]]:
         """Up to ``limit`` distinct continuations from the kept sequences for the step whose ``x`` is
         ``sequence[-1]``, as :meth:`lookahead.suffix.SuffixIndex.matches` gives them: ``(continuation,
         match_len)`` pairs, longest match first (at least two tokens), most recent first among equal matches,
-        each continuation ``SuffixIndex.length_for(match_len)`` tokens long or shorter where its sequence ends; one
-        that is a prefix of a continuation already returned is left out."""
+        each continuation ``SuffixIndex.length_for(match_len)`` tokens long or shorter where its sequence ends (or,
+        given ``vocab_size``, before its first token outside ``[0, vocab_size)``: a memory another tokenizer's model
+        filled offers only what this model can be fed); one that is a prefix of a continuation already returned is
+        left out."""
         n = len(sequence)
         if n < MIN_MATCH or limit < 1:
             return []
@@ -130,7 +134,9 @@ class DraftMemory:
                 index = bisect.bisect_right(starts, p)
                 end = starts[index] if index < len(starts) else len(tokens)
                 cont = tuple(tokens[p + 1: min(end, p + 1 + SuffixIndex.length_for(m, self.max_len))])
-                if not any(prev[: len(cont)] == cont for prev, _ in out):
+                if vocab_size is not None and max(cont) >= vocab_size:
+                    cont = cont[: next(i for i, t in enumerate(cont) if t >= vocab_size)]
+                if cont and not any(prev[: len(cont)] == cont for prev, _ in out):
                     out.append((cont, m))
                     if len(out) >= limit:
                         break

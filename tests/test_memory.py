@@ -68,6 +68,17 @@ def test_a_match_stays_within_its_sequence_and_needs_two_tokens():
     assert memory.sequences == 2
 
 
+def test_a_continuation_ends_before_a_token_the_model_cannot_take():
+    memory = DraftMemory()
+    memory.add([1, 2, 3, 99, 4])
+    memory.add([5, 6, 120, 7])
+    assert memory.matches([1, 2], 4) == [((3, 99, 4), 2)]
+    assert memory.matches([1, 2], 4, vocab_size=50) == [((3,), 2)]
+    assert memory.matches([5, 6], 4, vocab_size=50) == []  # nothing left of it
+    with pytest.raises(ValueError, match="token ids >= 0, got -1"):
+        memory.add([3, 4, -1])
+
+
 def test_the_oldest_sequences_go_first_past_max_tokens():
     memory = DraftMemory(max_tokens=20)
     for first in range(5):
@@ -165,6 +176,24 @@ def test_a_batch_reads_and_fills_the_memory_row_by_row(tiny):
     before = memory.sequences
     tiny.generate(prompts[:1], max_new_tokens=8, lookahead=None, draft_memory=memory)
     assert memory.sequences == before + 1
+
+
+def test_a_memory_filled_with_a_larger_vocabulary_guesses_only_what_the_model_takes(tiny):
+    # Another tokenizer's model filled it: its text follows the prompt's tokens with ids past this model's 97.
+    prompt = _prompt(5, 12)
+
+    def filled() -> DraftMemory:
+        memory = DraftMemory()
+        for k in range(4):
+            memory.add(prompt[-4:] + [500 + k, 3, 4] + prompt[:6] + [200, 201])
+        return memory
+
+    assert filled().matches(prompt, 2) and not filled().matches(prompt, 2, vocab_size=97)
+    plain = tiny.generate(torch.tensor([prompt]), max_new_tokens=24, lookahead=None)
+    for kwargs in (dict(lookahead=TREES), dict(lookahead=TREES, cuda_graphs=False, _static_steps=True),
+                   dict(lookahead=TREES, _native_draft=False)):
+        out = tiny.generate(torch.tensor([prompt]), max_new_tokens=24, draft_memory=filled(), **kwargs)
+        assert torch.equal(out.sequences, plain.sequences), kwargs
 
 
 def test_a_memory_of_another_type_is_refused(tiny):
