@@ -30,7 +30,7 @@ from .config import LookaheadConfig
 from .memory import DraftMemory, merged_matches
 from .pools import NO_ROWS, lookup_rows
 from .successors import SuccessorTable
-from .suffix import SuffixIndex, suffix_spans
+from .suffix import SuffixIndex, flatten_matches, suffix_spans
 
 # Prior acceptance estimates and their weight in pseudo-trials: what a source is trusted with before any step.
 _PRIOR_WEIGHT = 4.0
@@ -597,22 +597,18 @@ def _with_memory(builders: list[DraftBuilder], sequences: list[list[int]], token
     """The rows' flattened suffix spans (:func:`lookahead.suffix.suffix_spans`' layout, ``counts`` per builder)
     with each memory's matches merged into its row's (:func:`lookahead.memory.merged_matches`); ``counts`` is
     updated in place."""
-    out_tokens, out_lens, out_matches = [], [], []
-    at = span = 0
-    for i, (builder, sequence) in enumerate(zip(builders, sequences)):
+    rows, at, span = [], 0, 0
+    for builder, sequence, count in zip(builders, sequences, counts):
         own = []
-        for _ in range(counts[i]):
-            own.append((tuple(tokens[at: at + lens[span]]), matches[span]))
-            at += lens[span]
-            span += 1
+        for length, match in zip(lens[span: span + count], matches[span: span + count]):
+            own.append((tuple(tokens[at: at + length]), match))
+            at += length
+        span += count
         if builder.memory is not None:
             own = merged_matches(own, builder.memory.matches(sequence, MEMORY_CANDIDATES, builder.vocab_size))
-        counts[i] = len(own)
-        for cont, match in own:
-            out_tokens.extend(cont)
-            out_lens.append(len(cont))
-            out_matches.append(match)
-    return out_tokens, out_lens, out_matches
+        rows.append(own)
+    tokens, lens, matches, counts[:] = flatten_matches(rows)
+    return tokens, lens, matches
 
 
 @dataclasses.dataclass

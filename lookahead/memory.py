@@ -19,7 +19,7 @@ import bisect
 import threading
 from array import array
 
-from .suffix import SuffixIndex
+from .suffix import SuffixIndex, covered
 
 # A match is keyed by its last two tokens: one token of an earlier call's text matches too often (every comma) to
 # be worth a guess, and a key of two keeps each lookup to the occurrences that can match.
@@ -136,7 +136,7 @@ class DraftMemory:
                 cont = tuple(tokens[p + 1: min(end, p + 1 + SuffixIndex.length_for(m, self.max_len))])
                 if vocab_size is not None and max(cont) >= vocab_size:
                     cont = cont[: next(i for i, t in enumerate(cont) if t >= vocab_size)]
-                if cont and not any(prev[: len(cont)] == cont for prev, _ in out):
+                if cont and not covered(cont, (prev for prev, _ in out)):
                     out.append((cont, m))
                     if len(out) >= limit:
                         break
@@ -149,7 +149,7 @@ def merged_matches(own: list[tuple[tuple, int]], remembered: list[tuple[tuple, i
     first (the row's own first among equal lengths): the suffix source's list for the draft builder."""
     out = list(own)
     for cont, match in remembered:
-        if not any(prev[: len(cont)] == cont for prev, _ in out):
+        if not covered(cont, (prev for prev, _ in out)):
             out.append((cont, match))
     out.sort(key=lambda cm: -cm[1])
     return out

@@ -83,9 +83,27 @@ class SuffixIndex:
             if len(out) >= limit:
                 break
             cont = tuple(sequence[j + 1: j + 1 + self.length_for(m, self.max_len)])
-            if not any(prev[: len(cont)] == cont for prev in out):
+            if not covered(cont, out):
                 out[cont] = m
         return list(out.items())
+
+
+def covered(cont: tuple, kept) -> bool:
+    """Whether continuation ``cont`` is a prefix of (or equal to) one of the continuations ``kept``: a trie holding
+    that one already holds it."""
+    return any(prev[: len(cont)] == cont for prev in kept)
+
+
+def flatten_matches(rows: list[list[tuple[tuple, int]]]) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Per row its ``(continuation, match length)`` pairs, flattened as :func:`suffix_spans` returns them."""
+    tokens, lens, matches, counts = [], [], [], []
+    for found in rows:
+        counts.append(len(found))
+        for cont, match in found:
+            tokens.extend(cont)
+            lens.append(len(cont))
+            matches.append(match)
+    return tokens, lens, matches, counts
 
 
 def suffix_spans(indexes: list[SuffixIndex], sequences: list[list[int]], limit: int) \
@@ -106,15 +124,7 @@ def suffix_spans(indexes: list[SuffixIndex], sequences: list[list[int]], limit: 
 
         native = cpu_ops_available(build=False)
     if not native:
-        tokens, lens, matches, counts = [], [], [], []
-        for index, sequence in zip(indexes, sequences):
-            found = index.matches(sequence, limit)
-            counts.append(len(found))
-            for cont, match in found:
-                tokens.extend(cont)
-                lens.append(len(cont))
-                matches.append(match)
-        return tokens, lens, matches, counts
+        return flatten_matches([index.matches(sequence, limit) for index, sequence in zip(indexes, sequences)])
     buffers, lengths, new_tokens, new_counts = [], [], [], []
     for index, sequence in zip(indexes, sequences):
         buffer, copied = index._copy_room(sequence)
