@@ -22,7 +22,7 @@ import pytest
 import torch
 import transformers
 
-from lookahead import LlamaForCausalLM, LookaheadConfig
+from lookahead import DraftMemory, LlamaForCausalLM, LookaheadConfig
 from lookahead.config import SOURCES
 from lookahead.prompt_cache import PromptCache
 
@@ -204,3 +204,38 @@ def test_random_cases_keep_plain_greedy_output_under_each_convention(seed, conve
                              top_p=r.choice([None, 0.9]), generator=torch.Generator().manual_seed(seed), **kwargs,
                              **loop).sequences
         assert torch.equal(out, plain), case
+
+
+def random_memory(r: random.Random, model: LlamaForCausalLM, prompts: list, vocab: int, new: int) -> DraftMemory:
+    """A memory of small random bounds (eviction, short scans), holding some of the model's own continuations of
+    the prompts (guesses that come true), noise, and text past the model's vocabulary (another tokenizer's)."""
+    memory = DraftMemory(max_tokens=r.choice([8, 40, 200, 1_000_000]), max_match=r.randint(2, 8),
+                         max_len=r.randint(1, 32), scan=r.randint(1, 64))
+    for p in prompts:
+        if r.random() < 0.6:
+            memory.add(model.generate(p, max_new_tokens=new + r.randint(0, 8), lookahead=None).sequences[0])
+        if r.random() < 0.3:
+            memory.add([r.randrange(vocab) for _ in range(r.randint(1, 30))])
+        if r.random() < 0.2:
+            tail = p[-2:].tolist()
+            memory.add(tail + [vocab + r.randrange(50)] + [r.randrange(vocab) for _ in range(4)])
+    return memory
+
+
+@pytest.mark.parametrize("seed", [5, 73, 256, 1999, 7777, 31337])
+def test_random_cases_with_a_draft_memory_keep_plain_greedy_output(seed):
+    """The draft memory (lookahead.memory) in random cases: prefilled, filled by the calls themselves (a second
+    call reads the first's rows), bounded so that it evicts; every loop of the first group."""
+    r = random.Random(seed)
+    model, vocab = random_model(r)
+    prompts = random_prompts(r, vocab)
+    new = r.randint(1, 32)
+    kwargs = dict(max_new_tokens=new, pad_token_id=0)
+    plain = model.generate(prompts, lookahead=None, **kwargs).sequences
+    memory = random_memory(r, model, prompts, vocab, new) if r.random() < 0.7 else DraftMemory()
+    config = random_config(r)
+    loop = random_loop(r, config, len(prompts))
+    case = f"seed {seed}: {len(prompts)} prompts, {new} tokens, {config}, {loop}, memory of {len(memory)} tokens"
+    for call in range(2):  # the second call also reads what the first added
+        out = model.generate(prompts, lookahead=config, draft_memory=memory, **kwargs, **loop).sequences
+        assert torch.equal(out, plain), f"call {call}, {case}"

@@ -12,7 +12,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from lookahead import LlamaForCausalLM, LookaheadConfig
+from lookahead import DraftMemory, LlamaForCausalLM, LookaheadConfig
 from lookahead.sampling import SamplingParams, warp_logits
 from lookahead_kernels import StepLayout
 
@@ -55,14 +55,14 @@ def exact_marginals(model, prompt, params, depth=3) -> list[torch.Tensor]:
     return marginals
 
 
-def draw(model, prompt, lookahead, params, seed):
+def draw(model, prompt, lookahead, params, seed, **extra):
     gen = torch.Generator().manual_seed(seed)
     tokens, accepted = [], []
     for _ in range(SAMPLES):
         out = model.generate(prompt, max_new_tokens=3, lookahead=lookahead, do_sample=True,
                              temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                              min_p=params.min_p, typical_p=params.typical_p, epsilon_cutoff=params.epsilon_cutoff,
-                             eta_cutoff=params.eta_cutoff, top_h=params.top_h or None, generator=gen)
+                             eta_cutoff=params.eta_cutoff, top_h=params.top_h or None, generator=gen, **extra)
         tokens.append(out.sequences[0, prompt.shape[1]:].tolist())
         accepted.extend(out.stats.accepted)
     return torch.tensor(tokens), accepted
@@ -97,6 +97,23 @@ def test_sampled_tokens_follow_the_models_distribution(model_and_prompt, params,
         assert max(accepted) >= 2, "no step accepted a candidate: the test would not exercise verification"
     for pos in range(3):
         p = marginals[pos]
+        assert (p[samples[:, pos]] > 0).all(), f"a token of probability zero was emitted at position {pos + 1}"
+        pvalue = fit_pvalue(samples[:, pos], p)
+        assert pvalue > 1e-3, f"position {pos + 1}: chi-square p-value {pvalue:.2e}"
+
+
+def test_sampled_tokens_with_a_draft_memory_follow_the_models_distribution(model_and_prompt):
+    """Guesses from a draft memory that holds the greedy continuation and grows with every draw (each call adds its
+    sampled text): the guesses depend on earlier draws, and each draw must still have the model's distribution."""
+    model, prompt = model_and_prompt
+    params = SamplingParams(temperature=0.8)
+    memory = DraftMemory()
+    memory.add(model.generate(prompt, max_new_tokens=20, lookahead=None).sequences[0])
+    samples, accepted = draw(model, prompt, LookaheadConfig(max_step_tokens=16, sources=("suffix",)), params,
+                             seed=99, draft_memory=memory)
+    assert max(accepted) >= 2, "no step accepted a remembered guess: the test would not exercise verification"
+    assert memory.sequences > SAMPLES  # every draw joined it
+    for pos, p in enumerate(exact_marginals(model, prompt, params)):
         assert (p[samples[:, pos]] > 0).all(), f"a token of probability zero was emitted at position {pos + 1}"
         pvalue = fit_pvalue(samples[:, pos], p)
         assert pvalue > 1e-3, f"position {pos + 1}: chi-square p-value {pvalue:.2e}"
