@@ -47,6 +47,9 @@ def _add_lookahead_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="parameter dtype (default float32)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="on CUDA, run each step eagerly instead of replaying captured CUDA graphs (for debugging)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (default: torch's, one a core); on a machine busy with other work, fewer than "
+                        "its cores keeps decoding from stalling on threads that wait for a core")
 
 
 # generate's sampling flags: (flag, type, what it does, its value when neither the call nor the model sets it)
@@ -103,6 +106,10 @@ def _device(args) -> str:
 def _load(args, decoding: bool = True):
     from .loading import from_pretrained, is_hub_id, load_default, load_tokenizer, local_path
 
+    threads = getattr(args, "threads", None)  # the command owns its process: torch's thread count is its own
+    _check_at_least_one("--threads", threads)
+    if threads is not None:
+        torch.set_num_threads(threads)
     dtype = DTYPES[args.dtype]
     if decoding and dtype != torch.float32 and torch.device(args.device).type == "cpu":
         # Said, not refused: a user may want the other dtype's numbers. Measured on this project's 2-core Zen 5:

@@ -95,10 +95,22 @@ def _fails_in_one_line(capsys, argv, status=None, contains=""):
     (["bench", "--prompts", "/nonexistent/a.jsonl"], "no such file"),
     (["batch", "a.jsonl", "--max-batch-size", "0"], "--max-batch-size must be >= 1"),
     (["batch", "/nonexistent/a.jsonl"], "no such file"),
+    (["generate", "hi", "--threads", "0"], "--threads must be >= 1"),
+    (["bench", "--prompts", "a.jsonl", "--threads", "x"], "--threads"),
     (["frobnicate"], "invalid choice"),
 ])
 def test_bad_options_are_one_line_before_loading(capsys, argv, contains):
     _fails_in_one_line(capsys, argv, status=2, contains=contains)
+
+
+def test_threads_sets_torchs_thread_count_before_loading(capsys, monkeypatch):
+    import torch
+
+    asked = []
+    monkeypatch.setattr(torch, "set_num_threads", asked.append)  # the test process keeps its own count
+    _fails_in_one_line(capsys, ["generate", "hi", "--threads", "1", "--model", "/nonexistent/m.gguf"],
+                       contains="no such file")
+    assert asked == [1]
 
 
 def test_cuda_requested_without_cuda_is_one_line(capsys, monkeypatch):
