@@ -21,23 +21,25 @@ DATA = os.path.join(ROOT, "..", "shared", "data")
 DEFAULT_SETS = [os.path.join(DATA, "mt_bench_dev.jsonl"), os.path.join(DATA, "humaneval_dev.jsonl")]
 
 
-def add_output_args(ap, max_new_tokens: int, render: bool = False) -> None:
-    """``--max-new-tokens``, ``--threads``, and where the results go (``<out-dir>/<name>-<tag>.*``); with
-    ``render``, ``--render``: only re-render a results file."""
+def add_output_args(ap, max_new_tokens: int, render: bool = False, threads: bool = True) -> None:
+    """``--max-new-tokens``, ``--threads`` (unless ``threads`` is false: a bench that sets its own counts), and
+    where the results go (``<out-dir>/<name>-<tag>.*``); with ``render``, ``--render``: only re-render a results
+    file."""
     ap.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
-    ap.add_argument("--threads", type=int, default=2)
+    if threads:
+        ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tag", default="cpu")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     if render:
         ap.add_argument("--render", metavar="JSON", help="only re-write the markdown (and plot) of a results file")
 
 
-def add_run_args(ap, prompts: int, max_new_tokens: int) -> None:
+def add_run_args(ap, prompts: int, max_new_tokens: int, threads: bool = True) -> None:
     """The options of a bench that decodes the first ``--prompts`` prompts of each of ``--sets`` on the CPU with
-    ``--threads`` and writes ``<out-dir>/<name>-<tag>.*``."""
+    ``--threads`` (see :func:`add_output_args`) and writes ``<out-dir>/<name>-<tag>.*``."""
     ap.add_argument("--sets", nargs="+", default=DEFAULT_SETS)
     ap.add_argument("--prompts", type=int, default=prompts, help="first N prompts of each set")
-    add_output_args(ap, max_new_tokens)
+    add_output_args(ap, max_new_tokens, threads=threads)
 
 
 def add_prompt_set_args(ap, prompts: int, max_new_tokens: int) -> None:

@@ -25,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from _common import DEFAULT_SETS, command_line, first_prompts, machine_info, write_results  # noqa: E402
+from _common import add_run_args, command_line, first_prompts, machine_info, write_results  # noqa: E402
 
 from lookahead import load_default  # noqa: E402
 
@@ -55,11 +55,7 @@ def _decode_rounds(model, prompts, thread_counts, rounds, max_new_tokens) -> dic
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sets", nargs="+", default=DEFAULT_SETS)
-    ap.add_argument("--prompts", type=int, default=2, help="first N prompts of each set")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--tag", default="cpu")
-    ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    add_run_args(ap, prompts=2, max_new_tokens=64, threads=False)  # its thread counts are --thread-counts
     ap.add_argument("--thread-counts", type=int, nargs="+", default=[2, 1])
     ap.add_argument("--busy", type=int, default=2, help="spinning processes beside the busy runs")
     ap.add_argument("--rounds", type=int, default=3)
