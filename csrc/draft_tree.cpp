@@ -54,6 +54,8 @@
 #include <tuple>
 #include <vector>
 
+#include "draft_encode.h"
+
 namespace draft_tree {
 namespace {
 
@@ -340,59 +342,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
           longs(out.code_offsets), longs(out.counts)};
 }
 
-// What encode reuses from row to row: children lists linked through arrays (slot keep: the roots under x).
-struct EncodeSpace {
-  std::vector<int64_t> first, last, next, pre, stack;
-};
-
-// One row's encoding (see encode) into ot / dp / en [size] and op / od [keep]; returns its deepest real depth.
-int64_t encode_row(const int64_t* par, const int64_t* tok, int64_t keep, int64_t size, int64_t* ot, int64_t* dp,
-                   int64_t* en, int64_t* op, int64_t* od, EncodeSpace& ws) {
-  // Children lists in best-first order (the list's order), then an iterative depth-first walk.
-  ws.first.assign(keep + 1, -1);
-  ws.last.assign(keep + 1, -1);
-  ws.next.assign(keep, -1);
-  for (int64_t i = 0; i < keep; ++i) {
-    const int64_t p = par[i];
-    TORCH_CHECK(-1 <= p && p < i, "lookahead_draft.encode: the parent of node ", i, " must be -1 or an earlier "
-                "node, got ", p);
-    const int64_t slot = p < 0 ? keep : p;
-    (ws.last[slot] < 0 ? ws.first[slot] : ws.next[ws.last[slot]]) = i;
-    ws.last[slot] = i;
-  }
-  ws.pre.assign(keep, -1);  // best-first index -> pre-order index
-  ws.stack.clear();
-  // The stack pops the best child first: push a parent's children worst first, i.e. reversed.
-  auto push_children = [&](int64_t slot) {
-    const size_t from = ws.stack.size();
-    for (int64_t c = ws.first[slot]; c >= 0; c = ws.next[c]) ws.stack.push_back(c);
-    std::reverse(ws.stack.begin() + static_cast<std::ptrdiff_t>(from), ws.stack.end());
-  };
-  push_children(keep);
-  int64_t next = 0, deepest = 0;
-  while (!ws.stack.empty()) {
-    const int64_t i = ws.stack.back();
-    ws.stack.pop_back();
-    const int64_t j = next++;
-    ws.pre[i] = j;
-    od[j] = i;
-    ot[j] = tok[i];
-    op[j] = par[i] < 0 ? -1 : ws.pre[par[i]];
-    dp[j] = par[i] < 0 ? 1 : dp[ws.pre[par[i]]] + 1;
-    en[j] = j + 1;
-    deepest = std::max(deepest, dp[j]);
-    push_children(i);
-  }
-  for (int64_t j = keep - 1; j >= 0; --j)  // children follow parents: fold subtree ends upwards
-    if (op[j] >= 0 && en[j] > en[op[j]]) en[op[j]] = en[j];
-  for (int64_t j = keep; j < size; ++j) {  // padding: leaves under x
-    ot[j] = 0;
-    dp[j] = 1;
-    en[j] = j + 1;
-  }
-  return deepest;
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> encode(
     const at::Tensor& parents, const at::Tensor& tokens, at::IntArrayRef starts, at::IntArrayRef keep, int64_t size) {
   const int64_t n = static_cast<int64_t>(starts.size());
@@ -484,6 +433,55 @@ void record_successors(at::TensorList succ_ids, at::TensorList succ_probs, at::T
 }
 
 }  // namespace
+
+// See draft_encode.h.
+int64_t encode_row(const int64_t* par, const int64_t* tok, int64_t keep, int64_t size, int64_t* ot, int64_t* dp,
+                   int64_t* en, int64_t* op, int64_t* od, EncodeSpace& ws) {
+  // Children lists in best-first order (the list's order), then an iterative depth-first walk.
+  ws.first.assign(keep + 1, -1);
+  ws.last.assign(keep + 1, -1);
+  ws.next.assign(keep, -1);
+  for (int64_t i = 0; i < keep; ++i) {
+    const int64_t p = par[i];
+    TORCH_CHECK(-1 <= p && p < i, "lookahead_draft.encode: the parent of node ", i, " must be -1 or an earlier "
+                "node, got ", p);
+    const int64_t slot = p < 0 ? keep : p;
+    (ws.last[slot] < 0 ? ws.first[slot] : ws.next[ws.last[slot]]) = i;
+    ws.last[slot] = i;
+  }
+  ws.pre.assign(keep, -1);  // best-first index -> pre-order index
+  ws.stack.clear();
+  // The stack pops the best child first: push a parent's children worst first, i.e. reversed.
+  auto push_children = [&](int64_t slot) {
+    const size_t from = ws.stack.size();
+    for (int64_t c = ws.first[slot]; c >= 0; c = ws.next[c]) ws.stack.push_back(c);
+    std::reverse(ws.stack.begin() + static_cast<std::ptrdiff_t>(from), ws.stack.end());
+  };
+  push_children(keep);
+  int64_t next = 0, deepest = 0;
+  while (!ws.stack.empty()) {
+    const int64_t i = ws.stack.back();
+    ws.stack.pop_back();
+    const int64_t j = next++;
+    ws.pre[i] = j;
+    od[j] = i;
+    ot[j] = tok[i];
+    op[j] = par[i] < 0 ? -1 : ws.pre[par[i]];
+    dp[j] = par[i] < 0 ? 1 : dp[ws.pre[par[i]]] + 1;
+    en[j] = j + 1;
+    deepest = std::max(deepest, dp[j]);
+    push_children(i);
+  }
+  for (int64_t j = keep - 1; j >= 0; --j)  // children follow parents: fold subtree ends upwards
+    if (op[j] >= 0 && en[j] > en[op[j]]) en[op[j]] = en[j];
+  for (int64_t j = keep; j < size; ++j) {  // padding: leaves under x
+    ot[j] = 0;
+    dp[j] = 1;
+    en[j] = j + 1;
+  }
+  return deepest;
+}
+
 }  // namespace draft_tree
 
 TORCH_LIBRARY(lookahead_draft, m) {

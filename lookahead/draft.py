@@ -638,17 +638,31 @@ def encode_rows(proposals: Proposals, picks: list[int], keeps: list[int], size: 
     if not native:
         return DraftTrees.stack([_encode_one(proposals.row(i) if i >= 0 else Proposal.empty(), keep, size)
                                  for i, keep in zip(picks, keeps)])
-    starts = [proposals.starts[i] if i >= 0 else 0 for i in picks]
+    starts = row_starts(proposals, picks)
     tokens, depth, end, parents, order, deepest = torch.ops.lookahead_draft.encode(
         proposals.parents, proposals.tokens, starts, keeps, size)
-    parents, order, deepest = parents.tolist(), order.tolist(), deepest.tolist()
+    return trees_in_batch(proposals, starts, keeps, (tokens, depth, end), parents.tolist(), order.tolist(),
+                          deepest.tolist())
+
+
+def row_starts(proposals: Proposals, picks: list[int]) -> list[int]:
+    """Where each batch row's proposals start in ``proposals`` (``picks[b]``: its row there, ``-1``: none, 0)."""
+    return [proposals.starts[i] if i >= 0 else 0 for i in picks]
+
+
+def trees_in_batch(proposals: Proposals, starts: list[int], keeps: list[int], encoded: tuple, parents: list[int],
+                   order: list[int], deepest: list[int]) -> DraftTrees:
+    """The batch's :class:`DraftTrees` from the C++ encoding of its rows (``lookahead_draft.encode`` or
+    ``encode_step``): ``encoded`` the int64 ``[B, V]`` tokens, depth and end (views of a step's packed inputs
+    will do), ``parents`` and ``order`` each real node's pre-order parent and best-first index (rows one after
+    another), ``deepest`` each row's deepest real node."""
     codes, offsets = proposals.codes.tolist(), proposals.code_offsets.tolist()
     trees, at = [], 0
     for b, (first, keep, row_deepest) in enumerate(zip(starts, keeps, deepest)):
-        trees.append(DraftTree._in_batch((tokens, depth, end, b), keep, parents[at: at + keep], row_deepest,
+        trees.append(DraftTree._in_batch(encoded + (b,), keep, parents[at: at + keep], row_deepest,
                                          (codes, offsets, first, order, at)))
         at += keep
-    return DraftTrees(trees, tokens, depth, end)
+    return DraftTrees(trees, *encoded)
 
 
 def _encode_one(proposal: Proposal, keep: int, size: int) -> DraftTree:

@@ -45,7 +45,7 @@ from .processors import LogitsProcessors
 from .prompt_cache import PromptCache
 from .runner import StepRunner, cache_pool, runner_cache
 from .sequence_rules import bad_words, check_vocabulary
-from .step import build_step, packed_plain_step, upload
+from .step import build_step, build_tree_step, packed_plain_step, upload
 from .stopping import Deadline, RowStops, make_criteria
 from .successors import SuccessorTable, record_step
 from .verification import PlainChoice, Sampler, StepInputs, StepVerifier, step_uniforms
@@ -1067,13 +1067,16 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
     keeps = [min(keep, len(proposals.scores[i])) if i >= 0 else 0 for i in picks]
     longest = max(keeps)
     size = next(z for z in sizes if z >= longest) if pad else longest
-    drafts = encode_rows(proposals, picks, keeps, size, active[0].drafts.native)
+    lens, xs, width = [_start(r) for r in batch], [r.x for r in batch], levels * W
+    windows = [None if r.emitter.done else r.window for r in batch]
+    if runner is not None and active[0].drafts.native:  # the trees encoded into the runner's block in one call
+        step, drafts = build_tree_step(lens, xs, None if width == 1 else stack_step_tokens(windows, xs, width),
+                                       levels, W, proposals, picks, keeps, size, plan.step_constants)
+    else:
+        drafts = encode_rows(proposals, picks, keeps, size, active[0].drafts.native)
+        step = build_step(lens, stack_step_tokens(windows, xs, width), levels, W, drafts,
+                          "cpu" if runner is not None else device, plan.step_constants, pack=runner is not None)
     trees = drafts.trees
-    lens = [_start(r) for r in batch]
-    window_tokens = stack_step_tokens([None if r.emitter.done else r.window for r in batch], [r.x for r in batch],
-                                      levels * W)
-    step = build_step(lens, window_tokens, levels, W, drafts, "cpu" if runner is not None else device,
-                      plan.step_constants, pack=runner is not None)
     step_shape = StepShape(W, levels, size)
     successors = active[0].drafts.successors
     if runner is None:  # the eager loop verifies as deep as this step's trees go, and tops only computed rows

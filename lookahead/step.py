@@ -8,10 +8,9 @@ import numpy as np
 import torch
 
 from lookahead_kernels import StepLayout
-from lookahead_kernels.cpu_ops import cpu_ops_available
 from lookahead_kernels.tree import TreeShape
 
-from .draft import DraftTree, DraftTrees
+from .draft import DraftTree, DraftTrees, Proposals, row_starts, trees_in_batch
 from .runner import input_spans
 
 
@@ -76,13 +75,7 @@ def build_step(positions: list[int], lookahead_tokens: torch.Tensor, levels: int
     if isinstance(trees, list):
         trees = DraftTrees.stack(trees)
     V = trees.tokens.shape[1] if trees is not None else 0
-    key = (window, levels, window * levels + V)
-    parts = None if constants is None else constants.get(key)
-    if parts is None:
-        parts = constant_parts(*key)
-        if constants is not None:
-            constants[key] = parts
-    rows, head = parts
+    rows, head = _constant_parts(constants, window, levels, window * levels + V)
     if pack:
         if torch.device(device).type != "cpu":
             raise ValueError(f"build_step packs a step on the host: device must be the CPU, got {device}")
@@ -116,33 +109,63 @@ def build_step(positions: list[int], lookahead_tokens: torch.Tensor, levels: int
 
 def _packed_step(positions: list[int], lookahead_tokens: torch.Tensor, levels: int, window: int,
                  trees: DraftTrees | None, rows: torch.Tensor, head: torch.Tensor) -> Step:
-    """:func:`build_step` with ``pack``: every input in one block in the runner's layout, the step's tokens,
-    positions and node counts views of it; the block written by one C++ call where the CPU ops are loaded
-    (``csrc/pack_step.cpp``: the NumPy writes, about twenty small calls, took a one-row tree step 24 us warm and
-    about 80 us in the decoding loop, session 54), else by :func:`pack_step_reference`."""
+    """:func:`build_step` with ``pack``: every input in one block in the runner's layout (written by
+    :func:`pack_step_reference`), the step's tokens, positions and node counts views of it. Trees from the C++
+    builder take :func:`build_tree_step` instead, which encodes and packs them in one call."""
     B, L = len(positions), window * levels
     V = trees.tokens.shape[1] if trees is not None else 0
-    T = L + V
-    spans = input_spans(B, T, V, rows.numel())
-    if cpu_ops_available(build=False):
-        tree = (trees.tokens.contiguous(), trees.depth.contiguous(), trees.end.contiguous()) if V else (None,) * 3
-        block = torch.ops.lookahead_draft.pack_step(
-            positions, lookahead_tokens.reshape(B, L).contiguous(), head.contiguous(), *tree,
-            [t.num_nodes for t in trees.trees] if V else [0] * B, rows.contiguous())
-    else:
-        block = pack_step_reference(positions, lookahead_tokens, L, trees, rows, head)
-    tokens_t = block[spans["tokens"][0]].view(B, T)
-    # The layout's tree is the trees' own (the runner reads the block); the logits rows are the shape's constant.
+    block = pack_step_reference(positions, lookahead_tokens, L, trees, rows, head)
     layout = StepLayout(window, levels, TreeShape.trusted(trees.depth, trees.end) if V else None)
-    return Step(tokens=tokens_t, positions=block[spans["positions"][0]].view(B, T), layout=layout, logits_rows=rows,
-                logits_tokens=tokens_t if levels == 1 else tokens_t[:, rows], num_nodes=block[spans["num_nodes"][0]],
+    return _packed(block, layout, B, L + V, rows)
+
+
+def _packed(block: torch.Tensor, layout: StepLayout, B: int, T: int, rows: torch.Tensor) -> Step:
+    """The :class:`Step` whose inputs ``block`` packs (:func:`lookahead.runner.input_spans`' layout)."""
+    spans = input_spans(B, T, layout.tree_size, rows.numel())
+    tokens = block[spans["tokens"][0]].view(B, T)
+    return Step(tokens=tokens, positions=block[spans["positions"][0]].view(B, T), layout=layout, logits_rows=rows,
+                logits_tokens=tokens if layout.levels == 1 else tokens[:, rows], num_nodes=block[spans["num_nodes"][0]],
                 packed=block)
+
+
+def build_tree_step(positions: list[int], xs: list[int], window_tokens: torch.Tensor | None, levels: int,
+                    window: int, proposals: Proposals, picks: list[int], keeps: list[int], size: int,
+                    constants: dict | None = None) -> tuple[Step, DraftTrees]:
+    """A packed tree step (:func:`build_step` with ``pack``) from the C++ builder's proposals, and its trees
+    (:func:`lookahead.draft.encode_rows`), in one C++ call (``lookahead_draft.encode_step``, ``csrc/pack_step.cpp``):
+    38-41 us a one-row tree step in the decoding loop where encoding, stacking the step's tokens and packing took
+    58-75 (the H200's steps replayed on this project's CPU, session 61). The block's layout and the trees are those
+    of :func:`lookahead.draft.encode_rows`, :func:`lookahead.window.stack_step_tokens` and :func:`build_step`
+    (``tests/test_draft_native.py`` checks them against the Python encoding and :func:`pack_step_reference`).
+
+    Args:
+        positions, xs: per row, the position of its ``x`` and ``x``.
+        window_tokens: LongTensor ``[B, levels * window]``, each row's lookahead branch (``x`` at column 0, as
+            :func:`lookahead.window.stack_step_tokens` stacks it); ``None`` where that branch is ``x`` alone.
+        proposals, picks, keeps, size: as :func:`lookahead.draft.encode_rows` takes them.
+        constants: as :func:`build_step` takes it.
+    """
+    B, L = len(positions), window * levels
+    T = L + size
+    rows, head = _constant_parts(constants, window, levels, T)
+    starts = row_starts(proposals, picks)
+    block, meta = torch.ops.lookahead_draft.encode_step(proposals.parents, proposals.tokens, starts, keeps, size,
+                                                        positions, xs, window_tokens, head, rows)
+    spans = input_spans(B, T, size, rows.numel())
+    depth, end = block[spans["depth"][0]].view(B, size), block[spans["end"][0]].view(B, size)
+    step = _packed(block, StepLayout(window, levels, TreeShape.trusted(depth, end) if size else None), B, T, rows)
+    K = sum(keeps)
+    meta = meta.tolist()
+    trees = trees_in_batch(proposals, starts, keeps, (step.tokens[:, L:], depth, end), meta[:K], meta[K: 2 * K],
+                           meta[2 * K:])
+    return step, trees
 
 
 def pack_step_reference(positions: list[int], lookahead_tokens: torch.Tensor, L: int, trees: DraftTrees | None,
                         rows: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-    """The block ``lookahead_draft.pack_step`` writes (:func:`lookahead.runner.input_spans`' layout), through
-    NumPy views: the op's reference and the path without the CPU ops."""
+    """A packed step's block (:func:`lookahead.runner.input_spans`' layout), written through NumPy views: the
+    reference of the block ``lookahead_draft.encode_step`` writes (:func:`build_tree_step`), and the packing of
+    trees the Python builder made."""
     B = len(positions)
     V = trees.tokens.shape[1] if trees is not None else 0
     T = L + V
@@ -176,6 +199,17 @@ def packed_plain_step(tokens: list[int], positions: list[int]) -> tuple[torch.Te
     block = torch.tensor(tokens + positions + positions + [0] * B, dtype=torch.long)
     spans = input_spans(B, 1, 0, None)
     return block, block[spans["tokens"][0]].view(B, 1), block[spans["positions"][0]].view(B, 1)
+
+
+def _constant_parts(constants: dict | None, window: int, levels: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`constant_parts`, kept in ``constants`` (``None``: made anew)."""
+    key = (window, levels, T)
+    parts = None if constants is None else constants.get(key)
+    if parts is None:
+        parts = constant_parts(*key)
+        if constants is not None:
+            constants[key] = parts
+    return parts
 
 
 def constant_parts(window: int, levels: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,8 +5,9 @@ and the
 draft builder's best-first walk and tree encoding (``csrc/draft_tree.cpp``, ``torch.ops.lookahead_draft``), which
 serve the GPU path too: the draft is built on the host, and the successor table's top-k of a CPU step's logits
 (``csrc/row_topk.cpp``, same namespace), tree verification from the logits, greedy and sampled
-(``csrc/verify_sample.cpp``), and a plain step's sampled draw (``csrc/sample_warped.cpp``), same namespace; and KV
-compaction after a tree step (``csrc/kv_compact_cpu.cpp``, ``torch.ops.lookahead_cpu``).
+(``csrc/verify_sample.cpp``), a plain step's sampled draw (``csrc/sample_warped.cpp``) and a tree step's trees
+encoded into its packed inputs (``csrc/pack_step.cpp``), same namespace; and KV compaction after a tree step
+(``csrc/kv_compact_cpu.cpp``, ``torch.ops.lookahead_cpu``).
 
 All live in one library, built with ninja into torch's extensions directory on first use (a subdirectory per
 checkout: :func:`lookahead_kernels.build_lock.extension_name`; ``scripts/setup.sh`` builds it at install time) and

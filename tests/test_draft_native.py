@@ -152,6 +152,64 @@ def test_a_batch_s_proposals_and_trees_equal_each_row_s_reference(seed):
         assert torch.equal(a.shape.depth, b.shape.depth) and torch.equal(a.shape.end, b.shape.end)
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_a_tree_step_encoded_and_packed_in_one_call_equals_the_reference_path(seed):
+    """``build_tree_step`` (the C++ ``encode_step``) gives the block and trees that the Python encoding, the step's
+    tokens stacked and the NumPy packing give (``encode_rows(native=False)``, ``build_step(pack=True)``): every
+    int of the block, and each tree's nodes, parents, codes and encoding."""
+    from lookahead.step import build_step, build_tree_step
+    from lookahead.window import stack_step_tokens
+
+    rng = random.Random(seed)
+    rows = [random_builder(500 * seed + i, rng.choice([7, 50, 300])) for i in range(rng.randint(1, 5))]
+    proposals = propose_rows([b for b, _ in rows], [seq for _, seq in rows], rng.choice([1, 5, 16, 40]))
+    picks = list(range(len(rows))) + [-1] * rng.randint(0, 2)  # parked rows: no node, all padding
+    rng.shuffle(picks)
+    keeps = [rng.randint(0, len(proposals.scores[i])) if i >= 0 else 0 for i in picks]
+    size = max(keeps) + rng.choice([0, 3])
+    window, levels = rng.choice([(1, 1), (3, 2), (4, 1)])
+    B, width = len(picks), window * levels
+    xs = [rng.randrange(300) for _ in range(B)]
+    positions = [rng.randrange(1000) for _ in range(B)]
+    window_tokens = stack_step_tokens([None] * B, xs, 1) if width == 1 else torch.randint(0, 300, (B, width))
+    window_tokens[:, 0] = torch.tensor(xs)
+    step, trees = build_tree_step(positions, xs, None if width == 1 else window_tokens.clone(), levels, window,
+                                  proposals, picks, keeps, size, {})
+    ref_trees = encode_rows(proposals, picks, keeps, size, native=False)
+    ref = build_step(positions, window_tokens, levels, window, ref_trees, "cpu", pack=True)
+    assert step.packed.dtype == torch.long and torch.equal(step.packed, ref.packed)
+    for name in ("tokens", "positions", "logits_rows", "logits_tokens", "num_nodes"):
+        assert torch.equal(getattr(step, name), getattr(ref, name)), name
+    assert step.layout.T == ref.layout.T and step.node_rows == ref.node_rows
+    for name in ("tokens", "depth", "end"):
+        assert torch.equal(getattr(trees, name), getattr(ref_trees, name)), name
+    for a, b in zip(trees.trees, ref_trees.trees, strict=True):
+        assert a.num_nodes == b.num_nodes and a.parents == b.parents and a.codes == b.codes
+        assert a.max_depth == b.max_depth and torch.equal(a.tokens, b.tokens)
+        assert torch.equal(a.shape.depth, b.shape.depth) and torch.equal(a.shape.end, b.shape.end)
+
+
+def test_encode_step_refuses_inputs_that_do_not_fit():
+    encode_step = torch.ops.lookahead_draft.encode_step
+    parents, tokens = torch.tensor([-1, 0, -1]), torch.tensor([5, 6, 7])
+    head, rows = torch.zeros(1, dtype=torch.long), torch.arange(4)
+    encode_step(parents, tokens, [0, 1], [3, 0], 3, [10, 20], [1, 2], None, head, rows)  # fits
+    window = torch.zeros(2, 3, dtype=torch.long)
+    for args, match in (((parents, tokens[:2], [0, 1], [3, 0], 3, [10, 20], [1, 2], None, head, rows), "tokens"),
+                        ((parents, tokens, [0], [3, 0], 3, [10, 20], [1, 2], None, head, rows), "one start"),
+                        ((parents, tokens, [0, 1], [3, 0], 3, [10, 20], [1], None, head, rows), "one start"),
+                        ((parents, tokens, [0, 1], [3, 0], 2, [10, 20], [1, 2], None, head, rows), "keep <= size"),
+                        ((parents, tokens, [0, 1], [3, 3], 3, [10, 20], [1, 2], None, head, rows), "start \\+ keep"),
+                        ((parents, tokens, [0, 1], [3, 0], 3, [10, 20], [1, 2], window.int(), head, rows),
+                         "window_tokens"),
+                        ((parents, tokens, [0, 1], [3, 0], 3, [10, 20], [1, 2], window, head, rows), "offsets"),
+                        ((parents, tokens, [0, 1], [3, 0], 3, [10, 20], [1, 2], None, head, rows[None]), "rows")):
+        with pytest.raises(ValueError, match=match):
+            encode_step(*args)
+    with pytest.raises(RuntimeError, match="parent of node 0"):
+        encode_step(torch.tensor([0]), torch.tensor([5]), [0], [1], 1, [3], [1], None, head, rows)
+
+
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("n,R,j", [(1, 1, 1), (3, 17, 5), (16, 40, 8)])
 def test_a_step_s_successor_records_match_the_python_reference(n, R, j, shared):

@@ -184,54 +184,6 @@ def test_a_packed_step_is_the_step_given_argument_by_argument(batch):
     assert torch.equal(by_args.cache.k, by_block.cache.k)
 
 
-@pytest.mark.parametrize("B,L,V,R", [(1, 1, 0, 1), (1, 1, 15, 16), (3, 6, 5, 8), (2, 3, 0, 3), (4, 1, 1, 0)])
-def test_the_pack_op_writes_the_reference_block(B, L, V, R):
-    """lookahead_draft.pack_step (C++) writes what pack_step_reference writes through NumPy, bit for bit."""
-    from lookahead.draft import DraftTrees
-    from lookahead.step import pack_step_reference
-    from lookahead_kernels.cpu_ops import cpu_ops_available
-
-    if not cpu_ops_available():
-        pytest.skip("the CPU ops did not build")
-    gen = torch.Generator().manual_seed(B * 100 + L * 10 + V)
-    positions = torch.randint(0, 1000, (B,), generator=gen).tolist()
-    window = torch.randint(0, 50000, (B, L), generator=gen)
-    head = torch.randint(0, 8, (L,), generator=gen)
-    rows = torch.randint(0, L + V, (R,), generator=gen)
-    trees = None
-    if V:
-        class Row:  # what the packing reads of a DraftTree
-            def __init__(self, n):
-                self.num_nodes = n
-        trees = DraftTrees([Row(int(n)) for n in torch.randint(0, V + 1, (B,), generator=gen)],
-                           torch.randint(0, 50000, (B, V), generator=gen), torch.randint(1, 7, (B, V), generator=gen),
-                           torch.randint(1, V + 1, (B, V), generator=gen))
-    want = pack_step_reference(positions, window, L, trees, rows, head)
-    tree = (trees.tokens, trees.depth, trees.end) if V else (None, None, None)
-    nodes = [t.num_nodes for t in trees.trees] if V else [0] * B
-    got = torch.ops.lookahead_draft.pack_step(positions, window, head, *tree, nodes, rows)
-    assert got.dtype == torch.long and torch.equal(got, want)
-
-
-def test_the_pack_op_refuses_inputs_that_do_not_fit():
-    from lookahead_kernels.cpu_ops import cpu_ops_available
-
-    if not cpu_ops_available():
-        pytest.skip("the CPU ops did not build")
-    pack = torch.ops.lookahead_draft.pack_step
-    window, head, rows = torch.zeros(2, 3, dtype=torch.long), torch.zeros(3, dtype=torch.long), torch.zeros(4).long()
-    tree = (torch.zeros(2, 5, dtype=torch.long),) * 3
-    pack([1, 2], window, head, *tree, [5, 5], rows)  # fits
-    for args, match in (((window, head[:2], *tree, [5, 5], rows), "offsets"),
-                        ((window, head, *tree, [5], rows), "num_nodes"),
-                        ((window.int(), head, *tree, [5, 5], rows), "window_tokens"),
-                        ((window, head, tree[0], tree[1][:, :4].contiguous(), tree[2], [5, 5], rows), "one width"),
-                        ((window, head, tree[0], None, tree[2], [5, 5], rows), "together"),
-                        ((window, head, *tree, [5, 5], rows[None]), "rows")):
-        with pytest.raises(ValueError, match=match):
-            pack([1, 2], *args)
-
-
 @pytest.mark.gpu
 def test_a_packed_step_reaches_a_cuda_runner_through_its_staging_block():
     """On CUDA the packed block goes through the pinned staging block in one copy: replayed graphs give the same
