@@ -38,19 +38,22 @@
 //     int64 [sum keep]: the best-first index of each pre-order node (rows one after another), max_depth int64
 //     [n]: each row's deepest real node (0 without one).
 //   record_successors(Tensor(a!)[] succ_ids, Tensor(b!)[] succ_probs, Tensor(c!)[] succ_count, Tensor tokens,
-//                     Tensor top_ids, Tensor top_probs, int[] computed, int[] last_count, int[] last) -> ()
+//                     Tensor tops, int[] rows, int[] computed, int[] last_count, int[] last) -> ()
 //     One step's successor tops into n tables at once (one call a step, not one a row: each call from Python
-//     costs microseconds). Table i (int32 ids [V, k], float32 probs [V, k], int32 counts [V]) takes rows
-//     0 .. computed[i] - 1 of tokens int64 [n, R], top_ids int64 [n, R', j] and top_probs float32 [n, R', j]
-//     (j <= k), in order; then every table takes again its last_count[i] rows listed next in last, in order.
-//     Row r makes top_ids[i, r] the successors of tokens[i, r] and a later row for the same token wins, so the
-//     rows that saw the true context (x and the accepted path) are listed (and a table may serve several rows).
+//     costs microseconds). Table i (int32 ids [V, k], float32 probs [V, k], int32 counts [V]) reads batch row
+//     b = rows[i] of tokens int64 [B, R] (the token fed at each logits row) and tops int32 [B, 2, R', j] (R' <= R,
+//     j <= k; tops[b, 0] the top ids of each logits row, tops[b, 1] their probabilities' float32 bits: a view of a
+//     step's read-back as it arrives, each row contiguous) and takes its logits rows 0 .. computed[i] - 1 in
+//     order; then every table takes again its last_count[i] rows listed next in last, in order. Logits row r makes
+//     tops[b, 0, r] the successors of tokens[b, r] and a later row for the same token wins, so the rows that saw
+//     the true context (x and the accepted path) are listed (and a table may serve several rows).
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
 #include <vector>
 
@@ -376,21 +379,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 }
 
 void record_successors(at::TensorList succ_ids, at::TensorList succ_probs, at::TensorList succ_count,
-                       const at::Tensor& tokens, const at::Tensor& top_ids, const at::Tensor& top_probs,
+                       const at::Tensor& tokens, const at::Tensor& tops, at::IntArrayRef rows,
                        at::IntArrayRef computed, at::IntArrayRef last_count, at::IntArrayRef last) {
   const int64_t n = static_cast<int64_t>(succ_ids.size());
   TORCH_CHECK(static_cast<int64_t>(succ_probs.size()) == n && static_cast<int64_t>(succ_count.size()) == n,
               "lookahead_draft.record_successors: one ids, probs and counts tensor per table");
-  TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.dim() == 2 && tokens.size(0) == n &&
-                  top_ids.scalar_type() == at::kLong && top_probs.scalar_type() == at::kFloat &&
-                  top_ids.dim() == 3 && top_ids.sizes() == top_probs.sizes() && top_ids.size(0) == n &&
-                  top_ids.size(1) <= tokens.size(1),
-              "lookahead_draft.record_successors: tokens int64 [n, R], top_ids int64 [n, R', j] and top_probs "
-              "float32 [n, R', j] with R' <= R, one row per table");
-  TORCH_CHECK(static_cast<int64_t>(computed.size()) == n && static_cast<int64_t>(last_count.size()) == n,
-              "lookahead_draft.record_successors: one computed and one last_count per table");
-  const at::Tensor tk = tokens.contiguous(), ti = top_ids.contiguous(), tp = top_probs.contiguous();
-  const int64_t R = tk.size(1), Rt = ti.size(1), j = ti.size(2);
+  TORCH_CHECK(tokens.device().is_cpu() && tops.device().is_cpu() && tokens.scalar_type() == at::kLong &&
+                  tokens.dim() == 2 && tops.scalar_type() == at::kInt && tops.dim() == 4 &&
+                  tops.size(0) == tokens.size(0) && tops.size(1) == 2 && tops.size(2) <= tokens.size(1),
+              "lookahead_draft.record_successors: tokens int64 [B, R] and tops int32 [B, 2, R', j] with R' <= R "
+              "on the CPU, got ", tokens.sizes(), " ", tokens.scalar_type(), " and ", tops.sizes(), " ",
+              tops.scalar_type());
+  const int64_t B = tokens.size(0), Rt = tops.size(2), j = tops.size(3);
+  TORCH_CHECK(tops.stride(3) == 1 && tops.stride(2) == j && tops.stride(1) == Rt * j,
+              "lookahead_draft.record_successors: each row of tops must be contiguous (a view of the read-back)");
+  TORCH_CHECK(static_cast<int64_t>(rows.size()) == n && static_cast<int64_t>(computed.size()) == n &&
+                  static_cast<int64_t>(last_count.size()) == n,
+              "lookahead_draft.record_successors: one batch row, computed and last_count per table");
+  const at::Tensor tk = tokens.contiguous();
+  const int64_t R = tk.size(1);
   for (int64_t i = 0; i < n; ++i) {
     const at::Tensor &ids_t = succ_ids[i], &probs_t = succ_probs[i], &count_t = succ_count[i];
     TORCH_CHECK(ids_t.scalar_type() == at::kInt && probs_t.scalar_type() == at::kFloat &&
@@ -399,6 +406,8 @@ void record_successors(at::TensorList succ_ids, at::TensorList succ_probs, at::T
                     probs_t.is_contiguous() && count_t.is_contiguous() && j <= ids_t.size(1),
                 "lookahead_draft.record_successors: table ", i, " must be int32 ids [V, k], float32 probs [V, k] "
                 "and int32 counts [V], contiguous, with k >= ", j);
+    TORCH_CHECK(0 <= rows[i] && rows[i] < B, "lookahead_draft.record_successors: rows[", i, "] = ", rows[i],
+                " outside [0, ", B, ")");
     TORCH_CHECK(0 <= computed[i] && computed[i] <= Rt && last_count[i] >= 0,
                 "lookahead_draft.record_successors: computed[", i, "] = ", computed[i], " outside [0, ", Rt, "]");
   }
@@ -406,21 +415,21 @@ void record_successors(at::TensorList succ_ids, at::TensorList succ_probs, at::T
   for (int64_t i = 0; i < n; ++i) listed += last_count[i];
   TORCH_CHECK(listed == static_cast<int64_t>(last.size()),
               "lookahead_draft.record_successors: last_count sums to ", listed, " but last has ", last.size());
-  auto record = [&](int64_t i, int64_t r) {  // row r of table i
+  const int32_t* top = tops.data_ptr<int32_t>();
+  auto record = [&](int64_t i, int64_t r) {  // logits row r of table i's batch row
     TORCH_CHECK(0 <= r && r < Rt, "lookahead_draft.record_successors: row ", r, " outside the ", Rt,
-                " rows of top_ids");
-    const int64_t token = tk.data_ptr<int64_t>()[i * R + r];
+                " rows of tops");
+    const int64_t b = rows[i];
+    const int64_t token = tk.data_ptr<int64_t>()[b * R + r];
     const int64_t V = succ_ids[i].size(0), k = succ_ids[i].size(1);
     TORCH_CHECK(0 <= token && token < V, "lookahead_draft.record_successors: token ", token, " outside [0, ", V,
                 ")");
-    const int64_t* ids = ti.data_ptr<int64_t>() + (i * Rt + r) * j;
-    const float* probs = tp.data_ptr<float>() + (i * Rt + r) * j;
+    const int32_t* ids = top + b * tops.stride(0) + r * j;
+    const int32_t* prob_bits = ids + Rt * j;
     int32_t* out_ids = succ_ids[i].data_ptr<int32_t>() + token * k;
     float* out_probs = succ_probs[i].data_ptr<float>() + token * k;
-    for (int64_t c = 0; c < j; ++c) {
-      out_ids[c] = static_cast<int32_t>(ids[c]);
-      out_probs[c] = probs[c];
-    }
+    std::memcpy(out_ids, ids, sizeof(int32_t) * j);
+    std::memcpy(out_probs, prob_bits, sizeof(float) * j);  // the probabilities' float32 bits, as read back
     succ_count[i].data_ptr<int32_t>()[token] = static_cast<int32_t>(j);
   };
   // Every table's computed rows, then every table's listed rows: where rows share one table, the rows that saw
@@ -491,7 +500,7 @@ TORCH_LIBRARY(lookahead_draft, m) {
   m.def("encode(Tensor parents, Tensor tokens, int[] starts, int[] keep, int size) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("record_successors(Tensor(a!)[] succ_ids, Tensor(b!)[] succ_probs, Tensor(c!)[] succ_count, "
-        "Tensor tokens, Tensor top_ids, Tensor top_probs, int[] computed, int[] last_count, int[] last) -> ()");
+        "Tensor tokens, Tensor tops, int[] rows, int[] computed, int[] last_count, int[] last) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(lookahead_draft, CPU, m) {

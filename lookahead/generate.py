@@ -975,10 +975,10 @@ def _plain_step(model, cache, runner, batch: list[_Row], sampler: Sampler, devic
         tokens, positions = upload([torch.tensor([[r.x] for r in batch]), torch.tensor([[n] for n in lens])], device)
     result = _run(model, cache, runner, PLAIN, tokens, positions, lens, StepLayout(1, 1), None, None,
                   PlainChoice(sampler, 0 if learn is None else learn.k), packed=packed)
-    parts = list(result) if isinstance(result, tuple) else [result]  # chosen, [ids, probs], [kept]
+    parts = list(result) if isinstance(result, tuple) else [result]  # chosen, [tops], [kept]
     chosen = parts[0]
     if learn is not None:
-        record_step([learn], tokens.cpu(), parts[1].cpu(), parts[2].cpu(), [1], [[]])
+        record_step([learn], tokens.cpu(), parts[1].cpu(), [0], [1], [[]])
     kept = parts[-1].cpu() if sampler.outputs else None
     emitted = 0
     for b, (row, y) in enumerate(zip(batch, chosen.tolist())):
@@ -1118,9 +1118,8 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
         row.drafts.observe(tree, nodes, ngrams, sequence, taken)
         row.x = emitted[-1]
     if recorded:
-        pick = slice(None) if len(recorded) == len(batch) else torch.tensor(recorded)
-        record_step([batch[b].drafts.successors for b in recorded], step.logits_tokens[pick],
-                    back.successor_ids[pick], back.successor_probs[pick], computed, last)
+        record_step([batch[b].drafts.successors for b in recorded], step.logits_tokens, back.tops, recorded,
+                    computed, last)
     host_seconds = (forward_started - host_started) + (time.perf_counter() - forward_done)
     host.seconds += host_seconds
     if plan.planner is not None and size:  # how far the estimates came true

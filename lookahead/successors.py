@@ -91,7 +91,7 @@ class SuccessorTable:
         tokens = tokens.reshape(-1).cpu()
         if int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size:
             raise ValueError(f"SuccessorTable: token ids must be in [0, {self.vocab_size})")
-        record_step([self], tokens[None], ids.cpu()[None], probs.cpu()[None], [tokens.numel()], [[]])
+        record_step([self], tokens[None], pack_tops(ids.cpu()[None], probs.cpu()[None]), [0], [tokens.numel()], [[]])
 
     def update(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
         """Record the top-``k`` of ``logits [R, vocab]`` as the successors of ``tokens [R]`` (later rows win)."""
@@ -118,16 +118,24 @@ def _native_applies(logits: torch.Tensor) -> bool:
     return cpu_ops_available(build=False)
 
 
-def record_step(tables: list[SuccessorTable], tokens: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor,
+def pack_tops(ids: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """int32 ``[B, 2, R, j]``: ids ``[B, R, j]`` (int) and probs float32 ``[B, R, j]`` as a step reads them back,
+    the ids then the probabilities' float32 bits (what :func:`record_step` takes; on a step's device, so that the
+    host reads both in one copy)."""
+    return torch.stack([ids.to(torch.int32), probs.to(torch.float32).view(torch.int32)], dim=1)
+
+
+def record_step(tables: list[SuccessorTable], tokens: torch.Tensor, tops: torch.Tensor, rows: list[int],
                 computed: list[int], last: list[list[int]]) -> None:
     """One step's successor tops into each row's table, in one call where the C++ ops are built (a call a row
     cost a 16-row batch a quarter of a millisecond a step).
 
-    Table ``i`` takes rows ``0 .. computed[i] - 1`` of ``tokens`` (int64 ``[n, R]``, the token fed at each logits
-    row), ``ids`` (int64 ``[n, R', j]``) and ``probs`` (float32 ``[n, R', j]``) in order; then every table takes
-    its rows ``last[i]`` again, in order. A later row for the same token wins, so the rows that saw their true
-    context are listed last (and win over other rows' where tables are shared). Tokens must be the model's own
-    ids (the C++ op checks them; :meth:`SuccessorTable.record` says which are allowed).
+    Table ``i`` reads batch row ``b = rows[i]`` of ``tokens`` (int64 ``[B, R]``, the token fed at each logits row)
+    and ``tops`` (int32 ``[B, 2, R', j]`` as :func:`pack_tops` lays them out: a view of a step's read-back, each
+    row contiguous) and takes its logits rows ``0 .. computed[i] - 1`` in order; then every table takes its rows
+    ``last[i]`` again, in order. A later row for the same token wins, so the rows that saw their true context are
+    listed last (and win over other rows' where tables are shared). Tokens must be the model's own ids (the C++
+    op checks them; :meth:`SuccessorTable.record` says which are allowed).
     """
     if not tables:
         return
@@ -135,20 +143,21 @@ def record_step(tables: list[SuccessorTable], tokens: torch.Tensor, ids: torch.T
 
     if cpu_ops_available(build=False):
         torch.ops.lookahead_draft.record_successors(
-            [t.ids for t in tables], [t.probs for t in tables], [t.count for t in tables], tokens, ids, probs,
-            computed, [len(rows) for rows in last], [r for rows in last for r in rows])
+            [t.ids for t in tables], [t.probs for t in tables], [t.count for t in tables], tokens, tops, rows,
+            computed, [len(r) for r in last], [r for listed in last for r in listed])
         return
-    record_step_reference(tables, tokens, ids, probs, computed, last)
+    record_step_reference(tables, tokens, tops, rows, computed, last)
 
 
-def record_step_reference(tables: list[SuccessorTable], tokens: torch.Tensor, ids: torch.Tensor,
-                          probs: torch.Tensor, computed: list[int], last: list[list[int]]) -> None:
+def record_step_reference(tables: list[SuccessorTable], tokens: torch.Tensor, tops: torch.Tensor, rows: list[int],
+                          computed: list[int], last: list[list[int]]) -> None:
     """:func:`record_step` in Python, row by row: the C++ op's reference and the path without it."""
-    j = ids.shape[2]
+    j = tops.shape[3]
     writes = [(i, r) for i in range(len(tables)) for r in range(computed[i])] + \
         [(i, r) for i in range(len(tables)) for r in last[i]]
     for i, r in writes:  # in order: later rows win
-        t = int(tokens[i, r])
-        tables[i].ids[t, :j] = ids[i, r].to(torch.int32)
-        tables[i].probs[t, :j] = probs[i, r]
+        b = rows[i]
+        t = int(tokens[b, r])
+        tables[i].ids[t, :j] = tops[b, 0, r]
+        tables[i].probs[t, :j] = tops[b, 1, r].view(torch.float32)
         tables[i].count[t] = j

@@ -196,9 +196,10 @@ class StepReadBack:
         nodes: per row, the accepted nodes' indices in the tree, root first.
         emitted: per row, the tokens emitted: the accepted nodes' tokens and the bonus token.
         guesses: per row, the window's next guesses (``W`` tokens).
-        successor_ids: int64 ``[B, R, k]``: the top next tokens of the step's first ``R`` logits rows (``None``
-            when the step took none); rows past a row's real nodes are padding.
-        successor_probs: float32 ``[B, R, k]``: their probabilities among the ``k``.
+        tops: int32 ``[B, 2, R, k]``, a view of the read-back: the top next tokens of the step's first ``R``
+            logits rows, then their probabilities among the ``k`` as float32 bits (``None`` when the step took
+            none; :func:`lookahead.successors.record_step` takes them as they are); rows past a row's real nodes
+            are padding.
         kept: float32 ``[B, K, max_accept + 1, vocab]`` on the host, the rows each emitted token was chosen from
             (``Sampler.outputs``; rows past a row's emitted tokens are meaningless), or ``None``.
     """
@@ -207,9 +208,18 @@ class StepReadBack:
     nodes: list
     emitted: list
     guesses: list
-    successor_ids: torch.Tensor | None
-    successor_probs: torch.Tensor | None
+    tops: torch.Tensor | None
     kept: torch.Tensor | None = None
+
+    @property
+    def successor_ids(self) -> torch.Tensor | None:
+        """int64 ``[B, R, k]``: the tops' ids."""
+        return None if self.tops is None else self.tops[:, 0].long()
+
+    @property
+    def successor_probs(self) -> torch.Tensor | None:
+        """float32 ``[B, R, k]``: the tops' probabilities."""
+        return None if self.tops is None else self.tops[:, 1].view(torch.float32)
 
 
 class StepVerifier:
@@ -315,21 +325,19 @@ class StepVerifier:
         A, width = self.max_accept, self.width
         rows = out[:, :width].tolist()
         accept = [r[0] for r in rows]
-        ids = probs = None
-        if self.successor_k:  # ids, then as many float32 probabilities (k may exceed a tiny vocabulary)
-            B, R, half = out.shape[0], self.successor_rows, (out.shape[1] - width) // 2
-            ids = out[:, width: width + half].long().reshape(B, R, -1)
-            probs = out[:, width + half:].view(torch.float32).reshape(B, R, -1)
+        # The tops: ids, then as many float32 probabilities' bits (k may exceed a tiny vocabulary), read in place.
+        tops = out[:, width:].view(out.shape[0], 2, self.successor_rows, -1) if self.successor_k else None
         return StepReadBack(accept_len=accept, nodes=[r[1: 1 + a] for r, a in zip(rows, accept)],
                             emitted=[r[1 + A: 2 + A + a] for r, a in zip(rows, accept)],
-                            guesses=[r[2 + 2 * A: width] for r in rows], successor_ids=ids, successor_probs=probs,
+                            guesses=[r[2 + 2 * A: width] for r in rows], tops=tops,
                             kept=None if kept is None else kept.cpu())
 
 
 class PlainChoice:
     """The "verify" part of a plain step: each row's next token from ``x``'s logits, int64 ``[B]``; with
-    ``successor_k``, also the top ``successor_k`` of those logits for a successor table, ``(chosen [B], ids [B, 1,
-    k] int64, probs [B, 1, k] float32)`` (the eager loop's plain steps within lookahead decoding; not in a graph);
+    ``successor_k``, also the top ``successor_k`` of those logits for a successor table, ``(chosen [B], tops [B, 2,
+    1, k] int32)`` (as :func:`lookahead.successors.pack_tops` packs them; the eager loop's plain steps within
+    lookahead decoding; not in a graph);
     with the sampler's ``outputs``, the rows kept last (``[B, K, 1, vocab]``: :meth:`Sampler.kept_rows`)."""
 
     def __init__(self, sampler: Sampler, successor_k: int = 0):
@@ -352,10 +360,10 @@ class PlainChoice:
         kept = self.sampler.kept_rows(logits[:, :1], x_logits[:, None])
         if not self.successor_k:
             return chosen if kept is None else (chosen, kept)
-        from .successors import SuccessorTable
+        from .successors import SuccessorTable, pack_tops
 
-        tops = SuccessorTable.top(logits[:, :1], self.successor_k)
-        return (chosen, *tops) if kept is None else (chosen, *tops, kept)
+        tops = pack_tops(*SuccessorTable.top(logits[:, :1], self.successor_k))
+        return (chosen, tops) if kept is None else (chosen, tops, kept)
 
 
 def step_uniforms(finish, batch_size: int, device, out: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -8,7 +8,7 @@ import torch
 
 from lookahead import DraftMemory, LookaheadConfig
 from lookahead.draft import NUM_CODES, DraftBuilder, Proposals, code_key, encode_rows, key_code, propose_rows
-from lookahead.successors import SuccessorTable, record_step, record_step_reference
+from lookahead.successors import SuccessorTable, pack_tops, record_step, record_step_reference
 from lookahead.suffix import SuffixIndex, suffix_spans
 from lookahead_kernels.cpu_ops import cpu_ops_available
 from lookahead_kernels.tree import TreeShape, check_tree
@@ -215,9 +215,15 @@ def test_encode_step_refuses_inputs_that_do_not_fit():
 def test_a_step_s_successor_records_match_the_python_reference(n, R, j, shared):
     gen = torch.Generator().manual_seed(n * 100 + R)
     vocab = 12  # few tokens: rows repeat them, and the last row for a token must win
-    tokens = torch.randint(0, vocab, (n, R + 3), generator=gen)
-    ids = torch.randint(0, vocab, (n, R, j), generator=gen)
-    probs = torch.rand(n, R, j, generator=gen)
+    B = n + 2  # batch rows no table reads (parked), and tables reading rows out of order
+    tokens = torch.randint(0, vocab, (B, R + 3), generator=gen)
+    ids = torch.randint(0, vocab, (B, R, j), generator=gen)
+    probs = torch.rand(B, R, j, generator=gen)
+    # As a step reads them back: each batch row's tops contiguous behind its other results.
+    back = torch.cat([torch.randint(0, 9, (B, 5), dtype=torch.int32, generator=gen),
+                      pack_tops(ids, probs).reshape(B, -1)], dim=1)
+    tops = back[:, 5:].view(B, 2, R, j)
+    rows = torch.randperm(B, generator=gen)[:n].tolist()
     computed = torch.randint(1, R + 1, (n,), generator=gen).tolist()
     last = [sorted(set(torch.randint(0, c, (3,), generator=gen).tolist())) for c in computed]
     native = [SuccessorTable(vocab, 8) for _ in range(1 if shared else n)]
@@ -225,11 +231,30 @@ def test_a_step_s_successor_records_match_the_python_reference(n, R, j, shared):
     for table in native + ref:  # a stale entry beyond j must survive: only the first j are written
         table.ids.fill_(-7)
         table.probs.fill_(-1.0)
-    record_step(native * (n if shared else 1), tokens, ids, probs, computed, last)
-    record_step_reference(ref * (n if shared else 1), tokens, ids, probs, computed, last)
+    record_step(native * (n if shared else 1), tokens, tops, rows, computed, last)
+    record_step_reference(ref * (n if shared else 1), tokens, tops, rows, computed, last)
     for a, b in zip(native, ref):
         assert torch.equal(a.ids, b.ids) and torch.equal(a.probs, b.probs) and torch.equal(a.count, b.count)
     assert sum(int((t.count > 0).sum()) for t in native) > 0
+    if not shared:  # the values themselves: each table's last write of a token is its row's ids and probabilities
+        table, b = native[0], rows[0]
+        t = int(tokens[b, last[0][-1]])
+        assert table.ids[t, :j].tolist() == ids[b, last[0][-1]].tolist()
+        assert torch.equal(table.probs[t, :j], probs[b, last[0][-1]])
+
+
+def test_successor_records_refuse_what_does_not_fit():
+    table = SuccessorTable(12, 4)
+    tokens, tops = torch.zeros(2, 3, dtype=torch.long), pack_tops(torch.zeros(2, 3, 4), torch.zeros(2, 3, 4))
+    record_step([table], tokens, tops, [1], [3], [[2]])  # fits
+    for args, match in (((tokens, tops, [2], [3], [[2]]), "rows"),
+                        ((tokens, tops, [0], [4], [[2]]), "computed"),
+                        ((tokens, tops[:, :, :, :3], [0], [3], [[2]]), "contiguous"),
+                        ((tokens[:, :2], tops, [0], [3], [[2]]), "R' <= R"),
+                        ((tokens, tops.long(), [0], [3], [[2]]), "int32"),
+                        ((tokens, tops, [0], [3], [[3]]), "outside")):
+        with pytest.raises(RuntimeError, match=match):
+            record_step([table], *args)
 
 
 def _flat_reference(indexes, sequences, limit):

@@ -315,9 +315,9 @@ def test_steps_without_a_tree_are_plain_steps_that_teach_the_successor_table(tin
     recorded = []
     record = generate_module.record_step
 
-    def spy(tables, tokens, ids, probs, computed, last):
-        recorded.append((tokens.clone(), ids.clone()))
-        record(tables, tokens, ids, probs, computed, last)
+    def spy(tables, tokens, tops, rows, computed, last):
+        recorded.append((tokens.clone(), tops[:, 0].clone()))
+        record(tables, tokens, tops, rows, computed, last)
 
     monkeypatch.setattr(generate_module, "record_step", spy)
     ids = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(3))
