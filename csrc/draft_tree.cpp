@@ -452,8 +452,8 @@ int64_t encode_row(const int64_t* par, const int64_t* tok, int64_t keep, int64_t
   ws.next.assign(keep, -1);
   for (int64_t i = 0; i < keep; ++i) {
     const int64_t p = par[i];
-    TORCH_CHECK(-1 <= p && p < i, "lookahead_draft.encode: the parent of node ", i, " must be -1 or an earlier "
-                "node, got ", p);
+    TORCH_CHECK(-1 <= p && p < i, "lookahead_draft: a draft tree's parent of node ", i, " must be -1 or an "
+                "earlier node, got ", p);
     const int64_t slot = p < 0 ? keep : p;
     (ws.last[slot] < 0 ? ws.first[slot] : ws.next[ws.last[slot]]) = i;
     ws.last[slot] = i;

@@ -211,16 +211,6 @@ class StepReadBack:
     tops: torch.Tensor | None
     kept: torch.Tensor | None = None
 
-    @property
-    def successor_ids(self) -> torch.Tensor | None:
-        """int64 ``[B, R, k]``: the tops' ids."""
-        return None if self.tops is None else self.tops[:, 0].long()
-
-    @property
-    def successor_probs(self) -> torch.Tensor | None:
-        """float32 ``[B, R, k]``: the tops' probabilities."""
-        return None if self.tops is None else self.tops[:, 1].view(torch.float32)
-
 
 class StepVerifier:
     """Verification, the window's guesses, successor tops and KV compaction of one lookahead step shape.
