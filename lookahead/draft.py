@@ -391,10 +391,14 @@ class DraftBuilder:
             every tree takes its whole budget).
         native: build with the C++ ops (``csrc/draft_tree.cpp``); ``None`` (default): where they build. ``False``
             runs the Python reference below, which makes the same trees (``tests/test_draft_native.py``).
+        memory: a :class:`lookahead.memory.DraftMemory` whose earlier calls' text joins the suffix source.
+        successors: the :class:`lookahead.successors.SuccessorTable` to read and fill, shared with other builders
+            (a memory's, :meth:`lookahead.memory.DraftMemory.successor_table`); ``None``: a new one of its own.
     """
 
     def __init__(self, config: LookaheadConfig, vocab_size: int, *, shape=None, sources=None,
-                 planner=None, native: bool | None = None, memory: DraftMemory | None = None):
+                 planner=None, native: bool | None = None, memory: DraftMemory | None = None,
+                 successors: SuccessorTable | None = None):
         self.config = config
         shape = shape if shape is not None else config.shape()
         sources = config.sources if sources is None else sources
@@ -416,7 +420,11 @@ class DraftBuilder:
         # Earlier calls' text, whose matches join the suffix source's (lookahead.memory).
         self.memory = memory if self.suffix is not None else None
         self.vocab_size = vocab_size
-        self.successors = SuccessorTable(vocab_size, SUCCESSORS_PER_NODE) if "successors" in sources else None
+        if successors is not None and (successors.vocab_size, successors.k) != (vocab_size, SUCCESSORS_PER_NODE):
+            raise ValueError(f"DraftBuilder: a shared successor table must have vocab_size={vocab_size} and "
+                             f"k={SUCCESSORS_PER_NODE}, got {successors.vocab_size} and {successors.k}")
+        self.successors = None if "successors" not in sources else \
+            successors if successors is not None else SuccessorTable(vocab_size, SUCCESSORS_PER_NODE)
         self.stats = AcceptanceStats()
 
     # ---- the pool's inputs ------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from .arguments import resolve_generate_arguments
 from .config import LookaheadConfig, StepShape
 from .controller import make_plan
 from .custom_processors import make_custom_processors
-from .draft import DraftBuilder, encode_rows, propose_rows
+from .draft import SUCCESSORS_PER_NODE, DraftBuilder, encode_rows, propose_rows
 from .memory import DraftMemory
 from .prefill import prefill_graphs
 from .processors import LogitsProcessors
@@ -291,16 +291,17 @@ class _Row:
         self.kept = []  # with output_scores/output_logits: per step, float32 [K, taken, vocab] (host)
 
     def start_lookahead(self, la: LookaheadConfig, plan, vocab_size: int, native: bool | None,
-                        levels: int = 1) -> None:
+                        successors: SuccessorTable | None, levels: int = 1) -> None:
         """The row's window and draft builder, from its sequence so far (a host list: a prompt on the GPU read
-        here would wait for the prefill just queued, so the host's work here could not overlap it)."""
+        here would wait for the prefill just queued, so the host's work here could not overlap it). ``successors``:
+        the draft memory's table for this model, shared by every row (``None``: each row a table of its own)."""
         prompt = self.emitter.sequence
         shape = plan.shape
         self.window = LookaheadWindow(shape.window, shape.ngram, torch.Generator().manual_seed(la.seed))
         self.window.reset(prompt, levels)
         # The planner cuts the trees of the whole batch at once (_lookahead_step), not each builder alone.
         self.drafts = DraftBuilder(la, vocab_size, shape=shape, sources=plan.sources, native=native,
-                                   memory=self.memory)
+                                   memory=self.memory, successors=successors)
         self.drafts.start(prompt)
 
     def finished(self, seconds: float) -> None:
@@ -510,6 +511,9 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     # table) cost 64 HumanEval rows 0.79x plain decoding when it steered nothing.
     deferred = plan is not None and B > 1 and plan.planner is not None and plan.shape.window == 1 and \
         plan.planner.reach(B, plan.shape.max_tokens - 1) == 0
+    # A draft memory carries the model's successor table from call to call (and the rows of a call share it).
+    successors = draft_memory.successor_table(model, cfg.vocab_size, SUCCESSORS_PER_NODE) \
+        if draft_memory is not None and plan is not None and "successors" in plan.sources else None
     # The successor table is not seeded from the prompt's rows (a vocabulary projection each): at one row it saved
     # 0-4% of the steps and cost 2-12% of the time on a CPU (MEASUREMENTS, "Seeding the successor table"); in
     # batches of 4 it changed no step count.
@@ -535,10 +539,10 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
         for b, row in enumerate(rows[:B]):
             prefill(row, cache.sequence(b))
             if plan is not None and not deferred:
-                row.start_lookahead(lookahead, plan, cfg.vocab_size, _native_draft)
+                row.start_lookahead(lookahead, plan, cfg.vocab_size, _native_draft, successors)
 
         def start_late(row: _Row, levels: int) -> None:  # a deferred or refilled row, at its first lookahead step
-            row.start_lookahead(lookahead, plan, cfg.vocab_size, _native_draft, levels)
+            row.start_lookahead(lookahead, plan, cfg.vocab_size, _native_draft, successors, levels)
 
         waiting = collections.deque(rows[B:])
 

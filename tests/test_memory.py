@@ -4,12 +4,16 @@ decoded in fewer steps."""
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import random
+import weakref
 
 import pytest
 import torch
 
 from lookahead import DraftMemory, LlamaForCausalLM, LookaheadConfig
+from lookahead.draft import SUCCESSORS_PER_NODE
 from lookahead.memory import merged_matches
 from lookahead.suffix import SuffixIndex
 
@@ -194,6 +198,46 @@ def test_a_memory_filled_with_a_larger_vocabulary_guesses_only_what_the_model_ta
                    dict(lookahead=TREES, _native_draft=False)):
         out = tiny.generate(torch.tensor([prompt]), max_new_tokens=24, draft_memory=filled(), **kwargs)
         assert torch.equal(out.sequences, plain.sequences), kwargs
+
+
+def test_each_model_keeps_a_successor_table_of_its_own_while_it_lives():
+    memory = DraftMemory()
+    first, second = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    table = memory.successor_table(first, 97, 8)
+    assert memory.successor_table(first, 97, 8) is table and (table.vocab_size, table.k) == (97, 8)
+    assert memory.successor_table(second, 97, 8) is not table
+    assert memory.successor_table(first, 98, 8) is not table  # another vocabulary or k: a new table
+    table = memory.successor_table(first, 97, 8)
+    memory.clear()
+    assert memory.successor_table(first, 97, 8) is not table
+    kept = weakref.ref(memory.successor_table(second, 97, 8))
+    del second
+    gc.collect()
+    assert kept() is None  # the memory does not keep a model's table past the model
+
+
+SUCCESSORS_ONLY = dataclasses.replace(TREES, sources=("successors",))
+
+
+@pytest.mark.parametrize("loop", [dict(), dict(cuda_graphs=False, _static_steps=True), dict(_native_draft=False)])
+def test_a_call_starts_with_the_successors_its_models_earlier_calls_learned(tiny, loop):
+    """Without a memory a call's successor table starts empty: its first tree has nothing to grow from. With one,
+    the model's table carries over, and the rows of a batch share it."""
+    prompts = [_prompt(seed, 5 + seed) for seed in range(3)]
+    plain = tiny.generate(prompts, max_new_tokens=24, lookahead=None)  # left-padded
+    plain_first = tiny.generate(torch.tensor([prompts[0]]), max_new_tokens=24, lookahead=None)
+    memory = DraftMemory()
+    for call in range(2):
+        out = tiny.generate(torch.tensor([prompts[0]]), max_new_tokens=24, lookahead=SUCCESSORS_ONLY, trace=True,
+                            draft_memory=memory, **loop)
+        assert torch.equal(out.sequences, plain_first.sequences), (loop, call)
+        assert (len(out.stats.trace[0].tokens) > 0) == (call == 1), (loop, call)
+    table = memory.successor_table(tiny, tiny.config.vocab_size, SUCCESSORS_PER_NODE)
+    assert table.allocated and int(table.count.sum()) > 0
+    batch = tiny.generate(prompts, max_new_tokens=24, lookahead=SUCCESSORS_ONLY, draft_memory=memory, **loop)
+    assert torch.equal(batch.sequences, plain.sequences), loop
+    alone = tiny.generate(prompts, max_new_tokens=24, lookahead=SUCCESSORS_ONLY, trace=True, **loop)
+    assert all(len(row.trace[0].tokens) == 0 for row in alone.stats.rows), loop
 
 
 def test_a_memory_of_another_type_is_refused(tiny):
