@@ -3,8 +3,9 @@
 Greedy float32 tokens do not depend on the device, and the automatic planner's choices depend on the device only
 through its cost table ``t(T)``. So decoding here on the static step path (padded trees from the step menu, as a
 GPU runs them) with the device's table takes the steps that device would take; each step is then costed at
-``t(B * T)`` from the table, plus host work per lookahead step (``--host-ms`` + ``--host-ms-per-row`` x rows), and
-plain decoding at ``t(B)`` a step. What this leaves out: whatever the table misses (sizes between its points are
+``t(B * T)`` from the table, plus host work per lookahead step (``--host-ms`` + ``--host-ms-per-row`` x rows) and
+per ask that ended in a plain step (``--ask-ms``: the proposals were made, then declined), and plain decoding at
+``t(B)`` a step. What this leaves out: whatever the table misses (sizes between its points are
 interpolated linearly, as the planner does), a device's host speed, and everything that differs between this
 machine's and the device's logits (in float32 a near tie may break apart; outputs are compared, and should match).
 
@@ -57,6 +58,20 @@ def fed_tokens(fed: list):
     return mock.patch.object(StepRunner, "run", run)
 
 
+def counted_asks(asks: list):
+    """Within the block every proposal a lookahead step asks for (``lookahead.generate``'s ``propose_rows``: one
+    ask a step, whether its planner then takes a tree or a plain step) appends 1 to ``asks``."""
+    import lookahead.generate as generate
+
+    real = generate.propose_rows
+
+    def propose_rows(*args, **kwargs):
+        asks.append(1)
+        return real(*args, **kwargs)
+
+    return mock.patch.object(generate, "propose_rows", propose_rows)
+
+
 def costed_host(host_ms: float, host_ms_per_row: float):
     """Within the block the planner's host cost fit observes the host work the bench costs a step at."""
     real = HostCost.observe
@@ -85,6 +100,9 @@ def main(argv=None) -> int:
     ap.add_argument("--step-costs", default="h100", help="'h100' (default) or T:seconds pairs")
     ap.add_argument("--host-ms", type=float, default=0.15, help="host work a lookahead step adds (ms)")
     ap.add_argument("--host-ms-per-row", type=float, default=0.02, help="and per row of the batch (ms)")
+    ap.add_argument("--ask-ms", type=float, default=0.0,
+                    help="host work of an ask whose step went plain (the rows' proposals and the planner's no, ms; "
+                         "the H200's host at 4a84d54: about 0.09 at one row)")
     ap.add_argument("--prefill-ms", type=float, default=0.0,
                     help="each prompt's prefill (ms), paid by both modes (the H200's eager prefills: about 28)")
     ap.add_argument("--refill", action="store_true",
@@ -111,19 +129,22 @@ def main(argv=None) -> int:
         for B in args.batch_sizes:
             memory = DraftMemory() if args.memory else None
             plain_s = lookahead_s = 0.0
-            tokens = row_steps = identical = 0
+            tokens = row_steps = identical = declined = 0
             sizes: dict[int, int] = {}
             groups = [prompts] if args.refill else [prompts[i: i + B] for i in range(0, len(prompts), B)]
             for batch in groups:
                 prompt = batch if len(batch) > 1 else batch[0]
                 kwargs = dict(max_new_tokens=args.max_new_tokens, cuda_graphs=False, _static_steps=True,
                               max_batch_size=B)
-                plain_fed, fed = [], []
+                plain_fed, fed, asks = [], [], []
                 with fed_tokens(plain_fed):
                     plain = model.generate(prompt, lookahead=None, **kwargs)
-                with fed_tokens(fed), costed_host(args.host_ms, args.host_ms_per_row):
+                with fed_tokens(fed), counted_asks(asks), costed_host(args.host_ms, args.host_ms_per_row):
                     out = model.generate(prompt, lookahead=config, draft_memory=memory, **kwargs)
                 rows_now = min(len(batch), B)
+                declined_now = len(asks) - sum(t > rows_now for t in fed)  # asks whose step went plain
+                declined += declined_now
+                lookahead_s += 1e-3 * args.ask_ms * declined_now
                 prefills = 1e-3 * args.prefill_ms * len(batch)
                 plain_s += prefills + sum(costs(t) for t in plain_fed)
                 lookahead_s += prefills
@@ -136,7 +157,7 @@ def main(argv=None) -> int:
                 identical += sum(torch.equal(a, b) for a, b in zip(out.sequences, plain.sequences))
             rows.append({"set": name, "batch_size": B, "predicted_speedup": plain_s / lookahead_s,
                          "tokens_per_row_step": tokens / row_steps, "identical": identical, "prompts": len(prompts),
-                         "plain_seconds": plain_s, "lookahead_seconds": lookahead_s,
+                         "plain_seconds": plain_s, "lookahead_seconds": lookahead_s, "declined_asks": declined,
                          "steps_by_tokens_fed": dict(sorted(sizes.items()))})
             r = rows[-1]
             print(f"{name:10s} B={B:<3d} predicted {r['predicted_speedup']:.2f}x plain, "
@@ -145,7 +166,8 @@ def main(argv=None) -> int:
     result = {"device": "cpu", "machine": machine, "command": command_line(__file__, sys.argv[1:] if argv is None
                                                                            else argv),
               "model": "SmolLM2-135M-Instruct (float32)", "step_costs": pairs,
-              "host_ms": args.host_ms, "host_ms_per_row": args.host_ms_per_row, "prefill_ms": args.prefill_ms,
+              "host_ms": args.host_ms, "host_ms_per_row": args.host_ms_per_row, "ask_ms": args.ask_ms,
+              "prefill_ms": args.prefill_ms,
               "prompts": args.prompts,
               "max_new_tokens": args.max_new_tokens, "refill": args.refill, "memory": args.memory, "rows": rows}
     write_results(args.out_dir, f"predict-{args.tag}", result, markdown(result))
@@ -159,6 +181,7 @@ def markdown(result: dict) -> str:
              "with the planner given the table below; each step costed at the table's t(rows x tokens) plus "
              f"{result['host_ms']} ms + {result['host_ms_per_row']} ms a row of host work per lookahead step, plain "
              "decoding at t(rows); the planner's host cost fit learns that host work"
+             + (f"; each ask that ended in a plain step {result['ask_ms']} ms more" if result.get("ask_ms") else "")
              + (f"; each prompt's prefill {result['prefill_ms']} ms in both modes" if result.get("prefill_ms") else "")
              + ".", "",
              f"Decoded on {m['device']} ({m['cpu']}), torch {m['torch']}, git {m['git']}; the planner learning "
@@ -170,12 +193,13 @@ def markdown(result: dict) -> str:
                 if result.get("memory") else "") + ". "
              f"Step costs (tokens, seconds): {list(result['step_costs'])}.", "",
              f"Command: `{result['command']}`", "",
-             "| set | rows | predicted vs plain | tokens a row-step | identical | steps by tokens fed |",
-             "|---|---:|---:|---:|---:|---|"]
+             "| set | rows | predicted vs plain | tokens a row-step | identical | steps by tokens fed "
+             "| declined asks |", "|---|---:|---:|---:|---:|---|---:|"]
     for r in result["rows"]:
         sizes = ", ".join(f"{t}: {n}" for t, n in r["steps_by_tokens_fed"].items())
         lines.append(f"| {r['set']} | {r['batch_size']} | {r['predicted_speedup']:.2f}x | "
-                     f"{r['tokens_per_row_step']:.2f} | {r['identical']}/{r['prompts']} | {sizes} |")
+                     f"{r['tokens_per_row_step']:.2f} | {r['identical']}/{r['prompts']} | {sizes} | "
+                     f"{r.get('declined_asks', '')} |")
     return "\n".join(lines) + "\n"
 
 
