@@ -75,7 +75,20 @@ def test_mixed_batch_rows_equal_their_own_greedy_output(tiny, mode):
     assert min(r.steps for r in stats.rows) < stats.steps
 
 
-@pytest.mark.parametrize("mode", ["fixed", "auto-gpu"])  # rows 1-4 stop at steps 3, 17, 20, 20 (fixed)
+def two_rows_stopping_early(model, prompts, max_new_tokens=24):
+    """``(eos, refs)`` as :func:`rows_stopping_apart` gives them, with a second EOS that row 1 emits as its 9th new
+    token: rows 0 and 1 stop within 9 tokens, the others run to ``max_new_tokens`` (whatever steps the guesses
+    take, half the batch finishes first)."""
+    first, _ = rows_stopping_apart(model, prompts, max_new_tokens)
+    free = alone(model, prompts[1:2], None, max_new_tokens=max_new_tokens, eos_token_id=first)[0]
+    eos = [first, int(free[len(prompts[1]) + 8])]
+    refs = alone(model, prompts, None, max_new_tokens=max_new_tokens, eos_token_id=eos)
+    new = [len(r) - len(p) for r, p in zip(refs, prompts)]
+    assert max(new[:2]) <= 9 and min(new[2:]) == max_new_tokens, new
+    return eos, refs
+
+
+@pytest.mark.parametrize("mode", ["fixed", "auto-gpu"])
 def test_a_padded_batch_moves_to_fewer_rows_as_rows_finish(mode):
     """A parked row costs a padded batch a full share of every step, and a batch ends with its slowest row: once the
     running rows fit half the batch they move to a runner of fewer rows (the next power of two), their keys and
@@ -85,7 +98,7 @@ def test_a_padded_batch_moves_to_fewer_rows_as_rows_finish(mode):
     model.step_runners = RunnerCache(keep=8)
     prompts = mixed_prompts()
     la = CONFIGS[mode]
-    eos, refs = rows_stopping_apart(model, prompts)
+    eos, refs = two_rows_stopping_early(model, prompts)
     out = model.generate(prompts, max_new_tokens=24, lookahead=la, eos_token_id=eos, pad_token_id=0, **STATIC)
     check_rows(out, refs, prompts, pad_id=0)
     sizes = sorted({r.batch_size for r in model.step_runners.runners()})
