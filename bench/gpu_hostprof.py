@@ -17,12 +17,16 @@ rows of each set (half the tokens), plain and lookahead, timed, profiled and (lo
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import cProfile
+import functools
 import io
 import os
 import pstats
 import sys
 import time
+from unittest import mock
 
 import torch
 
@@ -50,6 +54,15 @@ def render(result: dict) -> str:
     for r in result["rows"]:
         lines.append(f"| {r['threads']} | {r['set']} | {r['tokens_per_s']:.1f} | {r['tokens_per_step']:.2f} | "
                      f"{r['ms_per_step']:.3f} | {r['host_ms_per_step']:.3f} |")
+    if result.get("loop_parts"):
+        lines += ["", "The decoding loop's parts, timed by a clock around each call (one pass over every set, no "
+                  "profiler; a part's time includes the parts it calls). `read` waits for the device's step, then "
+                  "unpacks it; `_run` copies the step's inputs in and launches it; `_plain_step` is a whole plain "
+                  "step, its wait included:", "",
+                  "| set | part | calls | us a call | us a step |", "|---|---|---:|---:|---:|"]
+        for r in result["loop_parts"]:
+            lines.append(f"| {r['set']} | {r['part']} | {r['calls']} | {r['us_per_call']:.1f} | "
+                         f"{r['us_per_step']:.1f} |")
     for title, key in (("Own time (cProfile, one pass over every set)", "profile_tottime"),
                        ("Cumulative time, lookahead's functions", "profile_cumtime")):
         if result.get(key):
@@ -87,6 +100,37 @@ def profile_text(profiler, order: str, pattern: str, count: int, limit: int = 12
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(*([pattern] if pattern else []), count)
     return text.getvalue().strip()[-limit:]
+
+
+@contextlib.contextmanager
+def timed_parts(seconds: collections.Counter, calls: collections.Counter):
+    """Within the block each of the decoding loop's parts adds its wall time to ``seconds`` and 1 to ``calls``
+    (under its name): a clock around each call, about a microsecond each, where cProfile's own cost swelled every
+    small call on the H200's host (session 57)."""
+    import lookahead.generate as generate
+    from lookahead.controller import StepPlanner
+    from lookahead.draft import DraftBuilder
+    from lookahead.verification import StepVerifier
+
+    parts = [(generate, name) for name in ("propose_rows", "build_tree_step", "record_step", "_run", "_plain_step",
+                                           "_lookahead_step")]
+    parts += [(StepPlanner, "choose_batch"), (DraftBuilder, "observe"), (StepVerifier, "read")]
+
+    def clocked(name, real):
+        @functools.wraps(real)
+        def call(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                seconds[name] += time.perf_counter() - started
+                calls[name] += 1
+        return call
+
+    with contextlib.ExitStack() as stack:
+        for owner, name in parts:
+            stack.enter_context(mock.patch.object(owner, name, clocked(name, getattr(owner, name))))
+        yield
 
 
 def step_parts(model, device, context: int = 256) -> list[dict]:
@@ -174,6 +218,15 @@ def main(argv=None) -> int:
             for name, prompts in sets.items():
                 out.add({"threads": threads, "set": name, **decode(prompts)})
         torch.set_num_threads(default_threads)
+        out.result["loop_parts"] = []
+        for name, prompts in sets.items():
+            seconds, calls = collections.Counter(), collections.Counter()
+            with timed_parts(seconds, calls):
+                steps = sum(model.generate(ids, max_new_tokens=max_new).stats.steps for ids in prompts)
+            out.result["loop_parts"] += [{"set": name, "part": part, "calls": calls[part],
+                                          "us_per_call": 1e6 * s / calls[part], "us_per_step": 1e6 * s / steps}
+                                         for part, s in seconds.most_common()]
+        out.flush()
         profiler = cProfile.Profile()
         started = time.perf_counter()
         profiler.enable()
