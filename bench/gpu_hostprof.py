@@ -79,6 +79,9 @@ def render(result: dict) -> str:
             lines[-1] += (f"; traced: {t['tree_steps']} steps with trees, {t['nodes']} tree nodes over the rows "
                           f"({t['largest']} at most in a row), {t['accepted']} accepted of {t['expected']:.1f} "
                           "expected")
+        if b.get("loop_parts"):
+            lines[-1] += "; its loop's parts (us a call / a step): " + ", ".join(
+                f"{r['part']} {r['us_per_call']:.0f} / {r['us_per_step']:.0f}" for r in b["loop_parts"])
         lines[-1] += "; its profiled call:"
         lines += ["", "```", b["profile_cumtime"], "```"]
     return "\n".join(lines) + "\n"
@@ -274,6 +277,11 @@ def main(argv=None) -> int:
                 if config is not None:
                     entry["trees"] = tree_counts(model.generate(batch, max_new_tokens=max_new // 2,
                                                                 lookahead=config, trace=True).stats)
+                    seconds, calls = collections.Counter(), collections.Counter()
+                    with timed_parts(seconds, calls):
+                        steps = model.generate(batch, max_new_tokens=max_new // 2, lookahead=config).stats.steps
+                    entry["loop_parts"] = [{"part": part, "calls": calls[part], "us_per_call": 1e6 * s / calls[part],
+                                            "us_per_step": 1e6 * s / steps} for part, s in seconds.most_common()]
                 out.result["batches"].append(entry)
                 out.flush()
     out.finish()
