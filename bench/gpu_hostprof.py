@@ -136,6 +136,16 @@ def timed_parts(seconds: collections.Counter, calls: collections.Counter):
         yield
 
 
+def parts_timed(decode) -> list[dict]:
+    """``decode()`` (returning its calls' :class:`GenerationStats`) with :func:`timed_parts`: each part's calls, and its
+    microseconds a call and a step (over the calls' steps), the most time first."""
+    seconds, calls = collections.Counter(), collections.Counter()
+    with timed_parts(seconds, calls):
+        steps = sum(stats.steps for stats in decode())
+    return [{"part": part, "calls": calls[part], "us_per_call": 1e6 * s / calls[part], "us_per_step": 1e6 * s / steps}
+            for part, s in seconds.most_common()]
+
+
 def step_parts(model, device, context: int = 256) -> list[dict]:
     """Per step size T (a chain tree of T - 1 nodes, as the planner's table times it), in ms: the forward alone and
     with its greedy finish (verification, successor tops, KV compaction), each replayed back to back (the device's
@@ -221,14 +231,9 @@ def main(argv=None) -> int:
             for name, prompts in sets.items():
                 out.add({"threads": threads, "set": name, **decode(prompts)})
         torch.set_num_threads(default_threads)
-        out.result["loop_parts"] = []
-        for name, prompts in sets.items():
-            seconds, calls = collections.Counter(), collections.Counter()
-            with timed_parts(seconds, calls):
-                steps = sum(model.generate(ids, max_new_tokens=max_new).stats.steps for ids in prompts)
-            out.result["loop_parts"] += [{"set": name, "part": part, "calls": calls[part],
-                                          "us_per_call": 1e6 * s / calls[part], "us_per_step": 1e6 * s / steps}
-                                         for part, s in seconds.most_common()]
+        out.result["loop_parts"] = [
+            {"set": name, **part} for name, prompts in sets.items()
+            for part in parts_timed(lambda: [model.generate(ids, max_new_tokens=max_new).stats for ids in prompts])]
         out.flush()
         profiler = cProfile.Profile()
         started = time.perf_counter()
@@ -277,11 +282,8 @@ def main(argv=None) -> int:
                 if config is not None:
                     entry["trees"] = tree_counts(model.generate(batch, max_new_tokens=max_new // 2,
                                                                 lookahead=config, trace=True).stats)
-                    seconds, calls = collections.Counter(), collections.Counter()
-                    with timed_parts(seconds, calls):
-                        steps = model.generate(batch, max_new_tokens=max_new // 2, lookahead=config).stats.steps
-                    entry["loop_parts"] = [{"part": part, "calls": calls[part], "us_per_call": 1e6 * s / calls[part],
-                                            "us_per_step": 1e6 * s / steps} for part, s in seconds.most_common()]
+                    entry["loop_parts"] = parts_timed(
+                        lambda: [model.generate(batch, max_new_tokens=max_new // 2, lookahead=config).stats])
                 out.result["batches"].append(entry)
                 out.flush()
     out.finish()
