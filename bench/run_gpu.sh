@@ -173,8 +173,8 @@ else
     ours-plain-cublas ours-lookahead-cublas
 fi
 # bfloat16 (session 64): on the H200's bf16 step table (t(16) 1.06 t(1), t(128) 1.19) trees of up to 63 nodes pay
-# at one row; predicted MT-Bench 1.85x, HumanEval 2.79x (16 prompts, 128 tokens). Identity is counted, not expected:
-# steps of other shapes round differently.
+# at one row; predicted MT-Bench 1.85x, HumanEval 2.79x (16 prompts, 128 tokens), about 1.6x / 2.4x after session
+# 57's shortfall from the same prediction. Identity is counted, not expected: steps of other shapes round differently.
 BF16_E2E=(--dtype bfloat16 --systems ours-plain ours-lookahead ours-lookahead-memory --sets "${SETS[@]}" --out-dir "$WORK")
 if [ $DRY = 1 ]; then
   wants e2ebf16 && part e2ebf16 300 $PY bench/gpu_e2e.py --dry-run "${BF16_E2E[@]}"
