@@ -63,6 +63,12 @@ def render(result: dict) -> str:
         for r in result["loop_parts"]:
             lines.append(f"| {r['set']} | {r['part']} | {r['calls']} | {r['us_per_call']:.1f} | "
                          f"{r['us_per_step']:.1f} |")
+        # A step's host ms averages over every step; predictions cost tree steps and declined asks apart.
+        for name in dict.fromkeys(r["set"] for r in result["loop_parts"]):
+            calls = {r["part"]: r["calls"] for r in result["loop_parts"] if r["set"] == name}
+            asked, trees = calls.get("_lookahead_step", 0), calls.get("read", 0)  # read: a tree step's verifier
+            lines.append(f"\n{name}: {asked} asks, {trees} of them tree steps, {asked - trees} declined (a plain "
+                         "step after building the rows' proposals)")
     for title, key in (("Own time (cProfile, one pass over every set)", "profile_tottime"),
                        ("Cumulative time, lookahead's functions", "profile_cumtime")):
         if result.get(key):
