@@ -63,12 +63,8 @@ def render(result: dict) -> str:
         for r in result["loop_parts"]:
             lines.append(f"| {r['set']} | {r['part']} | {r['calls']} | {r['us_per_call']:.1f} | "
                          f"{r['us_per_step']:.1f} |")
-        # A step's host ms averages over every step; predictions cost tree steps and declined asks apart.
         for name in dict.fromkeys(r["set"] for r in result["loop_parts"]):
-            calls = {r["part"]: r["calls"] for r in result["loop_parts"] if r["set"] == name}
-            asked, trees = calls.get("_lookahead_step", 0), calls.get("read", 0)  # read: a tree step's verifier
-            lines.append(f"\n{name}: {asked} asks, {trees} of them tree steps, {asked - trees} declined (a plain "
-                         "step after building the rows' proposals)")
+            lines.append(f"\n{name}: " + ask_counts([r for r in result["loop_parts"] if r["set"] == name]))
     for title, key in (("Own time (cProfile, one pass over every set)", "profile_tottime"),
                        ("Cumulative time, lookahead's functions", "profile_cumtime")):
         if result.get(key):
@@ -88,6 +84,7 @@ def render(result: dict) -> str:
         if b.get("loop_parts"):
             lines[-1] += "; its loop's parts (us a call / a step): " + ", ".join(
                 f"{r['part']} {r['us_per_call']:.0f} / {r['us_per_step']:.0f}" for r in b["loop_parts"])
+            lines[-1] += "; " + ask_counts(b["loop_parts"])
         lines[-1] += "; its profiled call:"
         lines += ["", "```", b["profile_cumtime"], "```"]
     return "\n".join(lines) + "\n"
@@ -150,6 +147,15 @@ def parts_timed(decode) -> list[dict]:
         steps = sum(stats.steps for stats in decode())
     return [{"part": part, "calls": calls[part], "us_per_call": 1e6 * s / calls[part], "us_per_step": 1e6 * s / steps}
             for part, s in seconds.most_common()]
+
+
+def ask_counts(parts: list[dict]) -> str:
+    """How many of a pass's lookahead asks (:func:`parts_timed`'s rows) built trees and how many went plain: a
+    step's host ms averages over every step, and predictions cost a tree step and a declined ask apart."""
+    calls = {r["part"]: r["calls"] for r in parts}
+    asked, trees = calls.get("_lookahead_step", 0), calls.get("read", 0)  # read: a tree step's verifier only
+    return (f"{asked} asks, {trees} of them tree steps, {asked - trees} declined (a plain step after building the "
+            "rows' proposals)")
 
 
 def step_parts(model, device, context: int = 256) -> list[dict]:
