@@ -58,6 +58,7 @@
 #include <vector>
 
 #include "draft_encode.h"
+#include "host_ops.h"
 
 namespace draft_tree {
 namespace {
@@ -489,6 +490,25 @@ int64_t encode_row(const int64_t* par, const int64_t* tok, int64_t keep, int64_t
     en[j] = j + 1;
   }
   return deepest;
+}
+
+// Vectors, not IntArrayRef or TensorList, at the boundary: pybind11 converts Python lists to them fastest.
+void bind_host(pybind11::module_& m) {
+  using Ints = std::vector<int64_t>;
+  using Tensors = std::vector<at::Tensor>;
+  m.def("propose", [](const Ints& roots, const Ints& suffix_tokens, const Ints& suffix_lens, const Ints& suffix_matches,
+                      const Ints& suffix_counts, const Tensors& pool, const Tensors& rates, const Tensors& succ_ids,
+                      const Tensors& succ_probs, const Tensors& succ_count, int64_t budget) {
+    return propose(roots, suffix_tokens, suffix_lens, suffix_matches, suffix_counts, pool, rates, succ_ids, succ_probs,
+                   succ_count, budget);
+  });
+  m.def("encode", [](const at::Tensor& parents, const at::Tensor& tokens, const Ints& starts, const Ints& keep,
+                     int64_t size) { return encode(parents, tokens, starts, keep, size); });
+  m.def("record_successors", [](const Tensors& succ_ids, const Tensors& succ_probs, const Tensors& succ_count,
+                                const at::Tensor& tokens, const at::Tensor& tops, const Ints& rows,
+                                const Ints& computed, const Ints& last_count, const Ints& last) {
+    record_successors(succ_ids, succ_probs, succ_count, tokens, tops, rows, computed, last_count, last);
+  });
 }
 
 }  // namespace draft_tree

@@ -31,6 +31,7 @@
 #include <tuple>
 
 #include "draft_encode.h"
+#include "host_ops.h"
 
 namespace pack_step {
 namespace {
@@ -113,6 +114,16 @@ std::tuple<at::Tensor, at::Tensor> encode_step(const at::Tensor& parents, const 
 }
 
 }  // namespace
+
+void bind_host(pybind11::module_& m) {
+  m.def("encode_step", [](const at::Tensor& parents, const at::Tensor& tokens, const std::vector<int64_t>& starts,
+                          const std::vector<int64_t>& keep, int64_t size, const std::vector<int64_t>& positions,
+                          const std::vector<int64_t>& xs, const std::optional<at::Tensor>& window_tokens,
+                          const at::Tensor& offsets, const at::Tensor& rows) {
+    return encode_step(parents, tokens, starts, keep, size, positions, xs, window_tokens, offsets, rows);
+  });
+}
+
 }  // namespace pack_step
 
 TORCH_LIBRARY_FRAGMENT(lookahead_draft, m) {

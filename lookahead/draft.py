@@ -24,6 +24,7 @@ import heapq
 
 import torch
 
+from lookahead_kernels.cpu_ops import host_ops
 from lookahead_kernels.tree import TreeShape
 
 from .config import LookaheadConfig
@@ -159,25 +160,26 @@ class AcceptanceStats:
     ``("successors", probability bucket, depth)`` where the bucket is that of the probability the model gave the
     successor when it was recorded; each apart (key + ``("agreed",)``) for nodes several sources proposed.
 
-    Kept per key code (:func:`key_code`); ``rates`` (float64 ``[NUM_CODES]``) is what the C++ builder reads."""
+    Kept per key code (:func:`key_code`): ``trials`` (int64 ``[2, NUM_CODES]``: nodes tested, nodes accepted) and
+    ``rates`` (float64 ``[NUM_CODES]``), which the C++ ops read (``lookahead_draft.propose``) and write
+    (``lookahead_draft.record_trials``, :func:`record_trials`) in place."""
 
     def __init__(self):
-        self._tested = [0] * NUM_CODES
-        self._accepted = [0] * NUM_CODES
+        self.trials = torch.zeros(2, NUM_CODES, dtype=torch.long)
         self.rates = _PRIOR_RATES.clone()
-        # Written through a NumPy view of the same memory: a tensor's item assignment costs microseconds, and each
-        # row records a few trials every step.
-        self._rates = self.rates.numpy()
+        # Written through NumPy views of the same memory: a tensor's item assignment costs microseconds.
+        self._trials, self._rates = self.trials.numpy(), self.rates.numpy()
 
     @property
     def tested(self) -> dict[tuple, int]:
         """Trials per readable key (keys never tried left out)."""
-        return {code_key(c): n for c, n in enumerate(self._tested) if n}
+        return {code_key(c): n for c, n in enumerate(self._trials[0].tolist()) if n}
 
     @property
     def accepted(self) -> dict[tuple, int]:
         """Acceptances per readable key tried."""
-        return {code_key(c): self._accepted[c] for c, n in enumerate(self._tested) if n}
+        tested, accepted = self._trials.tolist()
+        return {code_key(c): accepted[c] for c, n in enumerate(tested) if n}
 
     def rate(self, key: tuple) -> float:
         """Estimated chance a node of ``key`` is accepted once its parent is."""
@@ -187,10 +189,10 @@ class AcceptanceStats:
         self.record_code(key_code(key), accepted)
 
     def record_code(self, code: int, accepted: bool) -> None:
-        self._tested[code] += 1
-        self._accepted[code] += int(accepted)
-        self._rates[code] = (self._accepted[code] + _PRIOR_WEIGHT * _PRIORS[code]) / \
-            (self._tested[code] + _PRIOR_WEIGHT)
+        """One trial of ``code`` (the reference of ``lookahead_draft.record_trials``' arithmetic)."""
+        tested, hits = self._trials[0, code] + 1, self._trials[1, code] + int(accepted)
+        self._trials[0, code], self._trials[1, code] = tested, hits
+        self._rates[code] = (int(hits) + _PRIOR_WEIGHT * _PRIORS[code]) / (int(tested) + _PRIOR_WEIGHT)
 
 
 @dataclasses.dataclass
@@ -284,7 +286,7 @@ class DraftTree:
         self._tokens, self._shape, self._codes = tokens, shape, codes
         self.num_nodes, self.parents, self.max_depth = num_nodes, parents, max_depth
         self._row = None  # (tokens [B, V], depth [B, V], end [B, V], b): where tokens and shape are read from
-        self._code_source = None  # (codes, code_offsets, first, order, at): node i's codes, read on demand
+        self._code_source = None  # (_BatchEncoding, first, at): node i's codes, read on demand
 
     @classmethod
     def _in_batch(cls, row: tuple, num_nodes: int, parents: list[int], max_depth: int,
@@ -310,7 +312,8 @@ class DraftTree:
         """Real node ``i``'s acceptance key codes."""
         if self._codes is not None:
             return self._codes[i]
-        codes, offsets, first, order, at = self._code_source
+        encoding, first, at = self._code_source
+        codes, offsets, order = encoding.lists()
         j = first + order[at + i]
         return codes[offsets[j]: offsets[j + 1]]
 
@@ -539,7 +542,8 @@ class DraftBuilder:
     def observe(self, tree: DraftTree, path: list[int], ngrams: torch.Tensor | None, sequence: list[int],
                 emitted: int) -> None:
         """Learn from a verified step (the successor table learns from the step's logits beside this, for every
-        row of a batch at once: :func:`lookahead.successors.record_step`).
+        row of a batch at once: :func:`lookahead.successors.record_step`; a batch records its rows' trials at once
+        too, :func:`record_trials`, and each row's n-grams with :meth:`learn_ngrams`).
 
         Args:
             tree: the step's tree.
@@ -548,15 +552,11 @@ class DraftBuilder:
             sequence: the committed sequence, this step's emitted tokens included.
             emitted: tokens this step committed (accepted + bonus, fewer when a stop cut them).
         """
-        accepted = set(path)
-        record = self.stats.record_code
-        # A node was tested iff its parent was accepted (or it hangs from x): those are the trials.
-        for i in range(tree.num_nodes):
-            p = tree.parents[i]
-            if p == -1 or p in accepted:
-                hit = i in accepted
-                for code in tree.node_codes(i):
-                    record(code, hit)
+        record_trials_reference(self.stats, tree, path)
+        self.learn_ngrams(ngrams, sequence, emitted)
+
+    def learn_ngrams(self, ngrams: torch.Tensor | None, sequence: list[int], emitted: int) -> None:
+        """:meth:`observe`'s n-grams into the pool: the window's, and the committed output's."""
         if ngrams is not None:
             self._pool_insert(ngrams)
         if self.pool is not None and self.config.pool_from_output:
@@ -589,7 +589,7 @@ def propose_rows(builders: list[DraftBuilder], sequences: list[list[int]], budge
     pools = lookup_rows([b.pool for b in builders], [seq[-1] for seq in sequences]) if budget \
         else [NO_ROWS] * len(builders)
     tables = [t if t is not None and t.allocated else None for t in (b.successors for b in builders)]
-    tokens, parents, scores, codes, offsets, counts = torch.ops.lookahead_draft.propose(
+    tokens, parents, scores, codes, offsets, counts = host_ops().propose(
         [seq[-1] for seq in sequences], span_tokens, span_lens, span_matches, span_counts, pools,
         [b.stats.rates for b in builders], [_NONE_I32 if t is None else t.ids for t in tables],
         [_NONE_F32 if t is None else t.probs for t in tables], [_NONE_I32 if t is None else t.count for t in tables],
@@ -626,12 +626,15 @@ class DraftTrees:
     Attributes:
         trees: per row its :class:`DraftTree` (whose ``tokens`` and ``shape`` are rows of the tensors below).
         tokens, depth, end: int64 ``[B, V]``: the rows' tokens and tree encodings, stacked for the step.
+        encoding: where the C++ ops encoded the trees, what :func:`record_trials` reads (``None``: the Python
+            encoding).
     """
 
     trees: list[DraftTree]
     tokens: torch.Tensor
     depth: torch.Tensor
     end: torch.Tensor
+    encoding: "_BatchEncoding | None" = None
 
     @classmethod
     def stack(cls, trees: list[DraftTree]) -> "DraftTrees":
@@ -647,9 +650,9 @@ def encode_rows(proposals: Proposals, picks: list[int], keeps: list[int], size: 
         return DraftTrees.stack([_encode_one(proposals.row(i) if i >= 0 else Proposal.empty(), keep, size)
                                  for i, keep in zip(picks, keeps)])
     starts = row_starts(proposals, picks)
-    tokens, depth, end, parents, order, deepest = torch.ops.lookahead_draft.encode(
+    tokens, depth, end, parents, order, deepest = host_ops().encode(
         proposals.parents, proposals.tokens, starts, keeps, size)
-    return trees_in_batch(proposals, starts, keeps, (tokens, depth, end), parents.tolist(), order.tolist(),
+    return trees_in_batch(proposals, starts, keeps, (tokens, depth, end), parents, order,
                           deepest.tolist())
 
 
@@ -658,19 +661,75 @@ def row_starts(proposals: Proposals, picks: list[int]) -> list[int]:
     return [proposals.starts[i] if i >= 0 else 0 for i in picks]
 
 
-def trees_in_batch(proposals: Proposals, starts: list[int], keeps: list[int], encoded: tuple, parents: list[int],
-                   order: list[int], deepest: list[int]) -> DraftTrees:
+def trees_in_batch(proposals: Proposals, starts: list[int], keeps: list[int], encoded: tuple, parents: torch.Tensor,
+                   order: torch.Tensor, deepest: list[int]) -> DraftTrees:
     """The batch's :class:`DraftTrees` from the C++ encoding of its rows (``lookahead_draft.encode`` or
     ``encode_step``): ``encoded`` the int64 ``[B, V]`` tokens, depth and end (views of a step's packed inputs
-    will do), ``parents`` and ``order`` each real node's pre-order parent and best-first index (rows one after
-    another), ``deepest`` each row's deepest real node."""
-    codes, offsets = proposals.codes.tolist(), proposals.code_offsets.tolist()
+    will do), ``parents`` and ``order`` (int64 ``[K]``) each real node's pre-order parent and best-first index
+    (rows one after another), ``deepest`` each row's deepest real node."""
+    encoding = _BatchEncoding(proposals.codes, proposals.code_offsets, parents, order, starts, keeps)
+    parents = parents.tolist()
     trees, at = [], 0
     for b, (first, keep, row_deepest) in enumerate(zip(starts, keeps, deepest)):
         trees.append(DraftTree._in_batch(encoded + (b,), keep, parents[at: at + keep], row_deepest,
-                                         (codes, offsets, first, order, at)))
+                                         (encoding, first, at)))
         at += keep
-    return DraftTrees(trees, *encoded)
+    return DraftTrees(trees, *encoded, encoding)
+
+
+class _BatchEncoding:
+    """What a batch's C++ encoding leaves for learning from its verified step (:func:`record_trials`): the
+    proposals' codes and code offsets, every real node's pre-order parent and best-first index (int64 tensors, as
+    :func:`trees_in_batch` takes them), each row's first proposal and real nodes. The Python reads of the codes
+    (:meth:`DraftTree.node_codes`) take them as lists, made on first need: a step that records its trials in C++
+    needs none."""
+
+    __slots__ = ("codes", "code_offsets", "parents", "order", "starts", "keeps", "firsts", "_lists")
+
+    def __init__(self, codes: torch.Tensor, code_offsets: torch.Tensor, parents: torch.Tensor, order: torch.Tensor,
+                 starts: list[int], keeps: list[int]):
+        self.codes, self.code_offsets, self.parents, self.order = codes, code_offsets, parents, order
+        self.starts, self.keeps = starts, keeps
+        self.firsts = [0]  # where each row's real nodes start in parents and order
+        for keep in keeps[:-1]:
+            self.firsts.append(self.firsts[-1] + keep)
+        self._lists = None
+
+    def lists(self) -> tuple[list[int], list[int], list[int]]:
+        """``(codes, code_offsets, order)`` as lists."""
+        if self._lists is None:
+            self._lists = (self.codes.tolist(), self.code_offsets.tolist(), self.order.tolist())
+        return self._lists
+
+
+def record_trials(builders: list[DraftBuilder], trees: DraftTrees, rows: list[int], paths: list[list[int]]) -> None:
+    """Each builder's acceptance trials from its row's verified tree: ``builders[i]`` learns from batch row
+    ``rows[i]`` of ``trees``, whose accepted nodes (pre-order, root first) are ``paths[i]``. Trees from the C++
+    encoding record in one C++ call for the batch (``lookahead_draft.record_trials``), others row by row
+    (:func:`record_trials_reference`, which records the same)."""
+    encoding = trees.encoding
+    if encoding is None:
+        for builder, b, path in zip(builders, rows, paths):
+            record_trials_reference(builder.stats, trees.trees[b], path)
+        return
+    host_ops().record_trials(
+        [b.stats.trials for b in builders], [b.stats.rates for b in builders], _PRIOR_RATES, _PRIOR_WEIGHT,
+        encoding.codes, encoding.code_offsets, encoding.parents, encoding.order, [encoding.firsts[b] for b in rows],
+        [encoding.starts[b] for b in rows], [encoding.keeps[b] for b in rows], [len(p) for p in paths],
+        [n for p in paths for n in p])
+
+
+def record_trials_reference(stats: AcceptanceStats, tree: DraftTree, path: list[int]) -> None:
+    """One row's trials (:func:`record_trials`) in Python: a node was tested iff its parent was accepted (or it
+    hangs from x); each of its codes counts a trial, an acceptance where it is on ``path``."""
+    accepted = set(path)
+    record = stats.record_code
+    for i in range(tree.num_nodes):
+        p = tree.parents[i]
+        if p == -1 or p in accepted:
+            hit = i in accepted
+            for code in tree.node_codes(i):
+                record(code, hit)
 
 
 def _encode_one(proposal: Proposal, keep: int, size: int) -> DraftTree:

@@ -38,7 +38,7 @@ from .arguments import resolve_generate_arguments
 from .config import LookaheadConfig, StepShape
 from .controller import make_plan
 from .custom_processors import make_custom_processors
-from .draft import SUCCESSORS_PER_NODE, DraftBuilder, encode_rows, propose_rows
+from .draft import SUCCESSORS_PER_NODE, DraftBuilder, encode_rows, propose_rows, record_trials
 from .memory import DraftMemory
 from .prefill import prefill_graphs
 from .processors import LogitsProcessors
@@ -1097,6 +1097,7 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
     forward_done = time.perf_counter()
     emitted_total = 0
     recorded, computed, last = [], [], []  # the successor tables' rows, recorded together after the loop
+    learners, learned, paths = [], [], []  # the rows' acceptance trials, likewise
     first_node = step.node_rows.start
     for b, row in enumerate(batch):
         if row.emitter.done:  # parked
@@ -1119,8 +1120,12 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
             recorded.append(b)
             computed.append(first_node + tree.num_nodes)
             last.append([0] + [first_node + n for n in nodes])
-        row.drafts.observe(tree, nodes, ngrams, sequence, taken)
+        learners.append(row.drafts)
+        learned.append(b)
+        paths.append(nodes)
+        row.drafts.learn_ngrams(ngrams, sequence, taken)
         row.x = emitted[-1]
+    record_trials(learners, drafts, learned, paths)
     if recorded:
         record_step([batch[b].drafts.successors for b in recorded], step.logits_tokens, back.tops, recorded,
                     computed, last)

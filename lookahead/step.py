@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from lookahead_kernels import StepLayout
+from lookahead_kernels.cpu_ops import host_ops
 from lookahead_kernels.tree import TreeShape
 
 from .draft import DraftTree, DraftTrees, Proposals, row_starts, trees_in_batch
@@ -149,15 +150,14 @@ def build_tree_step(positions: list[int], xs: list[int], window_tokens: torch.Te
     T = L + size
     rows, head = _constant_parts(constants, window, levels, T)
     starts = row_starts(proposals, picks)
-    block, meta = torch.ops.lookahead_draft.encode_step(proposals.parents, proposals.tokens, starts, keeps, size,
-                                                        positions, xs, window_tokens, head, rows)
+    block, meta = host_ops().encode_step(proposals.parents, proposals.tokens, starts, keeps, size, positions, xs,
+                                         window_tokens, head, rows)
     spans = input_spans(B, T, size, rows.numel())
     depth, end = block[spans["depth"][0]].view(B, size), block[spans["end"][0]].view(B, size)
     step = _packed(block, StepLayout(window, levels, TreeShape.trusted(depth, end) if size else None), B, T, rows)
     K = sum(keeps)
-    meta = meta.tolist()
     trees = trees_in_batch(proposals, starts, keeps, (step.tokens[:, L:], depth, end), meta[:K], meta[K: 2 * K],
-                           meta[2 * K:])
+                           meta[2 * K:].tolist())
     return step, trees
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from lookahead_kernels.cpu_ops import cpu_ops_available, host_ops
+
 
 class SuccessorTable:
     """For each token seen, the top-``k`` next tokens last predicted after it with their probabilities among
@@ -113,8 +115,6 @@ def _native_applies(logits: torch.Tensor) -> bool:
     if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() not in (2, 3) \
             or logits.shape[-1] == 0 or logits.stride(-1) != 1:
         return False
-    from lookahead_kernels.cpu_ops import cpu_ops_available
-
     return cpu_ops_available(build=False)
 
 
@@ -139,10 +139,8 @@ def record_step(tables: list[SuccessorTable], tokens: torch.Tensor, tops: torch.
     """
     if not tables:
         return
-    from lookahead_kernels.cpu_ops import cpu_ops_available
-
     if cpu_ops_available(build=False):
-        torch.ops.lookahead_draft.record_successors(
+        host_ops().record_successors(
             [t.ids for t in tables], [t.probs for t in tables], [t.count for t in tables], tokens, tops, rows,
             computed, [len(r) for r in last], [r for listed in last for r in listed])
         return

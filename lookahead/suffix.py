@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from lookahead_kernels.cpu_ops import cpu_ops_available, host_ops
+
 
 class SuffixIndex:
     """Where each token occurs in the committed sequence; matches are measured from there. Never evicted.
@@ -120,8 +122,6 @@ def suffix_spans(indexes: list[SuffixIndex], sequences: list[list[int]], limit: 
     # One row stays in Python: the op's call alone (about 4 us) costs more than a row's query (1-4 us).
     native = len(indexes) > 1 and all(i.max_match == max_match and i.max_len == max_len for i in indexes)
     if native:
-        from lookahead_kernels.cpu_ops import cpu_ops_available
-
         native = cpu_ops_available(build=False)
     if not native:
         return flatten_matches([index.matches(sequence, limit) for index, sequence in zip(indexes, sequences)])
@@ -132,5 +132,4 @@ def suffix_spans(indexes: list[SuffixIndex], sequences: list[list[int]], limit: 
         lengths.append(copied)
         new_tokens.extend(sequence[copied:])
         new_counts.append(len(sequence) - copied)
-    return torch.ops.lookahead_draft.suffix_spans(buffers, lengths, new_tokens, new_counts, max_match, max_len,
-                                                  limit)
+    return host_ops().suffix_spans(buffers, lengths, new_tokens, new_counts, max_match, max_len, limit)

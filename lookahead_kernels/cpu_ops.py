@@ -6,7 +6,8 @@ draft builder's best-first walk and tree encoding (``csrc/draft_tree.cpp``, ``to
 serve the GPU path too: the draft is built on the host, and the successor table's top-k of a CPU step's logits
 (``csrc/row_topk.cpp``, same namespace), tree verification from the logits, greedy and sampled
 (``csrc/verify_sample.cpp``), a plain step's sampled draw (``csrc/sample_warped.cpp``) and a tree step's trees
-encoded into its packed inputs (``csrc/pack_step.cpp``), same namespace; and KV compaction after a tree step
+encoded into its packed inputs (``csrc/pack_step.cpp``) and a verified step's acceptance trials recorded
+(``csrc/accept_trials.cpp``), same namespace; and KV compaction after a tree step
 (``csrc/kv_compact_cpu.cpp``, ``torch.ops.lookahead_cpu``).
 
 All live in one library, built with ninja into torch's extensions directory on first use (a subdirectory per
@@ -32,9 +33,10 @@ from .cxx_runtime import runtime_link_flags
 _CSRC = source_dir()
 _NAME = extension_name("lookahead_cpu_ops", _CSRC)
 _SOURCES = ("small_gemm.cpp", "cpu_attention.cpp", "cpu_layer.cpp", "draft_tree.cpp", "row_topk.cpp",
-            "verify_sample.cpp", "sample_warped.cpp", "kv_compact_cpu.cpp", "suffix_match.cpp", "pack_step.cpp")
-_HEADERS = ("cpu_ops.h", "cpu_vec.h")  # a change to one rebuilds the library too
-_state: dict = {}  # "ok": bool once tried in this process, "error": why not
+            "verify_sample.cpp", "sample_warped.cpp", "kv_compact_cpu.cpp", "suffix_match.cpp", "pack_step.cpp",
+            "accept_trials.cpp", "host_bindings.cpp")
+_HEADERS = ("cpu_ops.h", "cpu_vec.h", "draft_encode.h", "host_ops.h")  # a change to one rebuilds the library too
+_state: dict = {}  # "ok": bool once tried in this process, "error": why not, "module": the library as a module
 _lock = threading.Lock()
 
 
@@ -83,9 +85,9 @@ def load_cpu_ops(verbose: bool = False) -> None:
                   file=sys.stderr, flush=True)
         try:
             with exclusive_build(_NAME):
-                cpp_extension.load(name=_NAME, sources=[str(s) for s in sources], extra_cflags=["-O3", "-fopenmp"],
-                                   extra_ldflags=["-fopenmp", *runtime_link_flags()], is_python_module=False,
-                                   verbose=verbose)
+                _state["module"] = cpp_extension.load(
+                    name=_NAME, sources=[str(s) for s in sources], extra_cflags=["-O3", "-fopenmp"],
+                    extra_ldflags=["-fopenmp", *runtime_link_flags()], is_python_module=True, verbose=verbose)
         except Exception as exc:  # compiler, linker or loader failure: one clear error
             raise CpuOpsError(f"building the CPU ops extension {_NAME!r} from {', '.join(_SOURCES)} failed "
                               f"(torch {torch.__version__}):\n{exc}") from exc
@@ -111,6 +113,24 @@ def cpu_ops_available(build: bool = True) -> bool:
     except CpuOpsError as exc:
         _state["ok"], _state["error"] = False, str(exc)
     return _state["ok"]
+
+
+def host_ops():
+    """The library as a Python module (``csrc/host_bindings.cpp``): the host-side draft ops the decoding loop calls
+    every step (``propose``, ``encode``, ``encode_step``, ``suffix_spans``, ``record_successors``, ``record_trials``), the same
+    functions as ``torch.ops.lookahead_draft``'s with less overhead a call (``csrc/host_ops.h``). Loads the library
+    where :func:`cpu_ops_available` has not yet.
+
+    Raises:
+        CpuOpsError: the library cannot be built or loaded here."""
+    module = _state.get("module")
+    if module is None:
+        if not cpu_ops_available():
+            raise CpuOpsError(cpu_ops_error() or "the CPU ops are not available")
+        module = _state.get("module")
+        if module is None:  # only load_cpu_ops loads the library, and it keeps the module
+            raise CpuOpsError(f"the library {_NAME!r} was loaded without its Python module")
+    return module
 
 
 def cpu_ops_error() -> str | None:

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from lookahead import DraftMemory, LookaheadConfig
-from lookahead.draft import NUM_CODES, DraftBuilder, Proposals, code_key, encode_rows, key_code, propose_rows
+from lookahead.draft import (NUM_CODES, AcceptanceStats, DraftBuilder, Proposals, code_key, encode_rows, key_code,
+                             propose_rows, record_trials, record_trials_reference)
 from lookahead.successors import SuccessorTable, pack_tops, record_step, record_step_reference
 from lookahead.suffix import SuffixIndex, suffix_spans
 from lookahead_kernels.cpu_ops import cpu_ops_available
@@ -187,6 +188,95 @@ def test_a_tree_step_encoded_and_packed_in_one_call_equals_the_reference_path(se
         assert a.num_nodes == b.num_nodes and a.parents == b.parents and a.codes == b.codes
         assert a.max_depth == b.max_depth and torch.equal(a.tokens, b.tokens)
         assert torch.equal(a.shape.depth, b.shape.depth) and torch.equal(a.shape.end, b.shape.end)
+
+
+def _random_path(rng: random.Random, parents: list[int]) -> list[int]:
+    """A verifier's accepted nodes in a tree of pre-order ``parents``: a chain from a child of x, cut at random."""
+    path, at = [], -1
+    while True:
+        children = [i for i, p in enumerate(parents) if p == at]
+        if not children or rng.random() < 0.25:
+            return path
+        at = rng.choice(children)
+        path.append(at)
+
+
+def _copied_stats(stats: AcceptanceStats) -> AcceptanceStats:
+    copy = AcceptanceStats()
+    copy.trials.copy_(stats.trials)
+    copy.rates.copy_(stats.rates)
+    return copy
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("seed", range(10))
+def test_a_batch_s_trials_recorded_in_one_call_equal_the_reference(seed, packed):
+    """``record_trials`` on the C++ encoding (``encode_rows`` or ``build_tree_step``) counts the same trials and
+    computes the same rates, double for double, as the Python reference row by row, over several steps; parked
+    rows (no node) and rows left out of the call learn nothing."""
+    from lookahead.step import build_tree_step
+
+    rng = random.Random(seed)
+    rows = [random_builder(700 * seed + i, rng.choice([7, 50, 300])) for i in range(rng.randint(1, 5))]
+    builders = [b for b, _ in rows]
+    refs = [_copied_stats(b.stats) for b in builders]
+    for _ in range(4):
+        proposals = propose_rows(builders, [seq for _, seq in rows], rng.choice([1, 5, 16, 40]))
+        picks = list(range(len(rows))) + [-1] * rng.randint(0, 2)
+        rng.shuffle(picks)
+        keeps = [rng.randint(0, len(proposals.scores[i])) if i >= 0 else 0 for i in picks]
+        size = max(keeps) + rng.choice([0, 3])
+        if packed:
+            B = len(picks)
+            _, trees = build_tree_step([10] * B, [1] * B, None, 1, 1, proposals, picks, keeps, size, {})
+        else:
+            trees = encode_rows(proposals, picks, keeps, size, native=True)
+        assert trees.encoding is not None
+        learned = [b for b, i in enumerate(picks) if i >= 0 and rng.random() < 0.8]
+        paths = [_random_path(rng, trees.trees[b].parents) for b in learned]
+        record_trials([builders[picks[b]] for b in learned], trees, learned, paths)
+        for b, path in zip(learned, paths):
+            record_trials_reference(refs[picks[b]], trees.trees[b], path)
+    for builder, ref in zip(builders, refs):
+        assert torch.equal(builder.stats.trials, ref.trials)
+        assert torch.equal(builder.stats.rates, ref.rates)  # the same arithmetic in the same order
+        assert builder.stats.tested == ref.tested and builder.stats.accepted == ref.accepted
+
+
+def test_trials_from_the_python_encoding_are_recorded_by_the_reference():
+    b, seq = random_builder(3, 50)
+    ref = _copied_stats(b.stats)
+    proposals = propose_rows([b], [seq], 16)
+    trees = encode_rows(proposals, [0], [len(proposals.scores[0])], len(proposals.scores[0]), native=False)
+    assert trees.encoding is None
+    path = _random_path(random.Random(0), trees.trees[0].parents)
+    record_trials([b], trees, [0], [path])
+    record_trials_reference(ref, trees.trees[0], path)
+    assert torch.equal(b.stats.trials, ref.trials) and torch.equal(b.stats.rates, ref.rates)
+
+
+def test_record_trials_refuses_what_does_not_fit_and_writes_nothing():
+    record = torch.ops.lookahead_draft.record_trials
+    trials, rates = torch.zeros(2, 8, dtype=torch.long), torch.full((8,), 0.5, dtype=torch.float64)
+    priors = torch.full((8,), 0.5, dtype=torch.float64)
+    codes, offsets = torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2, 3])
+    parents, order = torch.tensor([-1, 0, -1]), torch.tensor([0, 1, 2])
+    record([trials], [rates], priors, 4.0, codes, offsets, parents, order, [0], [0], [3], [1], [0])  # fits
+    assert trials.tolist() == [[0, 1, 1, 1, 0, 0, 0, 0], [0, 1, 0, 0, 0, 0, 0, 0]]
+    assert rates[1] == (1 + 4.0 * 0.5) / (1 + 4.0) and rates[2] == 2.0 / 5.0 and rates[0] == 0.5
+    before = (trials.clone(), rates.clone())
+    good = ([trials], [rates], priors, 4.0, codes, offsets, parents, order, [0], [0], [3], [1], [0])
+    for i, bad, match in ((0, [trials.int()], "trials\\[0\\] must be"), (1, [rates[:4]], "must hold 8"),
+                          (2, priors.float(), "priors"), (4, torch.tensor([1, 9, 3]), "code 9 outside"),
+                          (5, torch.tensor([0, 2, 1, 3]), "code_offsets must rise"),
+                          (6, torch.tensor([-1, 2, -1]), "parent 2"), (7, torch.tensor([0, 3, 2]), "best-first"),
+                          (8, [1], "first"), (10, [4], "keep"), (11, [2], "path_counts sum"),
+                          (12, [3], "outside its 3 real nodes"), (9, [0, 0], "one trials")):
+        args = list(good)
+        args[i] = bad
+        with pytest.raises(ValueError, match=match):
+            record(*args)
+        assert torch.equal(trials, before[0]) and torch.equal(rates, before[1])
 
 
 def test_encode_step_refuses_inputs_that_do_not_fit():
