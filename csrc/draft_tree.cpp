@@ -502,6 +502,26 @@ void bind_host(pybind11::module_& m) {
     return propose(roots, suffix_tokens, suffix_lens, suffix_matches, suffix_counts, pool, rates, succ_ids, succ_probs,
                    succ_count, budget);
   });
+  // suffix_spans for the rows listed in `matched` (ascending; the other rows have no suffix source), then propose
+  // from those spans: one call, the spans never turned into Python lists (about 1,000 ints a 16-row step).
+  m.def("propose_matched", [](const Ints& roots, const Tensors& buffers, const Ints& lengths, const Ints& new_tokens,
+                              const Ints& new_counts, const Ints& matched, int64_t max_match, int64_t max_len,
+                              int64_t limit, const Tensors& pool, const Tensors& rates, const Tensors& succ_ids,
+                              const Tensors& succ_probs, const Tensors& succ_count, int64_t budget) {
+    const int64_t n = static_cast<int64_t>(roots.size());
+    TORCH_CHECK_VALUE(matched.size() == buffers.size(), "lookahead_draft.propose_matched: one buffer per matched "
+                      "row, got ", buffers.size(), " buffers and ", matched.size(), " rows");
+    for (size_t i = 0; i < matched.size(); ++i)
+      TORCH_CHECK_VALUE(0 <= matched[i] && matched[i] < n && (i == 0 || matched[i - 1] < matched[i]),
+                        "lookahead_draft.propose_matched: matched rows must rise within [0, ", n, "), got ",
+                        matched[i], " at ", i);
+    const suffix_match::Spans spans =
+        suffix_match::suffix_spans(buffers, lengths, new_tokens, new_counts, max_match, max_len, limit);
+    Ints counts(n, 0);
+    for (size_t i = 0; i < matched.size(); ++i) counts[matched[i]] = std::get<3>(spans)[i];
+    return propose(roots, std::get<0>(spans), std::get<1>(spans), std::get<2>(spans), counts, pool, rates, succ_ids,
+                   succ_probs, succ_count, budget);
+  });
   m.def("encode", [](const at::Tensor& parents, const at::Tensor& tokens, const Ints& starts, const Ints& keep,
                      int64_t size) { return encode(parents, tokens, starts, keep, size); });
   m.def("record_successors", [](const Tensors& succ_ids, const Tensors& succ_probs, const Tensors& succ_count,

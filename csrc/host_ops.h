@@ -11,14 +11,23 @@
 
 #include <torch/extension.h>
 
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
 namespace draft_tree {
-void bind_host(pybind11::module_& m);  // propose, encode, record_successors
+void bind_host(pybind11::module_& m);  // propose, propose_matched, encode, record_successors
 }
 namespace pack_step {
 void bind_host(pybind11::module_& m);  // encode_step
 }
 namespace suffix_match {
 void bind_host(pybind11::module_& m);  // suffix_spans
+// The suffix_spans op (csrc/suffix_match.cpp): (tokens, lens, matches, counts). Also called by draft_tree.cpp's
+// propose_matched, which proposes from the spans without handing them to Python and back.
+using Spans = std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>>;
+Spans suffix_spans(at::TensorList buffers, at::IntArrayRef lengths, at::IntArrayRef new_tokens,
+                   at::IntArrayRef new_counts, int64_t max_match, int64_t max_len, int64_t limit);
 }
 namespace accept_trials {
 void bind_host(pybind11::module_& m);  // record_trials

@@ -39,8 +39,6 @@
 namespace suffix_match {
 namespace {
 
-using Spans = std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>>;
-
 // Row `seq[0 .. n)`'s continuations appended to the outputs; returns how many.
 int64_t match_row(const int64_t* seq, int64_t n, int64_t max_match, int64_t max_len, int64_t limit,
                   std::vector<std::pair<int64_t, int64_t>>& found, std::vector<std::pair<int64_t, int64_t>>& taken,
@@ -71,6 +69,8 @@ int64_t match_row(const int64_t* seq, int64_t n, int64_t max_match, int64_t max_
   }
   return static_cast<int64_t>(taken.size());
 }
+
+}  // namespace
 
 Spans suffix_spans(at::TensorList buffers, at::IntArrayRef lengths, at::IntArrayRef new_tokens,
                    at::IntArrayRef new_counts, int64_t max_match, int64_t max_len, int64_t limit) {
@@ -104,8 +104,6 @@ Spans suffix_spans(at::TensorList buffers, at::IntArrayRef lengths, at::IntArray
   }
   return out;
 }
-
-}  // namespace
 
 void bind_host(pybind11::module_& m) {
   m.def("suffix_spans", [](const std::vector<at::Tensor>& buffers, const std::vector<int64_t>& lengths,

@@ -31,7 +31,7 @@ from .config import LookaheadConfig
 from .memory import DraftMemory, merged_matches
 from .pools import NO_ROWS, lookup_rows
 from .successors import SuccessorTable
-from .suffix import SuffixIndex, flatten_matches, suffix_spans
+from .suffix import SuffixIndex, flatten_matches, span_inputs, suffix_spans
 
 # Prior acceptance estimates and their weight in pseudo-trials: what a source is trusted with before any step.
 _PRIOR_WEIGHT = 4.0
@@ -573,31 +573,57 @@ _NONE_F32 = torch.empty(0, dtype=torch.float32)
 
 def propose_rows(builders: list[DraftBuilder], sequences: list[list[int]], budget: int) -> Proposals:
     """:meth:`DraftBuilder.propose` for several rows (builder ``i`` for ``sequences[i]``): where every builder is
-    native, in one C++ call."""
+    native, in one C++ call, the rows' suffix matches included unless a draft memory's join them."""
     if not all(b.native for b in builders):  # the reference makes the same proposals (tests/test_draft_native.py)
         return Proposals.concat([b._propose_reference(seq[-1], *b._candidates(seq, budget), budget)
                                  for b, seq in zip(builders, sequences)])
     matched = [i for i, b in enumerate(builders) if b.suffix is not None] if budget else []
-    span_tokens, span_lens, span_matches, found = suffix_spans(
-        [builders[i].suffix for i in matched], [sequences[i] for i in matched], SUFFIX_CANDIDATES)
-    span_counts = [0] * len(builders)  # rows without the suffix source: none
-    for i, count in zip(matched, found):
-        span_counts[i] = count
-    if any(builders[i].memory is not None for i in matched):
-        span_tokens, span_lens, span_matches = _with_memory(builders, sequences, span_tokens, span_lens,
-                                                            span_matches, span_counts)
     pools = lookup_rows([b.pool for b in builders], [seq[-1] for seq in sequences]) if budget \
         else [NO_ROWS] * len(builders)
-    tables = [t if t is not None and t.allocated else None for t in (b.successors for b in builders)]
-    tokens, parents, scores, codes, offsets, counts = host_ops().propose(
-        [seq[-1] for seq in sequences], span_tokens, span_lens, span_matches, span_counts, pools,
-        [b.stats.rates for b in builders], [_NONE_I32 if t is None else t.ids for t in tables],
-        [_NONE_F32 if t is None else t.probs for t in tables], [_NONE_I32 if t is None else t.count for t in tables],
-        budget)
+    rates, ids, probs, counts = _row_tensors(builders)
+    roots = [seq[-1] for seq in sequences]
+    indexes = [builders[i].suffix for i in matched]
+    if all(builders[i].memory is None for i in matched) and \
+            all((x.max_match, x.max_len) == (indexes[0].max_match, indexes[0].max_len) for x in indexes):
+        # The matches found and proposed from in one call (the same matches as suffix_spans', never made lists).
+        limits = (indexes[0].max_match, indexes[0].max_len) if indexes else (1, 1)
+        out = host_ops().propose_matched(roots, *span_inputs(indexes, [sequences[i] for i in matched]), matched,
+                                         *limits, SUFFIX_CANDIDATES, pools, rates, ids, probs, counts, budget)
+    else:
+        span_tokens, span_lens, span_matches, found = suffix_spans(indexes, [sequences[i] for i in matched],
+                                                                   SUFFIX_CANDIDATES)
+        span_counts = [0] * len(builders)  # rows without the suffix source: none
+        for i, count in zip(matched, found):
+            span_counts[i] = count
+        if any(builders[i].memory is not None for i in matched):
+            span_tokens, span_lens, span_matches = _with_memory(builders, sequences, span_tokens, span_lens,
+                                                                span_matches, span_counts)
+        out = host_ops().propose(roots, span_tokens, span_lens, span_matches, span_counts, pools, rates, ids, probs,
+                                 counts, budget)
+    tokens, parents, scores, codes, offsets, row_counts = out
     scores, starts = scores.tolist(), [0]
-    for n in counts.tolist():
+    for n in row_counts.tolist():
         starts.append(starts[-1] + n)
     return Proposals(tokens, parents, [scores[a:b] for a, b in zip(starts, starts[1:])], codes, offsets, starts)
+
+
+def _row_tensors(builders: list[DraftBuilder]) -> tuple[list, list, list, list]:
+    """Each row's acceptance rates and successor table (ids, probs, counts; empty tensors for a row without one, or
+    whose table was never written), as the C++ builder reads them."""
+    rates, ids, probs, counts = [], [], [], []
+    for b in builders:
+        rates.append(b.stats.rates)
+        table = b.successors
+        made = None if table is None else table.tensors  # None until first written: read as empty
+        if made is None:
+            ids.append(_NONE_I32)
+            probs.append(_NONE_F32)
+            counts.append(_NONE_I32)
+        else:
+            ids.append(made[0])
+            probs.append(made[1])
+            counts.append(made[2])
+    return rates, ids, probs, counts
 
 
 def _with_memory(builders: list[DraftBuilder], sequences: list[list[int]], tokens: list[int], lens: list[int],

@@ -28,28 +28,29 @@ class SuccessorTable:
         count: int32 ``[vocab_size]``, successors recorded per token (0: none yet).
         allocated: whether those exist yet: they are made when first asked for (a record), so that a row whose
             batch never takes a tree never pays for them (readers take a table not yet allocated as empty).
+        tensors: ``(ids, probs, count)`` once made, else ``None`` (read without making them).
     """
 
     def __init__(self, vocab_size: int, k: int = 8):
         if vocab_size < 1 or k < 1:
             raise ValueError(f"SuccessorTable needs vocab_size >= 1 and k >= 1, got {vocab_size}, {k}")
         self.k, self.vocab_size = k, vocab_size
-        self._tensors = None
+        self.tensors = None
 
     def _made(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # Made at first use, not with the row's lookahead state: three allocations of 3 MB a row (SmolLM2) took
         # 0.12 ms of each row's start on the H200 machine's host, 2 ms of a 16-row batch whose planner then
         # declined every tree (session 57). Read only up to each token's count: ids and probs left unwritten (their
         # page faults cost a 16-row batch 15 ms when they were zeroed).
-        if self._tensors is None:
-            self._tensors = (torch.empty(self.vocab_size, self.k, dtype=torch.int32),
+        if self.tensors is None:
+            self.tensors = (torch.empty(self.vocab_size, self.k, dtype=torch.int32),
                              torch.empty(self.vocab_size, self.k, dtype=torch.float32),
                              torch.zeros(self.vocab_size, dtype=torch.int32))
-        return self._tensors
+        return self.tensors
 
     @property
     def allocated(self) -> bool:
-        return self._tensors is not None
+        return self.tensors is not None
 
     @property
     def ids(self) -> torch.Tensor:
@@ -140,9 +141,9 @@ def record_step(tables: list[SuccessorTable], tokens: torch.Tensor, tops: torch.
     if not tables:
         return
     if cpu_ops_available(build=False):
-        host_ops().record_successors(
-            [t.ids for t in tables], [t.probs for t in tables], [t.count for t in tables], tokens, tops, rows,
-            computed, [len(r) for r in last], [r for listed in last for r in listed])
+        made = [t._made() for t in tables]  # each table's (ids, probs, count), made at its first record
+        host_ops().record_successors([m[0] for m in made], [m[1] for m in made], [m[2] for m in made], tokens, tops,
+                                     rows, computed, [len(r) for r in last], [r for listed in last for r in listed])
         return
     record_step_reference(tables, tokens, tops, rows, computed, last)
 

@@ -125,6 +125,13 @@ def suffix_spans(indexes: list[SuffixIndex], sequences: list[list[int]], limit: 
         native = cpu_ops_available(build=False)
     if not native:
         return flatten_matches([index.matches(sequence, limit) for index, sequence in zip(indexes, sequences)])
+    return host_ops().suffix_spans(*span_inputs(indexes, sequences), max_match, max_len, limit)
+
+
+def span_inputs(indexes: list[SuffixIndex], sequences: list[list[int]]) -> tuple[list, list[int], list[int], list[int]]:
+    """What the C++ op reads for these rows (``lookahead_draft.suffix_spans``' first arguments): each index's copy
+    of its sequence, the tokens it holds, the tokens committed since (all rows', one after another) and how many a
+    row; each index counts them as copied from now on."""
     buffers, lengths, new_tokens, new_counts = [], [], [], []
     for index, sequence in zip(indexes, sequences):
         buffer, copied = index._copy_room(sequence)
@@ -132,4 +139,4 @@ def suffix_spans(indexes: list[SuffixIndex], sequences: list[list[int]], limit: 
         lengths.append(copied)
         new_tokens.extend(sequence[copied:])
         new_counts.append(len(sequence) - copied)
-    return host_ops().suffix_spans(buffers, lengths, new_tokens, new_counts, max_match, max_len, limit)
+    return buffers, lengths, new_tokens, new_counts

@@ -117,9 +117,9 @@ def cpu_ops_available(build: bool = True) -> bool:
 
 def host_ops():
     """The library as a Python module (``csrc/host_bindings.cpp``): the host-side draft ops the decoding loop calls
-    every step (``propose``, ``encode``, ``encode_step``, ``suffix_spans``, ``record_successors``, ``record_trials``), the same
-    functions as ``torch.ops.lookahead_draft``'s with less overhead a call (``csrc/host_ops.h``). Loads the library
-    where :func:`cpu_ops_available` has not yet.
+    every step (``propose``, ``encode``, ``encode_step``, ``suffix_spans``, ``record_successors``,
+    ``record_trials``), the same functions as ``torch.ops.lookahead_draft``'s with less overhead a call
+    (``csrc/host_ops.h``). Loads the library where :func:`cpu_ops_available` has not yet.
 
     Raises:
         CpuOpsError: the library cannot be built or loaded here."""

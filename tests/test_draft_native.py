@@ -279,6 +279,50 @@ def test_record_trials_refuses_what_does_not_fit_and_writes_nothing():
         assert torch.equal(trials, before[0]) and torch.equal(rates, before[1])
 
 
+def test_the_host_bindings_compute_and_refuse_as_the_torch_ops_do():
+    """The loop's per-step calls go through ``host_ops()`` (pybind11), the same C++ functions as the torch ops: the
+    same outputs, and the same errors (``ValueError`` where the op says ``TORCH_CHECK_VALUE``)."""
+    from lookahead_kernels.cpu_ops import host_ops
+
+    ops = host_ops()
+    parents, tokens = torch.tensor([-1, 0, -1]), torch.tensor([5, 6, 7])
+    head, rows = torch.zeros(1, dtype=torch.long), torch.arange(4)
+    args = (parents, tokens, [0, 1], [3, 0], 3, [10, 20], [1, 2], None, head, rows)
+    for a, b in zip(ops.encode_step(*args), torch.ops.lookahead_draft.encode_step(*args)):
+        assert torch.equal(a, b)
+    for a, b in zip(ops.encode(parents, tokens, [0], [3], 4), torch.ops.lookahead_draft.encode(parents, tokens, [0],
+                                                                                               [3], 4)):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="keep <= size"):
+        ops.encode_step(parents, tokens, [0, 1], [3, 0], 2, [10, 20], [1, 2], None, head, rows)
+    with pytest.raises(RuntimeError, match="parent of node 0"):
+        ops.encode(torch.tensor([0]), torch.tensor([5]), [0], [1], 1)
+    trials, rates = torch.zeros(2, 8, dtype=torch.long), torch.zeros(8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="path_counts sum"):
+        ops.record_trials([trials], [rates], torch.zeros(8, dtype=torch.float64), 4.0, torch.tensor([1]),
+                          torch.tensor([0, 1]), torch.tensor([-1]), torch.tensor([0]), [0], [0], [1], [2], [0])
+    with pytest.raises(RuntimeError, match="one root"):
+        ops.propose([1, 2], [], [], [], [0], [], [], [], [], [], 4)
+    with pytest.raises(RuntimeError, match="one length"):
+        ops.suffix_spans([torch.zeros(4, dtype=torch.long)], [], [], [0], 2, 4, 4)
+    none = torch.empty(0, dtype=torch.int32)
+    table = ([torch.full((0, 1), -1, dtype=torch.long)] * 2, [torch.full((NUM_CODES,), 0.5, dtype=torch.float64)] * 2,
+             [none] * 2, [torch.empty(0)] * 2, [none] * 2)
+    buffers = [torch.zeros(8, dtype=torch.long)] * 2
+    with pytest.raises(ValueError, match="one buffer per matched row"):
+        ops.propose_matched([1, 2], buffers, [0, 0], [], [0, 0], [1], 2, 4, 4, *table, 4)
+    with pytest.raises(ValueError, match="must rise"):
+        ops.propose_matched([1, 2], buffers, [0, 0], [], [0, 0], [1, 0], 2, 4, 4, *table, 4)
+    seq = [3, 1, 2, 3, 1]
+    got = ops.propose_matched([1, 1], buffers[:1], [0], seq, [5], [1], 2, 4, 4, *table, 4)
+    spans = ops.suffix_spans([torch.zeros(8, dtype=torch.long)], [0], seq, [5], 2, 4, 4)
+    want = ops.propose([1, 1], spans[0], spans[1], spans[2], [0, spans[3][0]], *table, 4)
+    assert spans[3][0] > 0 and all(torch.equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(RuntimeError, match="one ids, probs"):
+        ops.record_successors([], [], [torch.zeros(3, dtype=torch.int32)], torch.zeros(1, 1, dtype=torch.long),
+                              torch.zeros(1, 2, 1, 1, dtype=torch.int32), [], [], [], [])
+
+
 def test_encode_step_refuses_inputs_that_do_not_fit():
     encode_step = torch.ops.lookahead_draft.encode_step
     parents, tokens = torch.tensor([-1, 0, -1]), torch.tensor([5, 6, 7])
