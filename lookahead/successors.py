@@ -44,8 +44,8 @@ class SuccessorTable:
         # page faults cost a 16-row batch 15 ms when they were zeroed).
         if self.tensors is None:
             self.tensors = (torch.empty(self.vocab_size, self.k, dtype=torch.int32),
-                             torch.empty(self.vocab_size, self.k, dtype=torch.float32),
-                             torch.zeros(self.vocab_size, dtype=torch.int32))
+                            torch.empty(self.vocab_size, self.k, dtype=torch.float32),
+                            torch.zeros(self.vocab_size, dtype=torch.int32))
         return self.tensors
 
     @property
