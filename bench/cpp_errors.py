@@ -12,7 +12,7 @@ crashes. Our extensions now name the loaded ``libstdc++.so.6`` on their link lin
   ``LIBRARY_PATH``, torch's build, and each library's size and links;
 - two probe libraries of two ops that throw with a number in the message (``TORCH_CHECK_VALUE``, ``TORCH_CHECK``):
   our compile flags as before (``-O3 -fopenmp``), and the same with the loaded libstdc++ linked (the fix);
-- our library's refused call, alone and after a CUDA context;
+- our library's refused call, alone and after a CUDA context, and through its Python module (pybind11);
 - each crash again under ``segv_trace.so`` (``LD_PRELOAD``; built here from ``bench/segv_trace.c``), which prints
   the native frames.
 
@@ -49,6 +49,18 @@ try:
     torch.ops.lookahead_draft.sample_warped(torch.zeros(2, 5), 0.0, 0, 1.0, 0.0, u)
 except ValueError as exc:
     print("ValueError:", str(exc)[:90])  # the number at its end shows the message formatted whole
+else:
+    print("no error")
+"""
+# The same library's refusal through its Python module (pybind11's translation of the C++ exception; session 65).
+OURS_BOUND = r"""
+import torch
+from lookahead_kernels.cpu_ops import host_ops
+try:
+    z = torch.zeros(1, dtype=torch.long)
+    host_ops().encode_step(torch.tensor([-1]), torch.tensor([5]), [0], [1], 0, [3], [1], None, z, z)
+except ValueError as exc:
+    print("ValueError:", str(exc)[:90])
 else:
     print("no error")
 """
@@ -243,6 +255,7 @@ def main(argv=None) -> int:
         os.path.join(cpp_extension._get_build_directory(_NAME, False), f"{_NAME}.so"))
     report.write()
     case("ours: sample_warped, temperature 0", [sys.executable, "-c", OURS])
+    case("ours through its Python module: encode_step, keep > size", [sys.executable, "-c", OURS_BOUND])
     if torch.cuda.is_available():
         case("ours, after a CUDA context", [sys.executable, "-c", OURS, "cuda-context"])
     print(f"wrote {report.base}.json and {report.base}.md")
