@@ -31,7 +31,7 @@ from .config import LookaheadConfig
 from .memory import DraftMemory, merged_matches
 from .pools import NO_ROWS, lookup_rows
 from .successors import SuccessorTable
-from .suffix import SuffixIndex, flatten_matches, span_inputs, suffix_spans
+from .suffix import SuffixIndex, flatten_matches, shared_limits, span_inputs, suffix_spans
 
 # Prior acceptance estimates and their weight in pseudo-trials: what a source is trusted with before any step.
 _PRIOR_WEIGHT = 4.0
@@ -578,15 +578,13 @@ def propose_rows(builders: list[DraftBuilder], sequences: list[list[int]], budge
         return Proposals.concat([b._propose_reference(seq[-1], *b._candidates(seq, budget), budget)
                                  for b, seq in zip(builders, sequences)])
     matched = [i for i, b in enumerate(builders) if b.suffix is not None] if budget else []
-    pools = lookup_rows([b.pool for b in builders], [seq[-1] for seq in sequences]) if budget \
-        else [NO_ROWS] * len(builders)
-    rates, ids, probs, counts = _row_tensors(builders)
     roots = [seq[-1] for seq in sequences]
+    pools = lookup_rows([b.pool for b in builders], roots) if budget else [NO_ROWS] * len(builders)
+    rates, ids, probs, counts = _row_tensors(builders)
     indexes = [builders[i].suffix for i in matched]
-    if all(builders[i].memory is None for i in matched) and \
-            all((x.max_match, x.max_len) == (indexes[0].max_match, indexes[0].max_len) for x in indexes):
+    limits = shared_limits(indexes)
+    if limits is not None and all(builders[i].memory is None for i in matched):
         # The matches found and proposed from in one call (the same matches as suffix_spans', never made lists).
-        limits = (indexes[0].max_match, indexes[0].max_len) if indexes else (1, 1)
         out = host_ops().propose_matched(roots, *span_inputs(indexes, [sequences[i] for i in matched]), matched,
                                          *limits, SUFFIX_CANDIDATES, pools, rates, ids, probs, counts, budget)
     else:

@@ -113,19 +113,25 @@ def suffix_spans(indexes: list[SuffixIndex], sequences: list[list[int]], limit: 
     """Every row's :meth:`SuffixIndex.matches` (index ``i`` for ``sequences[i]``) flattened as the C++ draft
     builder takes them (``lookahead_draft.propose``): ``(tokens, lens, matches, counts)``, ``counts[i]``
     continuations for row ``i``, each one's length in ``lens`` and match length in ``matches``, their tokens one
-    after another in ``tokens``. One C++ call for a batch of two rows or more where the CPU ops are built (the same
-    matches in the same order: 7.5 us for 4 rows against 10-18 in Python), else (or where the indexes'
-    ``max_match`` or ``max_len`` differ) the reference row by row."""
+    after another in ``tokens``. One C++ call where the CPU ops are built (the same matches in the same order: 7.5
+    us for 4 rows against 10-18 in Python; one row 2.2-2.4 us warm against 2.9-6.1 since the call goes through the
+    bindings, session 65), else (or where the indexes' ``max_match`` or ``max_len`` differ) the reference row by
+    row."""
     if not indexes:
         return [], [], [], []
-    max_match, max_len = indexes[0].max_match, indexes[0].max_len
-    # One row stays in Python: the op's call alone (about 4 us) costs more than a row's query (1-4 us).
-    native = len(indexes) > 1 and all(i.max_match == max_match and i.max_len == max_len for i in indexes)
-    if native:
-        native = cpu_ops_available(build=False)
-    if not native:
+    limits = shared_limits(indexes)
+    if limits is None or not cpu_ops_available(build=False):
         return flatten_matches([index.matches(sequence, limit) for index, sequence in zip(indexes, sequences)])
-    return host_ops().suffix_spans(*span_inputs(indexes, sequences), max_match, max_len, limit)
+    return host_ops().suffix_spans(*span_inputs(indexes, sequences), *limits, limit)
+
+
+def shared_limits(indexes: list[SuffixIndex]) -> tuple[int, int] | None:
+    """``(max_match, max_len)`` where every index has the same ones, as one C++ call takes them (``(1, 1)`` for no
+    index); ``None`` where they differ."""
+    if not indexes:
+        return 1, 1
+    limits = (indexes[0].max_match, indexes[0].max_len)
+    return limits if all((i.max_match, i.max_len) == limits for i in indexes) else None
 
 
 def span_inputs(indexes: list[SuffixIndex], sequences: list[list[int]]) -> tuple[list, list[int], list[int], list[int]]:
