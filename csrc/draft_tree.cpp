@@ -16,14 +16,14 @@
 // Ops (namespace lookahead_draft, CPU). Each takes every row of a batch in one call: a call from Python costs
 // microseconds, which a 16-row batch paid per row and per op in every step.
 //   propose(int[] roots, int[] suffix_tokens, int[] suffix_lens, int[] suffix_matches, int[] suffix_counts,
-//           Tensor[] pool, Tensor[] rates, Tensor[] succ_ids, Tensor[] succ_probs, Tensor[] succ_count, int budget)
+//           Tensor[] pool, Tensor[] rates, Tensor[] succ_index, Tensor[] succ_entries, int budget)
 //       -> (Tensor tokens, Tensor parents, Tensor scores, Tensor codes, Tensor code_offsets, Tensor counts)
 //     Row i grows a trie from roots[i] with its candidate continuations: suffix_counts[i] suffix matches
 //     (flattened: each continuation's length in suffix_lens, the length of the match it follows (>= 1) in
 //     suffix_matches, its tokens in suffix_tokens, rows in order), then
 //     pool[i] int64 [Cp, Lp] (each row read until its first negative entry); rates[i] float64 [kCodes]: its
-//     conditional acceptance per code; succ_ids[i] int32 [V, k], succ_probs[i] float32 [V, k], succ_count[i]
-//     int32 [V]: its recorded successors, most likely first (succ_count[i] empty: no successor source). It
+//     conditional acceptance per code; succ_index[i] int32 [V + 1, 2] and succ_entries[i] int32 [S, 2, k]: its
+//     successor table (lookahead/successors.py; succ_index[i] empty: no successor source). It
 //     chooses up to `budget` nodes best first (each after its parent); every row's nodes follow the previous
 //     row's (counts int64 [n]: nodes per row): token int64 [N], parent int64 [N] (an index into its row's list,
 //     -1 under root), score float64 [N] (the chance the verifier reaches the node), and each node's acceptance
@@ -37,16 +37,23 @@
 //     shared/design/draft-tree.md), parent int64 [sum keep] in each row's pre-order numbering (-1 under x), order
 //     int64 [sum keep]: the best-first index of each pre-order node (rows one after another), max_depth int64
 //     [n]: each row's deepest real node (0 without one).
-//   record_successors(Tensor(a!)[] succ_ids, Tensor(b!)[] succ_probs, Tensor(c!)[] succ_count, Tensor tokens,
-//                     Tensor tops, int[] rows, int[] computed, int[] last_count, int[] last) -> ()
+//   record_successors(Tensor(a!)[] succ_index, Tensor(b!)[] succ_entries, Tensor tokens, Tensor tops, int[] rows,
+//                     int[] computed, int[] last_count, int[] last) -> ()
 //     One step's successor tops into n tables at once (one call a step, not one a row: each call from Python
-//     costs microseconds). Table i (int32 ids [V, k], float32 probs [V, k], int32 counts [V]) reads batch row
+//     costs microseconds). Table i (index int32 [V + 1, 2], entries int32 [S, 2, k]: a token's first record takes
+//     the next free entry, and entries grows by doubling where none is free) reads batch row
 //     b = rows[i] of tokens int64 [B, R] (the token fed at each logits row) and tops int32 [B, 2, R', j] (R' <= R,
 //     j <= k; tops[b, 0] the top ids of each logits row, tops[b, 1] their probabilities' float32 bits: a view of a
 //     step's read-back as it arrives, each row contiguous) and takes its logits rows 0 .. computed[i] - 1 in
 //     order; then every table takes again its last_count[i] rows listed next in last, in order. Logits row r makes
 //     tops[b, 0, r] the successors of tokens[b, r] and a later row for the same token wins, so the rows that saw
 //     the true context (x and the accepted path) are listed (and a table may serve several rows).
+
+// A successor table (lookahead/successors.py, SuccessorTable) is compact: index[t] = (entry, count) for token t
+// (count 0: none recorded), index[V, 0] = entries in use; entries[e] = the entry's k ids, then its k probabilities'
+// float32 bits. Why not dense [V, k] rows: at SmolLM2's vocabulary those were 3 MB a row, 48 MB for 16 rows, and the
+// best-first walk's reads missed every cache (the same proposals took 60-70 us for 16 rows where the tables were
+// shared by two, against 95-105); a row's entries are tens of kilobytes.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -195,12 +202,22 @@ struct Proposals {
   std::vector<double> scores;
 };
 
+void check_table(const at::Tensor& index, const at::Tensor& entries, const char* op) {
+  TORCH_CHECK(index.scalar_type() == at::kInt && entries.scalar_type() == at::kInt && index.dim() == 2 &&
+                  index.size(0) >= 2 && index.size(1) == 2 && entries.dim() == 3 && entries.size(1) == 2 &&
+                  index.is_contiguous() && entries.is_contiguous() && index.device().is_cpu() &&
+                  entries.device().is_cpu(),
+              "lookahead_draft.", op, ": a successor table must be an int32 index [V + 1, 2] and int32 entries "
+              "[S, 2, k], contiguous, on the CPU, got ", index.sizes(), " ", index.scalar_type(), " and ",
+              entries.sizes(), " ", entries.scalar_type());
+}
+
 // One row's best-first walk, appended to `out`: `suffix_count` continuations of `suffix_lens[c]` tokens each,
 // following matches of `suffix_matches[c]` tokens, flattened in `suffix_tokens` (all three left pointing past this
-// row's); the pool's rows; the row's rates and successor table (scount null: none).
+// row's); the pool's rows; the row's rates and successor table (index null: none; `entries` of them).
 void propose_row(int64_t root, const int64_t*& suffix_tokens, const int64_t*& suffix_lens,
                  const int64_t*& suffix_matches, int64_t suffix_count, const at::Tensor& pool, const double* rate,
-                 const int32_t* sids, const float* sprobs, const int32_t* scount, int64_t vocab, int64_t k,
+                 const int32_t* index, const int32_t* entry, int64_t entries, int64_t vocab, int64_t k,
                  int64_t budget, Workspace& ws, Proposals& out) {
   Trie& trie = ws.trie;
   trie.reset(root, rate);
@@ -211,17 +228,21 @@ void propose_row(int64_t root, const int64_t*& suffix_tokens, const int64_t*& su
   for (int64_t c = 0; c < pool.size(0); ++c) trie.add_continuation(pool.data_ptr<int64_t>() + c * pool.size(1),
                                                                     pool.size(1), 0);
 
-  const bool successors = scount != nullptr;
+  const bool successors = index != nullptr;
   auto expand = [&](int32_t node) {
     if (!successors) return;
     const int64_t token = trie.nodes_[node].token;
     if (token < 0 || token >= vocab) return;
+    const int64_t e = index[2 * token], n = std::min<int64_t>(index[2 * token + 1], k);
+    if (n <= 0) return;
+    TORCH_CHECK(0 <= e && e < entries, "lookahead_draft.propose: token ", token, "'s successor entry ", e,
+                " outside [0, ", entries, ")");
+    const int32_t* ids = entry + e * 2 * k;
+    const float* probs = reinterpret_cast<const float*>(ids + k);
     const int64_t depth = std::min<int64_t>(trie.nodes_[node].depth + 1, kMaxSuccessorDepth);
-    const int64_t n = std::min<int64_t>(scount[token], k);
     for (int64_t j = 0; j < n; ++j) {
-      const double p = static_cast<double>(sprobs[token * k + j]);
-      const int64_t code = kSuccessorBase + 4 * bucket_of(p) + depth - 1;
-      trie.propose(trie.child(node, sids[token * k + j]), code);
+      const int64_t code = kSuccessorBase + 4 * bucket_of(static_cast<double>(probs[j])) + depth - 1;
+      trie.propose(trie.child(node, ids[j]), code);
     }
   };
 
@@ -285,11 +306,11 @@ void propose_row(int64_t root, const int64_t*& suffix_tokens, const int64_t*& su
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> propose(
     at::IntArrayRef roots, at::IntArrayRef suffix_tokens, at::IntArrayRef suffix_lens,
     at::IntArrayRef suffix_matches, at::IntArrayRef suffix_counts, at::TensorList pool, at::TensorList rates,
-    at::TensorList succ_ids, at::TensorList succ_probs, at::TensorList succ_count, int64_t budget) {
+    at::TensorList succ_index, at::TensorList succ_entries, int64_t budget) {
   const int64_t n = static_cast<int64_t>(roots.size());
   TORCH_CHECK(static_cast<int64_t>(suffix_counts.size()) == n && static_cast<int64_t>(pool.size()) == n &&
-                  static_cast<int64_t>(rates.size()) == n && static_cast<int64_t>(succ_ids.size()) == n &&
-                  static_cast<int64_t>(succ_probs.size()) == n && static_cast<int64_t>(succ_count.size()) == n,
+                  static_cast<int64_t>(rates.size()) == n && static_cast<int64_t>(succ_index.size()) == n &&
+                  static_cast<int64_t>(succ_entries.size()) == n,
               "lookahead_draft.propose: one root, suffix count, pool, rates and successor table per row");
   TORCH_CHECK(budget >= 0, "lookahead_draft.propose: budget must be >= 0, got ", budget);
   int64_t spans = 0, listed = 0;
@@ -321,21 +342,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const at::Tensor& r = rates[i];
     TORCH_CHECK(r.device().is_cpu() && r.scalar_type() == at::kDouble && r.numel() == kCodes && r.is_contiguous(),
                 "lookahead_draft.propose: rates must be a contiguous float64 CPU tensor [", kCodes, "]");
-    const at::Tensor &ids = succ_ids[i], &probs = succ_probs[i], &count = succ_count[i];
-    const bool successors = count.numel() > 0;
-    if (successors)
-      TORCH_CHECK(ids.scalar_type() == at::kInt && probs.scalar_type() == at::kFloat &&
-                      count.scalar_type() == at::kInt && ids.dim() == 2 && ids.sizes() == probs.sizes() &&
-                      count.dim() == 1 && count.size(0) == ids.size(0) && ids.is_contiguous() &&
-                      probs.is_contiguous() && count.is_contiguous() && ids.device().is_cpu() &&
-                      probs.device().is_cpu() && count.device().is_cpu(),
-                  "lookahead_draft.propose: the successor table must be int32 ids [V, k], float32 probs [V, k] and "
-                  "int32 counts [V], contiguous, on the CPU");
+    const at::Tensor &index = succ_index[i], &entries = succ_entries[i];
+    const bool successors = index.numel() > 0;
+    if (successors) check_table(index, entries, "propose");
     const size_t before = out.tokens.size();
     propose_row(roots[i], span_tokens, span_lens, span_matches, suffix_counts[i], p, r.data_ptr<double>(),
-                successors ? ids.data_ptr<int32_t>() : nullptr, successors ? probs.data_ptr<float>() : nullptr,
-                successors ? count.data_ptr<int32_t>() : nullptr, successors ? ids.size(0) : 0,
-                successors ? ids.size(1) : 0, budget, ws, out);
+                successors ? index.data_ptr<int32_t>() : nullptr,
+                successors ? entries.data_ptr<int32_t>() : nullptr, successors ? entries.size(0) : 0,
+                successors ? index.size(0) - 1 : 0, successors ? entries.size(2) : 0, budget, ws, out);
     out.counts.push_back(static_cast<int64_t>(out.tokens.size() - before));
   }
   auto longs = [](const std::vector<int64_t>& v) {
@@ -379,12 +393,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   return {out_tok, depth, end, out_par, order, deepest};
 }
 
-void record_successors(at::TensorList succ_ids, at::TensorList succ_probs, at::TensorList succ_count,
-                       const at::Tensor& tokens, const at::Tensor& tops, at::IntArrayRef rows,
-                       at::IntArrayRef computed, at::IntArrayRef last_count, at::IntArrayRef last) {
-  const int64_t n = static_cast<int64_t>(succ_ids.size());
-  TORCH_CHECK(static_cast<int64_t>(succ_probs.size()) == n && static_cast<int64_t>(succ_count.size()) == n,
-              "lookahead_draft.record_successors: one ids, probs and counts tensor per table");
+void record_successors(at::TensorList succ_index, at::TensorList succ_entries, const at::Tensor& tokens,
+                       const at::Tensor& tops, at::IntArrayRef rows, at::IntArrayRef computed,
+                       at::IntArrayRef last_count, at::IntArrayRef last) {
+  const int64_t n = static_cast<int64_t>(succ_index.size());
+  TORCH_CHECK(static_cast<int64_t>(succ_entries.size()) == n,
+              "lookahead_draft.record_successors: one index and one entries tensor per table");
   TORCH_CHECK(tokens.device().is_cpu() && tops.device().is_cpu() && tokens.scalar_type() == at::kLong &&
                   tokens.dim() == 2 && tops.scalar_type() == at::kInt && tops.dim() == 4 &&
                   tops.size(0) == tokens.size(0) && tops.size(1) == 2 && tops.size(2) <= tokens.size(1),
@@ -392,6 +406,7 @@ void record_successors(at::TensorList succ_ids, at::TensorList succ_probs, at::T
               "on the CPU, got ", tokens.sizes(), " ", tokens.scalar_type(), " and ", tops.sizes(), " ",
               tops.scalar_type());
   const int64_t B = tokens.size(0), Rt = tops.size(2), j = tops.size(3);
+  TORCH_CHECK(j >= 1, "lookahead_draft.record_successors: tops must hold at least one successor a row");
   TORCH_CHECK(tops.stride(3) == 1 && tops.stride(2) == j && tops.stride(1) == Rt * j,
               "lookahead_draft.record_successors: each row of tops must be contiguous (a view of the read-back)");
   TORCH_CHECK(static_cast<int64_t>(rows.size()) == n && static_cast<int64_t>(computed.size()) == n &&
@@ -400,13 +415,12 @@ void record_successors(at::TensorList succ_ids, at::TensorList succ_probs, at::T
   const at::Tensor tk = tokens.contiguous();
   const int64_t R = tk.size(1);
   for (int64_t i = 0; i < n; ++i) {
-    const at::Tensor &ids_t = succ_ids[i], &probs_t = succ_probs[i], &count_t = succ_count[i];
-    TORCH_CHECK(ids_t.scalar_type() == at::kInt && probs_t.scalar_type() == at::kFloat &&
-                    count_t.scalar_type() == at::kInt && ids_t.dim() == 2 && ids_t.sizes() == probs_t.sizes() &&
-                    count_t.dim() == 1 && count_t.size(0) == ids_t.size(0) && ids_t.is_contiguous() &&
-                    probs_t.is_contiguous() && count_t.is_contiguous() && j <= ids_t.size(1),
-                "lookahead_draft.record_successors: table ", i, " must be int32 ids [V, k], float32 probs [V, k] "
-                "and int32 counts [V], contiguous, with k >= ", j);
+    check_table(succ_index[i], succ_entries[i], "record_successors");
+    TORCH_CHECK(j <= succ_entries[i].size(2), "lookahead_draft.record_successors: table ", i, " keeps ",
+                succ_entries[i].size(2), " successors a token, fewer than the ", j, " of tops");
+    const int64_t used = succ_index[i].data_ptr<int32_t>()[2 * (succ_index[i].size(0) - 1)];
+    TORCH_CHECK(0 <= used && used <= succ_entries[i].size(0), "lookahead_draft.record_successors: table ", i,
+                " says it uses ", used, " entries of ", succ_entries[i].size(0));
     TORCH_CHECK(0 <= rows[i] && rows[i] < B, "lookahead_draft.record_successors: rows[", i, "] = ", rows[i],
                 " outside [0, ", B, ")");
     TORCH_CHECK(0 <= computed[i] && computed[i] <= Rt && last_count[i] >= 0,
@@ -422,16 +436,24 @@ void record_successors(at::TensorList succ_ids, at::TensorList succ_probs, at::T
                 " rows of tops");
     const int64_t b = rows[i];
     const int64_t token = tk.data_ptr<int64_t>()[b * R + r];
-    const int64_t V = succ_ids[i].size(0), k = succ_ids[i].size(1);
+    const at::Tensor &index_t = succ_index[i], &entries_t = succ_entries[i];
+    const int64_t V = index_t.size(0) - 1, k = entries_t.size(2);
     TORCH_CHECK(0 <= token && token < V, "lookahead_draft.record_successors: token ", token, " outside [0, ", V,
                 ")");
+    int32_t* index = index_t.data_ptr<int32_t>();
+    if (index[2 * token + 1] == 0) {  // the token's first record: the next free entry
+      int32_t& used = index[2 * V];
+      if (used == entries_t.size(0))  // grown in place (the Python table holds the same tensor), kept entries kept
+        entries_t.resize_({std::min<int64_t>(std::max<int64_t>(2 * used, 64), V), 2, k});  // successors.py too
+      index[2 * token] = used++;
+    }
+    TORCH_CHECK(0 <= index[2 * token] && index[2 * token] < entries_t.size(0), "lookahead_draft.record_successors: "
+                "token ", token, "'s entry ", index[2 * token], " outside [0, ", entries_t.size(0), ")");
     const int32_t* ids = top + b * tops.stride(0) + r * j;
-    const int32_t* prob_bits = ids + Rt * j;
-    int32_t* out_ids = succ_ids[i].data_ptr<int32_t>() + token * k;
-    float* out_probs = succ_probs[i].data_ptr<float>() + token * k;
-    std::memcpy(out_ids, ids, sizeof(int32_t) * j);
-    std::memcpy(out_probs, prob_bits, sizeof(float) * j);  // the probabilities' float32 bits, as read back
-    succ_count[i].data_ptr<int32_t>()[token] = static_cast<int32_t>(j);
+    int32_t* out = entries_t.data_ptr<int32_t>() + index[2 * token] * 2 * k;
+    std::memcpy(out, ids, sizeof(int32_t) * j);
+    std::memcpy(out + k, ids + Rt * j, sizeof(int32_t) * j);  // the probabilities' float32 bits, as read back
+    index[2 * token + 1] = static_cast<int32_t>(j);
   };
   // Every table's computed rows, then every table's listed rows: where rows share one table, the rows that saw
   // their true context win over any row's speculative ones.
@@ -497,17 +519,17 @@ void bind_host(pybind11::module_& m) {
   using Ints = std::vector<int64_t>;
   using Tensors = std::vector<at::Tensor>;
   m.def("propose", [](const Ints& roots, const Ints& suffix_tokens, const Ints& suffix_lens, const Ints& suffix_matches,
-                      const Ints& suffix_counts, const Tensors& pool, const Tensors& rates, const Tensors& succ_ids,
-                      const Tensors& succ_probs, const Tensors& succ_count, int64_t budget) {
-    return propose(roots, suffix_tokens, suffix_lens, suffix_matches, suffix_counts, pool, rates, succ_ids, succ_probs,
-                   succ_count, budget);
+                      const Ints& suffix_counts, const Tensors& pool, const Tensors& rates,
+                      const Tensors& succ_index, const Tensors& succ_entries, int64_t budget) {
+    return propose(roots, suffix_tokens, suffix_lens, suffix_matches, suffix_counts, pool, rates, succ_index,
+                   succ_entries, budget);
   });
   // suffix_spans for the rows listed in `matched` (ascending; the other rows have no suffix source), then propose
   // from those spans: one call, the spans never turned into Python lists (about 1,000 ints a 16-row step).
   m.def("propose_matched", [](const Ints& roots, const Tensors& buffers, const Ints& lengths, const Ints& new_tokens,
                               const Ints& new_counts, const Ints& matched, int64_t max_match, int64_t max_len,
-                              int64_t limit, const Tensors& pool, const Tensors& rates, const Tensors& succ_ids,
-                              const Tensors& succ_probs, const Tensors& succ_count, int64_t budget) {
+                              int64_t limit, const Tensors& pool, const Tensors& rates,
+                              const Tensors& succ_index, const Tensors& succ_entries, int64_t budget) {
     const int64_t n = static_cast<int64_t>(roots.size());
     TORCH_CHECK_VALUE(matched.size() == buffers.size(), "lookahead_draft.propose_matched: one buffer per matched "
                       "row, got ", buffers.size(), " buffers and ", matched.size(), " rows");
@@ -519,15 +541,15 @@ void bind_host(pybind11::module_& m) {
         suffix_match::suffix_spans(buffers, lengths, new_tokens, new_counts, max_match, max_len, limit);
     Ints counts(n, 0);
     for (size_t i = 0; i < matched.size(); ++i) counts[matched[i]] = std::get<3>(spans)[i];
-    return propose(roots, std::get<0>(spans), std::get<1>(spans), std::get<2>(spans), counts, pool, rates, succ_ids,
-                   succ_probs, succ_count, budget);
+    return propose(roots, std::get<0>(spans), std::get<1>(spans), std::get<2>(spans), counts, pool, rates,
+                   succ_index, succ_entries, budget);
   });
   m.def("encode", [](const at::Tensor& parents, const at::Tensor& tokens, const Ints& starts, const Ints& keep,
                      int64_t size) { return encode(parents, tokens, starts, keep, size); });
-  m.def("record_successors", [](const Tensors& succ_ids, const Tensors& succ_probs, const Tensors& succ_count,
-                                const at::Tensor& tokens, const at::Tensor& tops, const Ints& rows,
-                                const Ints& computed, const Ints& last_count, const Ints& last) {
-    record_successors(succ_ids, succ_probs, succ_count, tokens, tops, rows, computed, last_count, last);
+  m.def("record_successors", [](const Tensors& succ_index, const Tensors& succ_entries, const at::Tensor& tokens,
+                                const at::Tensor& tops, const Ints& rows, const Ints& computed,
+                                const Ints& last_count, const Ints& last) {
+    record_successors(succ_index, succ_entries, tokens, tops, rows, computed, last_count, last);
   });
 }
 
@@ -535,11 +557,11 @@ void bind_host(pybind11::module_& m) {
 
 TORCH_LIBRARY(lookahead_draft, m) {
   m.def("propose(int[] roots, int[] suffix_tokens, int[] suffix_lens, int[] suffix_matches, int[] suffix_counts, "
-        "Tensor[] pool, Tensor[] rates, Tensor[] succ_ids, Tensor[] succ_probs, Tensor[] succ_count, int budget) -> "
+        "Tensor[] pool, Tensor[] rates, Tensor[] succ_index, Tensor[] succ_entries, int budget) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("encode(Tensor parents, Tensor tokens, int[] starts, int[] keep, int size) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
-  m.def("record_successors(Tensor(a!)[] succ_ids, Tensor(b!)[] succ_probs, Tensor(c!)[] succ_count, "
+  m.def("record_successors(Tensor(a!)[] succ_index, Tensor(b!)[] succ_entries, "
         "Tensor tokens, Tensor tops, int[] rows, int[] computed, int[] last_count, int[] last) -> ()");
 }
 

@@ -567,8 +567,7 @@ class DraftBuilder:
                                                dtype=torch.long))
 
 
-_NONE_I32 = torch.empty(0, dtype=torch.int32)
-_NONE_F32 = torch.empty(0, dtype=torch.float32)
+_NO_TABLE = torch.empty(0, dtype=torch.int32)
 
 
 def propose_rows(builders: list[DraftBuilder], sequences: list[list[int]], budget: int) -> Proposals:
@@ -580,13 +579,13 @@ def propose_rows(builders: list[DraftBuilder], sequences: list[list[int]], budge
     matched = [i for i, b in enumerate(builders) if b.suffix is not None] if budget else []
     roots = [seq[-1] for seq in sequences]
     pools = lookup_rows([b.pool for b in builders], roots) if budget else [NO_ROWS] * len(builders)
-    rates, ids, probs, counts = _row_tensors(builders)
+    rates, index, entries = _row_tensors(builders)
     indexes = [builders[i].suffix for i in matched]
     limits = shared_limits(indexes)
     if limits is not None and all(builders[i].memory is None for i in matched):
         # The matches found and proposed from in one call (the same matches as suffix_spans', never made lists).
         out = host_ops().propose_matched(roots, *span_inputs(indexes, [sequences[i] for i in matched]), matched,
-                                         *limits, SUFFIX_CANDIDATES, pools, rates, ids, probs, counts, budget)
+                                         *limits, SUFFIX_CANDIDATES, pools, rates, index, entries, budget)
     else:
         span_tokens, span_lens, span_matches, found = suffix_spans(indexes, [sequences[i] for i in matched],
                                                                    SUFFIX_CANDIDATES)
@@ -596,8 +595,8 @@ def propose_rows(builders: list[DraftBuilder], sequences: list[list[int]], budge
         if any(builders[i].memory is not None for i in matched):
             span_tokens, span_lens, span_matches = _with_memory(builders, sequences, span_tokens, span_lens,
                                                                 span_matches, span_counts)
-        out = host_ops().propose(roots, span_tokens, span_lens, span_matches, span_counts, pools, rates, ids, probs,
-                                 counts, budget)
+        out = host_ops().propose(roots, span_tokens, span_lens, span_matches, span_counts, pools, rates, index,
+                                 entries, budget)
     tokens, parents, scores, codes, offsets, row_counts = out
     scores, starts = scores.tolist(), [0]
     for n in row_counts.tolist():
@@ -605,23 +604,21 @@ def propose_rows(builders: list[DraftBuilder], sequences: list[list[int]], budge
     return Proposals(tokens, parents, [scores[a:b] for a, b in zip(starts, starts[1:])], codes, offsets, starts)
 
 
-def _row_tensors(builders: list[DraftBuilder]) -> tuple[list, list, list, list]:
-    """Each row's acceptance rates and successor table (ids, probs, counts; empty tensors for a row without one, or
+def _row_tensors(builders: list[DraftBuilder]) -> tuple[list, list, list]:
+    """Each row's acceptance rates and successor table (index, entries; empty tensors for a row without one, or
     whose table was never written), as the C++ builder reads them."""
-    rates, ids, probs, counts = [], [], [], []
+    rates, index, entries = [], [], []
     for b in builders:
         rates.append(b.stats.rates)
         table = b.successors
         made = None if table is None else table.tensors  # None until first written: read as empty
         if made is None:
-            ids.append(_NONE_I32)
-            probs.append(_NONE_F32)
-            counts.append(_NONE_I32)
+            index.append(_NO_TABLE)
+            entries.append(_NO_TABLE)
         else:
-            ids.append(made[0])
-            probs.append(made[1])
-            counts.append(made[2])
-    return rates, ids, probs, counts
+            index.append(made[0])
+            entries.append(made[1])
+    return rates, index, entries
 
 
 def _with_memory(builders: list[DraftBuilder], sequences: list[list[int]], tokens: list[int], lens: list[int],

@@ -15,20 +15,25 @@ from lookahead_kernels.cpu_ops import cpu_ops_available, host_ops
 class SuccessorTable:
     """For each token seen, the top-``k`` next tokens last predicted after it with their probabilities among
     those ``k``. The probability, not the rank, is what says how sure the model was, so the builder calibrates
-    acceptance by it. Dense host tensors, which the C++ draft builder reads in place.
+    acceptance by it. Compact host tensors, which the C++ draft builder reads in place: a token's first record
+    takes the next free entry. Why not a dense ``[vocab_size, k]`` row per token: at SmolLM2's vocabulary that is
+    3 MB a row, 48 MB for a 16-row batch, and the draft builder's reads of it missed every cache; a row's entries
+    are tens of kilobytes.
 
     Args:
         vocab_size: token ids lie in ``[0, vocab_size)``.
         k: successors kept per token.
 
     Attributes:
-        ids: int32 ``[vocab_size, k]``, each token's successors, most likely first (only the first ``count[t]``
-            of row ``t`` are written).
-        probs: float32 ``[vocab_size, k]``, their probabilities among the token's top ``k`` (likewise).
-        count: int32 ``[vocab_size]``, successors recorded per token (0: none yet).
-        allocated: whether those exist yet: they are made when first asked for (a record), so that a row whose
-            batch never takes a tree never pays for them (readers take a table not yet allocated as empty).
-        tensors: ``(ids, probs, count)`` once made, else ``None`` (read without making them).
+        tensors: ``(index, entries)`` once made (at the first record), else ``None``:
+
+            - index: int32 ``[vocab_size + 1, 2]``: ``index[t] = (entry, count)``, token ``t``'s entry and how many
+              successors it holds (count 0: none recorded, entry unset); ``index[vocab_size, 0]``: entries in use.
+            - entries: int32 ``[S, 2, k]`` (``S >= `` entries in use; grown by doubling, in place, by the record):
+              ``entries[e, 0]`` the entry's successors, most likely first, ``entries[e, 1]`` their probabilities'
+              float32 bits (only the first ``count`` of each are written).
+        allocated: whether those exist yet: a row whose batch never takes a tree never pays for them (readers
+            take a table not yet made as empty).
     """
 
     def __init__(self, vocab_size: int, k: int = 8):
@@ -37,15 +42,13 @@ class SuccessorTable:
         self.k, self.vocab_size = k, vocab_size
         self.tensors = None
 
-    def _made(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # Made at first use, not with the row's lookahead state: three allocations of 3 MB a row (SmolLM2) took
-        # 0.12 ms of each row's start on the H200 machine's host, 2 ms of a 16-row batch whose planner then
-        # declined every tree (session 57). Read only up to each token's count: ids and probs left unwritten (their
-        # page faults cost a 16-row batch 15 ms when they were zeroed).
+    def _made(self) -> tuple[torch.Tensor, torch.Tensor]:
+        # Made at first use, not with the row's lookahead state (its allocations took 0.12 ms of each row's start
+        # on the H200 machine's host when they were dense, 2 ms of a 16-row batch whose planner then declined every
+        # tree, session 57). Entries left unwritten: only each token's count of them is read.
         if self.tensors is None:
-            self.tensors = (torch.empty(self.vocab_size, self.k, dtype=torch.int32),
-                            torch.empty(self.vocab_size, self.k, dtype=torch.float32),
-                            torch.zeros(self.vocab_size, dtype=torch.int32))
+            self.tensors = (torch.zeros(self.vocab_size + 1, 2, dtype=torch.int32),
+                            torch.empty(min(_FIRST_ENTRIES, self.vocab_size), 2, self.k, dtype=torch.int32))
         return self.tensors
 
     @property
@@ -53,16 +56,9 @@ class SuccessorTable:
         return self.tensors is not None
 
     @property
-    def ids(self) -> torch.Tensor:
-        return self._made()[0]
-
-    @property
-    def probs(self) -> torch.Tensor:
-        return self._made()[1]
-
-    @property
-    def count(self) -> torch.Tensor:
-        return self._made()[2]
+    def recorded(self) -> int:
+        """Tokens with successors recorded."""
+        return 0 if self.tensors is None else int(self.tensors[0][self.vocab_size, 0])
 
     @staticmethod
     def top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,8 +102,31 @@ class SuccessorTable:
         """``(next token, probability)`` pairs after ``token``, most likely first (empty when none recorded)."""
         if not self.allocated:
             return []
-        n = int(self.count[token])
-        return list(zip(self.ids[token, :n].tolist(), self.probs[token, :n].tolist()))
+        index, entries = self.tensors
+        entry, n = index[token].tolist()
+        if n == 0:
+            return []
+        return list(zip(entries[entry, 0, :n].tolist(), entries[entry, 1, :n].view(torch.float32).tolist()))
+
+    def _write(self, token: int, ids: torch.Tensor, prob_bits: torch.Tensor) -> None:
+        """:func:`record_step_reference`'s one write: ``ids`` and ``prob_bits`` (int32 ``[j]``) become
+        ``token``'s successors, in its entry (the next free one at its first record, the entries doubled in place
+        where none is left)."""
+        index, entries = self._made()
+        if int(index[token, 1]) == 0:
+            used = int(index[self.vocab_size, 0])
+            if used == entries.shape[0]:
+                entries.resize_(min(max(2 * used, _FIRST_ENTRIES), self.vocab_size), 2, self.k)
+            index[token, 0] = used
+            index[self.vocab_size, 0] = used + 1
+        j = ids.numel()
+        entry = int(index[token, 0])
+        entries[entry, 0, :j] = ids
+        entries[entry, 1, :j] = prob_bits
+        index[token, 1] = j
+
+
+_FIRST_ENTRIES = 64  # a table's first entries (the C++ record grows them likewise)
 
 
 def _native_applies(logits: torch.Tensor) -> bool:
@@ -141,9 +160,9 @@ def record_step(tables: list[SuccessorTable], tokens: torch.Tensor, tops: torch.
     if not tables:
         return
     if cpu_ops_available(build=False):
-        made = [t._made() for t in tables]  # each table's (ids, probs, count), made at its first record
-        host_ops().record_successors([m[0] for m in made], [m[1] for m in made], [m[2] for m in made], tokens, tops,
-                                     rows, computed, [len(r) for r in last], [r for listed in last for r in listed])
+        made = [t._made() for t in tables]  # each table's (index, entries), made at its first record
+        host_ops().record_successors([m[0] for m in made], [m[1] for m in made], tokens, tops, rows, computed,
+                                     [len(r) for r in last], [r for listed in last for r in listed])
         return
     record_step_reference(tables, tokens, tops, rows, computed, last)
 
@@ -154,9 +173,11 @@ def record_step_reference(tables: list[SuccessorTable], tokens: torch.Tensor, to
     j = tops.shape[3]
     writes = [(i, r) for i in range(len(tables)) for r in range(computed[i])] + \
         [(i, r) for i in range(len(tables)) for r in last[i]]
+    if j < 1:
+        raise ValueError("record_step: tops must hold at least one successor a row")
     for i, r in writes:  # in order: later rows win
         b = rows[i]
         t = int(tokens[b, r])
-        tables[i].ids[t, :j] = tops[b, 0, r]
-        tables[i].probs[t, :j] = tops[b, 1, r].view(torch.float32)
-        tables[i].count[t] = j
+        if not 0 <= t < tables[i].vocab_size:
+            raise ValueError(f"SuccessorTable: token ids must be in [0, {tables[i].vocab_size})")
+        tables[i]._write(t, tops[b, 0, r], tops[b, 1, r])

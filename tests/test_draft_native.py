@@ -104,11 +104,10 @@ def test_successor_records_match_the_python_fallback():
     native = SuccessorTable(20, 5)
     native.update(tokens, logits)
     ids, probs = SuccessorTable.top(logits, 5)
-    ref = SuccessorTable(20, 5)
+    want = {}
     for t, i, p in zip(tokens.tolist(), ids, probs):
-        ref.ids[t], ref.probs[t], ref.count[t] = i.to(torch.int32), p, 5
-    assert torch.equal(native.ids, ref.ids) and torch.equal(native.probs, ref.probs)
-    assert torch.equal(native.count, ref.count)
+        want[t] = list(zip(i.tolist(), p.tolist()))
+    assert all(native.successors(t) == want.get(t, []) for t in range(20)) and native.recorded == len(want)
     with pytest.raises(ValueError, match=r"\[0, 20\)"):
         native.record(torch.tensor([20]), ids[:1], probs[:1])
 
@@ -302,12 +301,12 @@ def test_the_host_bindings_compute_and_refuse_as_the_torch_ops_do():
         ops.record_trials([trials], [rates], torch.zeros(8, dtype=torch.float64), 4.0, torch.tensor([1]),
                           torch.tensor([0, 1]), torch.tensor([-1]), torch.tensor([0]), [0], [0], [1], [2], [0])
     with pytest.raises(RuntimeError, match="one root"):
-        ops.propose([1, 2], [], [], [], [0], [], [], [], [], [], 4)
+        ops.propose([1, 2], [], [], [], [0], [], [], [], [], 4)
     with pytest.raises(RuntimeError, match="one length"):
         ops.suffix_spans([torch.zeros(4, dtype=torch.long)], [], [], [0], 2, 4, 4)
     none = torch.empty(0, dtype=torch.int32)
     table = ([torch.full((0, 1), -1, dtype=torch.long)] * 2, [torch.full((NUM_CODES,), 0.5, dtype=torch.float64)] * 2,
-             [none] * 2, [torch.empty(0)] * 2, [none] * 2)
+             [none] * 2, [none] * 2)
     buffers = [torch.zeros(8, dtype=torch.long)] * 2
     with pytest.raises(ValueError, match="one buffer per matched row"):
         ops.propose_matched([1, 2], buffers, [0, 0], [], [0, 0], [1], 2, 4, 4, *table, 4)
@@ -318,8 +317,8 @@ def test_the_host_bindings_compute_and_refuse_as_the_torch_ops_do():
     spans = ops.suffix_spans([torch.zeros(8, dtype=torch.long)], [0], seq, [5], 2, 4, 4)
     want = ops.propose([1, 1], spans[0], spans[1], spans[2], [0, spans[3][0]], *table, 4)
     assert spans[3][0] > 0 and all(torch.equal(a, b) for a, b in zip(got, want))
-    with pytest.raises(RuntimeError, match="one ids, probs"):
-        ops.record_successors([], [], [torch.zeros(3, dtype=torch.int32)], torch.zeros(1, 1, dtype=torch.long),
+    with pytest.raises(RuntimeError, match="one index and one entries"):
+        ops.record_successors([], [torch.zeros(3, dtype=torch.int32)], torch.zeros(1, 1, dtype=torch.long),
                               torch.zeros(1, 2, 1, 1, dtype=torch.int32), [], [], [], [])
 
 
@@ -345,10 +344,10 @@ def test_encode_step_refuses_inputs_that_do_not_fit():
 
 
 @pytest.mark.parametrize("shared", [False, True])
-@pytest.mark.parametrize("n,R,j", [(1, 1, 1), (3, 17, 5), (16, 40, 8)])
-def test_a_step_s_successor_records_match_the_python_reference(n, R, j, shared):
-    gen = torch.Generator().manual_seed(n * 100 + R)
-    vocab = 12  # few tokens: rows repeat them, and the last row for a token must win
+@pytest.mark.parametrize("n,R,j,vocab", [(1, 1, 1, 12), (3, 17, 5, 12), (16, 40, 8, 12), (16, 40, 8, 300)])
+def test_a_step_s_successor_records_match_the_python_reference(n, R, j, vocab, shared):
+    # Few tokens: rows repeat them, and the last row for a token must win; many: the entries grow, in place.
+    gen = torch.Generator().manual_seed(n * 100 + R + vocab)
     B = n + 2  # batch rows no table reads (parked), and tables reading rows out of order
     tokens = torch.randint(0, vocab, (B, R + 3), generator=gen)
     ids = torch.randint(0, vocab, (B, R, j), generator=gen)
@@ -362,19 +361,19 @@ def test_a_step_s_successor_records_match_the_python_reference(n, R, j, shared):
     last = [sorted(set(torch.randint(0, c, (3,), generator=gen).tolist())) for c in computed]
     native = [SuccessorTable(vocab, 8) for _ in range(1 if shared else n)]
     ref = [SuccessorTable(vocab, 8) for _ in range(1 if shared else n)]
-    for table in native + ref:  # a stale entry beyond j must survive: only the first j are written
-        table.ids.fill_(-7)
-        table.probs.fill_(-1.0)
-    record_step(native * (n if shared else 1), tokens, tops, rows, computed, last)
-    record_step_reference(ref * (n if shared else 1), tokens, tops, rows, computed, last)
-    for a, b in zip(native, ref):
-        assert torch.equal(a.ids, b.ids) and torch.equal(a.probs, b.probs) and torch.equal(a.count, b.count)
-    assert sum(int((t.count > 0).sum()) for t in native) > 0
+    for step in range(2):  # the second step rewrites entries the first made
+        record_step(native * (n if shared else 1), tokens, tops, rows, computed, last)
+        record_step_reference(ref * (n if shared else 1), tokens, tops, rows, computed, last)
+        for a, b in zip(native, ref):  # the same entries, in the same order
+            assert torch.equal(a.tensors[0], b.tensors[0]) and a.tensors[1].shape == b.tensors[1].shape
+            assert all(a.successors(t) == b.successors(t) for t in range(vocab))
+    assert sum(t.recorded for t in native) > 0
+    if vocab > 64 and shared:  # 16 rows' records into one table
+        assert native[0].tensors[1].shape[0] > 64  # grown
     if not shared:  # the values themselves: each table's last write of a token is its row's ids and probabilities
         table, b = native[0], rows[0]
         t = int(tokens[b, last[0][-1]])
-        assert table.ids[t, :j].tolist() == ids[b, last[0][-1]].tolist()
-        assert torch.equal(table.probs[t, :j], probs[b, last[0][-1]])
+        assert table.successors(t) == list(zip(ids[b, last[0][-1]].tolist(), probs[b, last[0][-1]].tolist()))
 
 
 def test_successor_records_refuse_what_does_not_fit():
@@ -405,8 +404,7 @@ def _flat_reference(indexes, sequences, limit):
 
 
 def test_a_successor_table_is_made_at_its_first_record_and_reads_as_empty_before():
-    """Nothing allocated until a record (a batch's rows whose trees are all declined never pay for their 3 MB
-    each); a table not yet made proposes what a made but empty one does, and proposing does not make it."""
+    """Nothing allocated until a record (a batch's rows whose trees are all declined never pay for them); a table not yet made proposes what a made but empty one does, and proposing does not make it."""
     table = SuccessorTable(40, 4)
     assert not table.allocated and table.successors(3) == []
     cfg = LookaheadConfig(window=3, ngram=4, guess=6, pool_backend="cpp", sources=("suffix", "successors"))
@@ -414,7 +412,8 @@ def test_a_successor_table_is_made_at_its_first_record_and_reads_as_empty_before
     fresh, made = DraftBuilder(cfg, 40, native=True), DraftBuilder(cfg, 40, native=True)
     for b in (fresh, made):
         b.start(prompt)
-    assert not made.successors.count.any() and made.successors.allocated and not fresh.successors.allocated
+    made.successors._made()
+    assert made.successors.recorded == 0 and made.successors.allocated and not fresh.successors.allocated
     a, b = propose_rows([fresh], [prompt], 16), propose_rows([made], [prompt], 16)
     assert a.scores == b.scores and a.scores[0]
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
@@ -481,20 +480,30 @@ def test_key_codes_round_trip_and_stay_in_range():
 def test_native_ops_reject_bad_inputs():
     none = torch.empty(0, 0, dtype=torch.long)
     rates = torch.zeros(NUM_CODES, dtype=torch.float64)
-    e32, ef = torch.empty(0, dtype=torch.int32), torch.empty(0)
+    e32 = torch.empty(0, dtype=torch.int32)
     propose = torch.ops.lookahead_draft.propose
     with pytest.raises(RuntimeError, match="rates"):
-        propose([1], [], [], [], [0], [none], [rates[:-1]], [e32], [ef], [e32], 4)
+        propose([1], [], [], [], [0], [none], [rates[:-1]], [e32], [e32], 4)
     with pytest.raises(RuntimeError, match="pool"):
-        propose([1], [], [], [], [0], [torch.zeros(2, dtype=torch.long)], [rates], [e32], [ef], [e32], 4)
+        propose([1], [], [], [], [0], [torch.zeros(2, dtype=torch.long)], [rates], [e32], [e32], 4)
     with pytest.raises(RuntimeError, match="suffix_lens"):
-        propose([1], [5, 6], [1], [1], [1], [none], [rates], [e32], [ef], [e32], 4)
+        propose([1], [5, 6], [1], [1], [1], [none], [rates], [e32], [e32], 4)
     with pytest.raises(RuntimeError, match="suffix_matches has"):
-        propose([1], [5], [1], [], [1], [none], [rates], [e32], [ef], [e32], 4)
+        propose([1], [5], [1], [], [1], [none], [rates], [e32], [e32], 4)
     with pytest.raises(RuntimeError, match="suffix_matches must be"):
-        propose([1], [5], [1], [0], [1], [none], [rates], [e32], [ef], [e32], 4)
+        propose([1], [5], [1], [0], [1], [none], [rates], [e32], [e32], 4)
     with pytest.raises(RuntimeError, match="one root"):
-        propose([1, 2], [], [], [], [0, 0], [none], [rates], [e32], [ef], [e32], 4)
+        propose([1, 2], [], [], [], [0, 0], [none], [rates], [e32], [e32], 4)
+    index, entries = torch.zeros(6, 2, dtype=torch.int32), torch.zeros(4, 2, 3, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"int32 index \[V \+ 1, 2\]"):
+        propose([1], [], [], [], [0], [none], [rates], [index[:, :1].contiguous()], [entries], 4)
+    index[1] = torch.tensor([9, 2])  # token 1's entry past the entries
+    with pytest.raises(RuntimeError, match="entry 9 outside"):
+        propose([1], [], [], [], [0], [none], [rates], [index], [entries], 4)
+    tokens, tops = torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 2, 1, 3, dtype=torch.int32)
+    index[5, 0] = 5  # five entries in use of four
+    with pytest.raises(RuntimeError, match="uses 5 entries of 4"):
+        torch.ops.lookahead_draft.record_successors([index], [entries], tokens, tops, [0], [1], [0], [])
     with pytest.raises(RuntimeError, match="parent of node 0"):
         torch.ops.lookahead_draft.encode(torch.tensor([0]), torch.tensor([5]), [0], [1], 1)
     with pytest.raises(RuntimeError, match="keep"):
