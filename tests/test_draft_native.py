@@ -404,7 +404,8 @@ def _flat_reference(indexes, sequences, limit):
 
 
 def test_a_successor_table_is_made_at_its_first_record_and_reads_as_empty_before():
-    """Nothing allocated until a record (a batch's rows whose trees are all declined never pay for them); a table not yet made proposes what a made but empty one does, and proposing does not make it."""
+    """Nothing allocated until a record (a batch's rows whose trees are all declined never pay for them); a table
+    not yet made proposes what a made but empty one does, and proposing does not make it."""
     table = SuccessorTable(40, 4)
     assert not table.allocated and table.successors(3) == []
     cfg = LookaheadConfig(window=3, ngram=4, guess=6, pool_backend="cpp", sources=("suffix", "successors"))
