@@ -640,27 +640,37 @@ def _with_memory(builders: list[DraftBuilder], sequences: list[list[int]], token
     return tokens, lens, matches
 
 
-@dataclasses.dataclass
 class DraftTrees:
     """One step's trees for every row of a batch, all of one size ``V``.
 
     Attributes:
-        trees: per row its :class:`DraftTree` (whose ``tokens`` and ``shape`` are rows of the tensors below).
         tokens, depth, end: int64 ``[B, V]``: the rows' tokens and tree encodings, stacked for the step.
+        num_nodes: per row, its tree's real nodes.
         encoding: where the C++ ops encoded the trees, what :func:`record_trials` reads (``None``: the Python
             encoding).
+        trees: per row its :class:`DraftTree` (whose ``tokens`` and ``shape`` are rows of the tensors above), made
+            when first asked for: a step that records its trials in C++ needs none (making 16 rows' objects cost
+            a batch step 30 us).
     """
 
-    trees: list[DraftTree]
-    tokens: torch.Tensor
-    depth: torch.Tensor
-    end: torch.Tensor
-    encoding: "_BatchEncoding | None" = None
+    __slots__ = ("tokens", "depth", "end", "num_nodes", "encoding", "_trees", "_make")
+
+    def __init__(self, trees, tokens: torch.Tensor, depth: torch.Tensor, end: torch.Tensor, num_nodes: list[int],
+                 encoding: "_BatchEncoding | None" = None):
+        """``trees``: the rows' :class:`DraftTree` list, or a function that makes it."""
+        self.tokens, self.depth, self.end, self.num_nodes, self.encoding = tokens, depth, end, num_nodes, encoding
+        self._trees, self._make = (None, trees) if callable(trees) else (trees, None)
+
+    @property
+    def trees(self) -> list[DraftTree]:
+        if self._trees is None:
+            self._trees = self._make()
+        return self._trees
 
     @classmethod
     def stack(cls, trees: list[DraftTree]) -> "DraftTrees":
         return cls(trees, torch.stack([t.tokens for t in trees]), torch.stack([t.shape.depth for t in trees]),
-                   torch.stack([t.shape.end for t in trees]))
+                   torch.stack([t.shape.end for t in trees]), [t.num_nodes for t in trees])
 
 
 def encode_rows(proposals: Proposals, picks: list[int], keeps: list[int], size: int, native: bool) -> DraftTrees:
@@ -673,8 +683,7 @@ def encode_rows(proposals: Proposals, picks: list[int], keeps: list[int], size: 
     starts = row_starts(proposals, picks)
     tokens, depth, end, parents, order, deepest = host_ops().encode(
         proposals.parents, proposals.tokens, starts, keeps, size)
-    return trees_in_batch(proposals, starts, keeps, (tokens, depth, end), parents, order,
-                          deepest.tolist())
+    return trees_in_batch(proposals, starts, keeps, (tokens, depth, end), parents, order, deepest)
 
 
 def row_starts(proposals: Proposals, picks: list[int]) -> list[int]:
@@ -683,19 +692,22 @@ def row_starts(proposals: Proposals, picks: list[int]) -> list[int]:
 
 
 def trees_in_batch(proposals: Proposals, starts: list[int], keeps: list[int], encoded: tuple, parents: torch.Tensor,
-                   order: torch.Tensor, deepest: list[int]) -> DraftTrees:
+                   order: torch.Tensor, deepest: torch.Tensor) -> DraftTrees:
     """The batch's :class:`DraftTrees` from the C++ encoding of its rows (``lookahead_draft.encode`` or
     ``encode_step``): ``encoded`` the int64 ``[B, V]`` tokens, depth and end (views of a step's packed inputs
     will do), ``parents`` and ``order`` (int64 ``[K]``) each real node's pre-order parent and best-first index
     (rows one after another), ``deepest`` each row's deepest real node."""
     encoding = _BatchEncoding(proposals.codes, proposals.code_offsets, parents, order, starts, keeps)
-    parents = parents.tolist()
-    trees, at = [], 0
-    for b, (first, keep, row_deepest) in enumerate(zip(starts, keeps, deepest)):
-        trees.append(DraftTree._in_batch(encoded + (b,), keep, parents[at: at + keep], row_deepest,
-                                         (encoding, first, at)))
-        at += keep
-    return DraftTrees(trees, *encoded, encoding)
+
+    def make() -> list[DraftTree]:
+        listed, trees, at = parents.tolist(), [], 0
+        for b, (first, keep, row_deepest) in enumerate(zip(starts, keeps, deepest.tolist())):
+            trees.append(DraftTree._in_batch(encoded + (b,), keep, listed[at: at + keep], row_deepest,
+                                             (encoding, first, at)))
+            at += keep
+        return trees
+
+    return DraftTrees(make, *encoded, keeps, encoding)
 
 
 class _BatchEncoding:

@@ -1080,12 +1080,12 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
         drafts = encode_rows(proposals, picks, keeps, size, active[0].drafts.native)
         step = build_step(lens, stack_step_tokens(windows, xs, width), levels, W, drafts,
                           "cpu" if runner is not None else device, plan.step_constants, pack=runner is not None)
-    trees = drafts.trees
+    num_nodes = drafts.num_nodes  # per row (its trees are made only where read: eagerly, or traced)
     step_shape = StepShape(W, levels, size)
     successors = active[0].drafts.successors
     if runner is None:  # the eager loop verifies as deep as this step's trees go, and tops only computed rows
-        depth = max(t.max_depth for t in trees)
-        computed = step.node_rows.start + max(t.num_nodes for t in trees)
+        depth = max(t.max_depth for t in drafts.trees)
+        computed = step.node_rows.start + max(num_nodes)
     else:  # a replayed graph has the shape's sizes
         depth, computed = size, step.node_rows.stop
     verifier = StepVerifier(sampler, step_shape, depth, 0 if successors is None else successors.k, computed)
@@ -1110,15 +1110,15 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
         row.cache_len += 1 + a
         taken = row.commit(emitted, step.layout.T, None if back.kept is None else back.kept[b])
         emitted_total += taken
-        tree = trees[b]
         if row.stats.trace is not None:
+            tree = drafts.trees[b]
             row.stats.trace.append(StepTrace(committed - 1, tuple(tree.tokens[: tree.num_nodes].tolist()),
                                              tuple(tree.parents), tuple(map(frozenset, tree.sources)),
                                              () if ngrams is None else tuple(map(tuple, ngrams.tolist())),
                                              tuple(nodes), float(sum(proposals.scores[picks[b]][:keeps[b]]))))
         if successors is not None:  # every row computed but padding; x and the accepted path last, to win
             recorded.append(b)
-            computed.append(first_node + tree.num_nodes)
+            computed.append(first_node + num_nodes[b])
             last.append([0] + [first_node + n for n in nodes])
         learners.append(row.drafts)
         learned.append(b)
@@ -1138,5 +1138,5 @@ def _lookahead_step(model, cache, runner, batch: list[_Row], sampler: Sampler, p
     if plan.planner is not None and plan.planner.host is not None and size:
         # The trees' work beside the forward (host work, and verification where it runs eagerly), for the
         # planner's next choices.
-        plan.planner.host.observe(len(active), sum(t.num_nodes for t in trees), host_seconds + host.verify_seconds)
+        plan.planner.host.observe(len(active), sum(num_nodes), host_seconds + host.verify_seconds)
     return emitted_total

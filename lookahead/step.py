@@ -96,7 +96,7 @@ def build_step(positions: list[int], lookahead_tokens: torch.Tensor, levels: int
         positions_host = (offsets + positions[0]).reshape(1, layout.T)
     else:
         positions_host = (torch.tensor(positions, dtype=torch.long)[:, None] + offsets).expand(B, layout.T)
-    num_nodes = torch.tensor([t.num_nodes for t in trees.trees] if depth is not None else [0] * B, dtype=torch.long)
+    num_nodes = torch.tensor(trees.num_nodes if depth is not None else [0] * B, dtype=torch.long)
     host = [tokens, positions_host, rows, num_nodes]
     if depth is not None:
         host += [depth, end]
@@ -157,7 +157,7 @@ def build_tree_step(positions: list[int], xs: list[int], window_tokens: torch.Te
     step = _packed(block, StepLayout(window, levels, TreeShape.trusted(depth, end) if size else None), B, T, rows)
     K = sum(keeps)
     trees = trees_in_batch(proposals, starts, keeps, (step.tokens[:, L:], depth, end), meta[:K], meta[K: 2 * K],
-                           meta[2 * K:].tolist())
+                           meta[2 * K:])
     return step, trees
 
 
@@ -184,7 +184,7 @@ def pack_step_reference(positions: list[int], lookahead_tokens: torch.Tensor, L:
         places[:, L:] = depth + p
         flat[spans["depth"][0]] = depth.reshape(-1)
         flat[spans["end"][0]] = trees.end.numpy().reshape(-1)
-        flat[spans["num_nodes"][0]] = [t.num_nodes for t in trees.trees]
+        flat[spans["num_nodes"][0]] = trees.num_nodes
     else:
         flat[spans["num_nodes"][0]] = 0
     return block
