@@ -47,8 +47,8 @@ class DraftMemory:
             ``max_len`` >= 1).
 
     One memory may serve any models with the same tokenizer: the text is token ids only, and each model has a
-    successor table of its own (:meth:`successor_table`; 4 bytes x (2 k + 1) a vocabulary entry, 3.3 MB for
-    SmolLM2), kept while the model lives. Safe to share between threads (a lock guards it; a model's calls, which
+    successor table of its own (:meth:`successor_table`; 8 bytes a vocabulary entry, 0.4 MB for SmolLM2, plus 8 k
+    bytes a token it has seen), kept while the model lives. Safe to share between threads (a lock guards it; a model's calls, which
     alone touch its table, run one at a time).
     """
 
