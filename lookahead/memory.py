@@ -48,8 +48,8 @@ class DraftMemory:
 
     One memory may serve any models with the same tokenizer: the text is token ids only, and each model has a
     successor table of its own (:meth:`successor_table`; 8 bytes a vocabulary entry, 0.4 MB for SmolLM2, plus 8 k
-    bytes a token it has seen), kept while the model lives. Safe to share between threads (a lock guards it; a model's calls, which
-    alone touch its table, run one at a time).
+    bytes a token it has seen), kept while the model lives. Safe to share between threads (a lock guards it; a
+    model's calls, which alone touch its table, run one at a time).
     """
 
     def __init__(self, max_tokens: int = 1_000_000, *, max_match: int = 8, max_len: int = 32, scan: int = 64):
