@@ -361,12 +361,17 @@ def test_a_step_s_successor_records_match_the_python_reference(n, R, j, vocab, s
     last = [sorted(set(torch.randint(0, c, (3,), generator=gen).tolist())) for c in computed]
     native = [SuccessorTable(vocab, 8) for _ in range(1 if shared else n)]
     ref = [SuccessorTable(vocab, 8) for _ in range(1 if shared else n)]
+    for table in native + ref:  # a stale value beyond j must survive: only the first j of an entry are written
+        table._made()[1].fill_(-7)
     for step in range(2):  # the second step rewrites entries the first made
         record_step(native * (n if shared else 1), tokens, tops, rows, computed, last)
         record_step_reference(ref * (n if shared else 1), tokens, tops, rows, computed, last)
         for a, b in zip(native, ref):  # the same entries, in the same order
             assert torch.equal(a.tensors[0], b.tensors[0]) and a.tensors[1].shape == b.tensors[1].shape
             assert all(a.successors(t) == b.successors(t) for t in range(vocab))
+            if vocab <= 64:  # never grown: every value, the stale ones included
+                assert torch.equal(a.tensors[1], b.tensors[1])
+                assert j == 8 or bool((a.tensors[1][: a.recorded, :, j:] == -7).all())
     assert sum(t.recorded for t in native) > 0
     if vocab > 64 and shared:  # 16 rows' records into one table
         assert native[0].tensors[1].shape[0] > 64  # grown
