@@ -1,0 +1,209 @@
+"""A static successor tree kept on the device, predicted: the tokens a step it would give, and the speed-up that
+buys on a step-cost table when the tree costs the host nothing. A design aid, not a measurement.
+
+Why: a batch's lookahead step builds each row's tree on the host (suffix matches, pool rows, successor tables, a
+best-first walk), and at 16 rows that host work, about 0.3 ms a step on this CPU, is what keeps the GPU's batches
+from paying (``bench/MEASUREMENTS.md``, sessions 64-66). A tree whose shape is fixed and whose tokens are read from
+a successor table on the device (node ``i``'s token: the ``rank[i]``-th successor of its parent's token) needs
+no host work at all: the gather, the forward, the verification and the table's update can all run in the step's
+graph. This bench asks what such a tree would accept, before anything is built.
+
+How: each prompt is decoded greedily (our plain decoding), and one forward over prompt and output gives every
+position's top ``k`` next tokens: what the model predicts there in its true context. A simulated decode then walks
+the output: at each step the tree is read off a table of the tops recorded so far (a token's latest tops win;
+with ``seed``, every prompt position's tops are recorded before the first step, as a prefill could), the longest
+tree path that the true output continues is accepted, and the tops of the step's fed token and accepted nodes
+are recorded. A real step would also record its rejected nodes' tops (speculative contexts), which this leaves
+out. The tree for a budget of ``V`` nodes holds the ``V`` rank paths most likely to be accepted, each rank's rate
+of being the next token fitted on the other prompt set (cross-validated).
+
+The predicted speed-up at ``B`` rows is ``tokens a step x t(B) / t(B (1 + V))`` on the step-cost table, with the
+host work of a step taken as plain decoding's (the point of keeping the tree on the device) and nothing for the
+table's gather and update.
+
+    python bench/bench_static_tree.py                      # the H200's bfloat16 table, 48 prompts a set
+
+Writes bench/results/static-tree-<tag>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+from _common import DEFAULT_SETS, command_line, machine_info, set_name, write_results  # noqa: E402
+
+from lookahead import load_default  # noqa: E402
+from lookahead.cli import read_prompts  # noqa: E402
+from lookahead.controller import StepCosts  # noqa: E402
+
+# SmolLM2 bfloat16 on the H200 with CUDA graphs (session 57, bench/results/batch-nvidia-h200-bfloat16.json).
+H200_BF16_STEP_COSTS = ((1, 1.227e-3), (16, 1.299e-3), (64, 1.339e-3), (128, 1.463e-3), (256, 1.792e-3),
+                        (1024, 3.599e-3))
+
+
+def decoded_rows(model, prompts: list[torch.Tensor], max_new_tokens: int, k: int) -> list[dict]:
+    """Per prompt: ``seq`` (prompt and greedy output, a list), ``prompt_len`` and ``tops`` (per position of
+    ``seq``, the ``k`` most likely next tokens in its true context, most likely first)."""
+    rows = []
+    for ids in prompts:
+        seq = model.generate(ids[None], max_new_tokens=max_new_tokens, lookahead=None).sequences[0]
+        with torch.no_grad():
+            logits = model(seq[None]).logits[0]
+        rows.append({"seq": seq.tolist(), "prompt_len": int(ids.shape[-1]),
+                     "tops": logits.topk(k, dim=-1).indices.tolist()})
+    return rows
+
+
+def _first_recorded(row: dict, seed: bool) -> int:
+    # Without a seed the table starts with the prefill's last row only, as a decode's first step finds it.
+    return 0 if seed else row["prompt_len"] - 1
+
+
+def rank_rates(rows: list[dict], k: int, seed: bool) -> list[float]:
+    """For each rank ``r < k``: how often the next token was the ``r``-th successor recorded for the current one,
+    among the steps of one-token decoding where the current token had successors recorded."""
+    hits, seen = [0] * k, 0
+    for row in rows:
+        seq, tops = row["seq"], row["tops"]
+        table = {seq[i]: tops[i] for i in range(_first_recorded(row, seed), row["prompt_len"])}
+        for i in range(row["prompt_len"], len(seq) - 1):
+            entry = table.get(seq[i])
+            if entry is not None:
+                seen += 1
+                if seq[i + 1] in entry:
+                    hits[entry.index(seq[i + 1])] += 1
+            table[seq[i]] = tops[i]
+    return [h / max(seen, 1) for h in hits]
+
+
+def static_tree(rates: list[float], budget: int) -> list[tuple[int, ...]]:
+    """The ``budget`` rank paths (root's child first) with the largest products of ``rates``, best first: a
+    prefix-closed set, so a tree (a path's parent is listed before it)."""
+    heap = [(-rate, (r,)) for r, rate in enumerate(rates) if rate > 0]
+    heapq.heapify(heap)
+    paths: list[tuple[int, ...]] = []
+    while heap and len(paths) < budget:
+        score, path = heapq.heappop(heap)
+        paths.append(path)
+        for r, rate in enumerate(rates):
+            if rate > 0:
+                heapq.heappush(heap, (score * rate, path + (r,)))
+    return paths
+
+
+def simulate(rows: list[dict], tree: list[tuple[int, ...]], seed: bool) -> tuple[int, int]:
+    """``(tokens, steps)`` of decoding ``rows``' outputs with ``tree`` read off each row's successor table."""
+    children: dict[tuple, list[tuple[int, ...]]] = {}
+    for path in tree:
+        children.setdefault(path[:-1], []).append(path)
+    tokens = steps = 0
+    for row in rows:
+        seq, tops = row["seq"], row["tops"]
+        table = {seq[i]: tops[i] for i in range(_first_recorded(row, seed), row["prompt_len"])}
+        i = row["prompt_len"]  # seq[i] is x: the prefill's token
+        while i < len(seq) - 1:
+            accepted, node, token = 0, (), seq[i]
+            while i + accepted + 1 < len(seq):
+                entry, wanted = table.get(token), seq[i + accepted + 1]
+                step = None if entry is None else next(
+                    (c for c in children.get(node, ()) if c[-1] < len(entry) and entry[c[-1]] == wanted), None)
+                if step is None:
+                    break
+                node, token, accepted = step, wanted, accepted + 1
+            emitted = min(accepted + 1, len(seq) - 1 - i)
+            for j in range(i, i + emitted):  # x's and the accepted nodes' tops: their true contexts
+                table[seq[j]] = tops[j]
+            tokens, steps, i = tokens + emitted, steps + 1, i + emitted
+    return tokens, steps
+
+
+def parse_costs(text: str) -> tuple:
+    if text == "h200-bf16":
+        return H200_BF16_STEP_COSTS
+    try:
+        return tuple((int(t), float(s)) for t, s in (pair.split(":") for pair in text.split(",")))
+    except ValueError as exc:
+        raise SystemExit(f"--step-costs: 'h200-bf16' or T:seconds pairs such as 1:2e-3,64:3e-3, got {text!r}") \
+            from exc
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=48, help="first prompts of each set")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--budgets", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16, 32])
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--k", type=int, default=8, help="successors kept a token")
+    ap.add_argument("--step-costs", default="h200-bf16", help="'h200-bf16' (default) or T:seconds pairs")
+    ap.add_argument("--sets", nargs="+", default=DEFAULT_SETS)
+    ap.add_argument("--tag", default="h200-bf16")
+    ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    args = ap.parse_args(argv)
+    if len(args.sets) != 2:
+        raise SystemExit("--sets: two prompt sets (each tree's ranks are fitted on the other set)")
+    pairs = parse_costs(args.step_costs)
+    costs = StepCosts.from_pairs(pairs)
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_default()
+    decoded = []
+    for path in args.sets:
+        decoded.append(decoded_rows(model, [ids[0] for ids in read_prompts(path, tokenizer)[: args.prompts]],
+                                    args.max_new_tokens, args.k))
+        print(f"decoded {set_name(path)}: {len(decoded[-1])} prompts", flush=True)
+    rows = []
+    for seed in (False, True):
+        for s, path in enumerate(args.sets):
+            rates = rank_rates(decoded[1 - s], args.k, seed)
+            for budget in args.budgets:
+                tree = static_tree(rates, budget)
+                tokens, steps = simulate(decoded[s], tree, seed)
+                per_step = tokens / steps
+                rows.append({"set": set_name(path), "seed": seed, "budget": budget,
+                             "depth": max(map(len, tree)), "tokens_per_step": per_step,
+                             "rank_rates": rates, "tree": [list(p) for p in tree],
+                             "predicted_speedup": {str(B): per_step * costs(B) / costs(B * (1 + budget))
+                                                   for B in args.batch_sizes}})
+                speedups = ", ".join(f"{B} rows {v:.2f}x" for B, v in rows[-1]["predicted_speedup"].items())
+                print(f"{set_name(path):10s} seed={seed!s:5s} V={budget:<3d} {per_step:.2f} tokens a step; "
+                      f"{speedups}", flush=True)
+    result = {"device": "cpu", "machine": machine_info("cpu"),
+              "command": command_line(__file__, sys.argv[1:] if argv is None else argv),
+              "model": "SmolLM2-135M-Instruct (float32)", "step_costs": pairs, "prompts": args.prompts,
+              "max_new_tokens": args.max_new_tokens, "k": args.k, "batch_sizes": args.batch_sizes, "rows": rows}
+    write_results(args.out_dir, f"static-tree-{args.tag}", result, markdown(result))
+    return 0
+
+
+def markdown(result: dict) -> str:
+    m = result["machine"]
+    sizes = result["batch_sizes"]
+    lines = [f"# A static successor tree on the device, predicted ({result['model']})", "",
+             "**A prediction, not a measurement**: greedy outputs decoded on this CPU, every position's top "
+             f"{result['k']} next tokens from one forward over prompt and output, then each step's tree of V nodes "
+             "read off the tops recorded so far (`bench/bench_static_tree.py`'s docstring says how). Speed-ups: "
+             "tokens a step x t(B) / t(B (1 + V)) on the step-cost table, the host work taken as plain decoding's.",
+             "", f"Decoded on {m['device']} ({m['cpu']}), torch {m['torch']}, git {m['git']}; first "
+             f"{result['prompts']} prompts a set, {result['max_new_tokens']} new tokens. Step costs (tokens, "
+             f"seconds): {list(result['step_costs'])}.", "", f"Command: `{result['command']}`", "",
+             "| set | prompt tops recorded first | V | depth | tokens a step | "
+             + " | ".join(f"{B} rows" for B in sizes) + " |",
+             "|---|---|---:|---:|---:|" + "---:|" * len(sizes)]
+    for r in result["rows"]:
+        lines.append(f"| {r['set']} | {'yes' if r['seed'] else 'no'} | {r['budget']} | {r['depth']} | "
+                     f"{r['tokens_per_step']:.2f} | "
+                     + " | ".join(f"{r['predicted_speedup'][str(B)]:.2f}x" for B in sizes) + " |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
