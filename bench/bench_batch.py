@@ -46,6 +46,7 @@ from lookahead.cli import DTYPES, read_prompts  # noqa: E402
 from lookahead.controller import make_plan  # noqa: E402
 
 MODES = {"plain": None, "lookahead": LookaheadConfig()}
+DEVICE_TREE = "device-tree"  # --device-tree N: a third mode, LookaheadConfig(device_tree=N) (lookahead.device_tree)
 # --dry-run: the shape of an H100's step costs (SmolLM2 float32, session 5) ten times slower, given as if measured so
 # that the planner learns the host's cost as it does on a GPU. Slower, because a CPU step's host work includes its
 # verification (a GPU's graph holds it): beside the H100's own times it would turn every batch's trees off, and the
@@ -54,29 +55,39 @@ H100_LIKE = ((1, 0.0215), (16, 0.0329), (64, 0.0351))
 H100_LIKE_BATCH = ((256, 0.0505),)
 
 
+def mode_kwargs(config, generate_kwargs: dict, device: str) -> dict:
+    """A mode's generate keywords: a device tree runs on the static step path, which the CPU takes only when
+    asked (without graphs)."""
+    if config is not None and config.device_tree and device == "cpu":
+        return dict(generate_kwargs, cuda_graphs=False, _static_steps=True)
+    return generate_kwargs
+
+
 def run_paired(model, prompts: list, batch_size: int, max_new_tokens: int, repeats: int, refill: bool = False,
-               **generate_kwargs) -> dict:
+               modes: dict = MODES, **generate_kwargs) -> dict:
     """Decode ``prompts`` (1-D tensors) in batches of ``batch_size`` in every mode, the modes of one batch back to
     back (their order alternating from batch to batch), ``repeats`` times over, after the first batch once in each
     mode, untimed (``generate_kwargs`` go to every call). ``refill``: every prompt in one call of at most
     ``batch_size`` rows at once, a finished row's place going to the next prompt (``max_batch_size``), instead of
     batches one after another. Returns per mode its outputs (each
     prompt's new tokens, from the first pass) and totals, tokens/s being the median over the passes; and per pass
-    the ratio of each mode's tokens/s to plain's (side by side, so a drift of the machine's speed cancels)."""
-    per_mode = {mode: {"outputs": [], "passes": []} for mode in MODES}
+    the ratio of each mode's tokens/s to plain's (side by side, so a drift of the machine's speed cancels).
+    ``modes``: name to ``lookahead=`` config, ``"plain"`` among them."""
+    per_mode = {mode: {"outputs": [], "passes": []} for mode in modes}
     batches = [prompts] if refill else [prompts[i: i + batch_size] for i in range(0, len(prompts), batch_size)]
     generate_kwargs = dict(generate_kwargs, max_batch_size=batch_size)
+    kwargs = {mode: mode_kwargs(config, generate_kwargs, str(model.device.type)) for mode, config in modes.items()}
     # Untimed, the first batch once in each mode: on CUDA that builds this batch size's runners and captures their
     # graphs (kept on the model), which a timed pass would otherwise pay for once, lookahead's menu more than plain.
-    for mode in MODES:
-        model.generate(prompts[:batch_size], max_new_tokens=max_new_tokens, lookahead=MODES[mode], **generate_kwargs)
+    for mode in modes:
+        model.generate(prompts[:batch_size], max_new_tokens=max_new_tokens, lookahead=modes[mode], **kwargs[mode])
     for rep in range(repeats):
         totals = {mode: dict(new=0, seconds=0.0, prefill=0.0, host=0.0, steps=0, batch_steps=0, fed=0)
-                  for mode in MODES}
+                  for mode in modes}
         for i, batch in enumerate(batches):
-            order = list(MODES) if (i + rep) % 2 == 0 else list(reversed(MODES))
+            order = list(modes) if (i + rep) % 2 == 0 else list(reversed(modes))
             for mode in order:
-                out = model.generate(batch, max_new_tokens=max_new_tokens, lookahead=MODES[mode], **generate_kwargs)
+                out = model.generate(batch, max_new_tokens=max_new_tokens, lookahead=modes[mode], **kwargs[mode])
                 if rep == 0:
                     L = max(p.numel() for p in batch)
                     per_mode[mode]["outputs"] += [out.sequences[b, L: L + row.new_tokens].tolist()
@@ -132,6 +143,9 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=None,
                     help="sample at this temperature (default: greedy decoding, outputs compared with plain's)")
     ap.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass, with --temperature")
+    ap.add_argument("--device-tree", type=int, default=0, metavar="N",
+                    help="also decode with LookaheadConfig(device_tree=N): trees of N nodes read on the device from "
+                         "successor tables kept there (mode 'device-tree')")
     ap.add_argument("--tag", default=None, help="result file tag (default: the device)")
     ap.add_argument("--tag-suffix", default="", help="appended to the default tag (another run on the same device)")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
@@ -147,6 +161,9 @@ def main(argv=None) -> int:
         ap.error(f"--batch-sizes must be >= 1, got {args.batch_sizes}")
     if args.top_p is not None and args.temperature is None:
         ap.error("--top-p samples: give --temperature too")
+    if args.device_tree < 0:
+        ap.error(f"--device-tree must be >= 0, got {args.device_tree}")
+    modes = dict(MODES, **({DEVICE_TREE: LookaheadConfig(device_tree=args.device_tree)} if args.device_tree else {}))
     from tqdm.auto import tqdm
 
     if args.dry_run:
@@ -173,8 +190,9 @@ def main(argv=None) -> int:
             prompts = [ids[0].to(model.device) for ids in read_prompts(set_path, tokenizer)[: args.prompts]]
             for B in args.batch_sizes:  # the controller's cost measurement for this batch, outside the timings
                 make_plan(MODES["lookahead"], model, min(B, len(prompts)))
-            for config in MODES.values():  # warm-up: packing, caches, allocator
-                model.generate(prompts[:2], max_new_tokens=4, lookahead=config, **generate_kwargs)
+            for config in modes.values():  # warm-up: packing, caches, allocator
+                model.generate(prompts[:2], max_new_tokens=4, lookahead=config,
+                               **mode_kwargs(config, generate_kwargs, args.device))
             reference = None
             if 1 not in args.batch_sizes and not sampled:  # each prompt's batch-1 plain output, for the identity
                 reference = [model.generate(p, max_new_tokens=args.max_new_tokens, lookahead=None)
@@ -182,7 +200,7 @@ def main(argv=None) -> int:
                              for p in tqdm(prompts, desc=f"{name} batch-1 reference")]
             for B in tqdm(sorted(args.batch_sizes), desc=name):
                 for mode, (outputs, totals) in run_paired(model, prompts, B, args.max_new_tokens, args.repeats,
-                                                          args.refill, **generate_kwargs).items():
+                                                          args.refill, modes, **generate_kwargs).items():
                     if reference is None:  # batch 1, plain: the first run
                         reference = outputs
                     identical = None if sampled else sum(o == r for o, r in zip(outputs, reference))
@@ -196,7 +214,8 @@ def main(argv=None) -> int:
     machine["load_average_end"] = machine_info(args.device)["load_average"]
     tag = args.tag or ("cpu" if args.device == "cpu" else device_label(machine).lower().replace(" ", "-")) \
         + ("" if args.dtype == "float32" else f"-{args.dtype}") \
-        + ("-refill" if args.refill else "") + (f"-{args.tag_suffix}" if args.tag_suffix else "") \
+        + ("-refill" if args.refill else "") + (f"-device-tree{args.device_tree}" if args.device_tree else "") \
+        + (f"-{args.tag_suffix}" if args.tag_suffix else "") \
         + ("-dry-run" if args.dry_run else "")
     result = {"machine": machine, "command": command_line(__file__, sys.argv[1:] if argv is None else argv),
               "model": f"SmolLM2-135M-Instruct ({args.dtype})", "dtype": args.dtype,
@@ -275,8 +294,10 @@ def plot(result: dict, path: str) -> None:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for s in dict.fromkeys(r["set"] for r in result["rows"]):
-        for mode, style in (("plain", "--"), ("lookahead", "-")):
+        for mode, style in (("plain", "--"), ("lookahead", "-"), (DEVICE_TREE, ":")):
             pts = [(r["batch_size"], r["tokens_per_s"]) for r in result["rows"] if r["set"] == s and r["mode"] == mode]
+            if not pts:
+                continue
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=f"{s} {mode}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size")

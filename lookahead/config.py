@@ -78,6 +78,11 @@ class LookaheadConfig:
             padding). ``None`` (default): on for CUDA devices, off on the CPU, where padded rows cost compute.
         step_costs: automatic mode only: the cost model as ``((tokens, seconds), ...)`` pairs instead of
             measuring it (makes the controller's choices reproducible, e.g. in tests).
+        device_tree: ``V >= 1``: every step verifies a tree of ``V`` nodes of a fixed shape whose tokens are read
+            on the step's device from successor tables kept there (:mod:`lookahead.device_tree`), with no tree
+            built on the host, no window and no planner; ``0`` (default): off. Needs the static step path (a CUDA
+            model, or ``_static_steps=True``). Not measured on a GPU yet; meant for batches, whose host-built
+            trees cost more host work than they gain there.
     """
 
     window: int | None = None
@@ -91,12 +96,20 @@ class LookaheadConfig:
     seed: int = 0
     pad_tree: bool | None = None
     step_costs: tuple | None = None
+    device_tree: int = 0
 
     def __post_init__(self) -> None:
         for name, low in (("window", 1), ("ngram", 2), ("guess", 0), ("max_step_tokens", 1)):
             if getattr(self, name) is not None:
                 require_int(f"LookaheadConfig.{name}", getattr(self, name), low)
         require_int("LookaheadConfig.seed", self.seed, 0)
+        require_int("LookaheadConfig.device_tree", self.device_tree, 0)
+        if self.device_tree:
+            given = [n for n in ("window", "ngram", "guess", "max_step_tokens", "step_costs")
+                     if getattr(self, n) is not None]
+            if given:
+                raise ValueError(f"LookaheadConfig: device_tree={self.device_tree} fixes the step (x and the tree); "
+                                 f"leave {', '.join(given)} unset")
         if self.max_step_tokens is not None and (self.window is not None or self.ngram is not None):
             w, n = self.window or 15, self.ngram or 5
             if w * (n - 1) > self.max_step_tokens:
@@ -134,10 +147,13 @@ class LookaheadConfig:
     def automatic(self) -> bool:
         """No step size given (no ``window``, ``ngram``, ``guess`` or ``max_step_tokens``): the step-size
         controller (``lookahead.controller``) sizes every step from the device's measured cost."""
-        return self.window is None and self.ngram is None and self.guess is None and self.max_step_tokens is None
+        return self.window is None and self.ngram is None and self.guess is None and self.max_step_tokens is None \
+            and not self.device_tree
 
     def shape(self) -> StepShape:
         """The warm step's :class:`StepShape`."""
+        if self.device_tree:
+            return StepShape(1, 1, self.device_tree)
         if self.max_step_tokens is not None and self.window is None and self.ngram is None:
             return shape_for_budget(self.max_step_tokens)
         window, levels = self.window or 15, (self.ngram or 5) - 1

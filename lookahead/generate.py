@@ -38,6 +38,7 @@ from .arguments import resolve_generate_arguments
 from .config import LookaheadConfig, StepShape
 from .controller import make_plan
 from .custom_processors import make_custom_processors
+from .device_tree import DeviceTreeSteps, StaticTree
 from .draft import SUCCESSORS_PER_NODE, DraftBuilder, encode_rows, propose_rows, record_trials
 from .memory import DraftMemory
 from .prefill import prefill_graphs
@@ -490,11 +491,14 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     model.prepare_cpu_weights()
     plan = make_plan(lookahead, model, B) if lookahead is not None else None
     step_cap = plan.shape.max_tokens if plan is not None else 1
+    device_steps = _device_tree_steps(lookahead, static, draft_memory, cfg.vocab_size)
     runner = None
     if static:
         runner = runner_cache(model).take(model, B, _static_menu(plan, B), longest + max_new_tokens + step_cap,
                                           graphs=graphs)
         cache = runner.cache
+        if device_steps is not None:
+            device_steps.start(runner)
     else:
         cache = cache_pool(model).take(model, B, longest + max_new_tokens + step_cap,
                                        cfg.max_position_embeddings + step_cap)
@@ -538,7 +542,7 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
 
         for b, row in enumerate(rows[:B]):
             prefill(row, cache.sequence(b))
-            if plan is not None and not deferred:
+            if plan is not None and not deferred and device_steps is None:
                 row.start_lookahead(lookahead, plan, cfg.vocab_size, _native_draft, successors)
 
         def start_late(row: _Row, levels: int) -> None:  # a deferred or refilled row, at its first lookahead step
@@ -558,7 +562,7 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
         host = _HostClock()
         # A padded batch may end on a smaller runner than it began with (_shrunk): that one goes back to the model.
         accepted, runner = _decode(model, cache, runner, rows[:B], sampler, plan, pad, device, clock, host,
-                                   start_late, refill, _on_finish, lambda: bool(waiting))
+                                   start_late, refill, _on_finish, lambda: bool(waiting), device_steps)
         if prompt_cache is not None:  # rows past the emitted tokens (a last step's excess) are not kept
             row = rows[0]
             prompt_cache.keep(model, row.emitter.sequence[:row.cache_len], cache)
@@ -796,13 +800,14 @@ class _HostClock:
 
 def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: Sampler, plan, pad: bool, device,
             clock: "_CallClock", host: _HostClock, start_late=None, refill=None, on_finish=None,
-            queued=None) -> tuple:
+            queued=None, device_steps: DeviceTreeSteps | None = None) -> tuple:
     """Step until every row has stopped. Returns, per step, the tokens emitted, and the runner the call ended on.
 
     ``refill(cache_row)``: the next waiting row, prefilled into ``cache_row`` (a batch-1 view of the cache), or
     ``None`` when no row waits; a finished row's place goes to it before anything below happens to that place.
     ``queued()``: whether rows wait (then every token counts alike in a step's plan, else the rows furthest from
-    their end count most: :func:`_finish_weights`).
+    their end count most: :func:`_finish_weights`). ``device_steps``: every step a device-tree step
+    (:func:`_device_tree_step`; plain near the model's last positions).
 
     Without a runner a finished row leaves the batch (its cache row is dropped), so later steps are smaller. With
     one it stays in the batch, parked, its inputs fed at position 0 and its outputs ignored, which keeps the batch
@@ -818,8 +823,13 @@ def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: 
     processors = sampler.processors
     while active:
         before = [len(r.emitter.sequence) for r in batch] if processors is not None else None
+        if device_steps is not None:
+            if any(r.cache_len + device_steps.depth >= max_pos for r in active):
+                accepted.append(_plain_step(model, cache, runner, batch, sampler, device))
+            else:
+                accepted.append(_device_tree_step(model, cache, runner, batch, sampler, device_steps, host))
         # The memo's answer first: a batch too big for trees then skips reading every row's cache length.
-        if plan is None or _batch_too_big(active, batch, plan, too_big) \
+        elif plan is None or _batch_too_big(active, batch, plan, too_big) \
                 or _near_the_end(active, plan.shape, max_pos) or backoff.waiting():
             accepted.append(_plain_step(model, cache, runner, batch, sampler, device))
         else:
@@ -841,6 +851,8 @@ def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: 
                 on_finish(len(finished))
             if refill is not None:
                 left, places = _refilled(cache, runner, batch, active, finished, refill)
+                if device_steps is not None and places:
+                    device_steps.reset(places)
                 if processors is not None and places:  # the new rows' state from their prompts
                     processors.restart(places, [batch[b].emitter.sequence for b in places],
                                        [batch[b].emitter.new for b in places], [batch[b].index for b in places])
@@ -856,7 +868,10 @@ def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: 
                     processors.keep(kept)
             else:
                 active = [r for r in active if not r.emitter.done]
+                before_shrink = batch
                 smaller, batch = _shrunk(model, runner, batch, active, plan, clock)
+                if device_steps is not None and smaller is not runner:
+                    device_steps.moved(smaller, [before_shrink.index(r) for r in batch])
                 if processors is not None and smaller is not runner:  # its rows' state in its own tensors
                     _start_processors(processors, smaller, cache, batch, device)
                 runner = smaller
@@ -966,6 +981,46 @@ def _levels(active: list[_Row]) -> int:
     """The levels the rows' windows feed (they warm up in step, and a refilled row starts at theirs); 1 before a
     deferred batch has windows (its plan has none beyond x)."""
     return next((r.window.levels for r in active if r.window is not None), 1)
+
+
+def _device_tree_steps(lookahead, static: bool, draft_memory, vocab_size: int) -> DeviceTreeSteps | None:
+    """The call's device-tree steps where ``lookahead`` asks for them (``LookaheadConfig.device_tree``)."""
+    nodes = getattr(lookahead, "device_tree", 0)
+    if not nodes:
+        return None
+    if not static:
+        raise ValueError("LookaheadConfig.device_tree needs the static step path: a model on CUDA, or "
+                         "_static_steps=True")
+    if draft_memory is not None:
+        raise ValueError("draft_memory feeds the trees built on the host; LookaheadConfig.device_tree builds none "
+                         "(leave draft_memory unset)")
+    return DeviceTreeSteps(StaticTree.best(nodes), vocab_size)
+
+
+def _device_tree_step(model, cache, runner: StepRunner, batch: list[_Row], sampler: Sampler,
+                      steps: DeviceTreeSteps, host: _HostClock) -> int:
+    """A step of ``x`` and a tree of a fixed shape whose tokens the step's device reads from its successor tables
+    (:mod:`lookahead.device_tree`): the host packs ``x`` and the positions as a plain step's, reads back the
+    verified tokens and commits them; the tree, its verification and the tables' update run in the step."""
+    host_started = time.perf_counter()
+    lens = [_start(r) for r in batch]
+    step = build_step(lens, torch.tensor([[r.x] for r in batch]), 1, 1, steps.trees(len(batch)), "cpu",
+                      steps.constants, pack=True)
+    finish = steps.finish(sampler)
+    forward_started = time.perf_counter()
+    back = finish.read(_run(model, cache, runner, steps.shape, step.tokens, step.positions, lens, step.layout,
+                            step.logits_rows, step.num_nodes, finish, None, step.packed))
+    forward_done = time.perf_counter()
+    emitted_total = 0
+    for b, row in enumerate(batch):
+        if row.emitter.done:  # parked
+            continue
+        emitted = back.emitted[b]
+        row.cache_len += len(emitted)
+        emitted_total += row.commit(emitted, step.layout.T, None if back.kept is None else back.kept[b])
+        row.x = emitted[-1]
+    host.seconds += (forward_started - host_started) + (time.perf_counter() - forward_done)
+    return emitted_total
 
 
 def _plain_step(model, cache, runner, batch: list[_Row], sampler: Sampler, device,

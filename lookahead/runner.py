@@ -315,6 +315,8 @@ class StepRunner:
         return self.model(x.tokens, x.positions, self.cache, x.cache_len, buf.layout, x.rows)
 
     def _step(self, buf: _ShapeBuffers, finish):
+        if finish is not None and hasattr(finish, "prepare"):  # inputs made on the device (lookahead.device_tree)
+            finish.prepare(self._inputs(buf))
         logits = self._forward(buf)
         return logits if finish is None else finish(logits, self._inputs(buf))
 

@@ -133,6 +133,10 @@ def guarded(monkeypatch):
     guard.moved = []
 
     def step(self, buf, finish):
+        guard.made, guard.outside = set(), set()
+        if finish is not None and hasattr(finish, "prepare"):  # the inputs a graph makes before its forward
+            with guard:
+                finish.prepare(self._inputs(buf))
         logits = self._forward(buf)
         if finish is None:
             return logits
@@ -140,7 +144,7 @@ def guarded(monkeypatch):
         guard.finishes.append((type(finish).__name__, shape.tree_budget if shape is not None else 0))
         # Inside the finish the C++ ops count as absent: a CPU then takes the torch code a GPU's graph holds (the
         # warps and draws) where it would take its own C++ walk and draw.
-        guard.made, guard.outside = set(_storages(logits)), set()  # a replay writes its logits where its capture did
+        guard.made.update(_storages(logits))  # a replay writes its logits where its capture did
         with guard, monkeypatch.context() as m:
             m.setattr(cpu_ops, "cpu_ops_available", lambda build=True: False)
             out = finish(logits, self._inputs(buf))
@@ -205,8 +209,8 @@ CALLS = {
 
 
 @pytest.mark.parametrize("name", list(CALLS))
-@pytest.mark.parametrize("la", [None, GPU_LIKE, LookaheadConfig(window=4, ngram=3, guess=4)],
-                         ids=["plain", "auto", "fixed"])
+@pytest.mark.parametrize("la", [None, GPU_LIKE, LookaheadConfig(window=4, ngram=3, guess=4),
+                                LookaheadConfig(device_tree=4)], ids=["plain", "auto", "fixed", "device-tree"])
 def test_a_step_s_finish_holds_no_host_sync(tiny, guarded, name, la):
     """Every finish a static step runs, plain or lookahead, with each of generate's processors, warps and outputs,
     calls nothing a CUDA graph capture refuses, outside the CPU's own branches."""
@@ -220,5 +224,6 @@ def test_a_step_s_finish_holds_no_host_sync(tiny, guarded, name, la):
     assert guarded.finishes
     assert not guarded.moved, f"a finish read state its graph's capture did not: {guarded.moved[:3]}"
     if la is not None:
-        assert any(kind == "StepVerifier" and nodes for kind, nodes in guarded.finishes), "no tree step ran"
+        assert any(kind in ("StepVerifier", "DeviceTreeFinish") and nodes for kind, nodes in guarded.finishes), \
+            "no tree step ran"
     assert not guarded.found, "\n".join(f"{f}:{line} in {fn}: {op}" for f, fn, line, op in sorted(set(guarded.found)))

@@ -1,0 +1,232 @@
+"""The device-kept draft tree: its fixed shape over successor ranks, the tokens read from the tables and what a
+verified step records into them, against plain Python references."""
+
+import random
+
+import pytest
+import torch
+
+from lookahead import DraftMemory, LlamaForCausalLM, LookaheadConfig
+from lookahead.device_tree import RANK_RATES, DeviceSuccessors, StaticTree
+
+from .test_batch import check_rows, mixed_prompts, rows_stopping_apart
+from .test_generate import dev_prompts, tiny_hf_model
+from .test_sampling_e2e import VOCAB, exact_marginals, fit_pvalue
+
+STATIC = dict(cuda_graphs=False, _static_steps=True)  # the runner's path, as on a GPU (without its graphs)
+
+
+def test_static_tree_hand_worked():
+    #       x
+    #     /   \
+    #   r0     r1
+    #   |  \
+    #   r0  r1
+    #   |
+    #   r0
+    tree = StaticTree([(1,), (0,), (0, 1), (0, 0), (0, 0, 0)])
+    assert tree.paths == [(0,), (0, 0), (0, 0, 0), (0, 1), (1,)]
+    assert tree.parents == [-1, 0, 1, 0, -1]
+    assert tree.ranks == [0, 0, 0, 1, 1]
+    assert tree.shape.depth.tolist() == [1, 2, 3, 2, 1]
+    assert tree.shape.end.tolist() == [4, 3, 3, 4, 5]
+    assert tree.successors == 2
+    assert tree.levels() == [[0, 4], [1, 3], [2]]
+
+
+@pytest.mark.parametrize("budget", [0, 1, 2, 4, 7, 16, 33])
+def test_best_tree_takes_the_likeliest_paths(budget):
+    tree = StaticTree.best(budget)
+    assert tree.num_nodes == budget
+    score = {p: torch.tensor([RANK_RATES[r] for r in p], dtype=torch.float64).prod().item() for p in tree.paths}
+    # Every rank path left out is no likelier than the least likely one kept (its parent kept or not).
+    worst = min(score.values(), default=float("inf"))
+    for path in tree.paths:
+        for r, rate in enumerate(RANK_RATES):
+            child = path + (r,)
+            if child not in score:
+                assert score[path] * rate <= worst + 1e-15
+    if budget:
+        assert tree.paths[0] == (0,) and tree.ranks[0] == 0
+
+
+def test_bad_trees_are_refused():
+    with pytest.raises(ValueError, match="parent"):
+        StaticTree([(0, 1)])  # its parent (0,) is missing
+    with pytest.raises(ValueError, match="ranks >= 0"):
+        StaticTree([(-1,)])
+    with pytest.raises(ValueError, match="budget"):
+        StaticTree.best(-1)
+    with pytest.raises(ValueError, match="int32 table"):
+        DeviceSuccessors(torch.zeros(2, 10, 1, dtype=torch.int32), StaticTree([(0,), (1,)]))
+
+
+def _draft_reference(table: torch.Tensor, tree: StaticTree, x: list[int]) -> list[list[int]]:
+    out = []
+    for b, root in enumerate(x):
+        tokens = []
+        for parent, rank in zip(tree.parents, tree.ranks):
+            token = root if parent < 0 else tokens[parent]
+            tokens.append(int(table[b, token, rank]))
+        out.append(tokens)
+    return out
+
+
+@pytest.mark.parametrize("budget,B,vocab", [(1, 1, 7), (5, 3, 11), (16, 4, 50), (33, 2, 9)])
+def test_draft_reads_each_nodes_token_off_its_parents(budget, B, vocab):
+    g = torch.Generator().manual_seed(budget * 100 + B)
+    tree = StaticTree.best(budget)
+    table = torch.randint(0, vocab, (B, vocab, tree.successors + 1), generator=g, dtype=torch.int32)
+    x = torch.randint(0, vocab, (B,), generator=g)
+    drafted = DeviceSuccessors(table, tree).draft(x)
+    assert drafted.dtype == torch.long and tuple(drafted.shape) == (B, budget)
+    assert drafted.tolist() == _draft_reference(table, tree, x.tolist())
+
+
+def test_reset_forgets_only_the_rows_named():
+    table = torch.ones(3, 5, 2, dtype=torch.int32)
+    successors = DeviceSuccessors(table, StaticTree([(0,), (1,)]))
+    successors.reset([1])
+    assert table[1].eq(0).all() and table[0].eq(1).all() and table[2].eq(1).all()
+    successors.reset()
+    assert table.eq(0).all()
+
+
+def test_record_takes_the_true_contexts_only():
+    tree = StaticTree([(0,), (0, 0), (1,)])  # nodes: 0 (x's r0), 1 (its r0), 2 (x's r1)
+    table = torch.zeros(2, 10, 3, dtype=torch.int32)
+    successors = DeviceSuccessors(table, tree)
+    # Row 0: x = 3, nodes 5, 3, 6; node 0 accepted. Row 1: x = 2, nodes 4, 7, 8; none accepted.
+    fed = torch.tensor([[3, 5, 3, 6], [2, 4, 7, 8]])
+    tops = torch.tensor([[[1, 2], [4, 6], [7, 8], [9, 9]], [[3, 3], [5, 5], [6, 6], [1, 1]]])
+    successors.record(fed, tops, torch.tensor([[0, -1], [-1, -1]]))
+    expected = torch.zeros_like(table)
+    expected[0, 3, :2] = torch.tensor([1, 2])  # x's own row, not the rejected node 1's
+    expected[0, 5, :2] = torch.tensor([4, 6])  # the accepted node's
+    expected[1, 2, :2] = torch.tensor([3, 3])  # x's alone: the rejected nodes' rows are not recorded
+    assert torch.equal(table, expected)
+
+
+def test_record_then_draft_random_against_a_dict():
+    rng = random.Random(7)
+    vocab, B, tree = 12, 3, StaticTree.best(6)
+    k = tree.successors
+    table = torch.zeros(B, vocab, k, dtype=torch.int32)
+    successors = DeviceSuccessors(table, tree)
+    reference = [dict() for _ in range(B)]
+    for _ in range(20):
+        x = torch.tensor([rng.randrange(vocab) for _ in range(B)])
+        drafted = successors.draft(x)
+        expected = [[0] * tree.num_nodes for _ in range(B)]
+        for b in range(B):
+            for i, (parent, rank) in enumerate(zip(tree.parents, tree.ranks)):
+                token = int(x[b]) if parent < 0 else expected[b][parent]
+                expected[b][i] = reference[b].get(token, [0] * k)[rank]
+        assert drafted.tolist() == expected
+        # Distinct tokens a row, so which duplicate wins does not matter here.
+        fed = torch.stack([torch.randperm(vocab)[: tree.num_nodes + 1] for _ in range(B)])
+        tops = torch.randint(0, vocab, (B, tree.num_nodes + 1, k))
+        accepted = [rng.randrange(0, 3) for _ in range(B)]
+        path = torch.full((B, 3), -1)
+        for b, a in enumerate(accepted):
+            path[b, :a] = torch.arange(a)[: tree.num_nodes]  # node indexes as a path lists them
+        successors.record(fed, tops, path)
+        for b, a in enumerate(accepted):
+            for r in range(min(a, tree.num_nodes) + 1):  # x, then the accepted nodes
+                reference[b][int(fed[b, r])] = tops[b, r].tolist()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return LlamaForCausalLM.from_hf(tiny_hf_model())
+
+
+@pytest.mark.parametrize("nodes", [1, 4, 9])
+def test_rows_equal_their_own_greedy_output(tiny, nodes):
+    """Every row of a batch of mixed-length prompts that stop at different steps equals its own plain greedy
+    output: all rows at once (the batch moves to smaller runners as rows finish, the tables with them), and
+    fewer rows than prompts (a finished row's place, and its table emptied, go to the next prompt)."""
+    g = torch.Generator().manual_seed(3)
+    prompts = mixed_prompts() + [torch.randint(0, 97, (5,), generator=g), torch.tensor([4] * 5)]
+    eos, refs = rows_stopping_apart(tiny, prompts)
+    la = LookaheadConfig(device_tree=nodes)
+    accepted = []
+    for rows in (None, 1, 2, 4):
+        out = tiny.generate(prompts, max_new_tokens=24, lookahead=la, eos_token_id=eos, pad_token_id=0,
+                            max_batch_size=rows, **STATIC)
+        check_rows(out, refs, prompts, pad_id=0)
+        assert out.stats.new_tokens == sum(out.stats.accepted)
+        for row in out.stats.rows:
+            assert row.fed_tokens == row.steps * (1 + nodes)
+            accepted.extend(row.accepted)
+    assert max(accepted) >= 2, "no step accepted a node: the trees were not exercised"
+
+
+def test_processors_see_the_same_rows(tiny):
+    prompts = mixed_prompts()
+    for rules in (dict(repetition_penalty=1.3, no_repeat_ngram_size=2), dict(min_length=14, bad_words_ids=[[7, 8]])):
+        whole = tiny.generate(prompts, max_new_tokens=16, lookahead=None, pad_token_id=0, **rules)
+        out = tiny.generate(prompts, max_new_tokens=16, lookahead=LookaheadConfig(device_tree=4), pad_token_id=0,
+                            max_batch_size=2, **rules, **STATIC)
+        assert torch.equal(out.sequences, whole.sequences), rules
+
+
+def test_sampled_rows_keep_the_models_distribution():
+    """Each row's first two sampled tokens fit their exact marginals (chi-square), copies of each prompt drawing
+    their own numbers. A token with nothing recorded drafts token 0 at every rank: siblings may repeat a token,
+    which verification then rejects with certainty once it was rejected (its probability set to 0)."""
+    model = LlamaForCausalLM.from_hf(tiny_hf_model(seed=0, vocab=VOCAB))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        first = model.generate(torch.tensor([[1]]), max_new_tokens=12).sequences[0]
+        prompts = [first, first[:5], torch.tensor([3, 3, 3])]
+        marginals = [exact_marginals(model, p[None], dict_params(), depth=2) for p in prompts]
+        gen = torch.Generator().manual_seed(2025)
+        batch, samples, accepted = prompts * 80, [[] for _ in prompts], []
+        L = max(len(p) for p in prompts)
+        for _ in range(8):
+            out = model.generate(batch, max_new_tokens=2, lookahead=LookaheadConfig(device_tree=4), do_sample=True,
+                                 temperature=0.9, top_k=8, generator=gen, **STATIC)
+            for b in range(len(batch)):
+                samples[b % len(prompts)].append(out.sequences[b, L: L + 2].tolist())
+            accepted.extend(a for row in out.stats.rows for a in row.accepted)
+    finally:
+        torch.set_num_threads(threads)
+    assert max(accepted) >= 2, "no step accepted a node: verification was not exercised"
+    for b in range(len(prompts)):
+        s = torch.tensor(samples[b])
+        for pos in range(2):
+            assert (marginals[b][pos][s[:, pos]] > 0).all()
+            pvalue = fit_pvalue(s[:, pos], marginals[b][pos])
+            assert pvalue > 1e-3, f"row {b} position {pos + 1}: chi-square p-value {pvalue:.2e}"
+
+
+def dict_params():
+    from lookahead.sampling import SamplingParams
+
+    return SamplingParams(temperature=0.9, top_k=8)
+
+
+def test_smollm2_rows_equal_plain_decoding(smollm2):
+    _, ours, tok = smollm2
+    prompts = [ids[0] for ids in dev_prompts(tok, "humaneval_dev.jsonl", 3) + dev_prompts(tok, "mt_bench_dev.jsonl", 2)]
+    plain = ours.generate(prompts, max_new_tokens=40, lookahead=None, max_batch_size=3, **STATIC)
+    out = ours.generate(prompts, max_new_tokens=40, lookahead=LookaheadConfig(device_tree=4), max_batch_size=3,
+                        **STATIC)
+    assert torch.equal(out.sequences, plain.sequences)
+    assert out.stats.steps < plain.stats.steps
+
+
+def test_bad_settings_are_refused(tiny):
+    prompt = torch.tensor([1, 2, 3])
+    with pytest.raises(ValueError, match="static step path"):
+        tiny.generate(prompt, max_new_tokens=4, lookahead=LookaheadConfig(device_tree=4))
+    with pytest.raises(ValueError, match="draft_memory"):
+        tiny.generate(prompt, max_new_tokens=4, lookahead=LookaheadConfig(device_tree=4), draft_memory=DraftMemory(),
+                      **STATIC)
+    with pytest.raises(ValueError, match="leave window, max_step_tokens unset"):
+        LookaheadConfig(device_tree=4, window=4, max_step_tokens=32)
+    for bad in (-1, 2.0, True):
+        with pytest.raises(ValueError, match="device_tree"):
+            LookaheadConfig(device_tree=bad)
