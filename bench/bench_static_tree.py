@@ -22,6 +22,12 @@ host work of a step taken as plain decoding's (the point of keeping the tree on 
 table's gather and update.
 
     python bench/bench_static_tree.py                      # the H200's bfloat16 table, 48 prompts a set
+    python bench/bench_static_tree.py --measure            # and the tokens a step lookahead.device_tree takes
+
+``--measure`` decodes every prompt again with ``LookaheadConfig(device_tree=V)`` (``--measure-rows`` rows at once,
+a finished row's place going to the next prompt, on the static step path as a GPU runs it) and reports its tokens
+a row-step beside the simulation's with the prompt's tops recorded first (the implementation seeds its tables from
+the prompt's rows and records the same tops after each step), and whether every output equals plain decoding's.
 
 Writes bench/results/static-tree-<tag>.{json,md}.
 """
@@ -41,7 +47,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from _common import DEFAULT_SETS, command_line, machine_info, set_name, write_results  # noqa: E402
 
-from lookahead import load_default  # noqa: E402
+from lookahead import LookaheadConfig, load_default  # noqa: E402
 from lookahead.cli import read_prompts  # noqa: E402
 from lookahead.controller import StepCosts  # noqa: E402
 
@@ -126,6 +132,17 @@ def simulate(rows: list[dict], tree: list[tuple[int, ...]], seed: bool) -> tuple
     return tokens, steps
 
 
+def measured(model, prompts: list[torch.Tensor], rows: list[dict], budget: int, max_new_tokens: int,
+             batch_size: int) -> tuple[float, int]:
+    """``(tokens a row-step, outputs equal to plain decoding's)`` of ``LookaheadConfig(device_tree=budget)``."""
+    out = model.generate(prompts, max_new_tokens=max_new_tokens, lookahead=LookaheadConfig(device_tree=budget),
+                         max_batch_size=batch_size, cuda_graphs=False, _static_steps=True)
+    L = max(p.numel() for p in prompts)
+    identical = sum(out.sequences[b, L - p.numel(): L + row.new_tokens].tolist() == r["seq"]
+                    for b, (p, r, row) in enumerate(zip(prompts, rows, out.stats.rows)))
+    return out.stats.new_tokens / sum(row.steps for row in out.stats.rows), identical
+
+
 def parse_costs(text: str) -> tuple:
     if text == "h200-bf16":
         return H200_BF16_STEP_COSTS
@@ -146,6 +163,9 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=8, help="successors kept a token")
     ap.add_argument("--step-costs", default="h200-bf16", help="'h200-bf16' (default) or T:seconds pairs")
     ap.add_argument("--sets", nargs="+", default=DEFAULT_SETS)
+    ap.add_argument("--measure", action="store_true",
+                    help="also decode with LookaheadConfig(device_tree=V) and report its tokens a step")
+    ap.add_argument("--measure-rows", type=int, default=16, help="rows at once with --measure")
     ap.add_argument("--tag", default="h200-bf16")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     args = ap.parse_args(argv)
@@ -155,10 +175,10 @@ def main(argv=None) -> int:
     costs = StepCosts.from_pairs(pairs)
     torch.set_num_threads(args.threads)
     model, tokenizer = load_default()
-    decoded = []
+    decoded, prompt_sets = [], []
     for path in args.sets:
-        decoded.append(decoded_rows(model, [ids[0] for ids in read_prompts(path, tokenizer)[: args.prompts]],
-                                    args.max_new_tokens, args.k))
+        prompt_sets.append([ids[0] for ids in read_prompts(path, tokenizer)[: args.prompts]])
+        decoded.append(decoded_rows(model, prompt_sets[-1], args.max_new_tokens, args.k))
         print(f"decoded {set_name(path)}: {len(decoded[-1])} prompts", flush=True)
     rows = []
     for seed in (False, True):
@@ -168,18 +188,24 @@ def main(argv=None) -> int:
                 tree = static_tree(rates, budget)
                 tokens, steps = simulate(decoded[s], tree, seed)
                 per_step = tokens / steps
-                rows.append({"set": set_name(path), "seed": seed, "budget": budget,
+                rows.append({"set": set_name(path), "prompts": len(decoded[s]), "seed": seed, "budget": budget,
                              "depth": max(map(len, tree)), "tokens_per_step": per_step,
                              "rank_rates": rates, "tree": [list(p) for p in tree],
                              "predicted_speedup": {str(B): per_step * costs(B) / costs(B * (1 + budget))
                                                    for B in args.batch_sizes}})
+                if args.measure and seed:  # the implementation's tables start from the prompt's rows, as these
+                    rows[-1]["measured_tokens_per_step"], rows[-1]["measured_identical"] = measured(
+                        model, prompt_sets[s], decoded[s], budget, args.max_new_tokens, args.measure_rows)
                 speedups = ", ".join(f"{B} rows {v:.2f}x" for B, v in rows[-1]["predicted_speedup"].items())
-                print(f"{set_name(path):10s} seed={seed!s:5s} V={budget:<3d} {per_step:.2f} tokens a step; "
+                real = f" (measured {rows[-1]['measured_tokens_per_step']:.2f})" \
+                    if "measured_tokens_per_step" in rows[-1] else ""
+                print(f"{set_name(path):10s} seed={seed!s:5s} V={budget:<3d} {per_step:.2f} tokens a step{real}; "
                       f"{speedups}", flush=True)
     result = {"device": "cpu", "machine": machine_info("cpu"),
               "command": command_line(__file__, sys.argv[1:] if argv is None else argv),
               "model": "SmolLM2-135M-Instruct (float32)", "step_costs": pairs, "prompts": args.prompts,
-              "max_new_tokens": args.max_new_tokens, "k": args.k, "batch_sizes": args.batch_sizes, "rows": rows}
+              "max_new_tokens": args.max_new_tokens, "k": args.k, "batch_sizes": args.batch_sizes,
+              "measure_rows": args.measure_rows if args.measure else None, "rows": rows}
     write_results(args.out_dir, f"static-tree-{args.tag}", result, markdown(result))
     return 0
 
@@ -193,14 +219,21 @@ def markdown(result: dict) -> str:
              "read off the tops recorded so far (`bench/bench_static_tree.py`'s docstring says how). Speed-ups: "
              "tokens a step x t(B) / t(B (1 + V)) on the step-cost table, the host work taken as plain decoding's.",
              "", f"Decoded on {m['device']} ({m['cpu']}), torch {m['torch']}, git {m['git']}; first "
-             f"{result['prompts']} prompts a set, {result['max_new_tokens']} new tokens. Step costs (tokens, "
-             f"seconds): {list(result['step_costs'])}.", "", f"Command: `{result['command']}`", "",
-             "| set | prompt tops recorded first | V | depth | tokens a step | "
-             + " | ".join(f"{B} rows" for B in sizes) + " |",
-             "|---|---|---:|---:|---:|" + "---:|" * len(sizes)]
+             f"{result['prompts']} prompts a set (fewer where a set has fewer: `prompts`), "
+             f"{result['max_new_tokens']} new tokens. Step costs (tokens, seconds): {list(result['step_costs'])}.",
+             "", f"Command: `{result['command']}`", ""]
+    if result.get("measure_rows"):
+        lines += [f"Measured: `LookaheadConfig(device_tree=V)` decoding the same prompts, {result['measure_rows']} "
+                  "rows at once (refilled), its tokens a row-step and its outputs equal to plain decoding's "
+                  "(`identical`).", ""]
+    lines += ["| set | prompts | prompt tops recorded first | V | depth | tokens a step | measured | identical | "
+              + " | ".join(f"{B} rows" for B in sizes) + " |",
+              "|---|---:|---|---:|---:|---:|---:|---:|" + "---:|" * len(sizes)]
     for r in result["rows"]:
-        lines.append(f"| {r['set']} | {'yes' if r['seed'] else 'no'} | {r['budget']} | {r['depth']} | "
-                     f"{r['tokens_per_step']:.2f} | "
+        real = f"{r['measured_tokens_per_step']:.2f}" if "measured_tokens_per_step" in r else ""
+        same = f"{r['measured_identical']}/{r['prompts']}" if "measured_identical" in r else ""
+        lines.append(f"| {r['set']} | {r.get('prompts', '')} | {'yes' if r['seed'] else 'no'} | {r['budget']} | "
+                     f"{r['depth']} | {r['tokens_per_step']:.2f} | {real} | {same} | "
                      + " | ".join(f"{r['predicted_speedup'][str(B)]:.2f}x" for B in sizes) + " |")
     return "\n".join(lines) + "\n"
 

@@ -23,6 +23,7 @@ from lookahead_kernels.tree import TreeShape
 # both dev sets pooled, tops recorded from the tokens decoded so far: bench/results/static-tree-h200-bf16.json).
 # Only their order and ratios shape a tree.
 RANK_RATES = (0.487, 0.114, 0.052, 0.034, 0.021, 0.018, 0.012, 0.009)
+SEED_CHUNK = 512  # prompt rows projected onto the vocabulary at once when a table is seeded
 
 
 class StaticTree:
@@ -227,6 +228,24 @@ class DeviceTreeSteps:
     def reset(self, rows: list[int]) -> None:
         """Rows ``rows`` start new sequences: their tables start empty."""
         self.successors.reset(rows)
+
+    def seed(self, slot: int, tokens: list[int], hidden: torch.Tensor, logits) -> None:
+        """Row ``slot``'s table from its prompt: ``tokens`` (a list of ``n``) were fed with hidden states ``hidden``
+        (``[n, hidden_size]``, on the tables' device), whose vocabulary projection ``logits(rows)`` (the model's
+        :meth:`~lookahead.model.LlamaForCausalLM.logits`) gives each token's most likely successors; a token's
+        last occurrence wins. Taken in chunks of ``SEED_CHUNK`` rows: a long prompt's logits over a large
+        vocabulary would otherwise take gigabytes at once."""
+        from .successors import SuccessorTable
+
+        last = {t: i for i, t in enumerate(tokens)}  # each token's last row
+        device = self.successors.table.device
+        keys = torch.tensor(list(last), dtype=torch.long)
+        rows = torch.tensor(list(last.values()), dtype=torch.long)
+        for at in range(0, len(keys), SEED_CHUNK):
+            picked = rows[at: at + SEED_CHUNK].to(device)
+            ids, _ = SuccessorTable.top(logits(hidden[picked]), self.k)
+            self.successors.table[slot, keys[at: at + SEED_CHUNK].to(device), : ids.shape[1]] = \
+                ids.to(self.successors.table.dtype)
 
     def trees(self, batch_size: int):
         """The step's trees for ``batch_size`` rows (as :func:`lookahead.step.build_step` takes them)."""

@@ -520,28 +520,35 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
         if draft_memory is not None and plan is not None and "successors" in plan.sources else None
     # The successor table is not seeded from the prompt's rows (a vocabulary projection each): at one row it saved
     # 0-4% of the steps and cost 2-12% of the time on a CPU (MEASUREMENTS, "Seeding the successor table"); in
-    # batches of 4 it changed no step count.
+    # batches of 4 it changed no step count. A device tree's tables are (DeviceTreeSteps.seed): read from them
+    # alone, its trees took a quarter more tokens a step that way (bench/results/static-tree-h200-bf16.md).
     # Prefill row by row, each into its own cache row: the prompts' lengths differ and a step has no padding
     # mask, and doing what batch 1 does keeps every row's numbers (and so its greedy output) its own. It runs once.
     # The weights cannot change during the call: the CPU forward looks its packed weights up once.
     with model.weights_fixed():
-        def prefill(row: _Row, cache_row) -> None:  # the KV cache only: the prompt's last token is x
+        def prefill(row: _Row, slot: int, cache_row) -> None:  # the KV cache only: the prompt's last token is x
             prefill_started = time.perf_counter()
             captured = padded_prefill.capture_seconds if padded_prefill is not None else 0.0
             n = row.cache_len
             reused = 0 if prompt_cache is None else prompt_cache.restore(model, row.emitter.sequence[:n], cache_row)
             row.stats.reused_tokens = reused
-            if n > reused and not (reused == 0 and padded_prefill is not None
-                                   and padded_prefill.prefill(row.emitter.sequence[:n], cache_row)):
-                model.hidden(torch.tensor([row.emitter.sequence[reused:n]], device=device),
-                             torch.arange(reused, n, device=device)[None], cache_row, reused,
-                             StepLayout.prefill(n - reused))
+            if device_steps is not None:  # the row's device tables start anew, from what its prompt predicts
+                device_steps.reset([slot])
+            if n > reused:
+                hidden = padded_prefill.prefill_hidden(row.emitter.sequence[:n], cache_row) \
+                    if reused == 0 and padded_prefill is not None else None
+                if hidden is None:
+                    hidden = model.hidden(torch.tensor([row.emitter.sequence[reused:n]], device=device),
+                                          torch.arange(reused, n, device=device)[None], cache_row, reused,
+                                          StepLayout.prefill(n - reused))
+                if device_steps is not None:
+                    device_steps.seed(slot, row.emitter.sequence[reused:n], hidden[0], model.logits)
             if padded_prefill is not None:  # a capture is setup, not the prefill's time
                 captured = padded_prefill.capture_seconds - captured
             row.stats.prefill_seconds = time.perf_counter() - prefill_started - captured
 
         for b, row in enumerate(rows[:B]):
-            prefill(row, cache.sequence(b))
+            prefill(row, b, cache.sequence(b))
             if plan is not None and not deferred and device_steps is None:
                 row.start_lookahead(lookahead, plan, cfg.vocab_size, _native_draft, successors)
 
@@ -550,11 +557,11 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
 
         waiting = collections.deque(rows[B:])
 
-        def refill(cache_row) -> _Row | None:  # the next prompt into a finished row's place
+        def refill(slot: int, cache_row) -> _Row | None:  # the next prompt into a finished row's place
             if not waiting:
                 return None
             row = waiting.popleft()
-            prefill(row, cache_row)
+            prefill(row, slot, cache_row)
             return row
 
         pad = lookahead is not None and (lookahead.pad_tree if lookahead.pad_tree is not None else
@@ -803,8 +810,8 @@ def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: 
             queued=None, device_steps: DeviceTreeSteps | None = None) -> tuple:
     """Step until every row has stopped. Returns, per step, the tokens emitted, and the runner the call ended on.
 
-    ``refill(cache_row)``: the next waiting row, prefilled into ``cache_row`` (a batch-1 view of the cache), or
-    ``None`` when no row waits; a finished row's place goes to it before anything below happens to that place.
+    ``refill(slot, cache_row)``: the next waiting row, prefilled into ``cache_row`` (batch row ``slot`` of the
+    cache, a batch-1 view), or ``None`` when no row waits; a finished row's place goes to it before anything below happens to that place.
     ``queued()``: whether rows wait (then every token counts alike in a step's plan, else the rows furthest from
     their end count most: :func:`_finish_weights`). ``device_steps``: every step a device-tree step
     (:func:`_device_tree_step`; plain near the model's last positions).
@@ -851,8 +858,6 @@ def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: 
                 on_finish(len(finished))
             if refill is not None:
                 left, places = _refilled(cache, runner, batch, active, finished, refill)
-                if device_steps is not None and places:
-                    device_steps.reset(places)
                 if processors is not None and places:  # the new rows' state from their prompts
                     processors.restart(places, [batch[b].emitter.sequence for b in places],
                                        [batch[b].emitter.new for b in places], [batch[b].index for b in places])
@@ -899,7 +904,7 @@ def _refilled(cache, runner: StepRunner | None, batch: list, active: list, finis
     left, places = [], []
     for i in finished:
         slot = batch.index(active[i])  # its cache row (without a runner, batch and active hold the same rows)
-        row = refill((runner.cache if runner is not None else cache).sequence(slot))
+        row = refill(slot, (runner.cache if runner is not None else cache).sequence(slot))
         if row is None:
             left.append(i)
             continue

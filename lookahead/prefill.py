@@ -39,6 +39,7 @@ class _Bucket:
         self.start = torch.zeros(1, dtype=torch.long, device=device)  # the scratch's committed rows: none
         self.layout = StepLayout.prefill(tokens)
         self.graph = None
+        self.hidden = None  # the last prefill's hidden states [1, tokens, hidden_size] (the graph's output)
 
 
 class PrefillGraphs:
@@ -82,10 +83,16 @@ class PrefillGraphs:
         """Write the keys and values of ``tokens`` (positions and slots ``0 .. n-1``) into ``cache_row``, a
         one-sequence :class:`lookahead.model.KVCache` of this model's dtype and device (e.g. ``cache.sequence(b)``).
         Returns ``False``, having done nothing, when no bucket holds ``n`` tokens."""
+        return self.prefill_hidden(tokens, cache_row) is not None
+
+    def prefill_hidden(self, tokens: list[int], cache_row) -> torch.Tensor | None:
+        """:meth:`prefill`, returning the prompt's hidden states (``[1, n, hidden_size]``, the model's
+        :meth:`~lookahead.model.LlamaForCausalLM.hidden`, a view that the bucket's next prefill overwrites), or
+        ``None`` when no bucket holds ``n`` tokens."""
         n = len(tokens)
         size = self.bucket(n)
         if size is None:
-            return False
+            return None
         if cache_row.batch_size != 1 or cache_row.max_len < n or cache_row.dtype != self.dtype \
                 or cache_row.device != self.device:
             raise ValueError(f"cache_row must be one sequence of at least {n} rows, {self.dtype} on {self.device}")
@@ -97,22 +104,22 @@ class PrefillGraphs:
         padded[0, :n] = torch.as_tensor(tokens, dtype=torch.long)
         buf.tokens.copy_(padded)
         if not self.graphs:
-            self._forward(buf)
+            buf.hidden = self._forward(buf)
         else:
             if buf.graph is None:
                 if self._pool is None:
                     self._pool = torch.cuda.graph_pool_handle()
-                buf.graph, _, seconds = capture_graph(lambda: self._forward(buf), self.device, self._pool,
-                                                      f"a {size}-token prefill")
+                buf.graph, buf.hidden, seconds = capture_graph(lambda: self._forward(buf), self.device, self._pool,
+                                                               f"a {size}-token prefill")
                 self.capture_seconds += seconds
             buf.graph.replay()
         cache_row.k[:, :, :n].copy_(self.scratch.k[:, :, :n])
         cache_row.v[:, :, :n].copy_(self.scratch.v[:, :, :n])
-        return True
+        return buf.hidden[:, :n]
 
-    def _forward(self, buf: _Bucket) -> None:
+    def _forward(self, buf: _Bucket) -> torch.Tensor:
         with torch.inference_mode():  # hidden states only: a prefill's last token is the first step's input
-            self.model.hidden(buf.tokens, buf.positions, self.scratch, buf.start, buf.layout)
+            return self.model.hidden(buf.tokens, buf.positions, self.scratch, buf.start, buf.layout)
 
 
 def prefill_graphs(model, graphs: bool) -> PrefillGraphs:

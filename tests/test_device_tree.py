@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lookahead import DraftMemory, LlamaForCausalLM, LookaheadConfig
-from lookahead.device_tree import RANK_RATES, DeviceSuccessors, StaticTree
+from lookahead.device_tree import RANK_RATES, DeviceSuccessors, DeviceTreeSteps, StaticTree
 
 from .test_batch import check_rows, mixed_prompts, rows_stopping_apart
 from .test_generate import dev_prompts, tiny_hf_model
@@ -59,6 +59,39 @@ def test_bad_trees_are_refused():
         StaticTree.best(-1)
     with pytest.raises(ValueError, match="int32 table"):
         DeviceSuccessors(torch.zeros(2, 10, 1, dtype=torch.int32), StaticTree([(0,), (1,)]))
+
+
+class _Runner:
+    """What DeviceTreeSteps takes of a step runner: its batch size and state tensors."""
+
+    def __init__(self, batch_size: int):
+        self.batch_size, self._state = batch_size, {}
+
+    def state(self, name, shape, dtype):
+        return self._state.setdefault((name, tuple(shape), dtype), torch.zeros(shape, dtype=dtype))
+
+
+@pytest.mark.parametrize("chunk", [2, 512])
+def test_seed_takes_each_tokens_last_prediction(monkeypatch, chunk):
+    import lookahead.device_tree as device_tree
+
+    monkeypatch.setattr(device_tree, "SEED_CHUNK", chunk)
+    g = torch.Generator().manual_seed(5)
+    vocab, n, H = 13, 9, 6
+    steps = DeviceTreeSteps(StaticTree.best(6), vocab)
+    steps.start(_Runner(3))
+    table = steps.successors.table
+    table.fill_(7)
+    tokens = [3, 4, 3, 5, 4, 4, 1, 3, 2]
+    hidden, head = torch.randn(n, H, generator=g), torch.randn(H, vocab, generator=g)
+    steps.seed(1, tokens, hidden, lambda h: h @ head)
+    top = (hidden @ head).topk(steps.k, dim=-1).indices
+    expected = torch.full_like(table, 7)
+    for t in set(tokens):
+        expected[1, t] = top[max(i for i, u in enumerate(tokens) if u == t)]
+    assert torch.equal(table, expected)
+    steps.reset([1])
+    assert table[1].eq(0).all() and table[0].eq(7).all()
 
 
 def _draft_reference(table: torch.Tensor, tree: StaticTree, x: list[int]) -> list[list[int]]:
