@@ -40,6 +40,9 @@ def _add_lookahead_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--guess", type=int, default=None, help="G, continuations per pool key (default: chosen)")
     p.add_argument("--max-step-tokens", type=int, default=None,
                    help="cap on the tokens one step feeds (default: sized from the device's measured cost)")
+    p.add_argument("--device-tree", type=int, default=0, metavar="N",
+                   help="CUDA: every step verifies a fixed tree of N nodes read on the GPU from successor tables kept "
+                        "there, with no tree built on the host (for batches; default 0: off)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     p.add_argument("--model", default=None,
                    help="Hugging Face directory, .gguf file or Hub id (default: the embedded SmolLM2-135M-Instruct)")
@@ -147,17 +150,22 @@ def _encode(tokenizer, text: str, chat: bool) -> torch.Tensor:
 
 def _config(args) -> LookaheadConfig:
     try:
-        return LookaheadConfig(window=args.window, ngram=args.ngram, guess=args.guess,
-                               max_step_tokens=args.max_step_tokens)
+        config = LookaheadConfig(window=args.window, ngram=args.ngram, guess=args.guess,
+                                 max_step_tokens=args.max_step_tokens, device_tree=args.device_tree)
     except ValueError as err:
         raise CliError(str(err), status=2) from None
+    if config.device_tree and (torch.device(_device(args)).type != "cuda" or args.no_cuda_graphs):
+        raise CliError("--device-tree reads its trees inside the step's CUDA graph: it needs a CUDA device and "
+                       "CUDA graphs (drop --no-cuda-graphs)", status=2)
+    return config
 
 
 def _describe(la: LookaheadConfig | None) -> str:
     if la is None:
         return "plain"
     parts = [f"{k}={v}" for k, v in (("W", la.window), ("N", la.ngram), ("G", la.guess),
-                                     ("max-step-tokens", la.max_step_tokens)) if v is not None]
+                                     ("max-step-tokens", la.max_step_tokens),
+                                     ("device-tree", la.device_tree or None)) if v is not None]
     return "lookahead " + (" ".join(parts) if parts else "auto")
 
 
@@ -279,7 +287,7 @@ def cmd_generate(args) -> int:
                           "no_repeat_ngram_size": used.no_repeat_ngram_size,
                           "lookahead": None if la is None else {
                               "window": la.window, "ngram": la.ngram, "guess": la.guess,
-                              "max_step_tokens": la.max_step_tokens}}))
+                              "max_step_tokens": la.max_step_tokens, "device_tree": la.device_tree}}))
     else:
         _print_summary(la, s)
     return 0
@@ -527,7 +535,7 @@ def cmd_bench(args) -> int:
     model, tokenizer = _load(args)
     result = {"machine": machine_info(args.device), "command": " ".join(sys.argv), "dtype": args.dtype,
               "config": {"window": config.window, "ngram": config.ngram, "guess": config.guess,
-                         "max_step_tokens": config.max_step_tokens},
+                         "max_step_tokens": config.max_step_tokens, "device_tree": config.device_tree},
               "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size, "sets": {}}
     for path in args.prompts:
         prompts = read_prompts(path, tokenizer)[: args.limit]

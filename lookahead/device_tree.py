@@ -210,6 +210,8 @@ class DeviceTreeSteps:
         self._tree = DraftTree(torch.zeros(V, dtype=torch.long), tree.shape, V, tree.parents, [[] for _ in range(V)],
                                self.depth)
         self._trees: dict = {}  # batch size -> its DraftTrees
+        self._templates: dict = {}  # batch size -> its packed step at position 0 (lookahead.step.repositioned)
+        self._finish = None  # (sampler, its DeviceTreeFinish) on the tables of now
         self.successors: DeviceSuccessors | None = None
 
     def start(self, runner) -> None:
@@ -217,6 +219,7 @@ class DeviceTreeSteps:
         table = runner.state("device-successors", (runner.batch_size, self.vocab_size, self.k), torch.int32)
         self.successors = DeviceSuccessors(table, self.tree, runner.state)
         self.successors.reset()
+        self._finish = None
 
     def moved(self, runner, slots: list[int]) -> None:
         """The call moved to ``runner``, whose row ``i`` is the old runner's row ``slots[i]``: the rows' tables
@@ -255,7 +258,21 @@ class DeviceTreeSteps:
             self._trees[batch_size] = DraftTrees.stack([self._tree] * batch_size)
         return self._trees[batch_size]
 
+    def step(self, xs: list[int], positions: list[int]):
+        """The packed inputs (:class:`lookahead.step.Step`) of a step of rows feeding ``xs`` at ``positions``, their
+        tree tokens left for the device to write (:meth:`DeviceTreeFinish.prepare`)."""
+        from .step import build_step, repositioned
+
+        B = len(xs)
+        if B not in self._templates:
+            self._templates[B] = build_step([0] * B, torch.zeros(B, 1, dtype=torch.long), 1, 1, self.trees(B), "cpu",
+                                            self.constants, pack=True)
+        return repositioned(self._templates[B], xs, positions)
+
     def finish(self, sampler) -> DeviceTreeFinish:
+        """The steps' finish for ``sampler`` (the call's), made once for the tables of now."""
         from .verification import StepVerifier
 
-        return DeviceTreeFinish(StepVerifier(sampler, self.shape, self.depth), self.successors)
+        if self._finish is None or self._finish[0] is not sampler:
+            self._finish = (sampler, DeviceTreeFinish(StepVerifier(sampler, self.shape, self.depth), self.successors))
+        return self._finish[1]

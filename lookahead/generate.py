@@ -811,7 +811,8 @@ def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: 
     """Step until every row has stopped. Returns, per step, the tokens emitted, and the runner the call ended on.
 
     ``refill(slot, cache_row)``: the next waiting row, prefilled into ``cache_row`` (batch row ``slot`` of the
-    cache, a batch-1 view), or ``None`` when no row waits; a finished row's place goes to it before anything below happens to that place.
+    cache, a batch-1 view), or ``None`` when no row waits; a finished row's place goes to it before anything
+    below happens to that place.
     ``queued()``: whether rows wait (then every token counts alike in a step's plan, else the rows furthest from
     their end count most: :func:`_finish_weights`). ``device_steps``: every step a device-tree step
     (:func:`_device_tree_step`; plain near the model's last positions).
@@ -1009,8 +1010,7 @@ def _device_tree_step(model, cache, runner: StepRunner, batch: list[_Row], sampl
     verified tokens and commits them; the tree, its verification and the tables' update run in the step."""
     host_started = time.perf_counter()
     lens = [_start(r) for r in batch]
-    step = build_step(lens, torch.tensor([[r.x] for r in batch]), 1, 1, steps.trees(len(batch)), "cpu",
-                      steps.constants, pack=True)
+    step = steps.step([r.x for r in batch], lens)
     finish = steps.finish(sampler)
     forward_started = time.perf_counter()
     back = finish.read(_run(model, cache, runner, steps.shape, step.tokens, step.positions, lens, step.layout,

@@ -161,6 +161,23 @@ def build_tree_step(positions: list[int], xs: list[int], window_tokens: torch.Te
     return step, trees
 
 
+def repositioned(template: Step, xs: list[int], positions: list[int]) -> Step:
+    """A packed step (``build_step(..., pack=True)``) like ``template`` but for rows feeding ``xs`` at
+    ``positions``: its block copied and each row's ``x``, positions and cache length written, the rest (a fixed
+    tree's tokens, depth, end and node counts; the logits rows) as the template has them. ``template`` must have
+    been packed with every row at position 0 and a single level of one column (``x`` alone before the tree).
+    Where a step's trees never change (:mod:`lookahead.device_tree`), this is its packing: about a tenth of
+    :func:`pack_step_reference`'s time."""
+    B, T = template.tokens.shape
+    block = template.packed.clone()
+    step = _packed(block, template.layout, B, T, template.logits_rows)
+    p = torch.tensor(positions, dtype=torch.long)
+    step.tokens[:, 0] = torch.tensor(xs, dtype=torch.long)
+    step.positions.add_(p[:, None])
+    block[input_spans(B, T, template.layout.tree_size, template.logits_rows.numel())["cache_len"][0]] = p
+    return step
+
+
 def pack_step_reference(positions: list[int], lookahead_tokens: torch.Tensor, L: int, trees: DraftTrees | None,
                         rows: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
     """A packed step's block (:func:`lookahead.runner.input_spans`' layout), written through NumPy views: the

@@ -94,6 +94,24 @@ def test_seed_takes_each_tokens_last_prediction(monkeypatch, chunk):
     assert table[1].eq(0).all() and table[0].eq(7).all()
 
 
+@pytest.mark.parametrize("budget,B", [(1, 1), (4, 3), (9, 16)])
+def test_a_steps_packing_is_build_steps(budget, B):
+    """DeviceTreeSteps.step writes x, the positions and the cache lengths into a copy of its template: the block
+    build_step packs for the same rows."""
+    from lookahead.step import build_step
+
+    g = torch.Generator().manual_seed(budget + B)
+    steps = DeviceTreeSteps(StaticTree.best(budget), 50)
+    for _ in range(3):  # the template reused
+        xs, lens = torch.randint(0, 50, (B,), generator=g).tolist(), torch.randint(0, 90, (B,), generator=g).tolist()
+        step = steps.step(xs, lens)
+        want = build_step(lens, torch.tensor(xs)[:, None], 1, 1, steps.trees(B), "cpu", pack=True)
+        assert torch.equal(step.packed, want.packed)
+        assert torch.equal(step.tokens, want.tokens) and torch.equal(step.positions, want.positions)
+        assert torch.equal(step.num_nodes, want.num_nodes) and torch.equal(step.logits_rows, want.logits_rows)
+        assert step.tokens.data_ptr() == step.packed.data_ptr()  # views of its own block
+
+
 def _draft_reference(table: torch.Tensor, tree: StaticTree, x: list[int]) -> list[list[int]]:
     out = []
     for b, root in enumerate(x):
