@@ -174,6 +174,7 @@ def main(argv=None) -> int:
     pairs = parse_costs(args.step_costs)
     costs = StepCosts.from_pairs(pairs)
     torch.set_num_threads(args.threads)
+    machine = machine_info("cpu")  # at the start: the revision that runs, whatever is committed meanwhile
     model, tokenizer = load_default()
     decoded, prompt_sets = [], []
     for path in args.sets:
@@ -201,7 +202,7 @@ def main(argv=None) -> int:
                     if "measured_tokens_per_step" in rows[-1] else ""
                 print(f"{set_name(path):10s} seed={seed!s:5s} V={budget:<3d} {per_step:.2f} tokens a step{real}; "
                       f"{speedups}", flush=True)
-    result = {"device": "cpu", "machine": machine_info("cpu"),
+    result = {"device": "cpu", "machine": machine,
               "command": command_line(__file__, sys.argv[1:] if argv is None else argv),
               "model": "SmolLM2-135M-Instruct (float32)", "step_costs": pairs, "prompts": args.prompts,
               "max_new_tokens": args.max_new_tokens, "k": args.k, "batch_sizes": args.batch_sizes,
