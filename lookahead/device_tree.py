@@ -181,8 +181,15 @@ class DeviceTreeFinish:
         self.successors.record(inputs.tokens[:, : 1 + V], ids, path)
         return out
 
-    def read(self, out):
-        return self.verifier.read(out)
+    def read(self, out) -> tuple[list[list[int]], torch.Tensor | None]:
+        """``(emitted, kept)``: per row the tokens the step emitted (its accepted nodes' and the bonus token), and
+        the rows they were chosen from (``Sampler.outputs``; else ``None``). The only copy to the host of a step.
+        A device tree's host needs no more: no path or window to learn from (:meth:`StepVerifier.read` gives
+        those, at about twice the time)."""
+        out, kept = out if isinstance(out, tuple) else (out, None)
+        A = self.verifier.max_accept
+        rows = out.cpu()[:, : 2 + 2 * A].tolist()
+        return [r[1 + A: 2 + A + r[0]] for r in rows], None if kept is None else kept.cpu()
 
 
 class DeviceTreeSteps:
@@ -210,7 +217,7 @@ class DeviceTreeSteps:
         self._tree = DraftTree(torch.zeros(V, dtype=torch.long), tree.shape, V, tree.parents, [[] for _ in range(V)],
                                self.depth)
         self._trees: dict = {}  # batch size -> its DraftTrees
-        self._templates: dict = {}  # batch size -> its packed step at position 0 (lookahead.step.repositioned)
+        self._templates: dict = {}  # batch size -> its packed step, rewritten each step (lookahead.step.Repositioned)
         self._finish = None  # (sampler, its DeviceTreeFinish) on the tables of now
         self.successors: DeviceSuccessors | None = None
 
@@ -260,14 +267,15 @@ class DeviceTreeSteps:
 
     def step(self, xs: list[int], positions: list[int]):
         """The packed inputs (:class:`lookahead.step.Step`) of a step of rows feeding ``xs`` at ``positions``, their
-        tree tokens left for the device to write (:meth:`DeviceTreeFinish.prepare`)."""
-        from .step import build_step, repositioned
+        tree tokens left for the device to write (:meth:`DeviceTreeFinish.prepare`); the same block each step of a
+        batch size, rewritten (a step runner copies it in at once)."""
+        from .step import Repositioned, build_step
 
         B = len(xs)
         if B not in self._templates:
-            self._templates[B] = build_step([0] * B, torch.zeros(B, 1, dtype=torch.long), 1, 1, self.trees(B), "cpu",
-                                            self.constants, pack=True)
-        return repositioned(self._templates[B], xs, positions)
+            self._templates[B] = Repositioned(build_step([0] * B, torch.zeros(B, 1, dtype=torch.long), 1, 1,
+                                                         self.trees(B), "cpu", self.constants, pack=True))
+        return self._templates[B](xs, positions)
 
     def finish(self, sampler) -> DeviceTreeFinish:
         """The steps' finish for ``sampler`` (the call's), made once for the tables of now."""

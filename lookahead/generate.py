@@ -1013,16 +1013,16 @@ def _device_tree_step(model, cache, runner: StepRunner, batch: list[_Row], sampl
     step = steps.step([r.x for r in batch], lens)
     finish = steps.finish(sampler)
     forward_started = time.perf_counter()
-    back = finish.read(_run(model, cache, runner, steps.shape, step.tokens, step.positions, lens, step.layout,
-                            step.logits_rows, step.num_nodes, finish, None, step.packed))
+    emitted_rows, kept = finish.read(_run(model, cache, runner, steps.shape, step.tokens, step.positions, lens,
+                                          step.layout, step.logits_rows, step.num_nodes, finish, None, step.packed))
     forward_done = time.perf_counter()
     emitted_total = 0
     for b, row in enumerate(batch):
         if row.emitter.done:  # parked
             continue
-        emitted = back.emitted[b]
+        emitted = emitted_rows[b]
         row.cache_len += len(emitted)
-        emitted_total += row.commit(emitted, step.layout.T, None if back.kept is None else back.kept[b])
+        emitted_total += row.commit(emitted, step.layout.T, None if kept is None else kept[b])
         row.x = emitted[-1]
     host.seconds += (forward_started - host_started) + (time.perf_counter() - forward_done)
     return emitted_total

@@ -161,21 +161,36 @@ def build_tree_step(positions: list[int], xs: list[int], window_tokens: torch.Te
     return step, trees
 
 
-def repositioned(template: Step, xs: list[int], positions: list[int]) -> Step:
-    """A packed step (``build_step(..., pack=True)``) like ``template`` but for rows feeding ``xs`` at
-    ``positions``: its block copied and each row's ``x``, positions and cache length written, the rest (a fixed
-    tree's tokens, depth, end and node counts; the logits rows) as the template has them. ``template`` must have
-    been packed with every row at position 0 and a single level of one column (``x`` alone before the tree).
-    Where a step's trees never change (:mod:`lookahead.device_tree`), this is its packing: about a tenth of
-    :func:`pack_step_reference`'s time."""
-    B, T = template.tokens.shape
-    block = template.packed.clone()
-    step = _packed(block, template.layout, B, T, template.logits_rows)
-    p = torch.tensor(positions, dtype=torch.long)
-    step.tokens[:, 0] = torch.tensor(xs, dtype=torch.long)
-    step.positions.add_(p[:, None])
-    block[input_spans(B, T, template.layout.tree_size, template.logits_rows.numel())["cache_len"][0]] = p
-    return step
+class Repositioned:
+    """A packed step (``build_step(..., pack=True)``) rewritten in place for each step of rows that feed one token
+    before a fixed tree: :meth:`__call__` writes each row's ``x``, its positions and its cache length into the
+    block, the rest (the tree's tokens, depth, end and node counts; the logits rows) staying as packed. Where a
+    step's trees never change (:mod:`lookahead.device_tree`) this is its packing, in a few NumPy writes where
+    :func:`pack_step_reference` made the block anew (about 90 us a 16-row step under a line profiler, on this
+    project's CPU).
+
+    Args:
+        template: the step packed with every row at position 0, ``x`` alone before the tree (one level of one
+            column). Its block is the one rewritten: a step runner copies it in before the next call."""
+
+    def __init__(self, template: Step):
+        if template.packed is None or template.layout.lookahead_len != 1:
+            raise ValueError("Repositioned needs a packed step of x alone before its tree")
+        self.step = template
+        B, T = template.tokens.shape
+        flat = template.packed.numpy()
+        spans = input_spans(B, T, template.layout.tree_size, template.logits_rows.numel())
+        self._tokens = flat[spans["tokens"][0]].reshape(B, T)
+        self._positions = flat[spans["positions"][0]].reshape(B, T)
+        self._offsets = self._positions.copy()  # at position 0: each column's offset from x's position
+        self._cache_len = flat[spans["cache_len"][0]]
+
+    def __call__(self, xs: list[int], positions: list[int]) -> Step:
+        p = np.asarray(positions, dtype=np.int64)
+        self._tokens[:, 0] = xs
+        np.add(self._offsets, p[:, None], out=self._positions)
+        self._cache_len[:] = p
+        return self.step
 
 
 def pack_step_reference(positions: list[int], lookahead_tokens: torch.Tensor, L: int, trees: DraftTrees | None,

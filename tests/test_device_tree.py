@@ -96,8 +96,8 @@ def test_seed_takes_each_tokens_last_prediction(monkeypatch, chunk):
 
 @pytest.mark.parametrize("budget,B", [(1, 1), (4, 3), (9, 16)])
 def test_a_steps_packing_is_build_steps(budget, B):
-    """DeviceTreeSteps.step writes x, the positions and the cache lengths into a copy of its template: the block
-    build_step packs for the same rows."""
+    """DeviceTreeSteps.step writes x, the positions and the cache lengths into its block: the block build_step
+    packs for the same rows."""
     from lookahead.step import build_step
 
     g = torch.Generator().manual_seed(budget + B)
@@ -109,7 +109,7 @@ def test_a_steps_packing_is_build_steps(budget, B):
         assert torch.equal(step.packed, want.packed)
         assert torch.equal(step.tokens, want.tokens) and torch.equal(step.positions, want.positions)
         assert torch.equal(step.num_nodes, want.num_nodes) and torch.equal(step.logits_rows, want.logits_rows)
-        assert step.tokens.data_ptr() == step.packed.data_ptr()  # views of its own block
+        assert step.tokens.data_ptr() == step.packed.data_ptr()  # views of its own block, rewritten each step
 
 
 def _draft_reference(table: torch.Tensor, tree: StaticTree, x: list[int]) -> list[list[int]]:
