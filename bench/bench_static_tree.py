@@ -11,11 +11,11 @@ graph. This bench asks what such a tree would accept, before anything is built.
 How: each prompt is decoded greedily (our plain decoding), and one forward over prompt and output gives every
 position's top ``k`` next tokens: what the model predicts there in its true context. A simulated decode then walks
 the output: at each step the tree is read off a table of the tops recorded so far (a token's latest tops win;
-with ``seed``, every prompt position's tops are recorded before the first step, as a prefill could), the longest
-tree path that the true output continues is accepted, and the tops of the step's fed token and accepted nodes
-are recorded. A real step would also record its rejected nodes' tops (speculative contexts), which this leaves
-out. The tree for a budget of ``V`` nodes holds the ``V`` rank paths most likely to be accepted, each rank's rate
-of being the next token fitted on the other prompt set (cross-validated).
+with ``seed``, every prompt position's tops are recorded before the first step, as the implementation's prefill
+does), the longest tree path that the true output continues is accepted, and the tops of the step's fed token and
+accepted nodes are recorded (as the implementation records them: not its rejected nodes'). The tree for a budget
+of ``V`` nodes holds the ``V`` rank paths most likely to be accepted, each rank's rate of being the next token
+fitted on the other prompt set (cross-validated), as ``lookahead.device_tree.StaticTree.best`` makes them.
 
 The predicted speed-up at ``B`` rows is ``tokens a step x t(B) / t(B (1 + V))`` on the step-cost table, with the
 host work of a step taken as plain decoding's (the point of keeping the tree on the device) and nothing for the
@@ -35,7 +35,6 @@ Writes bench/results/static-tree-<tag>.{json,md}.
 from __future__ import annotations
 
 import argparse
-import heapq
 import os
 import sys
 
@@ -50,6 +49,7 @@ from _common import DEFAULT_SETS, command_line, machine_info, set_name, write_re
 from lookahead import LookaheadConfig, load_default  # noqa: E402
 from lookahead.cli import read_prompts  # noqa: E402
 from lookahead.controller import StepCosts  # noqa: E402
+from lookahead.device_tree import StaticTree  # noqa: E402
 
 # SmolLM2 bfloat16 on the H200 with CUDA graphs (session 57, bench/results/batch-nvidia-h200-bfloat16.json).
 H200_BF16_STEP_COSTS = ((1, 1.227e-3), (16, 1.299e-3), (64, 1.339e-3), (128, 1.463e-3), (256, 1.792e-3),
@@ -89,21 +89,6 @@ def rank_rates(rows: list[dict], k: int, seed: bool) -> list[float]:
                     hits[entry.index(seq[i + 1])] += 1
             table[seq[i]] = tops[i]
     return [h / max(seen, 1) for h in hits]
-
-
-def static_tree(rates: list[float], budget: int) -> list[tuple[int, ...]]:
-    """The ``budget`` rank paths (root's child first) with the largest products of ``rates``, best first: a
-    prefix-closed set, so a tree (a path's parent is listed before it)."""
-    heap = [(-rate, (r,)) for r, rate in enumerate(rates) if rate > 0]
-    heapq.heapify(heap)
-    paths: list[tuple[int, ...]] = []
-    while heap and len(paths) < budget:
-        score, path = heapq.heappop(heap)
-        paths.append(path)
-        for r, rate in enumerate(rates):
-            if rate > 0:
-                heapq.heappush(heap, (score * rate, path + (r,)))
-    return paths
 
 
 def simulate(rows: list[dict], tree: list[tuple[int, ...]], seed: bool) -> tuple[int, int]:
@@ -186,7 +171,7 @@ def main(argv=None) -> int:
         for s, path in enumerate(args.sets):
             rates = rank_rates(decoded[1 - s], args.k, seed)
             for budget in args.budgets:
-                tree = static_tree(rates, budget)
+                tree = StaticTree.best(budget, rates).paths  # the library's trees, on these rates
                 tokens, steps = simulate(decoded[s], tree, seed)
                 per_step = tokens / steps
                 rows.append({"set": set_name(path), "prompts": len(decoded[s]), "seed": seed, "budget": budget,
