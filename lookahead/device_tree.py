@@ -19,6 +19,12 @@ import torch
 
 from lookahead_kernels.tree import TreeShape
 
+from .config import StepShape
+from .draft import DraftTree, DraftTrees
+from .step import Repositioned, build_step
+from .successors import SuccessorTable
+from .verification import StepVerifier
+
 # How often the next token was a token's r-th recorded successor, r = 0..7, when it had any recorded (SmolLM2,
 # both dev sets pooled, tops recorded from the tokens decoded so far: bench/results/static-tree-h200-bf16.json).
 # Only their order and ratios shape a tree.
@@ -172,8 +178,6 @@ class DeviceTreeFinish:
         inputs.tokens[:, 1: 1 + V] = self.successors.draft(inputs.tokens[:, 0])
 
     def __call__(self, logits: torch.Tensor, inputs) -> torch.Tensor:
-        from .successors import SuccessorTable
-
         out = self.verifier(logits, inputs)
         V, A = self.successors.tree.num_nodes, self.verifier.max_accept
         ids, _ = SuccessorTable.top(logits[:, : 1 + V], self.k)
@@ -202,9 +206,6 @@ class DeviceTreeSteps:
     """
 
     def __init__(self, tree: StaticTree, vocab_size: int):
-        from .config import StepShape
-        from .draft import DraftTree
-
         if tree.num_nodes < 1:
             raise ValueError("DeviceTreeSteps needs a tree of at least one node")
         self.tree, self.vocab_size = tree, vocab_size
@@ -245,8 +246,6 @@ class DeviceTreeSteps:
         :meth:`~lookahead.model.LlamaForCausalLM.logits`) gives each token's most likely successors; a token's
         last occurrence wins. Taken in chunks of ``SEED_CHUNK`` rows: a long prompt's logits over a large
         vocabulary would otherwise take gigabytes at once."""
-        from .successors import SuccessorTable
-
         last = {t: i for i, t in enumerate(tokens)}  # each token's last row
         device = self.successors.table.device
         keys = torch.tensor(list(last), dtype=torch.long)
@@ -259,8 +258,6 @@ class DeviceTreeSteps:
 
     def trees(self, batch_size: int):
         """The step's trees for ``batch_size`` rows (as :func:`lookahead.step.build_step` takes them)."""
-        from .draft import DraftTrees
-
         if batch_size not in self._trees:
             self._trees[batch_size] = DraftTrees.stack([self._tree] * batch_size)
         return self._trees[batch_size]
@@ -269,8 +266,6 @@ class DeviceTreeSteps:
         """The packed inputs (:class:`lookahead.step.Step`) of a step of rows feeding ``xs`` at ``positions``, their
         tree tokens left for the device to write (:meth:`DeviceTreeFinish.prepare`); the same block each step of a
         batch size, rewritten (a step runner copies it in at once)."""
-        from .step import Repositioned, build_step
-
         B = len(xs)
         if B not in self._templates:
             self._templates[B] = Repositioned(build_step([0] * B, torch.zeros(B, 1, dtype=torch.long), 1, 1,
@@ -279,8 +274,6 @@ class DeviceTreeSteps:
 
     def finish(self, sampler) -> DeviceTreeFinish:
         """The steps' finish for ``sampler`` (the call's), made once for the tables of now."""
-        from .verification import StepVerifier
-
         if self._finish is None or self._finish[0] is not sampler:
             self._finish = (sampler, DeviceTreeFinish(StepVerifier(sampler, self.shape, self.depth), self.successors))
         return self._finish[1]
