@@ -206,7 +206,7 @@ else  # issue 12's GPU figure: lookahead against plain at 1, 4 and 16 rows (grap
     --batch-sizes 1 16 --repeats 1 --max-new-tokens 64 --sets "${SETS[@]}" --out-dir "$WORK"
   # Issue 12's 16 rows where the step's cost stays flat: predicted 1.09x / 1.15x at 0.48 ms of host work a step,
   # 1.34x / 1.48x at none (session 64); the host work of a 16-row step decides it. Trees of 4 nodes read on the
-  # device take a third of it: predicted 1.12x / 1.34x (session 67, MEASUREMENTS "Trees read on the device").
+  # device take 30-50 us more than plain's here: predicted about 1.25x / 1.47x (session 67, MEASUREMENTS).
   wants bf16refill && part bf16refill 120 $PY bench/bench_batch.py --device cuda --dtype bfloat16 --refill \
     --prompts 48 --batch-sizes 16 --repeats 1 --max-new-tokens 64 --device-tree 4 --sets "${SETS[@]}" \
     --out-dir "$WORK"
