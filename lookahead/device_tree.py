@@ -159,6 +159,8 @@ class DeviceTreeFinish:
         self.verifier, self.successors = verifier, successors
         self.sampler = verifier.sampler
         self.k = successors.table.shape[2]
+        # Read every graph step to pick the graph: made once (a call keeps one finish for its tables).
+        self._key = ("device-tree", tuple(successors.tree.paths), self.k) + verifier.key
 
     @property
     def shape(self):
@@ -166,7 +168,7 @@ class DeviceTreeFinish:
 
     @property
     def key(self) -> tuple:
-        return ("device-tree", tuple(self.successors.tree.paths), self.k) + self.verifier.key
+        return self._key
 
     @property
     def uniforms_per_row(self) -> int:
