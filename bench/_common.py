@@ -21,6 +21,17 @@ DATA = os.path.join(ROOT, "..", "shared", "data")
 DEFAULT_SETS = [os.path.join(DATA, "mt_bench_dev.jsonl"), os.path.join(DATA, "humaneval_dev.jsonl")]
 
 
+def parse_step_costs(text: str, named: dict) -> tuple:
+    """``--step-costs``: a name in ``named`` (its table), or ``T:seconds`` pairs such as ``1:2e-3,64:3e-3``."""
+    if text in named:
+        return tuple(named[text])
+    try:
+        return tuple((int(t), float(s)) for t, s in (pair.split(":") for pair in text.split(",")))
+    except ValueError as exc:
+        names = " or ".join(repr(n) for n in named)
+        raise SystemExit(f"--step-costs: {names} or T:seconds pairs such as 1:2e-3,64:3e-3, got {text!r}") from exc
+
+
 def add_output_args(ap, max_new_tokens: int, render: bool = False, threads: bool = True) -> None:
     """``--max-new-tokens``, ``--threads`` (unless ``threads`` is false: a bench that sets its own counts), and
     where the results go (``<out-dir>/<name>-<tag>.*``); with ``render``, ``--render``: only re-render a results

@@ -36,7 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from _common import DEFAULT_SETS, command_line, machine_info, set_name, write_results  # noqa: E402
+from _common import DEFAULT_SETS, command_line, machine_info, parse_step_costs, set_name, write_results  # noqa: E402
 
 from lookahead import LookaheadConfig, load_default  # noqa: E402
 from lookahead.cli import read_prompts  # noqa: E402
@@ -108,8 +108,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tag", default="cpu-replay")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     args = ap.parse_args(argv)
-    costs = H100_STEP_COSTS if args.step_costs == "h100" else \
-        [(int(t), float(s)) for t, s in (pair.split(":") for pair in args.step_costs.split(","))]
+    costs = parse_step_costs(args.step_costs, {"h100": H100_STEP_COSTS})
     configs = {f"fixed {b}": LookaheadConfig(max_step_tokens=b) for b in args.budgets} or \
         {"auto": LookaheadConfig(step_costs=costs)}
     torch.set_num_threads(args.threads)

@@ -34,7 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from _common import DEFAULT_SETS, command_line, machine_info, set_name, write_results  # noqa: E402
+from _common import DEFAULT_SETS, command_line, machine_info, parse_step_costs, set_name, write_results  # noqa: E402
 
 from lookahead import DraftMemory, LookaheadConfig, load_default  # noqa: E402
 from lookahead.cli import read_prompts  # noqa: E402
@@ -82,15 +82,6 @@ def costed_host(host_ms: float, host_ms_per_row: float):
     return mock.patch.object(HostCost, "observe", observe)
 
 
-def parse_costs(text: str) -> tuple:
-    if text == "h100":
-        return H100_STEP_COSTS
-    try:
-        return tuple((int(t), float(s)) for t, s in (pair.split(":") for pair in text.split(",")))
-    except ValueError as exc:
-        raise SystemExit(f"--step-costs: 'h100' or T:seconds pairs such as 1:2e-3,64:3e-3, got {text!r}") from exc
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -115,7 +106,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tag", default="h100")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     args = ap.parse_args(argv)
-    pairs = parse_costs(args.step_costs)
+    pairs = parse_step_costs(args.step_costs, {"h100": H100_STEP_COSTS})
     costs = StepCosts.from_pairs(pairs)
     torch.set_num_threads(args.threads)
     machine = machine_info("cpu")

@@ -44,7 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from _common import DEFAULT_SETS, command_line, machine_info, set_name, write_results  # noqa: E402
+from _common import DEFAULT_SETS, command_line, machine_info, parse_step_costs, set_name, write_results  # noqa: E402
 
 from lookahead import LookaheadConfig, load_default  # noqa: E402
 from lookahead.cli import read_prompts  # noqa: E402
@@ -128,16 +128,6 @@ def measured(model, prompts: list[torch.Tensor], rows: list[dict], budget: int, 
     return out.stats.new_tokens / sum(row.steps for row in out.stats.rows), identical
 
 
-def parse_costs(text: str) -> tuple:
-    if text == "h200-bf16":
-        return H200_BF16_STEP_COSTS
-    try:
-        return tuple((int(t), float(s)) for t, s in (pair.split(":") for pair in text.split(",")))
-    except ValueError as exc:
-        raise SystemExit(f"--step-costs: 'h200-bf16' or T:seconds pairs such as 1:2e-3,64:3e-3, got {text!r}") \
-            from exc
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -156,7 +146,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if len(args.sets) != 2:
         raise SystemExit("--sets: two prompt sets (each tree's ranks are fitted on the other set)")
-    pairs = parse_costs(args.step_costs)
+    pairs = parse_step_costs(args.step_costs, {"h200-bf16": H200_BF16_STEP_COSTS})
     costs = StepCosts.from_pairs(pairs)
     torch.set_num_threads(args.threads)
     machine = machine_info("cpu")  # at the start: the revision that runs, whatever is committed meanwhile

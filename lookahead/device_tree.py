@@ -5,8 +5,9 @@ best-first walk), and at 16 rows that host work (about 0.3 ms a step on this pro
 host) is what kept the GPU's batches from paying (``bench/MEASUREMENTS.md``, sessions 57 and 64-66). A tree of a
 fixed shape whose node ``i`` holds the ``ranks[i]``-th recorded successor of its parent's token needs no host work:
 reading the tokens, the forward, the verification and the tables' update are tensor operations of fixed shapes,
-which a CUDA graph replays. ``bench/bench_static_tree.py`` predicted what such trees accept (tokens a step from
-the model's own top successors, 48 prompts a set): at 4 nodes a row 1.31 on MT-Bench and 1.44 on HumanEval.
+which a CUDA graph replays. ``bench/bench_static_tree.py --measure`` predicted and measured what such trees accept
+(tables seeded from each prompt, 16 rows, 128 tokens): at 4 nodes a row 1.40 tokens a row-step on MT-Bench and
+1.63 on HumanEval (``bench/results/static-tree-h200-bf16.md``).
 
 The tree is in ``draft-tree.md``'s encoding: nodes in depth-first pre-order, ``depth`` and ``end`` per node.
 """
@@ -188,14 +189,9 @@ class DeviceTreeFinish:
         return out
 
     def read(self, out) -> tuple[list[list[int]], torch.Tensor | None]:
-        """``(emitted, kept)``: per row the tokens the step emitted (its accepted nodes' and the bonus token), and
-        the rows they were chosen from (``Sampler.outputs``; else ``None``). The only copy to the host of a step.
-        A device tree's host needs no more: no path or window to learn from (:meth:`StepVerifier.read` gives
-        those, at about twice the time)."""
-        out, kept = out if isinstance(out, tuple) else (out, None)
-        A = self.verifier.max_accept
-        rows = out.cpu()[:, : 2 + 2 * A].tolist()
-        return [r[1 + A: 2 + A + r[0]] for r in rows], None if kept is None else kept.cpu()
+        """``(emitted, kept)``: per row the tokens the step emitted, and the rows they were chosen from
+        (:meth:`StepVerifier.read_emitted`): the host learns nothing else from a device tree's step."""
+        return self.verifier.read_emitted(out)
 
 
 class DeviceTreeSteps:
@@ -219,16 +215,16 @@ class DeviceTreeSteps:
         # The host's view of a row's tree: its shape; its tokens are written on the device (DeviceTreeFinish).
         self._tree = DraftTree(torch.zeros(V, dtype=torch.long), tree.shape, V, tree.parents, [[] for _ in range(V)],
                                self.depth)
-        self._trees: dict = {}  # batch size -> its DraftTrees
         self._templates: dict = {}  # batch size -> its packed step, rewritten each step (lookahead.step.Repositioned)
         self._finish = None  # (sampler, its DeviceTreeFinish) on the tables of now
         self.successors: DeviceSuccessors | None = None
 
     def start(self, runner) -> None:
-        """Take ``runner``'s tables (its state, which its graphs read), every row's emptied."""
+        """Take ``runner``'s tables (its state, which its graphs read). A row's table is emptied when its prompt
+        takes it (:meth:`reset`, then :meth:`seed`): until then it may hold an earlier call's, which only a parked
+        row, whose tokens are never read, would draft from."""
         table = runner.state("device-successors", (runner.batch_size, self.vocab_size, self.k), torch.int32)
         self.successors = DeviceSuccessors(table, self.tree, runner.state)
-        self.successors.reset()
         self._finish = None
 
     def moved(self, runner, slots: list[int]) -> None:
@@ -258,11 +254,9 @@ class DeviceTreeSteps:
             self.successors.table[slot, keys[at: at + SEED_CHUNK].to(device), : ids.shape[1]] = \
                 ids.to(self.successors.table.dtype)
 
-    def trees(self, batch_size: int):
+    def trees(self, batch_size: int) -> DraftTrees:
         """The step's trees for ``batch_size`` rows (as :func:`lookahead.step.build_step` takes them)."""
-        if batch_size not in self._trees:
-            self._trees[batch_size] = DraftTrees.stack([self._tree] * batch_size)
-        return self._trees[batch_size]
+        return DraftTrees.stack([self._tree] * batch_size)
 
     def step(self, xs: list[int], positions: list[int]):
         """The packed inputs (:class:`lookahead.step.Step`) of a step of rows feeding ``xs`` at ``positions``, their

@@ -152,7 +152,8 @@ class StepRunner:
                 :class:`lookahead.verification.StepInputs` (with graphs, captured with the forward), with ``key``
                 (hashable: its own graph per key) and ``uniforms_per_row`` (sampling: that many random numbers a
                 row, drawn into a buffer of this shape before each step, outside the graph:
-                :func:`lookahead.verification.step_uniforms`).
+                :func:`lookahead.verification.step_uniforms`); where it has ``prepare(inputs)``, that runs before
+                the forward, in the graph too (inputs made on the device: :mod:`lookahead.device_tree`).
             packed: optional: the same inputs (every one of them, ``num_nodes`` and ``logits_rows`` included) as one
                 contiguous int64 CPU tensor laid out by :func:`input_spans` for this shape, batch and ``R``: copied
                 in as it is, in one copy, instead of each argument checked and copied alone (the caller packed them

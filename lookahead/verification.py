@@ -308,6 +308,14 @@ class StepVerifier:
         processed = torch.cat([x_logits[:, None], node_logits.gather(1, taken)], 1)
         return self.sampler.kept_rows(raw, processed)
 
+    def read_emitted(self, out) -> tuple[list[list[int]], torch.Tensor | None]:
+        """``(emitted, kept)`` of :meth:`read` alone, for a step whose host learns nothing else from it (a device
+        tree's, :mod:`lookahead.device_tree`): half :meth:`read`'s time. One copy to the host."""
+        out, kept = out if isinstance(out, tuple) else (out, None)
+        A = self.max_accept
+        rows = out.cpu()[:, : 2 + 2 * A].tolist()
+        return [r[1 + A: 2 + A + r[0]] for r in rows], None if kept is None else kept.cpu()
+
     def read(self, out: torch.Tensor) -> StepReadBack:
         """The host's view of ``out`` (:meth:`__call__`'s result): one copy to the host, the only sync of a step."""
         out, kept = out if isinstance(out, tuple) else (out, None)
