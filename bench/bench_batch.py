@@ -47,6 +47,9 @@ from lookahead.controller import make_plan  # noqa: E402
 
 MODES = {"plain": None, "lookahead": LookaheadConfig()}
 DEVICE_TREE = "device-tree"  # --device-tree N: a third mode, LookaheadConfig(device_tree=N) (lookahead.device_tree)
+# --step-by-step: plain (and device-tree) decoding again with each step read before the next is launched
+# (generate's _overlap_steps=False; lookahead.overlap), to measure what overlapping them gains.
+STEP_BY_STEP = " step-by-step"
 # --dry-run: the shape of an H100's step costs (SmolLM2 float32, session 5) ten times slower, given as if measured so
 # that the planner learns the host's cost as it does on a GPU. Slower, because a CPU step's host work includes its
 # verification (a GPU's graph holds it): beside the H100's own times it would turn every batch's trees off, and the
@@ -55,9 +58,11 @@ H100_LIKE = ((1, 0.0215), (16, 0.0329), (64, 0.0351))
 H100_LIKE_BATCH = ((256, 0.0505),)
 
 
-def mode_kwargs(config, generate_kwargs: dict, device: str) -> dict:
+def mode_kwargs(config, generate_kwargs: dict, device: str, mode: str = "") -> dict:
     """A mode's generate keywords: a device tree runs on the static step path, which the CPU takes only when
-    asked (without graphs)."""
+    asked (without graphs); a step-by-step mode's steps are not overlapped."""
+    if mode.endswith(STEP_BY_STEP):
+        generate_kwargs = dict(generate_kwargs, _overlap_steps=False)
     if config is not None and config.device_tree and device == "cpu":
         return dict(generate_kwargs, cuda_graphs=False, _static_steps=True)
     return generate_kwargs
@@ -76,7 +81,8 @@ def run_paired(model, prompts: list, batch_size: int, max_new_tokens: int, repea
     per_mode = {mode: {"outputs": [], "passes": []} for mode in modes}
     batches = [prompts] if refill else [prompts[i: i + batch_size] for i in range(0, len(prompts), batch_size)]
     generate_kwargs = dict(generate_kwargs, max_batch_size=batch_size)
-    kwargs = {mode: mode_kwargs(config, generate_kwargs, str(model.device.type)) for mode, config in modes.items()}
+    kwargs = {mode: mode_kwargs(config, generate_kwargs, str(model.device.type), mode)
+              for mode, config in modes.items()}
     # Untimed, the first batch once in each mode: on CUDA that builds this batch size's runners and captures their
     # graphs (kept on the model), which a timed pass would otherwise pay for once, lookahead's menu more than plain.
     for mode in modes:
@@ -146,6 +152,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device-tree", type=int, default=0, metavar="N",
                     help="also decode with LookaheadConfig(device_tree=N): trees of N nodes read on the device from "
                          "successor tables kept there (mode 'device-tree')")
+    ap.add_argument("--step-by-step", action="store_true",
+                    help="also decode plainly (and with --device-tree) reading each step before launching the next "
+                         "(modes '... step-by-step'): what overlapping the steps gains (lookahead/overlap.py)")
     ap.add_argument("--tag", default=None, help="result file tag (default: the device)")
     ap.add_argument("--tag-suffix", default="", help="appended to the default tag (another run on the same device)")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
@@ -164,6 +173,8 @@ def main(argv=None) -> int:
     if args.device_tree < 0:
         ap.error(f"--device-tree must be >= 0, got {args.device_tree}")
     modes = dict(MODES, **({DEVICE_TREE: LookaheadConfig(device_tree=args.device_tree)} if args.device_tree else {}))
+    if args.step_by_step:
+        modes.update({mode + STEP_BY_STEP: modes[mode] for mode in ("plain", DEVICE_TREE) if mode in modes})
     from tqdm.auto import tqdm
 
     if args.dry_run:
@@ -190,9 +201,9 @@ def main(argv=None) -> int:
             prompts = [ids[0].to(model.device) for ids in read_prompts(set_path, tokenizer)[: args.prompts]]
             for B in args.batch_sizes:  # the controller's cost measurement for this batch, outside the timings
                 make_plan(MODES["lookahead"], model, min(B, len(prompts)))
-            for config in modes.values():  # warm-up: packing, caches, allocator
+            for mode, config in modes.items():  # warm-up: packing, caches, allocator
                 model.generate(prompts[:2], max_new_tokens=4, lookahead=config,
-                               **mode_kwargs(config, generate_kwargs, args.device))
+                               **mode_kwargs(config, generate_kwargs, args.device, mode))
             reference = None
             if 1 not in args.batch_sizes and not sampled:  # each prompt's batch-1 plain output, for the identity
                 reference = [model.generate(p, max_new_tokens=args.max_new_tokens, lookahead=None)
@@ -206,7 +217,7 @@ def main(argv=None) -> int:
                     identical = None if sampled else sum(o == r for o, r in zip(outputs, reference))
                     rows.append({"set": name, "batch_size": B, "mode": mode, "prompts": len(prompts),
                                  "identical": identical, **totals})
-                    print(f"{name:10s} B={B:3d} {mode:9s} {totals['tokens_per_s']:8.2f} tok/s  fed/row/step "
+                    print(f"{name:10s} B={B:3d} {mode:22s} {totals['tokens_per_s']:8.2f} tok/s  fed/row/step "
                           f"{totals['fed_per_row_step']:.2f}  tokens/step {totals['tokens_per_step']:.2f}  "
                           + ("" if sampled else f"identical {identical}/{len(prompts)}"), flush=True)
     for r in rows:

@@ -61,7 +61,7 @@ def part_steps(device):
         tree = TreeShape.from_parents(list(range(-1, V - 1)), device=device) if V else None
         try:
             ms = time_ms(lambda: runner.run(shape, ids, pos, context, tree), device, reps=20)
-            graph_only = time_ms(runner._buffers[(shape, None, None)].graph.replay, device, reps=20)
+            graph_only = time_ms(runner._buffers[(shape, None, None, False)].graph.replay, device, reps=20)
             print(f"steps: {shape} T={T}: run() {ms:.3f} ms, replay only {graph_only:.3f} ms", flush=True)
         except Exception:
             print(f"steps: {shape} T={T}: FAILED", flush=True)

@@ -24,7 +24,8 @@
 #   batch64    64 rows (HumanEval's first 64 prompts in one batch, MT-Bench's 40), issue 12's largest batch size
 #   batchbf16  the same in bfloat16, 1 and 16 rows (tensor cores keep a step's cost flat to larger sizes)
 #   bf16refill 48 prompts a set through 16 rows in bfloat16, a finished row's place going to the next prompt; with
-#              a third mode, trees of 4 nodes read on the device (--device-tree 4, lookahead/device_tree.py)
+#              a third mode, trees of 4 nodes read on the device (--device-tree 4, lookahead/device_tree.py), and
+#              plain and device-tree steps read one at a time as well as overlapped (--step-by-step)
 #   batchrefill  48 prompts a set through 16 rows, a finished row's place going to the next prompt (--refill)
 #   gputests   every other test marked gpu (pytest -m gpu), bf16 identity counts included
 #   ktests     kernel tests on CUDA: tests/test_gpu_kernels.py, test_layer_ops.py, test_step_linear.py,
@@ -193,7 +194,7 @@ if [ $DRY = 1 ]; then  # the batches' loop as a GPU runs it (static steps, a pla
   wants batchrefill && part batchrefill 90 $PY bench/bench_batch.py --dry-run --refill --prompts 6 --batch-sizes 4 \
     --max-new-tokens 8 --sets "${SETS[@]}" --out-dir "$WORK"
   wants bf16refill && part bf16refill 150 $PY bench/bench_batch.py --dry-run --dtype bfloat16 --refill --prompts 6 \
-    --batch-sizes 4 --max-new-tokens 8 --device-tree 4 --sets "${SETS[@]}" --out-dir "$WORK"
+    --batch-sizes 4 --max-new-tokens 8 --device-tree 4 --step-by-step --sets "${SETS[@]}" --out-dir "$WORK"
   wants batch64 && part batch64 120 $PY bench/bench_batch.py --dry-run --prompts 6 --batch-sizes 6 \
     --max-new-tokens 8 --tag-suffix 64rows --sets "${SETS[@]}" --out-dir "$WORK"
 else  # issue 12's GPU figure: lookahead against plain at 1, 4 and 16 rows (graphs on)
@@ -207,9 +208,10 @@ else  # issue 12's GPU figure: lookahead against plain at 1, 4 and 16 rows (grap
   # Issue 12's 16 rows where the step's cost stays flat: predicted 1.09x / 1.15x at 0.48 ms of host work a step,
   # 1.34x / 1.48x at none (session 64); the host work of a 16-row step decides it. Trees of 4 nodes read on the
   # device take 30-50 us more than plain's here: predicted about 1.25x / 1.47x (session 67, MEASUREMENTS).
-  wants bf16refill && part bf16refill 120 $PY bench/bench_batch.py --device cuda --dtype bfloat16 --refill \
-    --prompts 48 --batch-sizes 16 --repeats 1 --max-new-tokens 64 --device-tree 4 --sets "${SETS[@]}" \
-    --out-dir "$WORK"
+  # Since session 68 both overlap their steps (lookahead/overlap.py): --step-by-step measures them without too.
+  wants bf16refill && part bf16refill 150 $PY bench/bench_batch.py --device cuda --dtype bfloat16 --refill \
+    --prompts 48 --batch-sizes 16 --repeats 1 --max-new-tokens 64 --device-tree 4 --step-by-step \
+    --sets "${SETS[@]}" --out-dir "$WORK"
   wants batchrefill && part batchrefill 90 $PY bench/bench_batch.py --device cuda --refill --prompts 48 \
     --batch-sizes 16 --repeats 2 --max-new-tokens 64 --sets "${SETS[@]}" --out-dir "$WORK"
 fi

@@ -188,6 +188,10 @@ class DeviceTreeFinish:
         self.successors.record(inputs.tokens[:, : 1 + V], ids, path)
         return out
 
+    def next_inputs(self, out) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's next ``x`` and its count of emitted tokens (:meth:`StepVerifier.next_inputs`)."""
+        return self.verifier.next_inputs(out)
+
     def read(self, out) -> tuple[list[list[int]], torch.Tensor | None]:
         """``(emitted, kept)``: per row the tokens the step emitted, and the rows they were chosen from
         (:meth:`StepVerifier.read_emitted`): the host learns nothing else from a device tree's step."""

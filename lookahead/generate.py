@@ -41,6 +41,7 @@ from .custom_processors import make_custom_processors
 from .device_tree import DeviceTreeSteps, StaticTree
 from .draft import SUCCESSORS_PER_NODE, DraftBuilder, encode_rows, propose_rows, record_trials
 from .memory import DraftMemory
+from .overlap import OverlappedSteps
 from .prefill import prefill_graphs
 from .processors import LogitsProcessors
 from .prompt_cache import PromptCache
@@ -343,7 +344,8 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
              _native_draft: bool | None = None, prompt_cache: PromptCache | None = None,
              draft_memory: DraftMemory | None = None,
              stopping_criteria=None, tokenizer=None, logits_processor=None, prefix_allowed_tokens_fn=None,
-             max_batch_size: int | None = None, _on_finish=None, **kwargs) -> GenerateOutput:
+             max_batch_size: int | None = None, _on_finish=None, _overlap_steps: bool | None = None,
+             **kwargs) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` tokens after each prompt.
 
     ``input_ids``: ``[B, prompt_len]`` (``[prompt_len]`` for one prompt), left-padded rows with an
@@ -387,7 +389,10 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     once per model, not per call (capturing is setup: not counted in ``stats.seconds``). ``cuda_graphs=False``
     is the eager loop (for debugging and comparison); ``True`` off CUDA is a ``ValueError``. ``_static_steps``
     (private, for tests) forces the graph path's loop, run eagerly when graphs are off, e.g. on the CPU
-    (``cuda_graphs=False, _static_steps=True``).
+    (``cuda_graphs=False, _static_steps=True``). On that path plain steps and device-tree steps are overlapped
+    (:mod:`lookahead.overlap`: the host reads a step's result while the next one runs) where no logits processor
+    and no ``output_scores``/``output_logits`` needs each step's result first; ``_overlap_steps`` (private, for
+    tests and benches) turns that off (``False``) or asks for it (``True``: a ``ValueError`` where it cannot be).
     ``prompt_cache`` (one prompt): a :class:`~lookahead.prompt_cache.PromptCache` whose tokens the prompt may
     start with (a conversation's earlier turns); their keys and values are copied instead of prefilled
     (``stats.reused_tokens``), and after the call it holds this prompt and its new tokens.
@@ -492,6 +497,9 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     plan = make_plan(lookahead, model, B) if lookahead is not None else None
     step_cap = plan.shape.max_tokens if plan is not None else 1
     device_steps = _device_tree_steps(lookahead, static, draft_memory, cfg.vocab_size)
+    overlap = _overlap_wanted(_overlap_steps, static, sampler, plan is None or device_steps is not None)
+    if overlap and device_steps is not None:  # a row's last overlapped step may run a step past its end
+        step_cap *= 2
     runner = None
     if static:
         runner = runner_cache(model).take(model, B, _static_menu(plan, B), longest + max_new_tokens + step_cap,
@@ -569,7 +577,7 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
         host = _HostClock()
         # A padded batch may end on a smaller runner than it began with (_shrunk): that one goes back to the model.
         accepted, runner = _decode(model, cache, runner, rows[:B], sampler, plan, pad, device, clock, host,
-                                   start_late, refill, _on_finish, lambda: bool(waiting), device_steps)
+                                   start_late, refill, _on_finish, lambda: bool(waiting), device_steps, overlap)
         if prompt_cache is not None:  # rows past the emitted tokens (a last step's excess) are not kept
             row = rows[0]
             prompt_cache.keep(model, row.emitter.sequence[:row.cache_len], cache)
@@ -807,7 +815,7 @@ class _HostClock:
 
 def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: Sampler, plan, pad: bool, device,
             clock: "_CallClock", host: _HostClock, start_late=None, refill=None, on_finish=None,
-            queued=None, device_steps: DeviceTreeSteps | None = None) -> tuple:
+            queued=None, device_steps: DeviceTreeSteps | None = None, overlap: bool = False) -> tuple:
     """Step until every row has stopped. Returns, per step, the tokens emitted, and the runner the call ended on.
 
     ``refill(slot, cache_row)``: the next waiting row, prefilled into ``cache_row`` (batch row ``slot`` of the
@@ -815,7 +823,9 @@ def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: 
     below happens to that place.
     ``queued()``: whether rows wait (then every token counts alike in a step's plan, else the rows furthest from
     their end count most: :func:`_finish_weights`). ``device_steps``: every step a device-tree step
-    (:func:`_device_tree_step`; plain near the model's last positions).
+    (:func:`_device_tree_step`; plain near the model's last positions). ``overlap`` (with a runner, on plain or
+    device-tree steps): each step launched before the last one is read (:func:`_overlapped_steps`); whatever
+    changes rows (a row finished) first waits for the step in flight.
 
     Without a runner a finished row leaves the batch (its cache row is dropped), so later steps are smaller. With
     one it stays in the batch, parked, its inputs fed at position 0 and its outputs ignored, which keeps the batch
@@ -829,9 +839,18 @@ def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: 
     active = list(rows)
     max_pos = model.config.max_position_embeddings
     processors = sampler.processors
+    steps = _overlapped_steps(runner, sampler, device_steps) if overlap else None
     while active:
         before = [len(r.emitter.sequence) for r in batch] if processors is not None else None
-        if device_steps is not None:
+        if steps is not None and (device_steps is None or not any(
+                r.cache_len + device_steps.depth + (steps.shape.max_tokens if steps.pending else 0) >= max_pos
+                for r in active)):
+            host_started, waited = time.perf_counter(), steps.waited
+            _count_step(accepted, steps.launch(batch, [not r.emitter.done for r in batch]), steps)
+            host.seconds += time.perf_counter() - host_started - (steps.waited - waited)
+        elif steps is not None and steps.pending:  # near the model's last positions: the rest step by step
+            _count_step(accepted, steps.drain(), steps)
+        elif device_steps is not None:
             if any(r.cache_len + device_steps.depth >= max_pos for r in active):
                 accepted.append(_plain_step(model, cache, runner, batch, sampler, device))
             else:
@@ -851,6 +870,9 @@ def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: 
         if processors is not None:  # the tokens each row committed join its context, and its count
             processors.add([r.emitter.sequence[n:] for r, n in zip(batch, before)], [r.emitter.new for r in batch])
         finished = [i for i, r in enumerate(active) if r.emitter.done]
+        if finished and steps is not None and steps.pending:  # the step in flight first: it may finish rows too
+            _count_step(accepted, steps.drain(), steps)
+            finished = [i for i, r in enumerate(active) if r.emitter.done]
         if finished:
             now = clock.elapsed()
             for i in finished:
@@ -878,6 +900,8 @@ def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: 
                 smaller, batch = _shrunk(model, runner, batch, active, plan, clock)
                 if device_steps is not None and smaller is not runner:
                     device_steps.moved(smaller, [before_shrink.index(r) for r in batch])
+                if steps is not None and smaller is not runner:
+                    steps.moved(smaller, device_steps.finish(sampler) if device_steps is not None else steps.finish)
                 if processors is not None and smaller is not runner:  # its rows' state in its own tensors
                     _start_processors(processors, smaller, cache, batch, device)
                 runner = smaller
@@ -1003,6 +1027,58 @@ def _device_tree_steps(lookahead, static: bool, draft_memory, vocab_size: int) -
     return DeviceTreeSteps(StaticTree.best(nodes), vocab_size)
 
 
+def _overlap_wanted(asked: bool | None, static: bool, sampler: Sampler, advancing: bool) -> bool:
+    """Whether the call's steps overlap (``generate``'s ``_overlap_steps``): on the static path, for plain or
+    device-tree steps, where nothing needs a step's result before the next step (processors, kept outputs)."""
+    if asked is not None and not isinstance(asked, bool):
+        raise ValueError(f"_overlap_steps must be None, True or False, got {asked!r}")
+    possible = static and advancing and sampler.processors is None and not sampler.outputs
+    if asked and not possible:
+        raise ValueError("_overlap_steps=True needs the static step path, plain or device-tree steps, and no logits "
+                         "processor or kept outputs")
+    return possible if asked is None else asked
+
+
+def _overlapped_steps(runner: StepRunner, sampler: Sampler, device_steps: DeviceTreeSteps | None) -> OverlappedSteps:
+    """The call's overlapped steps: device-tree steps, else plain ones, packed from each row's ``x`` and length."""
+    if device_steps is not None:
+        def pack(batch):
+            step = device_steps.step([r.x for r in batch], [_start(r) for r in batch])
+            return dict(tokens=step.tokens, positions=step.positions, cache_len=None, tree=step.layout.tree,
+                        logits_rows=step.logits_rows, num_nodes=step.num_nodes, packed=step.packed)
+
+        return OverlappedSteps(runner, device_steps.shape, device_steps.finish(sampler), pack,
+                               lambda out: device_steps.finish(sampler).read(out)[0])
+
+    def pack_plain(batch):
+        packed, tokens, positions = packed_plain_step([r.x for r in batch], [_start(r) for r in batch])
+        return dict(tokens=tokens, positions=positions, cache_len=None, packed=packed)
+
+    return OverlappedSteps(runner, PLAIN, PlainChoice(sampler), pack_plain,
+                           lambda out: [[y] for y in out.tolist()])
+
+
+def _count_step(accepted: list[int], done, steps: OverlappedSteps) -> None:
+    """Commit an overlapped step read back (``done``: ``(rows, emitted)``, or ``None``) and count it among the call's
+    steps, unless every row had stopped before it (it ran past the batch's end: device time, but no step of any
+    row's)."""
+    if done is not None and any(not r.emitter.done for r in done[0]):
+        accepted.append(_commit_emitted(*done, steps.shape.max_tokens))
+
+
+def _commit_emitted(batch: list[_Row], emitted_rows: list[list[int]], fed: int, kept=None) -> int:
+    """Each running row of ``batch`` takes the tokens its step emitted (a parked row's are ignored), with ``kept[b]``
+    (``Sampler.outputs``); returns how many were taken."""
+    taken = 0
+    for b, (row, emitted) in enumerate(zip(batch, emitted_rows)):
+        if row.emitter.done:  # parked, or stopped by an earlier step (an overlapped step ran on past its end)
+            continue
+        row.cache_len += len(emitted)
+        taken += row.commit(emitted, fed, None if kept is None else kept[b])
+        row.x = emitted[-1]
+    return taken
+
+
 def _device_tree_step(model, cache, runner: StepRunner, batch: list[_Row], sampler: Sampler,
                       steps: DeviceTreeSteps, host: _HostClock) -> int:
     """A step of ``x`` and a tree of a fixed shape whose tokens the step's device reads from its successor tables
@@ -1016,14 +1092,7 @@ def _device_tree_step(model, cache, runner: StepRunner, batch: list[_Row], sampl
     emitted_rows, kept = finish.read(_run(model, cache, runner, steps.shape, step.tokens, step.positions, lens,
                                           step.layout, step.logits_rows, step.num_nodes, finish, None, step.packed))
     forward_done = time.perf_counter()
-    emitted_total = 0
-    for b, row in enumerate(batch):
-        if row.emitter.done:  # parked
-            continue
-        emitted = emitted_rows[b]
-        row.cache_len += len(emitted)
-        emitted_total += row.commit(emitted, step.layout.T, None if kept is None else kept[b])
-        row.x = emitted[-1]
+    emitted_total = _commit_emitted(batch, emitted_rows, step.layout.T, kept)
     host.seconds += (forward_started - host_started) + (time.perf_counter() - forward_done)
     return emitted_total
 

@@ -68,9 +68,11 @@ class _ShapeBuffers:
     The inputs are views of one device block; on CUDA a pinned host block of the same layout stages a step's host
     inputs, so that they reach the device in one copy (each small copy is a launch of its own)."""
 
-    def __init__(self, shape: StepShape, batch_size: int, rows: int | None, device: torch.device):
+    def __init__(self, shape: StepShape, batch_size: int, rows: int | None, device: torch.device,
+                 advance: bool = False):
         B, T, V = batch_size, shape.max_tokens, shape.tree_budget
         self.shape = shape
+        self.advance = advance  # the step writes the next one's inputs (StepRunner.run's advance)
         self.spans = input_spans(B, T, V, rows)
         size = self.spans["rows"][0].stop
         self.device_block = torch.zeros(size, dtype=torch.long, device=device)
@@ -135,7 +137,7 @@ class StepRunner:
     # ---- public ---------------------------------------------------------------------------------------------
     def run(self, shape: StepShape, tokens: torch.Tensor, positions: torch.Tensor, cache_len,
             tree: TreeShape | None = None, logits_rows: torch.Tensor | None = None, num_nodes=None,
-            finish=None, packed: torch.Tensor | None = None) -> torch.Tensor:
+            finish=None, packed: torch.Tensor | None = None, advance: bool = False) -> torch.Tensor:
         """Write one step's inputs into ``shape``'s buffers and run the model; returns its logits, or with
         ``finish`` what ``finish`` makes of them.
 
@@ -159,17 +161,53 @@ class StepRunner:
                 in as it is, in one copy, instead of each argument checked and copied alone (the caller packed them
                 from the same values: :func:`lookahead.step.build_step`). The arguments above still pick the
                 buffers (``logits_rows``' length) and are what the eager path would read.
+            advance: the step also writes the next step's inputs into its buffers, on the device, for :meth:`replay`
+                (a step of ``x`` alone or before a tree, with ``finish``, which gives ``next_inputs(out)``: each row's
+                next ``x`` and how many tokens it emitted, integer ``[B]``): each live row (:meth:`set_live`) feeds
+                its last emitted token next, its cache length grows by what it emitted, and its positions follow;
+                a parked row stays where it is. The host may then launch the next step before reading this one's
+                result (``generate``'s overlapped steps). Its own buffers and graph.
         Returns:
             float32 ``[B, R or T, vocab]`` logits, or ``finish``'s result. With graphs this is the graph's static
             output, overwritten by the next replay of the same shape: read it (or copy it) before then.
         Raises:
             ValueError: on a shape outside the menu or inputs of the wrong shape, dtype or tree size.
         """
-        buf = self._buffers_for(shape, logits_rows, None if finish is None or not self.graphs else finish.key)
+        if advance and (finish is None or shape.window * shape.levels != 1):
+            raise ValueError(f"advance needs a finish and a step of x alone or before a tree, got shape {shape}")
+        buf = self._buffers_for(shape, logits_rows, None if finish is None or not self.graphs else finish.key,
+                                advance)
         if packed is not None:
             self._write_packed(buf, packed)
         else:
             self._write_inputs(buf, tokens, positions, cache_len, tree, logits_rows, num_nodes)
+        return self._launch(buf, finish)
+
+    def replay(self, shape: StepShape, finish, logits_rows: torch.Tensor | None = None):
+        """Run an advancing step (:meth:`run` with ``advance=True``) again on the inputs its last run left in its
+        buffers: nothing is written from the host. Returns what :meth:`run` returns.
+
+        Raises:
+            ValueError: when no advancing step of this shape, rows and finish has run on this runner."""
+        key = (shape, None if logits_rows is None else logits_rows.shape[0],
+               None if not self.graphs else finish.key, True)
+        buf = self._buffers.get(key)
+        if buf is None:
+            raise ValueError(f"replay needs an advancing run of step shape {shape} with this finish first")
+        return self._launch(buf, finish)
+
+    def set_live(self, live: list[bool]) -> None:
+        """Which rows an advancing step moves on (the others are parked: their inputs stay as written)."""
+        if len(live) != self.batch_size:
+            raise ValueError(f"set_live needs {self.batch_size} flags, got {len(live)}")
+        self._live().copy_(torch.tensor([int(bool(f)) for f in live], dtype=torch.long))
+
+    def _live(self) -> torch.Tensor:
+        return self.state("live rows", (self.batch_size,), torch.long)
+
+    def _launch(self, buf: _ShapeBuffers, finish):
+        """The step on ``buf``'s inputs as they are: eagerly, or by replaying its graph (captured on first use)."""
+        shape = buf.shape
         if finish is not None:
             from .verification import step_uniforms
 
@@ -182,8 +220,12 @@ class StepRunner:
                 self._pool = torch.cuda.graph_pool_handle()
             # The warm-up runs rewrite the step's own KV rows from the same inputs (and compact them again from the
             # same verification), so running them before the capture leaves the cache as one run would.
+            # An advancing step moves its own inputs on: each warm-up run starts from the inputs as written, and
+            # so does the first replay.
+            written = buf.device_block.clone() if buf.advance else None
+            restore = None if written is None else lambda: buf.device_block.copy_(written)
             buf.graph, buf.out, seconds = capture_graph(lambda: self._step(buf, finish), self.device, self._pool,
-                                                        f"step shape {shape}")
+                                                        f"step shape {shape}", restore)
             self.capture_seconds += seconds
         buf.graph.replay()
         return buf.out
@@ -202,7 +244,7 @@ class StepRunner:
         return [b.shape for b in self._buffers.values() if b.graph is not None]
 
     # ---- internals ----------------------------------------------------------------------------------------
-    def _buffers_for(self, shape: StepShape, logits_rows, finish_key=None) -> _ShapeBuffers:
+    def _buffers_for(self, shape: StepShape, logits_rows, finish_key=None, advance: bool = False) -> _ShapeBuffers:
         if shape not in self.menu:
             raise ValueError(f"step shape {shape} is not on this runner's menu {list(self.menu)}")
         rows = None
@@ -211,9 +253,9 @@ class StepRunner:
                     or logits_rows.is_floating_point() or logits_rows.dtype == torch.bool:
                 raise ValueError(f"logits_rows must be None or an integer tensor [R], got {logits_rows!r}")
             rows = logits_rows.shape[0]
-        key = (shape, rows, finish_key)
+        key = (shape, rows, finish_key, advance)
         if key not in self._buffers:
-            self._buffers[key] = _ShapeBuffers(shape, self.batch_size, rows, self.device)
+            self._buffers[key] = _ShapeBuffers(shape, self.batch_size, rows, self.device, advance)
         return self._buffers[key]
 
     def _write_inputs(self, buf: _ShapeBuffers, tokens, positions, cache_len, tree, logits_rows, num_nodes) -> None:
@@ -319,25 +361,48 @@ class StepRunner:
         if finish is not None and hasattr(finish, "prepare"):  # inputs made on the device (lookahead.device_tree)
             finish.prepare(self._inputs(buf))
         logits = self._forward(buf)
-        return logits if finish is None else finish(logits, self._inputs(buf))
+        if finish is None:
+            return logits
+        out = finish(logits, self._inputs(buf))
+        if buf.advance:
+            self._advance(buf, *finish.next_inputs(out))
+        return out
+
+    def _advance(self, buf: _ShapeBuffers, x: torch.Tensor, emitted: torch.Tensor) -> None:
+        """The next step's inputs from this one's result, in place (``run``'s ``advance``): x first, then the tree's
+        nodes at their depths past the new cache length."""
+        inputs = buf.inputs
+        live = self._live()
+        inputs.tokens[:, 0] = torch.where(live > 0, x, inputs.tokens[:, 0])
+        inputs.cache_len.add_(emitted * live)
+        inputs.positions[:, 0] = inputs.cache_len
+        if buf.shape.tree_budget:
+            torch.add(inputs.depth, inputs.cache_len[:, None], out=inputs.positions[:, 1:])
 
 
-def capture_graph(run, device: torch.device, pool, what: str):
+def capture_graph(run, device: torch.device, pool, what: str, restore=None):
     """Capture ``run()`` (device work only, no host synchronisation) in a CUDA graph drawing on memory ``pool``
     (``torch.cuda.graph_pool_handle()``): two warm-up runs on a side stream first (they compile the kernels), then
-    the capture. Returns ``(graph, run's output inside the graph, seconds it all took)``, the device's work
-    included. Raises ``RuntimeError`` naming ``what`` and the eager loop when the capture fails."""
+    the capture. ``restore()`` (optional, device work, not captured) runs before each warm-up run and after the
+    capture: for a ``run`` that changes its own inputs. Returns ``(graph, run's output inside the graph, seconds it
+    all took)``, the device's work included. Raises ``RuntimeError`` naming ``what`` and the eager loop when the
+    capture fails."""
     started = time.perf_counter()
     try:
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.inference_mode(), torch.cuda.stream(stream):
             for _ in range(2):
+                if restore is not None:
+                    restore()
                 run()
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
             out = run()
+        if restore is not None:
+            with torch.inference_mode():
+                restore()
     except Exception as exc:
         raise RuntimeError(f"capturing the CUDA graph of {what} failed ({type(exc).__name__}: {exc}); "
                            "generate(..., cuda_graphs=False) runs the eager loop") from exc

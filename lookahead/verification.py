@@ -297,6 +297,13 @@ class StepVerifier:
             out = torch.cat([out, probs.reshape(B, -1).view(torch.int32)], dim=1)
         return out if kept is None else (out, kept)
 
+    def next_inputs(self, out) -> tuple[torch.Tensor, torch.Tensor]:
+        """From :meth:`__call__`'s result, on the device: each row's next ``x`` (its last emitted token) and how many
+        tokens it emitted, int64 ``[B]`` each (a step runner's ``advance``)."""
+        out = out[0] if isinstance(out, tuple) else out
+        emitted = out[:, :1].long() + 1
+        return out.gather(1, emitted + self.max_accept)[:, 0].long(), emitted[:, 0]
+
     def _kept(self, logits, x_logits, node_logits, path) -> torch.Tensor | None:
         """The rows the emitted tokens were chosen from: ``x``'s, then each accepted node's (``path``, ``-1``
         past the accepted ones: ``x``'s row again, ignored), as :meth:`Sampler.kept_rows` keeps them."""
@@ -362,6 +369,13 @@ class PlainChoice:
 
         tops = pack_tops(*SuccessorTable.top(logits[:, :1], self.successor_k))
         return (chosen, tops) if kept is None else (chosen, tops, kept)
+
+    @staticmethod
+    def next_inputs(out) -> tuple[torch.Tensor, torch.Tensor]:
+        """From :meth:`__call__`'s result: each row's next ``x`` (the token chosen) and how many it emitted (1),
+        int64 ``[B]`` each (a step runner's ``advance``)."""
+        chosen = out[0] if isinstance(out, tuple) else out
+        return chosen, torch.ones_like(chosen)
 
 
 def step_uniforms(finish, batch_size: int, device, out: torch.Tensor | None = None) -> torch.Tensor | None:

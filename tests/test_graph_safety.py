@@ -131,6 +131,7 @@ def guarded(monkeypatch):
     guard = HostSyncGuard()
     guard.finishes = []  # (the finish's kind, its tree's size)
     guard.moved = []
+    guard.advanced = False  # whether a step wrote its successor's inputs (lookahead.overlap)
 
     def step(self, buf, finish):
         guard.made, guard.outside = set(), set()
@@ -148,6 +149,9 @@ def guarded(monkeypatch):
         with guard, monkeypatch.context() as m:
             m.setattr(cpu_ops, "cpu_ops_available", lambda build=True: False)
             out = finish(logits, self._inputs(buf))
+            if buf.advance:  # the next step's inputs, written in the graph (overlapped steps)
+                guard.advanced = True
+                self._advance(buf, *finish.next_inputs(out))
         # Per runner (its graphs), per graph as StepRunner keys them: nothing that graph's earlier runs did not
         # read (a tensor replaced rather than written in place shows up at a new address).
         read = self.__dict__.setdefault("_reads_seen_by_test", {})
@@ -222,6 +226,10 @@ def test_a_step_s_finish_holds_no_host_sync(tiny, guarded, name, la):
     tiny.generate(ids, max_new_tokens=16, lookahead=la, pad_token_id=0, **STATIC, **kwargs)
     tiny.generate(ids[:, 1:], max_new_tokens=12, lookahead=la, pad_token_id=0, **STATIC, **kwargs)  # a later call
     assert guarded.finishes
+    if la is None or la.device_tree:  # plain and device-tree steps overlap where nothing needs each step's result
+        overlapped = "outputs" not in name and not any(k in CALLS[name] for k in (
+            "repetition_penalty", "no_repeat_ngram_size", "sequence_bias", "min_new_tokens"))
+        assert guarded.advanced == overlapped
     assert not guarded.moved, f"a finish read state its graph's capture did not: {guarded.moved[:3]}"
     if la is not None:
         assert any(kind in ("StepVerifier", "DeviceTreeFinish") and nodes for kind, nodes in guarded.finishes), \
