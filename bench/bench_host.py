@@ -17,6 +17,13 @@ builder's Python reference beside the C++ one.
 
     python bench/bench_host.py                                   # 16 prompts a set, batches of 1 and 16
     python bench/bench_host.py --budgets 64 256 --builders C++ Python --batch-sizes 1 --tag cpu-builders
+    python bench/bench_host.py --no-auto --plain --device-tree 4 --step-by-step --refill --prompts 48 \
+        --batch-sizes 16 --max-new-tokens 64 --tag cpu-overlap     # overlapped steps against step by step
+
+``--plain`` and ``--device-tree N`` add plain decoding and ``LookaheadConfig(device_tree=N)``; ``--step-by-step``
+decodes those again with each step read back before the next is launched (``_overlap_steps=False``; by default
+they overlap, ``lookahead/overlap.py``), so the difference is the host work overlapping takes off a GPU's critical
+path. ``--refill``: each set's prompts in one call of at most ``B`` rows, a finished row's place going to the next.
 
 Writes bench/results/host-<tag>.{json,md} (default tag `cpu-replay`; `host-cpu.md` is the builders' comparison of git
 df8ddbf, made by that revision's version of this script, which timed host work beside the CPU forward).
@@ -105,12 +112,35 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=5, help="replays of each recording (median reported)")
     ap.add_argument("--sets", nargs="+", default=DEFAULT_SETS)
+    ap.add_argument("--auto", action=argparse.BooleanOptionalAction, default=True,
+                    help="the planner's trees (or --budgets); --no-auto with --plain or --device-tree leaves them out")
+    ap.add_argument("--plain", action="store_true", help="also plain decoding")
+    ap.add_argument("--device-tree", type=int, default=0, metavar="N", help="also LookaheadConfig(device_tree=N)")
+    ap.add_argument("--step-by-step", action="store_true",
+                    help="plain and device-tree decoding again, each step read back before the next is launched")
+    ap.add_argument("--refill", action="store_true",
+                    help="each set in one call of at most B rows, a finished row's place going to the next prompt")
     ap.add_argument("--tag", default="cpu-replay")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     args = ap.parse_args(argv)
     costs = parse_step_costs(args.step_costs, {"h100": H100_STEP_COSTS})
-    configs = {f"fixed {b}": LookaheadConfig(max_step_tokens=b) for b in args.budgets} or \
-        {"auto": LookaheadConfig(step_costs=costs)}
+    if args.device_tree < 0:
+        ap.error(f"--device-tree must be >= 0, got {args.device_tree}")
+    # label -> (lookahead, further generate keywords)
+    configs = {f"fixed {b}": (LookaheadConfig(max_step_tokens=b), {}) for b in args.budgets} or \
+        {"auto": (LookaheadConfig(step_costs=costs), {})}
+    if not args.auto:
+        configs = {}
+    if args.plain:
+        configs["plain"] = (None, {})
+    if args.device_tree:
+        configs[f"device-tree {args.device_tree}"] = (LookaheadConfig(device_tree=args.device_tree), {})
+    if args.step_by_step:
+        configs.update({f"{label} step-by-step": (config, {"_overlap_steps": False})
+                        for label, (config, _) in list(configs.items())
+                        if config is None or config.device_tree})
+    if not configs:
+        ap.error("nothing to decode: --no-auto needs --plain or --device-tree")
     torch.set_num_threads(args.threads)
     machine = machine_info("cpu")
     model, tokenizer = load_default()
@@ -120,12 +150,15 @@ def main(argv=None) -> int:
         name = set_name(set_path)
         prompts = [ids[0] for ids in read_prompts(set_path, tokenizer)[: args.prompts]]  # 1-D: a batch is a list
         for batch_size in args.batch_sizes:
-            batches = [prompts[i: i + batch_size] for i in range(0, len(prompts), batch_size)]
-            for label, config in configs.items():
+            batches = [prompts] if args.refill else \
+                [prompts[i: i + batch_size] for i in range(0, len(prompts), batch_size)]
+            for label, (config, extra) in configs.items():
                 for builder in args.builders:
                     kwargs = dict(max_new_tokens=args.max_new_tokens, lookahead=config, cuda_graphs=False,
-                                  _static_steps=True, _native_draft=BUILDERS[builder])
-                    decode(model, [batches[0]], {**kwargs, "max_new_tokens": 8})  # warm-up: extension, runner
+                                  _static_steps=True, _native_draft=BUILDERS[builder], **extra)
+                    if args.refill:
+                        kwargs["max_batch_size"] = batch_size
+                    decode(model, [batches[0][:batch_size]], {**kwargs, "max_new_tokens": 8})  # warm-up: runner
                     with forward.recording():
                         real = decode(model, batches, kwargs)
                     replayed, whole = [], []
@@ -161,7 +194,8 @@ def main(argv=None) -> int:
     result = {"device": "cpu", "machine": machine, "command": command_line(__file__, sys.argv[1:] if argv is None
                                                                            else argv),
               "model": "SmolLM2-135M-Instruct (float32)", "threads": args.threads, "prompts": args.prompts,
-              "max_new_tokens": args.max_new_tokens, "step_costs": costs, "rounds": args.rounds, "rows": rows}
+              "max_new_tokens": args.max_new_tokens, "step_costs": costs, "rounds": args.rounds,
+              "refill": args.refill, "rows": rows}
     write_results(args.out_dir, f"host-{args.tag}", result, markdown(result))
     return 0
 
@@ -171,7 +205,9 @@ def markdown(result: dict) -> str:
     lines = [f"# Host work per lookahead step ({result['model']})", "",
              f"Static (padded, graph-shaped) steps on {m['device']} ({m['cpu']}), {result['threads']} threads, torch "
              f"{m['torch']}, git {m['git']}; first {result['prompts']} prompts of each set in batches, "
-             f"{result['max_new_tokens']} new tokens, greedy; `auto`: the planner with step costs "
+             f"{result['max_new_tokens']} new tokens, greedy"
+             + ("; each set in one call of at most `rows` rows, a finished row's place going to the next prompt"
+                if result.get("refill") else "") + "; `auto`: the planner with step costs "
              f"{result['step_costs']} (seconds). Host: `stats.host_seconds` per step (candidates, trees, step inputs, "
              "read-back, windows, learning, declined trees' included since session 49; not the forward or "
              "verification). Replayed: the forward's recorded "
@@ -182,7 +218,10 @@ def markdown(result: dict) -> str:
              "verification replayed (since session 52; before, the host column alone, with the runner replayed too): "
              "what a GPU's host does between replays, plain steps and the copies into the runner's buffers "
              "included, and, for batches, moving the rows' caches to a smaller runner as rows finish (a copy in "
-             "this CPU's memory here, in the device's there).", "",
+             "this CPU's memory here, in the device's there). `plain`, `device-tree N`: plain decoding and trees "
+             "read on the device, their steps overlapped (the host reads a step back after launching the next); "
+             "`... step-by-step`: not overlapped; compare their whole steps (a plain step-by-step step counts no "
+             "host seconds).", "",
              f"Command: `{result['command']}`", "",
              "| set | rows | config | builder | host ms / step replayed, median (least) | whole step ms replayed, "
              "median (least) | beside the CPU forward | rest ms / step | steps | tokens a row-step |",

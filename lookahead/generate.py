@@ -842,13 +842,11 @@ def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: 
     steps = _overlapped_steps(runner, sampler, device_steps) if overlap else None
     while active:
         before = [len(r.emitter.sequence) for r in batch] if processors is not None else None
-        if steps is not None and (device_steps is None or not any(
-                r.cache_len + device_steps.depth + (steps.shape.max_tokens if steps.pending else 0) >= max_pos
-                for r in active)):
-            host_started, waited = time.perf_counter(), steps.waited
+        if steps is not None and _may_launch(steps, active, device_steps, max_pos):
+            host_started, device_seconds = time.perf_counter(), steps.device_seconds
             _count_step(accepted, steps.launch(batch, [not r.emitter.done for r in batch]), steps)
-            host.seconds += time.perf_counter() - host_started - (steps.waited - waited)
-        elif steps is not None and steps.pending:  # near the model's last positions: the rest step by step
+            host.seconds += time.perf_counter() - host_started - (steps.device_seconds - device_seconds)
+        elif steps is not None and steps.pending:  # the step in flight, alone: then the rows end, or go on step by step
             _count_step(accepted, steps.drain(), steps)
         elif device_steps is not None:
             if any(r.cache_len + device_steps.depth >= max_pos for r in active):
@@ -1056,6 +1054,20 @@ def _overlapped_steps(runner: StepRunner, sampler: Sampler, device_steps: Device
 
     return OverlappedSteps(runner, PLAIN, PlainChoice(sampler), pack_plain,
                            lambda out: [[y] for y in out.tolist()])
+
+
+def _may_launch(steps: OverlappedSteps, active: list[_Row], device_steps: DeviceTreeSteps | None,
+                max_pos: int) -> bool:
+    """Whether an overlapped step may be launched now: not when every row reaches its ``max_new_tokens`` with the
+    step in flight (a step emits at least one token a row: the next would run for nobody), nor where a device
+    tree would pass the model's last position from where the step in flight may leave a row (those steps go one
+    by one, the last ones plain)."""
+    if not steps.pending:
+        return device_steps is None or all(r.cache_len + device_steps.depth < max_pos for r in active)
+    if all(r.emitter.new + 1 >= r.emitter.max_new_tokens for r in active):
+        return False
+    reach = 0 if device_steps is None else device_steps.depth + steps.shape.max_tokens
+    return all(r.cache_len + reach < max_pos for r in active)
 
 
 def _count_step(accepted: list[int], done, steps: OverlappedSteps) -> None:

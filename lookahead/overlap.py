@@ -74,7 +74,9 @@ class OverlappedSteps:
         self._rows = None  # the logits rows the step runs with (its buffers' key)
         self._read = _ReadBack()
         self._in_flight = None  # (rows, read-back) of the step launched and not yet read
-        self.waited = 0.0  # seconds the host waited for read-backs (the device's time, not the host's work)
+        # Seconds in the runner's calls and in read-back waits: the step's own time (on a CPU its forward runs in
+        # the call), which the loop's host clock leaves out, as it leaves out a step-by-step step's run.
+        self.device_seconds = 0.0
         self.stale = True  # the device's inputs no longer follow from the last step: write them from the rows
 
     @property
@@ -90,10 +92,13 @@ class OverlappedSteps:
             inputs = self._pack(rows)
             self._rows = inputs.get("logits_rows")
             self.runner.set_live(live)
+            started = time.perf_counter()
             out = self.runner.run(self.shape, finish=self.finish, advance=True, **inputs)
             self.stale = False
         else:
+            started = time.perf_counter()
             out = self.runner.replay(self.shape, self.finish, self._rows)
+        self.device_seconds += time.perf_counter() - started
         result = out[0] if isinstance(out, tuple) else out
         previous, self._in_flight = self._in_flight, (list(rows), self._read.start(result))
         return None if previous is None else self._result(previous)
@@ -115,5 +120,5 @@ class OverlappedSteps:
         rows, copy = in_flight
         started = time.perf_counter()
         host = self._read.wait(copy)
-        self.waited += time.perf_counter() - started
+        self.device_seconds += time.perf_counter() - started
         return rows, self._emitted(host)

@@ -152,3 +152,14 @@ def test_overlapped_graphs_equal_step_by_step_graphs(lookahead):
             check_rows(out, refs, prompts, pad_id=0)
             outs.append([(r.steps, r.accepted) for r in out.stats.rows])
     assert outs[:2] == outs[2:]
+
+
+def test_no_step_is_launched_past_the_last_token(tiny, monkeypatch):
+    """Rows that all end at ``max_new_tokens`` launch no step after their last: a step emits at least one token a
+    row, so the loop knows, with a step in flight, that none would be needed."""
+    calls = _counting_replays(monkeypatch)
+    for max_new in (1, 2, 9):
+        calls.clear()
+        out = tiny.generate(mixed_prompts(), max_new_tokens=max_new, lookahead=None, _overlap_steps=True, **STATIC)
+        assert out.stats.steps == max_new
+        assert len(calls) == max_new - 1  # the first step is written from the host, the rest replayed
