@@ -1,9 +1,11 @@
 """Steps launched before the last one is read: the host's work on one step's result runs while the device runs
 the next step (issue 11's "one read-back per step, overlapped").
 
-Why: a graph-replayed step of a small model is a millisecond of device time, and the host's work around it
-(reading the result back, committing each row's tokens, packing the next step's inputs) added 0.1-0.3 ms to each
-16-row step that the device sat idle through (``bench/MEASUREMENTS.md``, "Trees read on the device"). Where the
+Why: a graph-replayed step of a small model is about a millisecond of device time (SmolLM2 on the H200), and the
+host's work around it (reading the result back, committing each row's tokens, packing the next step's inputs:
+87-160 us a 16-row plain step on this project's CPU, 183-246 us a device-tree step, about twice that on the H200's
+host) is time the device sits idle through when each step waits for the last one's read-back
+(``bench/MEASUREMENTS.md``, "Overlapped steps"). Where the
 next step's inputs follow from this step's result alone, on the device, the host need not wait: a plain step
 feeds each row's chosen token next, a device-tree step (:mod:`lookahead.device_tree`) its last emitted token, at
 a cache length grown by what it emitted. The step runner writes them (:meth:`StepRunner.run`'s ``advance``), so
@@ -11,7 +13,9 @@ the host launches step ``k + 1`` and only then reads step ``k``'s result, copied
 two pinned host buffers.
 
 What it costs: when the host learns that a row has stopped, the step after has already run for it; that step's
-tokens for the row are dropped (its keys and values lie past the row's end, where nothing reads them). Anything
+tokens for the row are dropped (its keys and values lie past the row's end, where nothing reads them; the cache
+holds one step more for it), and a sampled call's later draws differ from a step-by-step call's (the same
+distribution). No step is launched when every row ends with the one in flight (``generate``). Anything
 the host must change (a row refilled, parked or moved) waits for the step in flight (:meth:`OverlappedSteps.drain`)
 and then writes every row's inputs anew (:attr:`OverlappedSteps.stale`).
 """
