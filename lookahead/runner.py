@@ -377,7 +377,7 @@ class StepRunner:
         inputs.cache_len.add_(emitted * live)
         inputs.positions[:, 0] = inputs.cache_len
         if buf.shape.tree_budget:
-            torch.add(inputs.depth, inputs.cache_len[:, None], out=inputs.positions[:, 1:])
+            inputs.positions[:, 1:] = inputs.depth + inputs.cache_len[:, None]
 
 
 def capture_graph(run, device: torch.device, pool, what: str, restore=None):
