@@ -217,7 +217,7 @@ def main(argv=None) -> int:
                     identical = None if sampled else sum(o == r for o, r in zip(outputs, reference))
                     rows.append({"set": name, "batch_size": B, "mode": mode, "prompts": len(prompts),
                                  "identical": identical, **totals})
-                    print(f"{name:10s} B={B:3d} {mode:22s} {totals['tokens_per_s']:8.2f} tok/s  fed/row/step "
+                    print(f"{name:10s} B={B:3d} {mode:26s} {totals['tokens_per_s']:8.2f} tok/s  fed/row/step "
                           f"{totals['fed_per_row_step']:.2f}  tokens/step {totals['tokens_per_step']:.2f}  "
                           + ("" if sampled else f"identical {identical}/{len(prompts)}"), flush=True)
     for r in rows:

@@ -389,8 +389,9 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     once per model, not per call (capturing is setup: not counted in ``stats.seconds``). ``cuda_graphs=False``
     is the eager loop (for debugging and comparison); ``True`` off CUDA is a ``ValueError``. ``_static_steps``
     (private, for tests) forces the graph path's loop, run eagerly when graphs are off, e.g. on the CPU
-    (``cuda_graphs=False, _static_steps=True``). On that path plain steps and device-tree steps are overlapped
-    (:mod:`lookahead.overlap`: the host reads a step's result while the next one runs) where no logits processor
+    (``cuda_graphs=False, _static_steps=True``). On that path plain steps (a lookahead call's too) and device-tree
+    steps are overlapped (:mod:`lookahead.overlap`: the host reads a step's result while the next one runs) where
+    no logits processor
     and no ``output_scores``/``output_logits`` needs each step's result first; ``_overlap_steps`` (private, for
     tests and benches) turns that off (``False``) or asks for it (``True``: a ``ValueError`` where it cannot be).
     ``prompt_cache`` (one prompt): a :class:`~lookahead.prompt_cache.PromptCache` whose tokens the prompt may
@@ -497,7 +498,7 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     plan = make_plan(lookahead, model, B) if lookahead is not None else None
     step_cap = plan.shape.max_tokens if plan is not None else 1
     device_steps = _device_tree_steps(lookahead, static, draft_memory, cfg.vocab_size)
-    overlap = _overlap_wanted(_overlap_steps, static, sampler, plan is None or device_steps is not None)
+    overlap = _overlap_wanted(_overlap_steps, static, sampler)
     if overlap and device_steps is not None:  # a row's last overlapped step may run a step past its end
         step_cap *= 2
     runner = None
@@ -823,9 +824,10 @@ def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: 
     below happens to that place.
     ``queued()``: whether rows wait (then every token counts alike in a step's plan, else the rows furthest from
     their end count most: :func:`_finish_weights`). ``device_steps``: every step a device-tree step
-    (:func:`_device_tree_step`; plain near the model's last positions). ``overlap`` (with a runner, on plain or
-    device-tree steps): each step launched before the last one is read (:func:`_overlapped_steps`); whatever
-    changes rows (a row finished) first waits for the step in flight.
+    (:func:`_device_tree_step`; plain near the model's last positions). ``overlap`` (with a runner): plain and
+    device-tree steps launched before the last one is read (:func:`_overlapped_steps`), a lookahead call's plain
+    steps too; whatever changes rows (a row finished) or takes another kind of step first waits for the step in
+    flight.
 
     Without a runner a finished row leaves the batch (its cache row is dropped), so later steps are smaller. With
     one it stays in the batch, parked, its inputs fed at position 0 and its outputs ignored, which keeps the batch
@@ -840,12 +842,18 @@ def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: 
     max_pos = model.config.max_position_embeddings
     processors = sampler.processors
     steps = _overlapped_steps(runner, sampler, device_steps) if overlap else None
+    plain_next = None  # a lookahead call's choice of a plain next step, kept while waiting for a step in flight
     while active:
         before = [len(r.emitter.sequence) for r in batch] if processors is not None else None
-        if steps is not None and _may_launch(steps, active, device_steps, max_pos):
+        if plan is not None and device_steps is None and plain_next is None:
+            # The memo's answer first: a batch too big for trees then skips reading every row's cache length.
+            plain_next = _batch_too_big(active, batch, plan, too_big) or _near_the_end(active, plan.shape, max_pos) \
+                or backoff.waiting()
+        if steps is not None and plain_next is not False and _may_launch(steps, active, device_steps, max_pos):
             host_started, device_seconds = time.perf_counter(), steps.device_seconds
             _count_step(accepted, steps.launch(batch, [not r.emitter.done for r in batch]), steps)
             host.seconds += time.perf_counter() - host_started - (steps.device_seconds - device_seconds)
+            plain_next = None
         elif steps is not None and steps.pending:  # the step in flight, alone: then the rows end, or go on step by step
             _count_step(accepted, steps.drain(), steps)
         elif device_steps is not None:
@@ -853,11 +861,11 @@ def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: 
                 accepted.append(_plain_step(model, cache, runner, batch, sampler, device))
             else:
                 accepted.append(_device_tree_step(model, cache, runner, batch, sampler, device_steps, host))
-        # The memo's answer first: a batch too big for trees then skips reading every row's cache length.
-        elif plan is None or _batch_too_big(active, batch, plan, too_big) \
-                or _near_the_end(active, plan.shape, max_pos) or backoff.waiting():
+        elif plain_next is not False:
             accepted.append(_plain_step(model, cache, runner, batch, sampler, device))
+            plain_next = None
         else:
+            plain_next = None
             too_big.clear()
             levels = _levels(active)
             for row in active:
@@ -1025,15 +1033,14 @@ def _device_tree_steps(lookahead, static: bool, draft_memory, vocab_size: int) -
     return DeviceTreeSteps(StaticTree.best(nodes), vocab_size)
 
 
-def _overlap_wanted(asked: bool | None, static: bool, sampler: Sampler, advancing: bool) -> bool:
-    """Whether the call's steps overlap (``generate``'s ``_overlap_steps``): on the static path, for plain or
-    device-tree steps, where nothing needs a step's result before the next step (processors, kept outputs)."""
+def _overlap_wanted(asked: bool | None, static: bool, sampler: Sampler) -> bool:
+    """Whether the call's plain and device-tree steps overlap (``generate``'s ``_overlap_steps``): on the static
+    path, where nothing needs a step's result before the next step (processors, kept outputs)."""
     if asked is not None and not isinstance(asked, bool):
         raise ValueError(f"_overlap_steps must be None, True or False, got {asked!r}")
-    possible = static and advancing and sampler.processors is None and not sampler.outputs
+    possible = static and sampler.processors is None and not sampler.outputs
     if asked and not possible:
-        raise ValueError("_overlap_steps=True needs the static step path, plain or device-tree steps, and no logits "
-                         "processor or kept outputs")
+        raise ValueError("_overlap_steps=True needs the static step path and no logits processor or kept outputs")
     return possible if asked is None else asked
 
 

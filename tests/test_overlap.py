@@ -9,6 +9,7 @@ import torch
 
 from lookahead import LlamaForCausalLM, LookaheadConfig
 from lookahead.config import StepShape
+from lookahead.overlap import OverlappedSteps
 from lookahead.runner import StepRunner
 from lookahead.step import packed_plain_step
 from lookahead.verification import PlainChoice, Sampler
@@ -125,8 +126,7 @@ def test_sampled_overlapped_rows_match_step_by_step():
 
 def test_overlap_is_refused_where_a_step_needs_the_last_ones_result(tiny):
     prompt = torch.tensor([1, 2, 3])
-    for kwargs in (dict(repetition_penalty=1.2), dict(output_scores=True, return_dict_in_generate=True),
-                   dict(lookahead=LookaheadConfig(window=2, ngram=3, guess=2))):
+    for kwargs in (dict(repetition_penalty=1.2), dict(output_scores=True, return_dict_in_generate=True)):
         kwargs = dict(dict(lookahead=None), **kwargs)
         with pytest.raises(ValueError, match="_overlap_steps=True needs"):
             tiny.generate(prompt, max_new_tokens=4, _overlap_steps=True, **kwargs, **STATIC)
@@ -163,3 +163,26 @@ def test_no_step_is_launched_past_the_last_token(tiny, monkeypatch):
         out = tiny.generate(mixed_prompts(), max_new_tokens=max_new, lookahead=None, _overlap_steps=True, **STATIC)
         assert out.stats.steps == max_new
         assert len(calls) == max_new - 1  # the first step is written from the host, the rest replayed
+
+
+@pytest.mark.parametrize("lookahead", [
+    LookaheadConfig(step_costs=((1, 0.01), (16, 0.05), (64, 0.2))),  # trees never pay: every step plain
+    LookaheadConfig(step_costs=((1, 0.010), (16, 0.0101), (64, 0.0102))),  # trees pay: plain steps between them
+    LookaheadConfig(window=3, ngram=3, guess=3)], ids=["auto-plain", "auto-trees", "fixed"])
+def test_a_lookahead_calls_plain_steps_overlap(lookahead, monkeypatch):
+    """A lookahead call's plain steps (a batch too big for trees, a planner's pause, the model's last positions)
+    overlap too, waiting for the step in flight before any lookahead step: every row its own greedy output."""
+    model = LlamaForCausalLM.from_hf(tiny_hf_model(max_position_embeddings=52))  # the 12-token prompts reach it
+    prompts = mixed_prompts() + [torch.tensor([4, 5, 6] * 4)]
+    eos, refs = rows_stopping_apart(model, prompts, max_new_tokens=40)
+    launches = []
+    launch = OverlappedSteps.launch
+    monkeypatch.setattr(OverlappedSteps, "launch", lambda self, *a: launches.append(1) or launch(self, *a))
+    for rows in (None, 2):
+        launches.clear()
+        out = model.generate(prompts, max_new_tokens=40, lookahead=lookahead, eos_token_id=eos, pad_token_id=0,
+                             max_batch_size=rows, _overlap_steps=True, **STATIC)
+        check_rows(out, refs, prompts, pad_id=0)
+        tree_steps = sum(1 for r in out.stats.rows for a in r.accepted if a > 1)
+        assert launches, "no plain step overlapped"
+        assert tree_steps or len(launches) >= out.stats.steps - 1  # no tree: every step plain, overlapped
