@@ -23,7 +23,7 @@ Call 1 (run, timeout_s 330, carry [".device-model/part-a", ".device-model/wheels
   mkdir -p /root/model && cp .device-model/part-a /root/model/ && RUN_GPU_BUDGET=300 bash bench/run_gpu.sh env build cpperr ktests
 Call 2, at once after it (the machine stays warm 30 s), RUN_GPU_BUDGET = what status reports left minus about 60 s
 (at most 560) (carry [".device-model/part-b", ".device-model/wheels", ".device-model/SHA256", ".device-model/data", ".device-model/REVISION"]):
-  RUN_GPU_BUDGET=<left - 60> bash bench/run_gpu.sh build profile model e2e e2ebf16 batch bf16refill onerow gputests
+  RUN_GPU_BUDGET=<left - 60> bash bench/run_gpu.sh build profile model e2e e2ebf16 bf16refill onerow gputests
 Then give_back. Each call's $OUT: summary.md, results.tar.gz, run.log (and the e2e JSONs from call 2).
-With 120 s or more left, a third call at once: build verify stack hostprof batch64 batchrefill pool (GPU_RUN.md).
+With 120 s or more left, a third call at once: build verify stack hostprof batch batch64 batchrefill pool (GPU_RUN.md).
 TXT
