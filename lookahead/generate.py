@@ -1044,23 +1044,25 @@ def _overlap_wanted(asked: bool | None, static: bool, sampler: Sampler) -> bool:
     return possible if asked is None else asked
 
 
+def _device_tree_inputs(steps: DeviceTreeSteps, batch: list[_Row]) -> dict:
+    """A device-tree step's inputs, packed from each row's ``x`` and length, as :meth:`StepRunner.run` takes them."""
+    step = steps.step([r.x for r in batch], [_start(r) for r in batch])
+    return dict(tokens=step.tokens, positions=step.positions, cache_len=None, tree=step.layout.tree,
+                logits_rows=step.logits_rows, num_nodes=step.num_nodes, packed=step.packed)
+
+
+def _plain_inputs(batch: list[_Row]) -> dict:
+    """A plain step's inputs, packed from each row's ``x`` and length, as :meth:`StepRunner.run` takes them."""
+    packed, tokens, positions = packed_plain_step([r.x for r in batch], [_start(r) for r in batch])
+    return dict(tokens=tokens, positions=positions, cache_len=None, packed=packed)
+
+
 def _overlapped_steps(runner: StepRunner, sampler: Sampler, device_steps: DeviceTreeSteps | None) -> OverlappedSteps:
-    """The call's overlapped steps: device-tree steps, else plain ones, packed from each row's ``x`` and length."""
+    """The call's overlapped steps: device-tree steps, else plain ones."""
     if device_steps is not None:
-        def pack(batch):
-            step = device_steps.step([r.x for r in batch], [_start(r) for r in batch])
-            return dict(tokens=step.tokens, positions=step.positions, cache_len=None, tree=step.layout.tree,
-                        logits_rows=step.logits_rows, num_nodes=step.num_nodes, packed=step.packed)
-
-        return OverlappedSteps(runner, device_steps.shape, device_steps.finish(sampler), pack,
-                               lambda out: device_steps.finish(sampler).read(out)[0])
-
-    def pack_plain(batch):
-        packed, tokens, positions = packed_plain_step([r.x for r in batch], [_start(r) for r in batch])
-        return dict(tokens=tokens, positions=positions, cache_len=None, packed=packed)
-
-    return OverlappedSteps(runner, PLAIN, PlainChoice(sampler), pack_plain,
-                           lambda out: [[y] for y in out.tolist()])
+        return OverlappedSteps(runner, device_steps.shape, device_steps.finish(sampler),
+                               lambda batch: _device_tree_inputs(device_steps, batch))
+    return OverlappedSteps(runner, PLAIN, PlainChoice(sampler), _plain_inputs)
 
 
 def _may_launch(steps: OverlappedSteps, active: list[_Row], device_steps: DeviceTreeSteps | None,
@@ -1104,14 +1106,12 @@ def _device_tree_step(model, cache, runner: StepRunner, batch: list[_Row], sampl
     (:mod:`lookahead.device_tree`): the host packs ``x`` and the positions as a plain step's, reads back the
     verified tokens and commits them; the tree, its verification and the tables' update run in the step."""
     host_started = time.perf_counter()
-    lens = [_start(r) for r in batch]
-    step = steps.step([r.x for r in batch], lens)
+    inputs = _device_tree_inputs(steps, batch)
     finish = steps.finish(sampler)
     forward_started = time.perf_counter()
-    emitted_rows, kept = finish.read(_run(model, cache, runner, steps.shape, step.tokens, step.positions, lens,
-                                          step.layout, step.logits_rows, step.num_nodes, finish, None, step.packed))
+    emitted_rows, kept = finish.read(runner.run(steps.shape, finish=finish, **inputs))
     forward_done = time.perf_counter()
-    emitted_total = _commit_emitted(batch, emitted_rows, step.layout.T, kept)
+    emitted_total = _commit_emitted(batch, emitted_rows, steps.shape.max_tokens, kept)
     host.seconds += (forward_started - host_started) + (time.perf_counter() - forward_done)
     return emitted_total
 
@@ -1119,27 +1119,17 @@ def _device_tree_step(model, cache, runner: StepRunner, batch: list[_Row], sampl
 def _plain_step(model, cache, runner, batch: list[_Row], sampler: Sampler, device,
                 learn: SuccessorTable | None = None) -> int:
     """One token a row. ``learn`` (one row, eager): that row's successor table takes the tops of x's logits."""
-    lens = [_start(r) for r in batch]
-    packed = None
+    finish = PlainChoice(sampler, 0 if learn is None else learn.k)
     if runner is not None:  # the runner's layout in one block, which it copies in at once
-        packed, tokens, positions = packed_plain_step([r.x for r in batch], lens)
+        result = runner.run(PLAIN, finish=finish, **_plain_inputs(batch))
     else:  # the model takes them on its device
+        lens = [_start(r) for r in batch]
         tokens, positions = upload([torch.tensor([[r.x] for r in batch]), torch.tensor([[n] for n in lens])], device)
-    result = _run(model, cache, runner, PLAIN, tokens, positions, lens, StepLayout(1, 1), None, None,
-                  PlainChoice(sampler, 0 if learn is None else learn.k), packed=packed)
-    parts = list(result) if isinstance(result, tuple) else [result]  # chosen, [tops], [kept]
-    chosen = parts[0]
-    if learn is not None:
-        record_step([learn], tokens.cpu(), parts[1].cpu(), [0], [1], [[]])
-    kept = parts[-1].cpu() if sampler.outputs else None
-    emitted = 0
-    for b, (row, y) in enumerate(zip(batch, chosen.tolist())):
-        if row.emitter.done:  # parked
-            continue
-        row.cache_len += 1
-        emitted += row.commit([y], 1, None if kept is None else kept[b])
-        row.x = y
-    return emitted
+        result = _run(model, cache, None, PLAIN, tokens, positions, lens, StepLayout(1, 1), None, None, finish)
+        if learn is not None:
+            record_step([learn], tokens.cpu(), result[1].cpu(), [0], [1], [[]])
+    emitted, kept = finish.read(result)
+    return _commit_emitted(batch, emitted, 1, kept)
 
 
 # _finish_weights: a row's pace starts from this many plain steps; the weights are its steps to go to this power.

@@ -33,7 +33,7 @@ class _ReadBack:
     elsewhere the result itself (an eager step's result is a tensor of its own, already on the host)."""
 
     def __init__(self):
-        self._buffers: dict[tuple, list[torch.Tensor]] = {}
+        self._buffers: dict[tuple, list[tuple[torch.Tensor, torch.cuda.Event]]] = {}  # per result: two (buffer, event)
         self._turn = 0
 
     def start(self, out: torch.Tensor):
@@ -41,11 +41,11 @@ class _ReadBack:
             return out, None
         key = (tuple(out.shape), out.dtype)
         if key not in self._buffers:
-            self._buffers[key] = [torch.empty(out.shape, dtype=out.dtype, pin_memory=True) for _ in range(2)]
+            self._buffers[key] = [(torch.empty(out.shape, dtype=out.dtype, pin_memory=True), torch.cuda.Event())
+                                  for _ in range(2)]
         self._turn ^= 1
-        host = self._buffers[key][self._turn]
+        host, arrived = self._buffers[key][self._turn]
         host.copy_(out, non_blocking=True)
-        arrived = torch.cuda.Event()
         arrived.record()
         return host, arrived
 
@@ -65,16 +65,15 @@ class OverlappedSteps:
         runner: the call's :class:`lookahead.runner.StepRunner` (:meth:`moved` when the call takes another).
         shape: the step's :class:`lookahead.config.StepShape` (``x`` alone, or ``x`` before a tree).
         finish: the step's finish (a :class:`lookahead.verification.PlainChoice` or
-            :class:`lookahead.device_tree.DeviceTreeFinish`), which gives ``next_inputs`` and whose result's
-            first tensor is what the host reads.
+            :class:`lookahead.device_tree.DeviceTreeFinish`), which gives ``next_inputs`` on the device and
+            ``read(result) -> (emitted, kept)`` on the host; its result's first tensor is what is read back.
         pack: ``pack(rows) -> dict``: the step's inputs from the rows' ``x`` and cache lengths, as keyword arguments
             of :meth:`StepRunner.run` (``packed`` and those that pick the buffers): written when :attr:`stale`.
-        emitted: ``emitted(result on the host) -> list[list[int]]``: each row's emitted tokens.
     """
 
-    def __init__(self, runner, shape, finish, pack, emitted):
+    def __init__(self, runner, shape, finish, pack):
         self.runner, self.shape, self.finish = runner, shape, finish
-        self._pack, self._emitted = pack, emitted
+        self._pack = pack
         self._rows = None  # the logits rows the step runs with (its buffers' key)
         self._read = _ReadBack()
         self._in_flight = None  # (rows, read-back) of the step launched and not yet read
@@ -125,4 +124,4 @@ class OverlappedSteps:
         started = time.perf_counter()
         host = self._read.wait(copy)
         self.device_seconds += time.perf_counter() - started
-        return rows, self._emitted(host)
+        return rows, self.finish.read(host)[0]

@@ -175,8 +175,7 @@ class StepRunner:
         """
         if advance and (finish is None or shape.window * shape.levels != 1):
             raise ValueError(f"advance needs a finish and a step of x alone or before a tree, got shape {shape}")
-        buf = self._buffers_for(shape, logits_rows, None if finish is None or not self.graphs else finish.key,
-                                advance)
+        buf = self._buffers_for(shape, logits_rows, finish, advance)
         if packed is not None:
             self._write_packed(buf, packed)
         else:
@@ -189,9 +188,7 @@ class StepRunner:
 
         Raises:
             ValueError: when no advancing step of this shape, rows and finish has run on this runner."""
-        key = (shape, None if logits_rows is None else logits_rows.shape[0],
-               None if not self.graphs else finish.key, True)
-        buf = self._buffers.get(key)
+        buf = self._buffers.get(self._key(shape, None if logits_rows is None else logits_rows.shape[0], finish, True))
         if buf is None:
             raise ValueError(f"replay needs an advancing run of step shape {shape} with this finish first")
         return self._launch(buf, finish)
@@ -244,7 +241,11 @@ class StepRunner:
         return [b.shape for b in self._buffers.values() if b.graph is not None]
 
     # ---- internals ----------------------------------------------------------------------------------------
-    def _buffers_for(self, shape: StepShape, logits_rows, finish_key=None, advance: bool = False) -> _ShapeBuffers:
+    def _key(self, shape: StepShape, rows: int | None, finish, advance: bool) -> tuple:
+        """A step's buffers (and graph): by shape, logits rows, the captured finish (graphs only) and advance."""
+        return (shape, rows, None if finish is None or not self.graphs else finish.key, advance)
+
+    def _buffers_for(self, shape: StepShape, logits_rows, finish=None, advance: bool = False) -> _ShapeBuffers:
         if shape not in self.menu:
             raise ValueError(f"step shape {shape} is not on this runner's menu {list(self.menu)}")
         rows = None
@@ -253,7 +254,7 @@ class StepRunner:
                     or logits_rows.is_floating_point() or logits_rows.dtype == torch.bool:
                 raise ValueError(f"logits_rows must be None or an integer tensor [R], got {logits_rows!r}")
             rows = logits_rows.shape[0]
-        key = (shape, rows, finish_key, advance)
+        key = self._key(shape, rows, finish, advance)
         if key not in self._buffers:
             self._buffers[key] = _ShapeBuffers(shape, self.batch_size, rows, self.device, advance)
         return self._buffers[key]

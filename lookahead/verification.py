@@ -377,6 +377,12 @@ class PlainChoice:
         chosen = out[0] if isinstance(out, tuple) else out
         return chosen, torch.ones_like(chosen)
 
+    def read(self, out) -> tuple[list[list[int]], torch.Tensor | None]:
+        """``(emitted, kept)`` from :meth:`__call__`'s result: per row its one token, and with the sampler's
+        ``outputs`` the rows it was chosen from (host)."""
+        parts = out if isinstance(out, tuple) else (out,)  # chosen, [tops], [kept]
+        return [[y] for y in parts[0].tolist()], parts[-1].cpu() if self.sampler.outputs else None
+
 
 def step_uniforms(finish, batch_size: int, device, out: torch.Tensor | None = None) -> torch.Tensor | None:
     """A step's random numbers for ``finish`` (a :class:`StepVerifier` or :class:`PlainChoice`), drawn now from its
