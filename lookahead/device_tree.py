@@ -18,7 +18,7 @@ import heapq
 
 import torch
 
-from lookahead_kernels.tree import TreeShape
+from lookahead_kernels.tree import BEFORE_X, TreeShape, pair_slot
 
 from .config import StepShape
 from .draft import DraftTree, DraftTrees
@@ -27,10 +27,11 @@ from .successors import SuccessorTable
 from .verification import StepVerifier
 
 # How often the next token was a token's r-th recorded successor, r = 0..7, when it had any recorded (SmolLM2,
-# both dev sets pooled, tops recorded from the tokens decoded so far: bench/results/static-tree-h200-bf16.json).
-# Only their order and ratios shape a tree.
-RANK_RATES = (0.487, 0.114, 0.052, 0.034, 0.021, 0.018, 0.012, 0.009)
+# both dev sets pooled, tables seeded from the prompt and read as DeviceSuccessors reads them:
+# bench/results/static-tree-h200-bf16.json's pooled_rank_rates). Only their order and ratios shape a tree.
+RANK_RATES = (0.587, 0.086, 0.040, 0.028, 0.017, 0.013, 0.010, 0.006)
 SEED_CHUNK = 512  # prompt rows projected onto the vocabulary at once when a table is seeded
+PAIR_SLOTS = 16384  # a row's pair table (a power of two): direct-mapped, 4-16 times a dev prompt and output's pairs
 
 
 class StaticTree:
@@ -82,64 +83,170 @@ class StaticTree:
 
 
 class DeviceSuccessors:
-    """Per batch row, each token's most likely next tokens as the step's logits last said, on the step's device,
-    and the tree's tokens read from them.
+    """Per batch row, the next tokens the step's logits last predicted after each token and after each pair of
+    tokens, on the step's device, and the tree's tokens read from them.
+
+    A node's token is read off the pair (its grandparent's token, its parent's token) where that pair was
+    recorded, else off its parent's token alone: on the dev sets (``bench/bench_static_tree.py``) the pair made
+    trees of 4 nodes take 6-7% more tokens a step and trees of 32, 4-10% more. Pairs live in a direct-mapped
+    table of ``PAIR_SLOTS`` slots a row (a slot keeps its latest pair); the token before ``x`` (``prev``) is
+    kept here too, advanced by :meth:`record`.
 
     Args:
-        table: int32 ``[B, vocab, k]`` (``k >= tree.successors``), kept by the caller (a step runner's state: a
-            captured graph reads it at its address); rows are zeroed by :meth:`reset`. A token with nothing
-            recorded has successors ``0, 0, ...``: its nodes are verified like any other and almost never accepted.
         tree: the :class:`StaticTree` drafted from.
+        batch_size, vocab_size: the rows and the model's vocabulary.
+        state: ``state(name, shape, dtype)`` gives a zeroed tensor kept by the caller (a step runner's state: a
+            captured graph reads it at its address); default: new tensors on ``device``.
+
+    Attributes (all zero at first; rows zeroed by :meth:`reset`):
+        table: int32 ``[B, vocab, k]`` (``k = tree.successors``): a token's recorded successors, most likely first.
+            A token with nothing recorded has successors ``0, 0, ...``: its nodes are verified like any other and
+            almost never accepted.
+        pairs: int32 ``[B, PAIR_SLOTS, k]``: a pair's successors, in the slot :meth:`slot` gives it.
+        pair_keys: int64 ``[B, PAIR_SLOTS]``: which pair a slot holds (:meth:`pair_key`; 0: none).
+        prev: int64 ``[B]``: each row's token before its ``x``.
     """
 
-    def __init__(self, table: torch.Tensor, tree: StaticTree, state=None):
-        if table.dim() != 3 or table.dtype != torch.int32 or table.shape[2] < tree.successors:
-            raise ValueError(f"DeviceSuccessors needs an int32 table [B, vocab, k >= {tree.successors}], got "
-                             f"{tuple(table.shape)} {table.dtype}")
-        self.table, self.tree = table, tree
-        device = table.device
-        if state is None:  # a runner's state under graphs: a captured step reads these index tensors at their address
+    def __init__(self, tree: StaticTree, batch_size: int, vocab_size: int, device="cpu", state=None):
+        self.tree, self.vocab_size = tree, vocab_size
+        if state is None:
             state = lambda name, shape, dtype: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
+        k = tree.successors
+        self.table = state("device-successors", (batch_size, vocab_size, k), torch.int32)
+        self.pairs = state("device-successors pairs", (batch_size, PAIR_SLOTS, k), torch.int32)
+        self.pair_keys = state("device-successors pair keys", (batch_size, PAIR_SLOTS), torch.long)
+        self.prev = state("device-successors prev", (batch_size,), torch.long)
 
-        def constant(name: str, values: list[int], shape: tuple) -> torch.Tensor:
-            t = state(f"device-tree {tree.paths} {name}", shape, torch.long)
-            t.copy_(torch.tensor(values, dtype=torch.long).view(shape))
+        def constant(name: str, values: list[int], shape: tuple, dtype=torch.long) -> torch.Tensor:
+            t = state(f"device-tree {tree.paths} {name}", shape, dtype)
+            t.copy_(torch.tensor(values, dtype=dtype).view(shape))
             return t
 
-        self._rows = constant("rows", list(range(table.shape[0])), (table.shape[0], 1))
-        # Per level: its nodes' columns in [x, nodes...], their parents' columns there, and their ranks.
-        self._levels = [(constant(f"columns {d}", [i + 1 for i in level], (len(level),)),
-                         constant(f"parents {d}", [tree.parents[i] + 1 for i in level], (len(level),)),
+        self._rows = constant("rows", list(range(batch_size)), (batch_size, 1))
+        # Per level, in draft()'s columns [prev, x, nodes...]: its nodes', their parents' and grandparents'
+        # columns, and their ranks.
+        column = [i + 2 for i in range(tree.num_nodes)]
+        parent = [1 if p < 0 else column[p] for p in tree.parents]
+        grand = [0 if p < 0 else parent[p] for p in tree.parents]
+        self._levels = [(constant(f"columns {d}", [column[i] for i in level], (len(level),)),
+                         constant(f"parents {d}", [parent[i] for i in level], (len(level),)),
+                         constant(f"grandparents {d}", [grand[i] for i in level], (len(level),)),
                          constant(f"ranks {d}", [tree.ranks[i] for i in level], (1, len(level))))
                         for d, level in enumerate(tree.levels())]
+        # The same in lookahead_kernels.tree_draft's terms: node indexes, x -1 and the token before it -2.
+        V = tree.num_nodes
+        self._nodes = tuple(constant(f"kernel {name}", values, (V,), torch.int32) for name, values in (
+            ("parents", tree.parents),
+            ("grandparents", [BEFORE_X if p < 0 else tree.parents[p] for p in tree.parents]),
+            ("ranks", tree.ranks), ("depths", tree.shape.depth.tolist())))
+        self._depth = int(tree.shape.depth.max()) if V else 0
+
+    @staticmethod
+    def slot(before, token):
+        """The pair slot of tokens ``before`` then ``token`` (ints or int64 tensors of one shape)."""
+        return pair_slot(before, token, PAIR_SLOTS)
+
+    def pair_key(self, before, token):
+        """What a slot holding the pair ``before``, ``token`` stores (never 0)."""
+        return before * self.vocab_size + token + 1
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Everything recorded, each with its rows first: what moves with a row to another runner."""
+        return self.table, self.pairs, self.pair_keys, self.prev
 
     def reset(self, rows: list[int] | None = None) -> None:
         """Forget what rows ``rows`` (every row: ``None``) recorded: a new sequence takes them."""
-        if rows is None:
-            self.table.zero_()
-        elif rows:
-            self.table[torch.tensor(rows, device=self.table.device)] = 0
+        for t in (self.table, self.pair_keys, self.prev):
+            if rows is None:
+                t.zero_()
+            elif rows:
+                t[torch.tensor(rows, device=t.device)] = 0
 
     def draft(self, x: torch.Tensor) -> torch.Tensor:
-        """int64 ``[B, V]``: each row's tree tokens under its ``x`` (integer ``[B]``), in the tree's pre-order."""
+        """int64 ``[B, V]``: each row's tree tokens under its ``x`` (int64 ``[B]``), in the tree's pre-order: one
+        launch on a GPU (``lookahead_kernels.tree_draft``), :meth:`draft_reference` elsewhere."""
+        if x.is_cuda:
+            from lookahead_kernels.tree_draft import tree_draft
+
+            return tree_draft(x, self.prev, self.table, self.pairs, self.pair_keys, *self._nodes, self._depth)
+        return self.draft_reference(x)
+
+    def draft_reference(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`draft` in torch, a level at a time: the kernel's reference and the CPU's path."""
         B, V = x.shape[0], self.tree.num_nodes
-        fed = torch.zeros(B, V + 1, dtype=torch.long, device=x.device)
-        fed[:, 0] = x
-        for columns, parents, ranks in self._levels:  # one gather a level: parents come before their children
-            fed[:, columns] = self.table[self._rows, fed[:, parents], ranks].long()
-        return fed[:, 1:]
+        fed = torch.zeros(B, V + 2, dtype=torch.long, device=x.device)
+        fed[:, 0] = self.prev
+        fed[:, 1] = x
+        for columns, parents, grands, ranks in self._levels:  # one level at a time: parents come first
+            parent, grand = fed[:, parents], fed[:, grands]
+            slot = self.slot(grand, parent)
+            seen = self.pair_keys[self._rows, slot] == self.pair_key(grand, parent)
+            fed[:, columns] = torch.where(seen, self.pairs[self._rows, slot, ranks],
+                                          self.table[self._rows, parent, ranks]).long()
+        return fed[:, 2:]
 
     def record(self, fed: torch.Tensor, tops: torch.Tensor, path: torch.Tensor) -> None:
         """A verified step's tops into the tables: of ``x`` and of the accepted nodes, the rows that saw their
-        true context. ``fed``: integer ``[B, 1 + V]``, ``x`` and the nodes' tokens; ``tops``: integer ``[B, 1 + V,
-        j]`` (``j <= k``), the most likely next tokens after each of them; ``path``: integer ``[B, A]``, the
-        accepted nodes (``-1`` past them). Each such row's ``j`` tops become its token's first ``j`` successors.
-        The rejected nodes' rows are not recorded: in 8 HumanEval prompts (128 tokens, 4 nodes) recording them
-        first gave 1.29 tokens a step against 1.30 without, and the write costs a scatter of every row."""
+        true context, each under its token and under the pair of the token before it and its token; ``prev``
+        becomes the token before the next ``x`` (the last accepted node's, or ``x``). ``fed``: integer ``[B, 1 +
+        V]``, ``x`` and the nodes' tokens; ``tops``: integer ``[B, 1 + V, j]`` (``j <= k``), the most likely next
+        tokens after each of them; ``path``: integer ``[B, A]``, the accepted nodes (``-1`` past them). The
+        rejected nodes' rows are not recorded: in 8 HumanEval prompts (128 tokens, 4 nodes) recording them first
+        gave 1.29 tokens a step against 1.30 without, and the write costs a scatter of every row. Two pairs of
+        one step in one slot: either may win (a draft's quality, never an output, depends on it)."""
         j = tops.shape[2]
+        accepted = path >= 0
         true_rows = torch.cat([torch.zeros_like(path[:, :1]), path + 1], dim=1).long()  # -1 + 1: x's row again
-        self.table[self._rows, fed.long().gather(1, true_rows), :j] = tops.gather(
-            1, true_rows[:, :, None].expand(-1, -1, j)).to(self.table.dtype)
+        tokens = fed.long().gather(1, true_rows)
+        prev = self.prev[:, None]
+        # Past the accepted nodes the row is x's again: so is the pair (prev, x), and both writes are the same.
+        before = torch.where(torch.cat([torch.ones_like(accepted[:, :1]), accepted], dim=1),
+                             torch.cat([prev, tokens[:, :-1]], dim=1), prev)
+        values = tops.gather(1, true_rows[:, :, None].expand(-1, -1, j)).to(self.table.dtype)
+        self.table[self._rows, tokens, :j] = values
+        slot = self.slot(before, tokens)
+        self.pair_keys[self._rows, slot] = self.pair_key(before, tokens)
+        self.pairs[self._rows, slot, :j] = values
+        self.prev.copy_(tokens.gather(1, accepted.sum(1, keepdim=True)).squeeze(1))
+
+    def seed(self, row: int, context: list[int], start: int, hidden: torch.Tensor, logits) -> None:
+        """Row ``row``'s tables from its prompt: ``context`` holds its tokens and ends with its ``x``; positions
+        ``start`` to ``len(context) - 2`` were fed with hidden states ``hidden`` (``[len(context) - 1 - start,
+        hidden_size]``, on the tables' device), whose vocabulary projection ``logits(rows)`` (the model's
+        :meth:`~lookahead.model.LlamaForCausalLM.logits`) gives each position's most likely next tokens. A
+        position records the token that followed it first, then those (on the dev sets it raised trees of 4 nodes
+        by 3-4% of their tokens a step); a token's or a pair slot's last position wins. Taken in chunks of
+        ``SEED_CHUNK`` positions: a long prompt's logits over a large vocabulary would otherwise take gigabytes
+        at once. ``prev`` becomes the token before ``x``."""
+        n = len(context) - 1
+        device = self.table.device
+        self.prev[row] = context[n - 1] if n else 0
+        last = {t: i for i, t in enumerate(context[start:n], start)}  # a token's last position
+        last_pair = {self.slot(context[i - 1], context[i]): i for i in range(max(start, 1), n)}
+        positions = sorted(set(last.values()) | set(last_pair.values()))
+        entries = {}
+        for at in range(0, len(positions), SEED_CHUNK):
+            chunk = torch.tensor(positions[at: at + SEED_CHUNK], dtype=torch.long)
+            ids, _ = SuccessorTable.top(logits(hidden[(chunk - start).to(device)]), self.table.shape[2])
+            following = torch.tensor([context[i + 1] for i in chunk.tolist()], device=device)
+            entries.update(zip(chunk.tolist(), _followed_first(ids.long(), following).to(self.table.dtype)))
+        if last:
+            self.table[row, torch.tensor(list(last), device=device)] = torch.stack([entries[i] for i in last.values()])
+        if last_pair:
+            rows = list(last_pair.values())
+            slots = torch.tensor(list(last_pair), device=device)
+            self.pairs[row, slots] = torch.stack([entries[i] for i in rows])
+            self.pair_keys[row, slots] = torch.tensor([self.pair_key(context[i - 1], context[i]) for i in rows],
+                                                      device=device)
+
+
+def _followed_first(ids: torch.Tensor, following: torch.Tensor) -> torch.Tensor:
+    """int64 ``[R, k]``: each row's ``following`` token, then its ``ids`` (``[R, k]``) without it, cut to ``k``."""
+    R, k = ids.shape
+    candidates = torch.cat([following[:, None], ids], dim=1)
+    repeated = torch.cat([torch.zeros_like(ids[:, :1], dtype=torch.bool), ids == following[:, None]], dim=1)
+    order = (repeated.long() * (k + 1) + torch.arange(k + 1, device=ids.device)).argsort(dim=1)
+    return candidates.gather(1, order[:, :k])
 
 
 class DeviceTreeFinish:
@@ -224,39 +331,29 @@ class DeviceTreeSteps:
         self.successors: DeviceSuccessors | None = None
 
     def start(self, runner) -> None:
-        """Take ``runner``'s tables (its state, which its graphs read). A row's table is emptied when its prompt
-        takes it (:meth:`reset`, then :meth:`seed`): until then it may hold an earlier call's, which only a parked
+        """Take ``runner``'s tables (its state, which its graphs read). A row's tables are emptied when its prompt
+        takes it (:meth:`reset`, then :meth:`seed`): until then they may hold an earlier call's, which only a parked
         row, whose tokens are never read, would draft from."""
-        table = runner.state("device-successors", (runner.batch_size, self.vocab_size, self.k), torch.int32)
-        self.successors = DeviceSuccessors(table, self.tree, runner.state)
+        self.successors = DeviceSuccessors(self.tree, runner.batch_size, self.vocab_size, state=runner.state)
         self._finish = None
 
     def moved(self, runner, slots: list[int]) -> None:
         """The call moved to ``runner``, whose row ``i`` is the old runner's row ``slots[i]``: the rows' tables
         go with them."""
-        old = self.successors.table
+        old = self.successors.tensors()
         self.start(runner)
-        self.successors.table[: len(slots)] = old[torch.tensor(slots, device=old.device)]
+        for new, before in zip(self.successors.tensors(), old):
+            new[: len(slots)] = before[torch.tensor(slots, device=before.device)]
 
     def reset(self, rows: list[int]) -> None:
         """Rows ``rows`` start new sequences: their tables start empty."""
         self.successors.reset(rows)
 
-    def seed(self, slot: int, tokens: list[int], hidden: torch.Tensor, logits) -> None:
-        """Row ``slot``'s table from its prompt: ``tokens`` (a list of ``n``) were fed with hidden states ``hidden``
-        (``[n, hidden_size]``, on the tables' device), whose vocabulary projection ``logits(rows)`` (the model's
-        :meth:`~lookahead.model.LlamaForCausalLM.logits`) gives each token's most likely successors; a token's
-        last occurrence wins. Taken in chunks of ``SEED_CHUNK`` rows: a long prompt's logits over a large
-        vocabulary would otherwise take gigabytes at once."""
-        last = {t: i for i, t in enumerate(tokens)}  # each token's last row
-        device = self.successors.table.device
-        keys = torch.tensor(list(last), dtype=torch.long)
-        rows = torch.tensor(list(last.values()), dtype=torch.long)
-        for at in range(0, len(keys), SEED_CHUNK):
-            picked = rows[at: at + SEED_CHUNK].to(device)
-            ids, _ = SuccessorTable.top(logits(hidden[picked]), self.k)
-            self.successors.table[slot, keys[at: at + SEED_CHUNK].to(device), : ids.shape[1]] = \
-                ids.to(self.successors.table.dtype)
+    def seed(self, slot: int, context: list[int], start: int, hidden: torch.Tensor | None, logits) -> None:
+        """Row ``slot``'s tables from its prompt (:meth:`DeviceSuccessors.seed`; ``hidden=None``: nothing was fed)."""
+        if hidden is None:
+            hidden = torch.zeros(0, 1, device=self.successors.table.device)
+        self.successors.seed(slot, context, start, hidden, logits)
 
     def trees(self, batch_size: int) -> DraftTrees:
         """The step's trees for ``batch_size`` rows (as :func:`lookahead.step.build_step` takes them)."""

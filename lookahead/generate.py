@@ -541,8 +541,7 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
             n = row.cache_len
             reused = 0 if prompt_cache is None else prompt_cache.restore(model, row.emitter.sequence[:n], cache_row)
             row.stats.reused_tokens = reused
-            if device_steps is not None:  # the row's device tables start anew, from what its prompt predicts
-                device_steps.reset([slot])
+            hidden = None
             if n > reused:
                 hidden = padded_prefill.prefill_hidden(row.emitter.sequence[:n], cache_row) \
                     if reused == 0 and padded_prefill is not None else None
@@ -550,8 +549,10 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
                     hidden = model.hidden(torch.tensor([row.emitter.sequence[reused:n]], device=device),
                                           torch.arange(reused, n, device=device)[None], cache_row, reused,
                                           StepLayout.prefill(n - reused))
-                if device_steps is not None:
-                    device_steps.seed(slot, row.emitter.sequence[reused:n], hidden[0], model.logits)
+            if device_steps is not None:  # the row's device tables start anew, from what its prompt predicts
+                device_steps.reset([slot])
+                device_steps.seed(slot, row.emitter.sequence, reused, None if hidden is None else hidden[0],
+                                  model.logits)
             if padded_prefill is not None:  # a capture is setup, not the prefill's time
                 captured = padded_prefill.capture_seconds - captured
             row.stats.prefill_seconds = time.perf_counter() - prefill_started - captured

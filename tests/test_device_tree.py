@@ -57,8 +57,6 @@ def test_bad_trees_are_refused():
         StaticTree([(-1,)])
     with pytest.raises(ValueError, match="budget"):
         StaticTree.best(-1)
-    with pytest.raises(ValueError, match="int32 table"):
-        DeviceSuccessors(torch.zeros(2, 10, 1, dtype=torch.int32), StaticTree([(0,), (1,)]))
 
 
 class _Runner:
@@ -71,27 +69,87 @@ class _Runner:
         return self._state.setdefault((name, tuple(shape), dtype), torch.zeros(shape, dtype=dtype))
 
 
+class _Tables:
+    """A row's tables as Python dicts, the reference: a token's successors, and per pair slot the pair it holds
+    and that pair's successors."""
+
+    def __init__(self, k: int):
+        self.k, self.tokens, self.slots, self.prev = k, {}, {}, 0
+
+    def put(self, before: int, token: int, entry: list[int]) -> None:
+        self.tokens[token] = entry
+        self.slots[DeviceSuccessors.slot(before, token)] = ((before, token), entry)
+
+    def get(self, before: int, token: int) -> list[int]:
+        pair, entry = self.slots.get(DeviceSuccessors.slot(before, token), (None, None))
+        return entry if pair == (before, token) else self.tokens.get(token, [0] * self.k)
+
+    def draft(self, tree: StaticTree, x: int) -> list[int]:
+        tokens = []
+        for parent, rank in zip(tree.parents, tree.ranks):
+            token = x if parent < 0 else tokens[parent]
+            before = self.prev if parent < 0 else (x if tree.parents[parent] < 0 else tokens[tree.parents[parent]])
+            tokens.append(self.get(before, token)[rank])
+        return tokens
+
+    def check(self, successors: DeviceSuccessors, b: int) -> None:
+        """Row ``b`` of ``successors`` holds what this reference holds (slots never written stay empty)."""
+        assert int(successors.prev[b]) == self.prev
+        for token in range(successors.table.shape[1]):
+            assert successors.table[b, token].tolist() == self.tokens.get(token, [0] * self.k), token
+        keys = successors.pair_keys[b]
+        assert int(keys.ne(0).sum()) == len(self.slots)
+        for slot, ((before, token), entry) in self.slots.items():
+            assert int(keys[slot]) == successors.pair_key(before, token)
+            assert successors.pairs[b, slot].tolist() == entry
+
+
+def _followed_first(following: int, tops: list[int]) -> list[int]:
+    return ([following] + [t for t in tops if t != following])[: len(tops)]
+
+
 @pytest.mark.parametrize("chunk", [2, 512])
-def test_seed_takes_each_tokens_last_prediction(monkeypatch, chunk):
+@pytest.mark.parametrize("start", [0, 3])
+def test_seed_takes_each_tokens_and_pairs_last_position(monkeypatch, chunk, start):
+    """A seeded position records the token that followed it, then its top predictions; a token's and a pair's
+    last position wins; prev is the token before x; other rows are untouched."""
     import lookahead.device_tree as device_tree
 
     monkeypatch.setattr(device_tree, "SEED_CHUNK", chunk)
-    g = torch.Generator().manual_seed(5)
-    vocab, n, H = 13, 9, 6
+    g = torch.Generator().manual_seed(5 + start)
+    vocab, H = 13, 6
     steps = DeviceTreeSteps(StaticTree.best(6), vocab)
     steps.start(_Runner(3))
-    table = steps.successors.table
-    table.fill_(7)
-    tokens = [3, 4, 3, 5, 4, 4, 1, 3, 2]
-    hidden, head = torch.randn(n, H, generator=g), torch.randn(H, vocab, generator=g)
-    steps.seed(1, tokens, hidden, lambda h: h @ head)
-    top = (hidden @ head).topk(steps.k, dim=-1).indices
-    expected = torch.full_like(table, 7)
-    for t in set(tokens):
-        expected[1, t] = top[max(i for i, u in enumerate(tokens) if u == t)]
-    assert torch.equal(table, expected)
+    successors = steps.successors
+    for t in successors.tensors():
+        t.fill_(7)
+    context = [3, 4, 3, 5, 4, 4, 1, 3, 4, 2]  # x = 2; positions start..8 fed
+    n = len(context) - 1
+    hidden, head = torch.randn(n - start, H, generator=g), torch.randn(H, vocab, generator=g)
     steps.reset([1])
-    assert table[1].eq(0).all() and table[0].eq(7).all()
+    steps.seed(1, context, start, hidden, lambda h: h @ head)
+    top = (hidden @ head).topk(steps.k, dim=-1).indices.tolist()
+    expected = _Tables(steps.k)
+    for i in range(start, n):
+        entry = _followed_first(context[i + 1], top[i - start])
+        if i:
+            expected.put(context[i - 1], context[i], entry)
+        else:  # no pair before the first token
+            expected.tokens[context[i]] = entry
+    expected.prev = context[n - 1]
+    expected.check(successors, 1)
+    for t in successors.tensors():
+        assert t[0].eq(7).all() and t[2].eq(7).all()
+    steps.reset([1])
+    steps.seed(1, [9], 0, None, lambda h: h @ head)  # a one-token prompt: nothing fed
+    _Tables(steps.k).check(successors, 1)
+
+
+def test_followed_first_moves_the_following_token_to_the_front():
+    from lookahead.device_tree import _followed_first as followed_first
+
+    ids = torch.tensor([[5, 6, 7], [5, 6, 7], [5, 6, 7]])
+    assert followed_first(ids, torch.tensor([6, 9, 5])).tolist() == [[6, 5, 7], [9, 5, 6], [5, 6, 7]]
 
 
 @pytest.mark.parametrize("budget,B", [(1, 1), (4, 3), (9, 16)])
@@ -112,69 +170,81 @@ def test_a_steps_packing_is_build_steps(budget, B):
         assert step.tokens.data_ptr() == step.packed.data_ptr()  # views of its own block, rewritten each step
 
 
-def _draft_reference(table: torch.Tensor, tree: StaticTree, x: list[int]) -> list[list[int]]:
-    out = []
-    for b, root in enumerate(x):
-        tokens = []
-        for parent, rank in zip(tree.parents, tree.ranks):
-            token = root if parent < 0 else tokens[parent]
-            tokens.append(int(table[b, token, rank]))
-        out.append(tokens)
-    return out
+def _random_tables(successors: DeviceSuccessors, g: torch.Generator) -> list[_Tables]:
+    """Random tokens' and pairs' successors (about half the pairs recorded) and prevs, and their references."""
+    B, vocab, k = successors.table.shape
+    tables = []
+    for b in range(B):
+        ref = _Tables(k)
+        ref.prev = int(torch.randint(0, vocab, (1,), generator=g))
+        for token in range(vocab):
+            ref.tokens[token] = torch.randint(0, vocab, (k,), generator=g).tolist()
+        for before in range(vocab):
+            for token in range(vocab):
+                if torch.rand(1, generator=g) < 0.5:
+                    ref.slots[DeviceSuccessors.slot(before, token)] = (
+                        (before, token), torch.randint(0, vocab, (k,), generator=g).tolist())
+        successors.prev[b] = ref.prev
+        successors.table[b] = torch.tensor([ref.tokens[t] for t in range(vocab)], dtype=torch.int32)
+        for slot, ((before, token), entry) in ref.slots.items():
+            successors.pair_keys[b, slot] = successors.pair_key(before, token)
+            successors.pairs[b, slot] = torch.tensor(entry, dtype=torch.int32)
+        tables.append(ref)
+    return tables
 
 
-@pytest.mark.parametrize("budget,B,vocab", [(1, 1, 7), (5, 3, 11), (16, 4, 50), (33, 2, 9)])
-def test_draft_reads_each_nodes_token_off_its_parents(budget, B, vocab):
+@pytest.mark.parametrize("budget,B,vocab", [(1, 1, 7), (5, 3, 11), (16, 4, 40), (33, 2, 9)])
+def test_draft_reads_each_nodes_token_off_its_pair_or_its_parent(budget, B, vocab):
     g = torch.Generator().manual_seed(budget * 100 + B)
     tree = StaticTree.best(budget)
-    table = torch.randint(0, vocab, (B, vocab, tree.successors + 1), generator=g, dtype=torch.int32)
+    successors = DeviceSuccessors(tree, B, vocab)
+    tables = _random_tables(successors, g)
     x = torch.randint(0, vocab, (B,), generator=g)
-    drafted = DeviceSuccessors(table, tree).draft(x)
+    drafted = successors.draft(x)
     assert drafted.dtype == torch.long and tuple(drafted.shape) == (B, budget)
-    assert drafted.tolist() == _draft_reference(table, tree, x.tolist())
+    assert drafted.tolist() == [t.draft(tree, int(xb)) for t, xb in zip(tables, x)]
 
 
 def test_reset_forgets_only_the_rows_named():
-    table = torch.ones(3, 5, 2, dtype=torch.int32)
-    successors = DeviceSuccessors(table, StaticTree([(0,), (1,)]))
+    successors = DeviceSuccessors(StaticTree([(0,), (1,)]), 3, 5)
+    for t in successors.tensors():
+        t.fill_(1)
     successors.reset([1])
-    assert table[1].eq(0).all() and table[0].eq(1).all() and table[2].eq(1).all()
+    for t in (successors.table, successors.pair_keys, successors.prev):
+        assert t[1].eq(0).all() and t[0].eq(1).all() and t[2].eq(1).all()
     successors.reset()
-    assert table.eq(0).all()
+    assert successors.table.eq(0).all() and successors.pair_keys.eq(0).all() and successors.prev.eq(0).all()
 
 
 def test_record_takes_the_true_contexts_only():
     tree = StaticTree([(0,), (0, 0), (1,)])  # nodes: 0 (x's r0), 1 (its r0), 2 (x's r1)
-    table = torch.zeros(2, 10, 3, dtype=torch.int32)
-    successors = DeviceSuccessors(table, tree)
+    successors = DeviceSuccessors(tree, 2, 10)
+    successors.prev.copy_(torch.tensor([8, 1]))
     # Row 0: x = 3, nodes 5, 3, 6; node 0 accepted. Row 1: x = 2, nodes 4, 7, 8; none accepted.
     fed = torch.tensor([[3, 5, 3, 6], [2, 4, 7, 8]])
     tops = torch.tensor([[[1, 2], [4, 6], [7, 8], [9, 9]], [[3, 3], [5, 5], [6, 6], [1, 1]]])
     successors.record(fed, tops, torch.tensor([[0, -1], [-1, -1]]))
-    expected = torch.zeros_like(table)
-    expected[0, 3, :2] = torch.tensor([1, 2])  # x's own row, not the rejected node 1's
-    expected[0, 5, :2] = torch.tensor([4, 6])  # the accepted node's
-    expected[1, 2, :2] = torch.tensor([3, 3])  # x's alone: the rejected nodes' rows are not recorded
-    assert torch.equal(table, expected)
+    row0, row1 = _Tables(2), _Tables(2)
+    row0.put(8, 3, [1, 2])  # x's own row, under (prev, x), not the rejected node 1's
+    row0.put(3, 5, [4, 6])  # the accepted node's, under (x, node)
+    row0.prev = 5  # the token before the next x
+    row1.put(1, 2, [3, 3])  # x's alone: the rejected nodes' rows are not recorded
+    row1.prev = 2
+    row0.check(successors, 0)
+    row1.check(successors, 1)
 
 
-def test_record_then_draft_random_against_a_dict():
+def test_record_then_draft_random_against_dicts():
     rng = random.Random(7)
     vocab, B, tree = 12, 3, StaticTree.best(6)
     k = tree.successors
-    table = torch.zeros(B, vocab, k, dtype=torch.int32)
-    successors = DeviceSuccessors(table, tree)
-    reference = [dict() for _ in range(B)]
+    successors = DeviceSuccessors(tree, B, vocab)
+    reference = [_Tables(k) for _ in range(B)]
     for _ in range(20):
         x = torch.tensor([rng.randrange(vocab) for _ in range(B)])
-        drafted = successors.draft(x)
-        expected = [[0] * tree.num_nodes for _ in range(B)]
-        for b in range(B):
-            for i, (parent, rank) in enumerate(zip(tree.parents, tree.ranks)):
-                token = int(x[b]) if parent < 0 else expected[b][parent]
-                expected[b][i] = reference[b].get(token, [0] * k)[rank]
-        assert drafted.tolist() == expected
-        # Distinct tokens a row, so which duplicate wins does not matter here.
+        assert successors.draft(x).tolist() == [t.draft(tree, int(xb)) for t, xb in zip(reference, x)]
+        # Distinct tokens a row (and so distinct pairs, in distinct slots at this vocabulary), so no write
+        # of a step overwrites another of the same step.
         fed = torch.stack([torch.randperm(vocab)[: tree.num_nodes + 1] for _ in range(B)])
         tops = torch.randint(0, vocab, (B, tree.num_nodes + 1, k))
         accepted = [rng.randrange(0, 3) for _ in range(B)]
@@ -183,8 +253,14 @@ def test_record_then_draft_random_against_a_dict():
             path[b, :a] = torch.arange(a)[: tree.num_nodes]  # node indexes as a path lists them
         successors.record(fed, tops, path)
         for b, a in enumerate(accepted):
-            for r in range(min(a, tree.num_nodes) + 1):  # x, then the accepted nodes
-                reference[b][int(fed[b, r])] = tops[b, r].tolist()
+            rows = [0] + [int(i) + 1 for i in path[b, :a]]  # x, then the accepted nodes
+            before = reference[b].prev
+            for r in rows:
+                reference[b].put(before, int(fed[b, r]), tops[b, r].tolist())
+                before = int(fed[b, r])
+            reference[b].prev = before
+    for b in range(B):
+        reference[b].check(successors, b)
 
 
 @pytest.fixture(scope="module")
