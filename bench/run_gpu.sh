@@ -30,8 +30,9 @@
 #              read on the device, plain and device-tree steps also read one at a time (--step-by-step)
 #   batchrefill  48 prompts a set through 16 rows, a finished row's place going to the next prompt (--refill)
 #   gputests   every other test marked gpu (pytest -m gpu), bf16 identity counts included
-#   ktests     kernel tests on CUDA: tests/test_tree_draft.py, test_gpu_kernels.py, test_layer_ops.py,
-#              test_step_linear.py, test_kv_compact.py, test_runner.py, test_attention.py, test_verify.py
+#   ktests     kernel tests on CUDA: tests/test_tree_draft.py, test_tree_record.py, test_gpu_kernels.py,
+#              test_layer_ops.py, test_step_linear.py, test_kv_compact.py, test_runner.py, test_attention.py,
+#              test_verify.py
 #
 # Each part runs under `timeout` with its own budget, clipped to what is left of RUN_GPU_BUDGET (default 560 s,
 # under the device tool's 600 s per command); a part that fails or times out is recorded and the next one runs.
@@ -146,8 +147,8 @@ WORKERS=()
 $PY -c "import xdist" 2>/dev/null && WORKERS=(-n "${TEST_WORKERS:-$([ $DRY = 1 ] && echo 2 || echo 8)}")
 
 wants env && part env 40 $PY bench/gpu_env.py "${DRYFLAG[@]}" --out-dir "$WORK" --revision-file "$ROOT/.device-model/REVISION"
-KTESTS=(tests/test_tree_draft.py tests/test_gpu_kernels.py tests/test_layer_ops.py tests/test_step_linear.py
-        tests/test_kv_compact.py tests/test_runner.py tests/test_attention.py tests/test_verify.py)
+KTESTS=(tests/test_tree_draft.py tests/test_tree_record.py tests/test_gpu_kernels.py tests/test_layer_ops.py
+        tests/test_step_linear.py tests/test_kv_compact.py tests/test_runner.py tests/test_attention.py tests/test_verify.py)
 [ $DRY = 1 ] && KTESTS=(tests/test_gpu_kernels.py)  # the interpreter takes minutes over the other two
 wants stepcost && part stepcost 130 $PY bench/gpu_step_cost.py "${DRYFLAG[@]}" --out-dir "$WORK"
 wants kernels && part kernels 150 $PY bench/gpu_kernels.py "${DRYFLAG[@]}" --out-dir "$WORK"

@@ -192,22 +192,33 @@ class DeviceSuccessors:
         V]``, ``x`` and the nodes' tokens; ``tops``: integer ``[B, 1 + V, j]`` (``j <= k``), the most likely next
         tokens after each of them; ``path``: integer ``[B, A]``, the accepted nodes (``-1`` past them). The
         rejected nodes' rows are not recorded: in 8 HumanEval prompts (128 tokens, 4 nodes) recording them first
-        gave 1.29 tokens a step against 1.30 without, and the write costs a scatter of every row. Two pairs of
-        one step in one slot: either may win (a draft's quality, never an output, depends on it)."""
+        gave 1.29 tokens a step against 1.30 without, and the write costs a scatter of every row. Two writes of
+        one step to one token or slot: on a GPU the later in path order wins (one launch a step,
+        ``lookahead_kernels.tree_record``); :meth:`record_reference` elsewhere."""
+        if fed.is_cuda:
+            from lookahead_kernels.tree_record import tree_record
+
+            tree_record(fed.long(), tops.long(), path.long(), self.table, self.pairs, self.pair_keys, self.prev)
+            return
+        self.record_reference(fed, tops, path)
+
+    def record_reference(self, fed: torch.Tensor, tops: torch.Tensor, path: torch.Tensor) -> None:
+        """:meth:`record` in torch: the kernel's reference and the CPU's path (where a token or slot written twice
+        in one step keeps the later write, as the kernel does, though torch does not promise that order)."""
         j = tops.shape[2]
-        accepted = path >= 0
-        true_rows = torch.cat([torch.zeros_like(path[:, :1]), path + 1], dim=1).long()  # -1 + 1: x's row again
-        tokens = fed.long().gather(1, true_rows)
-        prev = self.prev[:, None]
-        # Past the accepted nodes the row is x's again: so is the pair (prev, x), and both writes are the same.
-        before = torch.where(torch.cat([torch.ones_like(accepted[:, :1]), accepted], dim=1),
-                             torch.cat([prev, tokens[:, :-1]], dim=1), prev)
-        values = tops.gather(1, true_rows[:, :, None].expand(-1, -1, j)).to(self.table.dtype)
+        accepted = (path >= 0).sum(1, keepdim=True)
+        rows = torch.cat([torch.zeros_like(path[:, :1]), path + 1], dim=1).long()  # -1 + 1: x's row, unused
+        tokens = fed.long().gather(1, rows)
+        before = torch.cat([self.prev[:, None], tokens[:, :-1]], dim=1)
+        # Past the path, the last accepted entry again: the same writes twice, whatever their order.
+        entry = torch.minimum(torch.arange(rows.shape[1], device=rows.device)[None], accepted)
+        rows, before, tokens = rows.gather(1, entry), before.gather(1, entry), tokens.gather(1, entry)
+        values = tops.gather(1, rows[:, :, None].expand(-1, -1, j)).to(self.table.dtype)
         self.table[self._rows, tokens, :j] = values
         slot = self.slot(before, tokens)
         self.pair_keys[self._rows, slot] = self.pair_key(before, tokens)
         self.pairs[self._rows, slot, :j] = values
-        self.prev.copy_(tokens.gather(1, accepted.sum(1, keepdim=True)).squeeze(1))
+        self.prev.copy_(tokens[:, -1])
 
     def seed(self, row: int, context: list[int], start: int, hidden: torch.Tensor, logits) -> None:
         """Row ``row``'s tables from its prompt: ``context`` holds its tokens and ends with its ``x``; positions
