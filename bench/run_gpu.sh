@@ -210,17 +210,15 @@ else  # issue 12's GPU figure: lookahead against plain at 1, 4 and 16 rows (grap
     --repeats 2 --max-new-tokens 64 --tag-suffix 64rows --sets "${SETS[@]}" --out-dir "$WORK"
   wants batchbf16 && part batchbf16 90 $PY bench/bench_batch.py --device cuda --dtype bfloat16 --prompts 16 \
     --batch-sizes 1 16 --repeats 1 --max-new-tokens 64 --sets "${SETS[@]}" --out-dir "$WORK"
-  # Issue 12's 16 rows where the step's cost stays flat: predicted 1.09x / 1.15x at 0.48 ms of host work a step,
-  # 1.34x / 1.48x at none (session 64); the host work of a 16-row step decides it. Trees of 4 nodes read on the
-  # device take 30-50 us more than plain's here: predicted about 1.25x / 1.47x (session 67, MEASUREMENTS).
-  # Since session 68 both overlap their steps (lookahead/overlap.py): --step-by-step measures them without too;
-  # 128 tokens, as the acceptance the predictions took (at 64 a device tree's tables hold less: 1.26 / 1.44 tokens a
-  # row-step on this CPU against 1.40 / 1.63).
+  # Issue 12's 16 rows where the step's cost stays flat: trees of 4 nodes read on the device (pairs of tokens since
+  # session 69), predicted at 1.41x / 1.73x plain decoding with both overlapped (bench/MEASUREMENTS.md, "Device
+  # trees read pairs of tokens"); --step-by-step measures plain and device-tree decoding without the overlap; 128
+  # tokens, as the acceptance the predictions took (at 64 a device tree's tables hold less).
   wants bf16refill && part bf16refill 150 $PY bench/bench_batch.py --device cuda --dtype bfloat16 --refill \
     --prompts 48 --batch-sizes 16 --repeats 1 --max-new-tokens 128 --device-tree 4 --step-by-step \
     --sets "${SETS[@]}" --out-dir "$WORK"
-  # Issue 11's one row: trees of 32 nodes read on the device predicted at 1.52x / 1.84x plain decoding with the host
-  # work of both hidden (bench/results/static-tree-h200-bf16.md), where automatic lookahead measured 1.32x / 1.74x.
+  # Issue 11's one row: trees of 32 nodes read on the device predicted at 1.64x / 2.14x plain decoding with the host
+  # work of both hidden (bench/results/static-tree-h200-bf16-s69.md), where automatic lookahead measured 1.32x / 1.74x.
   wants onerow && part onerow 90 $PY bench/bench_batch.py --device cuda --dtype bfloat16 --prompts 16 \
     --batch-sizes 1 --repeats 1 --max-new-tokens 128 --device-tree 32 --step-by-step --tag-suffix onerow \
     --sets "${SETS[@]}" --out-dir "$WORK"

@@ -81,8 +81,9 @@ class LookaheadConfig:
         device_tree: ``V >= 1``: every step verifies a tree of ``V`` nodes of a fixed shape whose tokens are read
             on the step's device from successor tables kept there (:mod:`lookahead.device_tree`), with no tree
             built on the host, no window and no planner; ``0`` (default): off. Needs the static step path (a CUDA
-            model, or ``_static_steps=True``). Not measured on a GPU yet; meant for batches, whose host-built
-            trees cost more host work than they gain there.
+            model, or ``_static_steps=True``). Not measured on a GPU yet: predicted to pay there at one row (32
+            nodes) and in batches (4 at 16 rows), whose host-built trees cost more host work than they gain; on a
+            CPU it loses (a step of 5 tokens costs about twice a step of one).
     """
 
     window: int | None = None

@@ -6,8 +6,8 @@ host) is what kept the GPU's batches from paying (``bench/MEASUREMENTS.md``, ses
 fixed shape whose node ``i`` holds the ``ranks[i]``-th recorded successor of its parent's token needs no host work:
 reading the tokens, the forward, the verification and the tables' update are tensor operations of fixed shapes,
 which a CUDA graph replays. ``bench/bench_static_tree.py --measure`` predicted and measured what such trees accept
-(tables seeded from each prompt, 16 rows, 128 tokens): at 4 nodes a row 1.40 tokens a row-step on MT-Bench and
-1.63 on HumanEval (``bench/results/static-tree-h200-bf16.md``).
+(tables seeded from each prompt, 16 rows, 128 tokens): at 4 nodes a row 1.48 tokens a row-step on MT-Bench and
+1.83 on HumanEval, every output plain decoding's (``bench/results/static-tree-h200-bf16-s69.md``).
 
 The tree is in ``draft-tree.md``'s encoding: nodes in depth-first pre-order, ``depth`` and ``end`` per node.
 """
@@ -28,7 +28,7 @@ from .verification import StepVerifier
 
 # How often the next token was a token's r-th recorded successor, r = 0..7, when it had any recorded (SmolLM2,
 # both dev sets pooled, tables seeded from the prompt and read as DeviceSuccessors reads them:
-# bench/results/static-tree-h200-bf16.json's pooled_rank_rates). Only their order and ratios shape a tree.
+# bench/results/static-tree-h200-bf16-s69.json's pooled_rank_rates). Only their order and ratios shape a tree.
 RANK_RATES = (0.587, 0.086, 0.040, 0.028, 0.017, 0.013, 0.010, 0.006)
 SEED_CHUNK = 512  # prompt rows projected onto the vocabulary at once when a table is seeded
 PAIR_SLOTS = 16384  # a row's pair table (a power of two): direct-mapped, 4-16 times a dev prompt and output's pairs
@@ -87,8 +87,9 @@ class DeviceSuccessors:
     tokens, on the step's device, and the tree's tokens read from them.
 
     A node's token is read off the pair (its grandparent's token, its parent's token) where that pair was
-    recorded, else off its parent's token alone: on the dev sets (``bench/bench_static_tree.py``) the pair made
-    trees of 4 nodes take 6-7% more tokens a step and trees of 32, 4-10% more. Pairs live in a direct-mapped
+    recorded, else off its parent's token alone: on the dev sets, with a prompt position's following token
+    recorded first (:meth:`seed`), trees of 4 to 32 nodes took 6-8% more tokens a step on MT-Bench and 12-15% on
+    HumanEval than off the parent's token alone (``bench/bench_static_tree.py``). Pairs live in a direct-mapped
     table of ``PAIR_SLOTS`` slots a row (a slot keeps its latest pair); the token before ``x`` (``prev``) is
     kept here too, advanced by :meth:`record`.
 
@@ -225,10 +226,10 @@ class DeviceSuccessors:
         ``start`` to ``len(context) - 2`` were fed with hidden states ``hidden`` (``[len(context) - 1 - start,
         hidden_size]``, on the tables' device), whose vocabulary projection ``logits(rows)`` (the model's
         :meth:`~lookahead.model.LlamaForCausalLM.logits`) gives each position's most likely next tokens. A
-        position records the token that followed it first, then those (on the dev sets it raised trees of 4 nodes
-        by 3-4% of their tokens a step); a token's or a pair slot's last position wins. Taken in chunks of
-        ``SEED_CHUNK`` positions: a long prompt's logits over a large vocabulary would otherwise take gigabytes
-        at once. ``prev`` becomes the token before ``x``."""
+        position records the token that followed it first, then those (it pays where the prompt's text is copied:
+        on the dev sets about two fifths of the gain over the parent's token alone); a token's or a pair slot's
+        last position wins. Taken in chunks of ``SEED_CHUNK`` positions: a long prompt's logits over a large
+        vocabulary would otherwise take gigabytes at once. ``prev`` becomes the token before ``x``."""
         n = len(context) - 1
         device = self.table.device
         self.prev[row] = context[n - 1] if n else 0
