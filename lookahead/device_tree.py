@@ -221,15 +221,16 @@ class DeviceSuccessors:
         self.pairs[self._rows, slot, :j] = values
         self.prev.copy_(tokens[:, -1])
 
-    def seed(self, row: int, context: list[int], start: int, hidden: torch.Tensor, logits) -> None:
+    def seed(self, row: int, context: list[int], start: int, hidden: torch.Tensor | None, logits) -> None:
         """Row ``row``'s tables from its prompt: ``context`` holds its tokens and ends with its ``x``; positions
         ``start`` to ``len(context) - 2`` were fed with hidden states ``hidden`` (``[len(context) - 1 - start,
-        hidden_size]``, on the tables' device), whose vocabulary projection ``logits(rows)`` (the model's
-        :meth:`~lookahead.model.LlamaForCausalLM.logits`) gives each position's most likely next tokens. A
-        position records the token that followed it first, then those (it pays where the prompt's text is copied:
-        on the dev sets about two fifths of the gain over the parent's token alone); a token's or a pair slot's
-        last position wins. Taken in chunks of ``SEED_CHUNK`` positions: a long prompt's logits over a large
-        vocabulary would otherwise take gigabytes at once. ``prev`` becomes the token before ``x``."""
+        hidden_size]``, on the tables' device; ``None`` where none were fed), whose vocabulary projection
+        ``logits(rows)`` (the model's :meth:`~lookahead.model.LlamaForCausalLM.logits`) gives each position's most
+        likely next tokens. A position records the token that followed it first, then those (it pays where the
+        prompt's text is copied: on the dev sets about two fifths of the gain over the parent's token alone); a
+        token's or a pair slot's last position wins. Taken in chunks of ``SEED_CHUNK`` positions: a long prompt's
+        logits over a large vocabulary would otherwise take gigabytes at once. ``prev`` becomes the token before
+        ``x``."""
         n = len(context) - 1
         device = self.table.device
         self.prev[row] = context[n - 1] if n else 0
@@ -362,9 +363,7 @@ class DeviceTreeSteps:
         self.successors.reset(rows)
 
     def seed(self, slot: int, context: list[int], start: int, hidden: torch.Tensor | None, logits) -> None:
-        """Row ``slot``'s tables from its prompt (:meth:`DeviceSuccessors.seed`; ``hidden=None``: nothing was fed)."""
-        if hidden is None:
-            hidden = torch.zeros(0, 1, device=self.successors.table.device)
+        """Row ``slot``'s tables from its prompt (:meth:`DeviceSuccessors.seed`)."""
         self.successors.seed(slot, context, start, hidden, logits)
 
     def trees(self, batch_size: int) -> DraftTrees:
