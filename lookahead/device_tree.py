@@ -237,19 +237,26 @@ class DeviceSuccessors:
         last = {t: i for i, t in enumerate(context[start:n], start)}  # a token's last position
         last_pair = {self.slot(context[i - 1], context[i]): i for i in range(max(start, 1), n)}
         positions = sorted(set(last.values()) | set(last_pair.values()))
-        entries = {}
+        if not positions:
+            return
+        entries = []  # per position of `positions`, its entry
         for at in range(0, len(positions), SEED_CHUNK):
-            chunk = torch.tensor(positions[at: at + SEED_CHUNK], dtype=torch.long)
-            ids, _ = SuccessorTable.top(logits(hidden[(chunk - start).to(device)]), self.table.shape[2])
-            following = torch.tensor([context[i + 1] for i in chunk.tolist()], device=device)
-            entries.update(zip(chunk.tolist(), _followed_first(ids.long(), following).to(self.table.dtype)))
-        if last:
-            self.table[row, torch.tensor(list(last), device=device)] = torch.stack([entries[i] for i in last.values()])
+            chunk = torch.tensor(positions[at: at + SEED_CHUNK], dtype=torch.long, device=device)
+            ids, _ = SuccessorTable.top(logits(hidden[chunk - start]), self.table.shape[2])
+            following = torch.tensor([context[i + 1] for i in positions[at: at + SEED_CHUNK]], device=device)
+            entries.append(_followed_first(ids.long(), following).to(self.table.dtype))
+        entries = torch.cat(entries)
+        entry_of = {p: e for e, p in enumerate(positions)}
+
+        def entry_rows(at: list[int]) -> torch.Tensor:
+            return entries[torch.tensor([entry_of[i] for i in at], device=device)]
+
+        self.table[row, torch.tensor(list(last), device=device)] = entry_rows(list(last.values()))
         if last_pair:
-            rows = list(last_pair.values())
+            at = list(last_pair.values())
             slots = torch.tensor(list(last_pair), device=device)
-            self.pairs[row, slots] = torch.stack([entries[i] for i in rows])
-            self.pair_keys[row, slots] = torch.tensor([self.pair_key(context[i - 1], context[i]) for i in rows],
+            self.pairs[row, slots] = entry_rows(at)
+            self.pair_keys[row, slots] = torch.tensor([self.pair_key(context[i - 1], context[i]) for i in at],
                                                       device=device)
 
 
