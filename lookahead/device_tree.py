@@ -99,7 +99,7 @@ class DeviceSuccessors:
         state: ``state(name, shape, dtype)`` gives a zeroed tensor kept by the caller (a step runner's state: a
             captured graph reads it at its address); default: new tensors on ``device``.
 
-    Attributes (all zero at first; rows zeroed by :meth:`reset`):
+    Attributes (all zero at first; :meth:`reset` zeroes a row's table, pair keys and prev, leaving its pairs unread):
         table: int32 ``[B, vocab, k]`` (``k = tree.successors``): a token's recorded successors, most likely first.
             A token with nothing recorded has successors ``0, 0, ...``: its nodes are verified like any other and
             almost never accepted.
