@@ -61,7 +61,7 @@ def part_steps(device):
         tree = TreeShape.from_parents(list(range(-1, V - 1)), device=device) if V else None
         try:
             ms = time_ms(lambda: runner.run(shape, ids, pos, context, tree), device, reps=20)
-            graph_only = time_ms(runner._buffers[(shape, None, None, False)].graph.replay, device, reps=20)
+            graph_only = time_ms(runner._buffers[runner._key(shape, None, None, False)].graph.replay, device, reps=20)
             print(f"steps: {shape} T={T}: run() {ms:.3f} ms, replay only {graph_only:.3f} ms", flush=True)
         except Exception:
             print(f"steps: {shape} T={T}: FAILED", flush=True)
@@ -209,8 +209,8 @@ def part_smolstep(device):
     context = 256
     cache = model.new_cache(1, 1024)
     for T in (1, 16, 128):
-        layout = StepLayout(1, 1) if T == 1 else StepLayout(1, 1, TreeShape.from_parents(list(range(-1, T - 2)),
-                                                                                          device=device))
+        chain = None if T == 1 else TreeShape.from_parents(list(range(-1, T - 2)), device=device)
+        layout = StepLayout(1, 1, chain)
         ids = torch.zeros(1, T, dtype=torch.long, device=device)
         pos = (context + layout.position_offsets(device))[None]
         lens = torch.tensor([context], device=device)
@@ -381,7 +381,8 @@ def part_smolstack(device, layers=30, rows=(16, 64, 1, 4, 128, 2, 8, 32, 256, 48
         for (n, k), c in ((s, sl.tile_config(*s)) for s in shapes[:4] + shapes[-1:])), flush=True)
 
 
-PARTS = {"smolstack": part_smolstack, "smollinear": part_smollinear, "smolstep": part_smolstep, "smoltiles": part_smoltiles, "steps": part_steps, "loop": part_loop, "kernels": part_kernels,
+PARTS = {"smolstack": part_smolstack, "smollinear": part_smollinear, "smolstep": part_smolstep,
+         "smoltiles": part_smoltiles, "steps": part_steps, "loop": part_loop, "kernels": part_kernels,
          "attention": part_attention, "verify": part_verify}
 
 

@@ -18,7 +18,7 @@ import heapq
 
 import torch
 
-from lookahead_kernels.tree import BEFORE_X, TreeShape, pair_slot
+from lookahead_kernels.tree import BEFORE_X, TreeShape, pair_key, pair_slot
 
 from .config import StepShape
 from .draft import DraftTree, DraftTrees
@@ -149,7 +149,7 @@ class DeviceSuccessors:
 
     def pair_key(self, before, token):
         """What a slot holding the pair ``before``, ``token`` stores (never 0)."""
-        return before * self.vocab_size + token + 1
+        return pair_key(before, token, self.vocab_size)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """Everything recorded, each with its rows first: what moves with a row to another runner."""

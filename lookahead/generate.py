@@ -858,7 +858,7 @@ def _decode(model, cache, runner: StepRunner | None, rows: list[_Row], sampler: 
         elif steps is not None and steps.pending:  # the step in flight, alone: then the rows end, or go on step by step
             _count_step(accepted, steps.drain(), steps)
         elif device_steps is not None:
-            if any(r.cache_len + device_steps.depth >= max_pos for r in active):
+            if _past_the_end(active, device_steps.depth, max_pos):
                 accepted.append(_plain_step(model, cache, runner, batch, sampler, device))
             else:
                 accepted.append(_device_tree_step(model, cache, runner, batch, sampler, device_steps, host))
@@ -974,7 +974,12 @@ def _near_the_end(active: list[_Row], shape, max_pos: int) -> bool:
     """Whether a row's window or tree would run past the model's positions: then the batch finishes plainly."""
     levels = _levels(active)
     budget = shape.max_tokens - shape.window * levels
-    reach = max(shape.window - 1 + levels - 1, budget)
+    return _past_the_end(active, max(shape.window - 1 + levels - 1, budget), max_pos)
+
+
+def _past_the_end(active: list[_Row], reach: int, max_pos: int) -> bool:
+    """Whether a row's step reaching ``reach`` positions past its cache length would pass the model's last
+    position: every step kind's test before it runs (the rows then go on with plain steps)."""
     return any(r.cache_len + reach >= max_pos for r in active)
 
 
@@ -1073,11 +1078,11 @@ def _may_launch(steps: OverlappedSteps, active: list[_Row], device_steps: Device
     tree would pass the model's last position from where the step in flight may leave a row (those steps go one
     by one, the last ones plain)."""
     if not steps.pending:
-        return device_steps is None or all(r.cache_len + device_steps.depth < max_pos for r in active)
+        return device_steps is None or not _past_the_end(active, device_steps.depth, max_pos)
     if all(r.emitter.new + 1 >= r.emitter.max_new_tokens for r in active):
         return False
     reach = 0 if device_steps is None else device_steps.depth + steps.shape.max_tokens
-    return all(r.cache_len + reach < max_pos for r in active)
+    return not _past_the_end(active, reach, max_pos)
 
 
 def _count_step(accepted: list[int], done, steps: OverlappedSteps) -> None:

@@ -143,8 +143,9 @@ def check_tree(depth: torch.Tensor, end: torch.Tensor) -> None:
                          f"for end {end.tolist()}")
 
 
-# A device tree's pair table (lookahead.device_tree, lookahead_kernels.tree_draft): the pair of tokens (a, b) has the
-# slot (a * PAIR_MUL_A + b * PAIR_MUL_B) & (slots - 1) of a row's direct-mapped table of ``slots`` (a power of two).
+# A device tree's pair table (lookahead.device_tree; on a GPU lookahead_kernels.tree_draft's pair_slot_key, which
+# both kernels use): the pair of tokens (a, b) has the slot (a * PAIR_MUL_A + b * PAIR_MUL_B) & (slots - 1) of a
+# row's direct-mapped table of ``slots`` (a power of two), holding the key pair_key(a, b, vocab).
 PAIR_MUL_A, PAIR_MUL_B = 1000003, 7919
 # A node's grandparent index where it has none in the tree: a child of x reads the pair (the token before x, x), a
 # child of a child of x the pair (x, its parent).
@@ -154,3 +155,8 @@ BEFORE_X, X = -2, -1
 def pair_slot(before, token, slots: int):
     """The slot of the pair ``before``, ``token`` (ints or int64 tensors of one shape) among ``slots``."""
     return (before * PAIR_MUL_A + token * PAIR_MUL_B) & (slots - 1)
+
+
+def pair_key(before, token, vocab: int):
+    """What a slot holding the pair ``before``, ``token`` stores (never 0, which marks an empty slot)."""
+    return before * vocab + token + 1

@@ -30,6 +30,12 @@ _X = tl.constexpr(X)
 
 
 @triton.jit
+def pair_slot_key(before, token, vocab, SLOTS: tl.constexpr):
+    # The pair's slot and key in a row's pair table, as lookahead_kernels.tree's pair_slot and pair_key give them.
+    return (before * _MUL_A + token * _MUL_B) & (SLOTS - 1), before * vocab + token + 1
+
+
+@triton.jit
 def _tree_draft_kernel(x_ptr, prev_ptr, table_ptr, pairs_ptr, keys_ptr, parent_ptr, grand_ptr, rank_ptr,
                        depth_ptr, out_ptr, x_stride, vocab, V, K: tl.constexpr, SLOTS: tl.constexpr,
                        DEPTH: tl.constexpr, BLOCK: tl.constexpr):
@@ -49,8 +55,8 @@ def _tree_draft_kernel(x_ptr, prev_ptr, table_ptr, pairs_ptr, keys_ptr, parent_p
         gtok = tl.where(grand == _BEFORE_X, prev,
                         tl.where(grand == _X, x, tl.gather(tok, tl.maximum(grand, 0), 0)))
         here = live & (depth == level)
-        slot = (gtok * _MUL_A + ptok * _MUL_B) & (SLOTS - 1)
-        seen = tl.load(keys_ptr + b * SLOTS + slot, mask=here, other=0) == gtok * vocab + ptok + 1
+        slot, key = pair_slot_key(gtok, ptok, vocab, SLOTS)
+        seen = tl.load(keys_ptr + b * SLOTS + slot, mask=here, other=0) == key
         pair = tl.load(pairs_ptr + (b * SLOTS + slot) * K + rank, mask=here & seen, other=0)
         single = tl.load(table_ptr + (b * vocab + ptok) * K + rank, mask=here & ~seen, other=0)
         tok = tl.where(here, tl.where(seen, pair, single).to(tl.int64), tok)

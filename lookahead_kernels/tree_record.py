@@ -22,10 +22,7 @@ import triton
 import triton.language as tl
 
 from .launch import interpreted, on_device
-from .tree import PAIR_MUL_A, PAIR_MUL_B
-
-_MUL_A = tl.constexpr(PAIR_MUL_A)
-_MUL_B = tl.constexpr(PAIR_MUL_B)
+from .tree_draft import pair_slot_key
 
 
 @triton.jit
@@ -48,8 +45,8 @@ def _tree_record_kernel(fed_ptr, tops_ptr, path_ptr, table_ptr, pairs_ptr, keys_
         token = tl.load(fed_ptr + b * fed_s0 + row * fed_s1)
         tops = tl.load(tops_ptr + b * tops_s0 + row * tops_s1 + cols, mask=take, other=0).to(tl.int32)
         tl.store(table_ptr + (b * vocab + token) * K + cols, tops, mask=take & live)
-        slot = (before * _MUL_A + token * _MUL_B) & (SLOTS - 1)
-        tl.store(keys_ptr + b * SLOTS + slot, before * vocab + token + 1, mask=live)
+        slot, key = pair_slot_key(before, token, vocab, SLOTS)
+        tl.store(keys_ptr + b * SLOTS + slot, key, mask=live)
         tl.store(pairs_ptr + (b * SLOTS + slot) * K + cols, tops, mask=take & live)
         before = tl.where(live, token, before)
     tl.store(prev_ptr + b, before)
