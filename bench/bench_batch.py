@@ -14,6 +14,10 @@ token.
     python bench/bench_batch.py --device cuda --dtype bfloat16 --batch-sizes 1 16 --prompts 16 --max-new-tokens 64
     python bench/bench_batch.py --dry-run --prompts 4 --batch-sizes 1 4 --max-new-tokens 8 --out-dir /tmp/x
     python bench/bench_batch.py --batch-sizes 1 --temperature 0.7 --top-p 0.9 --tag cpu-sampled   # sampling
+    python bench/bench_batch.py --device cuda --dtype bfloat16 --batch-sizes 16 --refill --device-tree 4 auto
+
+``--device-tree N ...`` adds a mode ``device-tree N`` for each (``LookaheadConfig(device_tree=N)``; ``auto``: the
+size ``lookahead.controller.device_tree_size`` chooses for the batch, reported as ``device_tree_nodes``).
 
 With ``--temperature``, both modes sample (one seeded generator for the run): each output is a draw of the model's
 distribution (``tests/test_sampling_e2e.py`` checks that lookahead keeps it), so outputs are not compared and
@@ -42,11 +46,11 @@ from _common import (DEFAULT_SETS, command_line, device_label, machine_info, pyp
                      write_results)  # noqa: E402
 
 from lookahead import LookaheadConfig, load_default  # noqa: E402
-from lookahead.cli import DTYPES, read_prompts  # noqa: E402
+from lookahead.cli import DTYPES, device_tree_size, read_prompts  # noqa: E402
 from lookahead.controller import make_plan  # noqa: E402
 
 MODES = {"plain": None, "lookahead": LookaheadConfig()}
-DEVICE_TREE = "device-tree"  # --device-tree N: a third mode, LookaheadConfig(device_tree=N) (lookahead.device_tree)
+DEVICE_TREE = "device-tree"  # --device-tree N ...: modes "device-tree N", LookaheadConfig(device_tree=N)
 # --step-by-step: plain (and device-tree) decoding again with each step read before the next is launched
 # (generate's _overlap_steps=False; lookahead.overlap), to measure what overlapping them gains.
 STEP_BY_STEP = " step-by-step"
@@ -149,9 +153,10 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=None,
                     help="sample at this temperature (default: greedy decoding, outputs compared with plain's)")
     ap.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass, with --temperature")
-    ap.add_argument("--device-tree", type=int, default=0, metavar="N",
-                    help="also decode with LookaheadConfig(device_tree=N): trees of N nodes read on the device from "
-                         "successor tables kept there (mode 'device-tree')")
+    ap.add_argument("--device-tree", type=device_tree_size, nargs="+", default=[], metavar="N",
+                    help="also decode with LookaheadConfig(device_tree=N) for each N (an int >= 1, or 'auto': sized "
+                         "for the batch from the step costs): trees read on the device from successor tables kept "
+                         "there (modes 'device-tree N')")
     ap.add_argument("--step-by-step", action="store_true",
                     help="also decode plainly (and with --device-tree) reading each step before launching the next "
                          "(modes '... step-by-step'): what overlapping the steps gains (lookahead/overlap.py)")
@@ -170,11 +175,10 @@ def main(argv=None) -> int:
         ap.error(f"--batch-sizes must be >= 1, got {args.batch_sizes}")
     if args.top_p is not None and args.temperature is None:
         ap.error("--top-p samples: give --temperature too")
-    if args.device_tree < 0:
-        ap.error(f"--device-tree must be >= 0, got {args.device_tree}")
-    modes = dict(MODES, **({DEVICE_TREE: LookaheadConfig(device_tree=args.device_tree)} if args.device_tree else {}))
+    modes = dict(MODES, **{f"{DEVICE_TREE} {n}": LookaheadConfig(device_tree=n) for n in args.device_tree if n})
     if args.step_by_step:
-        modes.update({mode + STEP_BY_STEP: modes[mode] for mode in ("plain", DEVICE_TREE) if mode in modes})
+        modes.update({mode + STEP_BY_STEP: config for mode, config in list(modes.items())
+                      if mode == "plain" or mode.startswith(DEVICE_TREE)})
     from tqdm.auto import tqdm
 
     if args.dry_run:
@@ -215,8 +219,12 @@ def main(argv=None) -> int:
                     if reference is None:  # batch 1, plain: the first run
                         reference = outputs
                     identical = None if sampled else sum(o == r for o, r in zip(outputs, reference))
+                    config = modes[mode]
+                    nodes = config.device_tree if config is not None else 0
+                    if nodes == "auto":  # what it chose for this batch (the costs are measured by now)
+                        nodes = make_plan(config, model, min(B, len(prompts))).device_tree
                     rows.append({"set": name, "batch_size": B, "mode": mode, "prompts": len(prompts),
-                                 "identical": identical, **totals})
+                                 "identical": identical, "device_tree_nodes": nodes, **totals})
                     print(f"{name:10s} B={B:3d} {mode:26s} {totals['tokens_per_s']:8.2f} tok/s  fed/row/step "
                           f"{totals['fed_per_row_step']:.2f}  tokens/step {totals['tokens_per_step']:.2f}  "
                           + ("" if sampled else f"identical {identical}/{len(prompts)}"), flush=True)
@@ -225,7 +233,7 @@ def main(argv=None) -> int:
     machine["load_average_end"] = machine_info(args.device)["load_average"]
     tag = args.tag or ("cpu" if args.device == "cpu" else device_label(machine).lower().replace(" ", "-")) \
         + ("" if args.dtype == "float32" else f"-{args.dtype}") \
-        + ("-refill" if args.refill else "") + (f"-device-tree{args.device_tree}" if args.device_tree else "") \
+        + ("-refill" if args.refill else "") + "".join(f"-device-tree{'-' if n == 'auto' else ''}{n}" for n in args.device_tree if n) \
         + (f"-{args.tag_suffix}" if args.tag_suffix else "") \
         + ("-dry-run" if args.dry_run else "")
     result = {"machine": machine, "command": command_line(__file__, sys.argv[1:] if argv is None else argv),
@@ -293,7 +301,8 @@ def markdown(result: dict) -> str:
         prefill = f"{r['prefill_seconds']:.3f}" if "prefill_seconds" in r else ""  # (older results lack these)
         step_ms = f"{r['decode_ms_per_batch_step']:.2f}" if "decode_ms_per_batch_step" in r else ""
         host_ms = f"{r['host_ms_per_batch_step']:.3f}" if "host_ms_per_batch_step" in r else ""
-        lines.append(f"| {r['set']} | {r['batch_size']} | {r['mode']} | {r['tokens_per_s']:.2f} | "
+        mode = r["mode"] + (f" ({r['device_tree_nodes']} nodes)" if "auto" in r["mode"] else "")
+        lines.append(f"| {r['set']} | {r['batch_size']} | {mode} | {r['tokens_per_s']:.2f} | "
                      f"{r['vs_plain']:.2f}x | {spread} | {r['fed_per_row_step']:.2f} | {per_step} | {prefill} | "
                      f"{step_ms} | {host_ms} | {identical} |")
     return "\n".join(lines) + "\n"
@@ -305,10 +314,11 @@ def plot(result: dict, path: str) -> None:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for s in dict.fromkeys(r["set"] for r in result["rows"]):
-        for mode, style in (("plain", "--"), ("lookahead", "-"), (DEVICE_TREE, ":")):
-            pts = [(r["batch_size"], r["tokens_per_s"]) for r in result["rows"] if r["set"] == s and r["mode"] == mode]
-            if not pts:
+        for mode in dict.fromkeys(r["mode"] for r in result["rows"]):
+            if mode.endswith(STEP_BY_STEP):
                 continue
+            style = "--" if mode == "plain" else ":" if mode.startswith(DEVICE_TREE) else "-"
+            pts = [(r["batch_size"], r["tokens_per_s"]) for r in result["rows"] if r["set"] == s and r["mode"] == mode]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=f"{s} {mode}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size")

@@ -24,10 +24,11 @@
 #   batch64    64 rows (HumanEval's first 64 prompts in one batch, MT-Bench's 40), issue 12's largest batch size
 #   batchbf16  the same in bfloat16, 1 and 16 rows (tensor cores keep a step's cost flat to larger sizes)
 #   bf16refill 48 prompts a set through 16 rows in bfloat16, a finished row's place going to the next prompt; with
-#              a third mode, trees of 4 nodes read on the device (--device-tree 4, lookahead/device_tree.py), and
-#              plain and device-tree steps read one at a time as well as overlapped (--step-by-step)
+#              trees of 4 nodes read on the device and trees sized by the controller (--device-tree 4 auto,
+#              lookahead/device_tree.py), plain and device-tree steps read one at a time as well as overlapped
+#              (--step-by-step)
 #   onerow     one row at a time in bfloat16 (16 prompts a set): plain, automatic lookahead and trees of 32 nodes
-#              read on the device, plain and device-tree steps also read one at a time (--step-by-step)
+#              and of the controller's size read on the device, plain and device-tree steps also read one at a time
 #   batchrefill  48 prompts a set through 16 rows, a finished row's place going to the next prompt (--refill)
 #   gputests   every other test marked gpu (pytest -m gpu), bf16 identity counts included
 #   ktests     kernel tests on CUDA: tests/test_tree_draft.py, test_tree_record.py, test_gpu_kernels.py,
@@ -197,9 +198,9 @@ if [ $DRY = 1 ]; then  # the batches' loop as a GPU runs it (static steps, a pla
   wants batchrefill && part batchrefill 90 $PY bench/bench_batch.py --dry-run --refill --prompts 6 --batch-sizes 4 \
     --max-new-tokens 8 --sets "${SETS[@]}" --out-dir "$WORK"
   wants bf16refill && part bf16refill 150 $PY bench/bench_batch.py --dry-run --dtype bfloat16 --refill --prompts 6 \
-    --batch-sizes 4 --max-new-tokens 8 --device-tree 4 --step-by-step --sets "${SETS[@]}" --out-dir "$WORK"
-  wants onerow && part onerow 90 $PY bench/bench_batch.py --dry-run --dtype bfloat16 --prompts 3 --batch-sizes 1 \
-    --max-new-tokens 8 --device-tree 32 --step-by-step --tag-suffix onerow --sets "${SETS[@]}" --out-dir "$WORK"
+    --batch-sizes 4 --max-new-tokens 8 --device-tree 4 auto --step-by-step --sets "${SETS[@]}" --out-dir "$WORK"
+  wants onerow && part onerow 110 $PY bench/bench_batch.py --dry-run --dtype bfloat16 --prompts 3 --batch-sizes 1 \
+    --max-new-tokens 8 --device-tree 32 auto --step-by-step --tag-suffix onerow --sets "${SETS[@]}" --out-dir "$WORK"
   wants batch64 && part batch64 120 $PY bench/bench_batch.py --dry-run --prompts 6 --batch-sizes 6 \
     --max-new-tokens 8 --tag-suffix 64rows --sets "${SETS[@]}" --out-dir "$WORK"
 else  # issue 12's GPU figure: lookahead against plain at 1, 4 and 16 rows (graphs on)
@@ -213,14 +214,16 @@ else  # issue 12's GPU figure: lookahead against plain at 1, 4 and 16 rows (grap
   # Issue 12's 16 rows where the step's cost stays flat: trees of 4 nodes read on the device (pairs of tokens since
   # session 69), predicted at 1.41x / 1.73x plain decoding with both overlapped (bench/MEASUREMENTS.md, "Device
   # trees read pairs of tokens"); --step-by-step measures plain and device-tree decoding without the overlap; 128
-  # tokens, as the acceptance the predictions took (at 64 a device tree's tables hold less).
+  # tokens, as the acceptance the predictions took (at 64 a device tree's tables hold less). 'auto': the size the
+  # controller picks from this GPU's step costs (4 on session 57's table; reported as device_tree_nodes).
   wants bf16refill && part bf16refill 150 $PY bench/bench_batch.py --device cuda --dtype bfloat16 --refill \
-    --prompts 48 --batch-sizes 16 --repeats 1 --max-new-tokens 128 --device-tree 4 --step-by-step \
+    --prompts 48 --batch-sizes 16 --repeats 1 --max-new-tokens 128 --device-tree 4 auto --step-by-step \
     --sets "${SETS[@]}" --out-dir "$WORK"
   # Issue 11's one row: trees of 32 nodes read on the device predicted at 1.64x / 2.14x plain decoding with the host
-  # work of both hidden (bench/results/static-tree-h200-bf16-s69.md), where automatic lookahead measured 1.32x / 1.74x.
-  wants onerow && part onerow 90 $PY bench/bench_batch.py --device cuda --dtype bfloat16 --prompts 16 \
-    --batch-sizes 1 --repeats 1 --max-new-tokens 128 --device-tree 32 --step-by-step --tag-suffix onerow \
+  # work of both hidden (bench/results/static-tree-h200-bf16-s69.md), where automatic lookahead measured 1.32x / 1.74x;
+  # 'auto' the size the controller picks here (64 on session 57's table: 1.67x / 2.18x predicted, ...-sizes-s70.md).
+  wants onerow && part onerow 110 $PY bench/bench_batch.py --device cuda --dtype bfloat16 --prompts 16 \
+    --batch-sizes 1 --repeats 1 --max-new-tokens 128 --device-tree 32 auto --step-by-step --tag-suffix onerow \
     --sets "${SETS[@]}" --out-dir "$WORK"
   wants batchrefill && part batchrefill 90 $PY bench/bench_batch.py --device cuda --refill --prompts 48 \
     --batch-sizes 16 --repeats 2 --max-new-tokens 64 --sets "${SETS[@]}" --out-dir "$WORK"

@@ -33,6 +33,19 @@ class _Parser(argparse.ArgumentParser):
         raise CliError(message, status=2)
 
 
+def device_tree_size(text: str):
+    """``--device-tree``'s value: an int >= 0 or ``auto`` (``LookaheadConfig.device_tree``)."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an int >= 0 or 'auto', got {text!r}")
+    return value
+
+
 def _add_lookahead_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=int, default=None,
                    help="W, columns of the lookahead window (default: chosen from the step budget)")
@@ -40,9 +53,10 @@ def _add_lookahead_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--guess", type=int, default=None, help="G, continuations per pool key (default: chosen)")
     p.add_argument("--max-step-tokens", type=int, default=None,
                    help="cap on the tokens one step feeds (default: sized from the device's measured cost)")
-    p.add_argument("--device-tree", type=int, default=0, metavar="N",
+    p.add_argument("--device-tree", type=device_tree_size, default=0, metavar="N",
                    help="CUDA: every step verifies a fixed tree of N nodes read on the GPU from successor tables kept "
-                        "there, with no tree built on the host (for batches; default 0: off)")
+                        "there, with no tree built on the host; 'auto': N sized for the batch from the GPU's measured "
+                        "step costs (default 0: off)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     p.add_argument("--model", default=None,
                    help="Hugging Face directory, .gguf file or Hub id (default: the embedded SmolLM2-135M-Instruct)")

@@ -76,14 +76,16 @@ class LookaheadConfig:
         seed: seeds the tokens that fill the window's empty columns (drawn from the sequence so far).
         pad_tree: pad every step's tree to its budget (constant step shape; verification never accepts the
             padding). ``None`` (default): on for CUDA devices, off on the CPU, where padded rows cost compute.
-        step_costs: automatic mode only: the cost model as ``((tokens, seconds), ...)`` pairs instead of
-            measuring it (makes the controller's choices reproducible, e.g. in tests).
+        step_costs: automatic mode and ``device_tree="auto"`` only: the cost model as ``((tokens, seconds), ...)``
+            pairs instead of measuring it (makes the controller's choices reproducible, e.g. in tests).
         device_tree: ``V >= 1``: every step verifies a tree of ``V`` nodes of a fixed shape whose tokens are read
             on the step's device from successor tables kept there (:mod:`lookahead.device_tree`), with no tree
-            built on the host, no window and no planner; ``0`` (default): off. Needs the static step path (a CUDA
-            model, or ``_static_steps=True``). Not measured on a GPU yet: predicted to pay there at one row (32
-            nodes) and in batches (4 at 16 rows), whose host-built trees cost more host work than they gain; on a
-            CPU it loses (a step of 5 tokens costs about twice a step of one).
+            built on the host, no window and no planner; ``"auto"``: ``V`` chosen for the call's batch size from
+            the device's measured step costs (``step_costs`` when given; :func:`lookahead.controller.device_tree_size`:
+            48 nodes at one row, 4 at 16 rows on the H200's bfloat16 table; 0, plain steps, where no tree pays);
+            ``0`` (default): off. Needs the static step path (a CUDA model, or ``_static_steps=True``). Not measured
+            on a GPU yet: predicted to pay there at one row and in batches, whose host-built trees cost more host
+            work than they gain; on a CPU it loses (a step of 5 tokens costs about twice a step of one).
     """
 
     window: int | None = None
@@ -97,17 +99,22 @@ class LookaheadConfig:
     seed: int = 0
     pad_tree: bool | None = None
     step_costs: tuple | None = None
-    device_tree: int = 0
+    device_tree: int | str = 0
 
     def __post_init__(self) -> None:
         for name, low in (("window", 1), ("ngram", 2), ("guess", 0), ("max_step_tokens", 1)):
             if getattr(self, name) is not None:
                 require_int(f"LookaheadConfig.{name}", getattr(self, name), low)
         require_int("LookaheadConfig.seed", self.seed, 0)
-        require_int("LookaheadConfig.device_tree", self.device_tree, 0)
+        if self.device_tree != "auto":
+            if isinstance(self.device_tree, str):
+                raise ValueError(f"LookaheadConfig.device_tree must be an int >= 0 or 'auto', got {self.device_tree!r}")
+            require_int("LookaheadConfig.device_tree", self.device_tree, 0)
         if self.device_tree:
-            given = [n for n in ("window", "ngram", "guess", "max_step_tokens", "step_costs")
-                     if getattr(self, n) is not None]
+            fixed = ["window", "ngram", "guess", "max_step_tokens"]
+            if self.device_tree != "auto":  # "auto" sizes its tree from the step costs, which may be given
+                fixed.append("step_costs")
+            given = [n for n in fixed if getattr(self, n) is not None]
             if given:
                 raise ValueError(f"LookaheadConfig: device_tree={self.device_tree} fixes the step (x and the tree); "
                                  f"leave {', '.join(given)} unset")
@@ -153,6 +160,9 @@ class LookaheadConfig:
 
     def shape(self) -> StepShape:
         """The warm step's :class:`StepShape`."""
+        if self.device_tree == "auto":
+            raise ValueError("LookaheadConfig(device_tree='auto') has no shape of its own: "
+                             "lookahead.controller.make_plan sizes its tree for a model and batch size")
         if self.device_tree:
             return StepShape(1, 1, self.device_tree)
         if self.max_step_tokens is not None and self.window is None and self.ngram is None:

@@ -34,6 +34,7 @@ import time
 import torch
 
 from lookahead_kernels import StepLayout
+from lookahead_kernels.validation import require_int
 
 from . import cpu_linear
 from .loading import cache_dir
@@ -637,6 +638,29 @@ def window_pays(costs: StepCosts, window_tokens: int, tree_tokens: int, batch_si
     return costs(B * (window_tokens + tree_tokens)) <= WINDOW_COST_LIMIT * costs(B * (1 + tree_tokens))
 
 
+# Tokens a row-step a device tree of V nodes took (lookahead.device_tree: tables seeded from the prompt, greedy
+# decoding of SmolLM2, 128 tokens; MT-Bench's and HumanEval's averaged; what device_tree_size weighs against each
+# size's step cost): bench/results/static-tree-h200-bf16-sizes-s70.md.
+DEVICE_TREE_TOKENS = ((1, 1.34), (2, 1.51), (4, 1.66), (8, 1.79), (12, 1.88), (16, 1.93), (24, 1.98), (32, 2.02),
+                      (48, 2.08), (64, 2.11))
+
+
+def device_tree_size(costs: StepCosts, batch_size: int, margin: float = BATCH_MARGIN) -> int:
+    """The device tree's node count (``LookaheadConfig(device_tree="auto")``) that maximises a batch's expected
+    tokens a second, ``DEVICE_TREE_TOKENS[V] / t(B (1 + V))``, on the step costs ``costs``; 0 (plain steps) unless
+    it beats a plain step's ``1 / t(B)`` by ``margin`` (the tree's two launches and its host work are not in
+    ``costs``). On the H200's bfloat16 table: 48 nodes at one row, 4 at 16 rows, 1 at 64."""
+    require_int("batch_size", batch_size, 1)
+    B = batch_size
+    plain = 1.0 / costs(B)
+    best, best_rate = 0, plain * margin
+    for nodes, tokens in DEVICE_TREE_TOKENS:
+        rate = tokens / costs(B * (1 + nodes))
+        if rate > best_rate:
+            best, best_rate = nodes, rate
+    return best
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """What a generate call runs: the step shape, the tree's sources and, in automatic mode, the planner; and
@@ -646,6 +670,15 @@ class Plan:
     sources: tuple
     planner: StepPlanner | None
     step_constants: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    device_tree: int = 0  # nodes of every step's device tree (LookaheadConfig.device_tree, "auto" resolved); 0: none
+
+
+def _costs(config, model, tokens: int) -> StepCosts:
+    """The step costs ``config`` gives, else ``model``'s measured ones, extended to steps of ``tokens``
+    (:func:`batch_step_costs`)."""
+    if config.step_costs is not None:
+        return StepCosts.from_pairs(config.step_costs)
+    return batch_step_costs(model, step_costs(model), tokens)
 
 
 def make_plan(config, model, batch_size: int = 1) -> Plan:
@@ -655,15 +688,19 @@ def make_plan(config, model, batch_size: int = 1) -> Plan:
     none of them is the automatic mode: the cost model (``config.step_costs`` when given, else measured and
     cached, and extended to the batch's step sizes on first use) bounds a row's step at the menu's largest size;
     the window (15 x 4, the paper's) runs only where it costs at most ``WINDOW_COST_LIMIT`` more at this batch
-    size (and with it the pool its n-grams feed); the planner sizes each step's trees.
+    size (and with it the pool its n-grams feed); the planner sizes each step's trees. ``device_tree="auto"``
+    takes the same costs and sizes the device tree (:func:`device_tree_size`; the plan's ``device_tree``, 0 where
+    none pays).
     """
     from .config import StepShape
 
+    if config.device_tree == "auto":
+        nodes = device_tree_size(_costs(config, model, batch_size * (1 + DEVICE_TREE_TOKENS[-1][0])), batch_size)
+        return Plan(StepShape(1, 1, nodes), (), None, device_tree=nodes)
     if not config.automatic:
-        return Plan(config.shape(), config.sources, None)
-    base = StepCosts.from_pairs(config.step_costs) if config.step_costs is not None else step_costs(model)
-    total = base.max_tokens
-    costs = base if config.step_costs is not None else batch_step_costs(model, base, batch_size * total)
+        return Plan(config.shape(), config.sources, None, device_tree=config.device_tree)
+    total = _costs(config, model, 0).max_tokens  # a row's step at most: the menu's largest
+    costs = _costs(config, model, batch_size * total)
     window = StepShape(15, 4, 0)
     if total > window.max_tokens and window_pays(costs, window.max_tokens, total - window.max_tokens, batch_size):
         shape = StepShape(window.window, window.levels, total - window.max_tokens)

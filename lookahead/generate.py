@@ -448,6 +448,8 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     if static and lookahead is not None and lookahead.pad_tree is False:
         raise ValueError("LookaheadConfig(pad_tree=False) lets the step shape vary, which CUDA graphs cannot replay; "
                          "leave pad_tree unset or pass cuda_graphs=False")
+    if lookahead is not None and lookahead.device_tree:
+        _check_device_tree(static, draft_memory)
     if not isinstance(trace, bool):
         raise ValueError(f"trace must be a bool, got {trace!r}")
     if _native_draft is not None and not isinstance(_native_draft, bool):
@@ -496,8 +498,11 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     setup_started = time.perf_counter()
     model.prepare_cpu_weights()
     plan = make_plan(lookahead, model, B) if lookahead is not None else None
+    if plan is not None and lookahead.device_tree == "auto" and not plan.device_tree:
+        plan = None  # no device tree pays at this batch size here: plain steps
     step_cap = plan.shape.max_tokens if plan is not None else 1
-    device_steps = _device_tree_steps(lookahead, static, draft_memory, cfg.vocab_size)
+    device_steps = DeviceTreeSteps(StaticTree.best(plan.device_tree), cfg.vocab_size) \
+        if plan is not None and plan.device_tree else None
     overlap = _overlap_wanted(_overlap_steps, static, sampler)
     if overlap and device_steps is not None:  # a row's last overlapped step may run a step past its end
         step_cap *= 2
@@ -1025,18 +1030,14 @@ def _levels(active: list[_Row]) -> int:
     return next((r.window.levels for r in active if r.window is not None), 1)
 
 
-def _device_tree_steps(lookahead, static: bool, draft_memory, vocab_size: int) -> DeviceTreeSteps | None:
-    """The call's device-tree steps where ``lookahead`` asks for them (``LookaheadConfig.device_tree``)."""
-    nodes = getattr(lookahead, "device_tree", 0)
-    if not nodes:
-        return None
+def _check_device_tree(static: bool, draft_memory) -> None:
+    """Refuse what a call with device trees (``LookaheadConfig.device_tree``) cannot do."""
     if not static:
         raise ValueError("LookaheadConfig.device_tree needs the static step path: a model on CUDA, or "
                          "_static_steps=True")
     if draft_memory is not None:
         raise ValueError("draft_memory feeds the trees built on the host; LookaheadConfig.device_tree builds none "
                          "(leave draft_memory unset)")
-    return DeviceTreeSteps(StaticTree.best(nodes), vocab_size)
 
 
 def _overlap_wanted(asked: bool | None, static: bool, sampler: Sampler) -> bool:

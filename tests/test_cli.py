@@ -47,6 +47,8 @@ def test_unset_lookahead_flags_give_the_default_config():
     assert _config(build_parser().parse_args(["generate", "p", "--max-step-tokens", "32"])) == \
         LookaheadConfig(max_step_tokens=32)
     assert _config(build_parser().parse_args(["generate", "p", "--device-tree", "0"])) == LookaheadConfig()
+    assert build_parser().parse_args(["generate", "p", "--device-tree", "auto"]).device_tree == "auto"
+    assert build_parser().parse_args(["generate", "p", "--device-tree", "12"]).device_tree == 12
 
 
 def test_device_defaults_to_cuda_when_present(monkeypatch):
@@ -91,7 +93,9 @@ def _fails_in_one_line(capsys, argv, status=None, contains=""):
     (["generate", "hi", "--stop", ""], "--stop needs a non-empty TEXT"),
     (["generate", "hi", "--do-sample", "--temperature", "-1"], "--temperature"),
     (["generate", "hi", "--max-step-tokens", "0"], "max_step_tokens"),
-    (["generate", "hi", "--device-tree", "-1"], "device_tree"),
+    (["generate", "hi", "--device-tree", "-1"], "--device-tree: must be an int >= 0 or 'auto', got '-1'"),
+    (["generate", "hi", "--device-tree", "big"], "--device-tree: must be an int >= 0 or 'auto', got 'big'"),
+    (["generate", "hi", "--device-tree", "auto", "--device", "cpu"], "--device-tree reads its trees inside"),
     (["generate", "hi", "--device-tree", "4", "--max-step-tokens", "8"], "leave max_step_tokens unset"),
     (["generate", "hi", "--device-tree", "4", "--device", "cpu"], "--device-tree reads its trees inside"),
     (["generate"], "prompt"),

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lookahead import DraftMemory, LlamaForCausalLM, LookaheadConfig
+from lookahead.controller import BATCH_MARGIN, DEVICE_TREE_TOKENS, StepCosts, device_tree_size, make_plan
 from lookahead.device_tree import RANK_RATES, DeviceSuccessors, DeviceTreeSteps, StaticTree
 
 from .test_batch import check_rows, mixed_prompts, rows_stopping_apart
@@ -354,6 +355,57 @@ def test_bad_settings_are_refused(tiny):
                       **STATIC)
     with pytest.raises(ValueError, match="leave window, max_step_tokens unset"):
         LookaheadConfig(device_tree=4, window=4, max_step_tokens=32)
-    for bad in (-1, 2.0, True):
+    for bad in (-1, 2.0, True, "Auto", "4", ""):
         with pytest.raises(ValueError, match="device_tree"):
             LookaheadConfig(device_tree=bad)
+    with pytest.raises(ValueError, match="static step path"):
+        tiny.generate(prompt, max_new_tokens=4, lookahead=LookaheadConfig(device_tree="auto", step_costs=FLAT))
+    with pytest.raises(ValueError, match="leave guess unset"):
+        LookaheadConfig(device_tree="auto", guess=2)
+    with pytest.raises(ValueError, match="step_costs"):
+        LookaheadConfig(device_tree=4, step_costs=FLAT)
+    with pytest.raises(ValueError, match="make_plan sizes its tree"):
+        LookaheadConfig(device_tree="auto").shape()
+
+
+# Session 57's H200 step costs of SmolLM2 in bfloat16 (bench/bench_static_tree.py's H200_BF16_STEP_COSTS), a flat
+# table (every step as cheap as one token's) and a steep one (each token costs as much as a plain step: a CPU's).
+H200_BF16 = ((1, 1.227e-3), (16, 1.299e-3), (64, 1.339e-3), (128, 1.463e-3), (256, 1.792e-3), (1024, 3.599e-3))
+FLAT = ((1, 1e-3), (4096, 1e-3))
+STEEP = ((1, 1e-3), (4096, 4.096))
+
+
+def test_the_device_tree_is_sized_by_the_batch_and_its_step_costs():
+    h200 = StepCosts.from_pairs(H200_BF16)
+    # Its own expected tokens a second against the table, at each size the controller may take (and plain steps).
+    for B in (1, 2, 4, 16, 64):
+        rates = {0: BATCH_MARGIN / h200(B), **{n: t / h200(B * (1 + n)) for n, t in DEVICE_TREE_TOKENS}}
+        assert device_tree_size(h200, B) == max(rates, key=rates.get)
+    assert [device_tree_size(h200, B) for B in (1, 16, 64)] == [64, 4, 2]
+    assert device_tree_size(StepCosts.from_pairs(FLAT), 64) == DEVICE_TREE_TOKENS[-1][0]  # free nodes: the most
+    assert device_tree_size(StepCosts.from_pairs(STEEP), 1) == 0  # no tree pays: plain steps
+    # A tree that gains less than the margin over a plain step is not taken.
+    one = DEVICE_TREE_TOKENS[0][1]
+    just_below = StepCosts.from_pairs(((1, 1.0), (2, one / BATCH_MARGIN * 1.001), (4096, 1e4)))
+    assert device_tree_size(just_below, 1) == 0
+    assert device_tree_size(just_below, 1, margin=1.0) == 1
+    with pytest.raises(ValueError, match="batch_size"):
+        device_tree_size(h200, 0)
+    tokens = [t for _, t in DEVICE_TREE_TOKENS]
+    assert tokens == sorted(tokens) and [n for n, _ in DEVICE_TREE_TOKENS] == sorted(n for n, _ in DEVICE_TREE_TOKENS)
+
+
+@pytest.mark.parametrize("costs,rows,nodes", [(FLAT, None, 64), (H200_BF16, 2, 32), (STEEP, 2, 0)])
+def test_auto_sized_rows_equal_their_own_greedy_output(tiny, costs, rows, nodes):
+    """``device_tree="auto"`` takes the size the costs pay for at the call's batch size, a plain step where none
+    pays, and every row still equals its own plain greedy output."""
+    prompts = mixed_prompts()
+    eos, refs = rows_stopping_apart(tiny, prompts)
+    la = LookaheadConfig(device_tree="auto", step_costs=costs)
+    B = len(prompts) if rows is None else rows
+    assert make_plan(la, tiny, B).device_tree == nodes
+    out = tiny.generate(prompts, max_new_tokens=24, lookahead=la, eos_token_id=eos, pad_token_id=0,
+                        max_batch_size=rows, **STATIC)
+    check_rows(out, refs, prompts, pad_id=0)
+    for row in out.stats.rows:
+        assert row.fed_tokens == row.steps * (1 + nodes)

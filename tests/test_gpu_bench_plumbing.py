@@ -93,11 +93,21 @@ def test_batch_and_prediction_benches_refill_rows(tmp_path):
     --refill: every prompt of a set through fewer rows, every row still its prompt's batch-1 greedy output."""
     sets = [os.path.join(DATA, "mt_bench_dev.jsonl")]
     assert load("bench_batch").main(["--dry-run", "--refill", "--prompts", "3", "--batch-sizes", "2",
-                                     "--max-new-tokens", "4", "--sets", *sets, "--out-dir", str(tmp_path)]) == 0
-    result = json.loads((tmp_path / "batch-cpu-refill-dry-run.json").read_text())
+                                     "--max-new-tokens", "4", "--device-tree", "2", "auto", "--sets", *sets,
+                                     "--out-dir", str(tmp_path)]) == 0
+    base = tmp_path / "batch-cpu-refill-device-tree2-device-tree-auto-dry-run"
+    result = json.loads(base.with_suffix(".json").read_text())
     assert result["refill"] and {(r["mode"], r["batch_size"], r["identical"]) for r in result["rows"]} == \
-        {("plain", 2, 3), ("lookahead", 2, 3)}
-    assert "continuous batching" in (tmp_path / "batch-cpu-refill-dry-run.md").read_text()
+        {("plain", 2, 3), ("lookahead", 2, 3), ("device-tree 2", 2, 3), ("device-tree auto", 2, 3)}
+    nodes = {r["mode"]: r["device_tree_nodes"] for r in result["rows"]}
+    assert nodes["plain"] == nodes["lookahead"] == 0 and nodes["device-tree 2"] == 2
+    # The dry run's H100-like costs: what the controller takes for 2 rows, in the table as the mode's size.
+    from lookahead.controller import StepCosts, device_tree_size
+
+    costs = StepCosts.from_pairs(load("bench_batch").H100_LIKE + load("bench_batch").H100_LIKE_BATCH)
+    assert nodes["device-tree auto"] == device_tree_size(costs, 2) > 0
+    markdown = base.with_suffix(".md").read_text()
+    assert "continuous batching" in markdown and f"| device-tree auto ({nodes['device-tree auto']} nodes) |" in markdown
     assert load("bench_predict").main(["--refill", "--prompts", "3", "--batch-sizes", "2", "--max-new-tokens", "4",
                                        "--ask-ms", "0.09", "--sets", *sets, "--tag", "t", "--out-dir",
                                        str(tmp_path)]) == 0
