@@ -233,7 +233,8 @@ def main(argv=None) -> int:
     machine["load_average_end"] = machine_info(args.device)["load_average"]
     tag = args.tag or ("cpu" if args.device == "cpu" else device_label(machine).lower().replace(" ", "-")) \
         + ("" if args.dtype == "float32" else f"-{args.dtype}") \
-        + ("-refill" if args.refill else "") + "".join(f"-device-tree{'-' if n == 'auto' else ''}{n}" for n in args.device_tree if n) \
+        + ("-refill" if args.refill else "") \
+        + "".join(f"-device-tree{'-' if n == 'auto' else ''}{n}" for n in args.device_tree if n) \
         + (f"-{args.tag_suffix}" if args.tag_suffix else "") \
         + ("-dry-run" if args.dry_run else "")
     result = {"machine": machine, "command": command_line(__file__, sys.argv[1:] if argv is None else argv),
