@@ -3,12 +3,15 @@
 
 Why a kernel: in torch the write is about 25 small launches a step (the accepted path's rows, their tokens and the
 tokens before them, the pair slots and keys, three scatters, the token before the next ``x``), a microsecond or two
-each in a GPU's graph. Here one program a row walks ``x`` and its accepted nodes in order, so a token or slot
-written twice in one step keeps the later write (the torch scatters leave that order unspecified on a GPU).
+each in a GPU's graph. Here one program a row walks the nodes, then ``x`` and its accepted nodes, in order, so a
+token or slot written twice in one step keeps the later write (the torch scatters leave that order unspecified on a
+GPU).
 
-What is written, per row, for ``x`` and each accepted node in path order (the rows that saw their true context):
-its ``j`` tops become the first ``j`` successors of its token and of the pair (the token before it, its token); the
-token before ``x`` (``prev``) becomes the last of them. ``DeviceSuccessors.record_reference`` is the reference.
+What is written, per row: first each tree node's ``j`` tops (accepted or not, in node order) become the first ``j``
+successors of its token; then for ``x`` and each accepted node in path order (the rows that saw their true
+context) its ``j`` tops become the first ``j`` successors of its token and of the pair (the token before it, its
+token); the token before ``x`` (``prev``) becomes the last of them. ``DeviceSuccessors.record_reference`` is the
+reference.
 
 :func:`tree_record` checks its inputs (``ValueError``) and launches; it is the torch custom op
 ``lookahead::tree_record`` (it writes ``table``, ``pairs``, ``pair_keys`` and ``prev`` in place). On CPU tensors it
@@ -27,12 +30,18 @@ from .tree_draft import pair_slot_key
 
 @triton.jit
 def _tree_record_kernel(fed_ptr, tops_ptr, path_ptr, table_ptr, pairs_ptr, keys_ptr, prev_ptr,
-                        fed_s0, fed_s1, tops_s0, tops_s1, path_s0, path_s1, vocab, j,
+                        fed_s0, fed_s1, tops_s0, tops_s1, path_s0, path_s1, vocab, j, V,
                         K: tl.constexpr, SLOTS: tl.constexpr, A: tl.constexpr, J: tl.constexpr):
-    # Program b: x's row, then each accepted node's, in order; a row past the path writes nothing.
+    # Program b: every node's tops under its token, in node order; then x's row and each accepted node's, in
+    # order, under token and pair (a row past the path writes nothing). The same columns go to the same threads
+    # in every write, so a later write to an entry lands after an earlier one.
     b = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, J)
     take = cols < j
+    for i in range(1, V + 1):
+        token = tl.load(fed_ptr + b * fed_s0 + i * fed_s1)
+        tops = tl.load(tops_ptr + b * tops_s0 + i * tops_s1 + cols, mask=take, other=0).to(tl.int32)
+        tl.store(table_ptr + (b * vocab + token) * K + cols, tops, mask=take)
     before = tl.load(prev_ptr + b)
     live = True
     for a in tl.static_range(A + 1):
@@ -61,7 +70,7 @@ def _tree_record_op(fed: torch.Tensor, tops: torch.Tensor, path: torch.Tensor, t
         with on_device(fed):
             _tree_record_kernel[(B,)](fed, tops, path, table, pairs, pair_keys, prev, fed.stride(0), fed.stride(1),
                                       tops.stride(0), tops.stride(1), path.stride(0), path.stride(1), vocab, j,
-                                      K=k, SLOTS=pairs.shape[1], A=A, J=max(2, triton.next_power_of_2(j)),
+                                      fed.shape[1] - 1, K=k, SLOTS=pairs.shape[1], A=A, J=max(2, triton.next_power_of_2(j)),
                                       num_warps=1)
 
 
@@ -72,7 +81,8 @@ def _tree_record_fake(fed, tops, path, table, pairs, pair_keys, prev):
 
 def tree_record(fed: torch.Tensor, tops: torch.Tensor, path: torch.Tensor, table: torch.Tensor,
                 pairs: torch.Tensor, pair_keys: torch.Tensor, prev: torch.Tensor) -> None:
-    """Write a verified step's tops into the rows' tables, in place.
+    """Write a verified step's tops into the rows' tables, in place: every node's under its token, then ``x``'s
+    and the accepted nodes' under token and pair (the module docstring).
 
     Args:
         fed: int64 ``[B, 1 + V]`` (any strides): ``x`` and the tree's tokens.

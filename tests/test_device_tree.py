@@ -217,19 +217,21 @@ def test_reset_forgets_only_the_rows_named():
     assert successors.table.eq(0).all() and successors.pair_keys.eq(0).all() and successors.prev.eq(0).all()
 
 
-def test_record_takes_the_true_contexts_only():
+def test_record_takes_every_nodes_token_and_the_true_contexts_last():
     tree = StaticTree([(0,), (0, 0), (1,)])  # nodes: 0 (x's r0), 1 (its r0), 2 (x's r1)
     successors = DeviceSuccessors(tree, 2, 10)
     successors.prev.copy_(torch.tensor([8, 1]))
-    # Row 0: x = 3, nodes 5, 3, 6; node 0 accepted. Row 1: x = 2, nodes 4, 7, 8; none accepted.
-    fed = torch.tensor([[3, 5, 3, 6], [2, 4, 7, 8]])
+    # Row 0: x = 3, nodes 5, 3, 6; node 0 accepted. Row 1: x = 2, nodes 4, 7, 4; none accepted.
+    fed = torch.tensor([[3, 5, 3, 6], [2, 4, 7, 4]])
     tops = torch.tensor([[[1, 2], [4, 6], [7, 8], [9, 9]], [[3, 3], [5, 5], [6, 6], [1, 1]]])
     successors.record(fed, tops, torch.tensor([[0, -1], [-1, -1]]))
     row0, row1 = _Tables(2), _Tables(2)
-    row0.put(8, 3, [1, 2])  # x's own row, under (prev, x), not the rejected node 1's
+    row0.tokens[6] = [9, 9]  # the rejected node 2's, under its token alone
+    row0.put(8, 3, [1, 2])  # x's own row, under (prev, x): over the rejected node 1's [7, 8] (token 3 too)
     row0.put(3, 5, [4, 6])  # the accepted node's, under (x, node)
     row0.prev = 5  # the token before the next x
-    row1.put(1, 2, [3, 3])  # x's alone: the rejected nodes' rows are not recorded
+    row1.tokens.update({7: [6, 6], 4: [1, 1]})  # the rejected nodes' tokens (4 twice: its last node's)
+    row1.put(1, 2, [3, 3])  # x's, under (prev, x)
     row1.prev = 2
     row0.check(successors, 0)
     row1.check(successors, 1)
@@ -254,6 +256,8 @@ def test_record_then_draft_random_against_dicts():
             path[b, :a] = torch.arange(a)[: tree.num_nodes]  # node indexes as a path lists them
         successors.record(fed, tops, path)
         for b, a in enumerate(accepted):
+            for r in range(1, tree.num_nodes + 1):  # every node's under its token first
+                reference[b].tokens[int(fed[b, r])] = tops[b, r].tolist()
             rows = [0] + [int(i) + 1 for i in path[b, :a]]  # x, then the accepted nodes
             before = reference[b].prev
             for r in rows:

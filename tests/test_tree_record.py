@@ -1,6 +1,6 @@
 """lookahead_kernels.tree_record: a verified device-tree step's tops written into random tables in one launch,
-equal to DeviceSuccessors.record_reference and to a sequential Python reference (x's row, then the accepted nodes',
-a later write to the same token or slot winning), over paths of every length, repeated tokens, strided inputs as
+equal to DeviceSuccessors.record_reference and to a sequential Python reference (every node's under its token, then
+x's row and the accepted nodes' under token and pair, a later write to the same token or slot winning), over paths of every length, repeated tokens, strided inputs as
 the step passes them; its refusals; its sm_90 build. Triton's interpreter on a CPU, compiled on a GPU."""
 
 import pytest
@@ -38,10 +38,12 @@ def _step(tree: StaticTree, B: int, vocab: int, g: torch.Generator, device: str)
 
 
 def _sequential(successors: DeviceSuccessors, fed, tops, path) -> tuple:
-    """The tables after the step, written one entry at a time in path order (on the CPU)."""
+    """The tables after the step, written one entry at a time: the nodes in order, then the path (on the CPU)."""
     table, pairs, keys, prev = (t.cpu().clone() for t in successors.tensors())
     j = tops.shape[2]
     for b in range(fed.shape[0]):
+        for row in range(1, fed.shape[1]):
+            table[b, int(fed[b, row]), :j] = tops[b, row].to(torch.int32)
         before = int(prev[b])
         for row in [0] + [int(n) + 1 for n in path[b] if n >= 0]:
             token = int(fed[b, row])
