@@ -188,18 +188,18 @@ class DeviceSuccessors:
         return fed[:, 2:]
 
     def record(self, fed: torch.Tensor, tops: torch.Tensor, path: torch.Tensor) -> None:
-        """A verified step's tops into the tables. First every node's under its token, whether accepted or not (a
-        node a token fed twice: its last node's): a rejected node's context was a guess, but its tops are the
-        model's prediction after its token, as the lookahead window's n-grams are, and fresher than what the
-        table held (on 24 prompts a set at 32 nodes 1.91 / 2.52 tokens a step on MT-Bench / HumanEval against
-        1.65 / 2.15 without; writing a node's only where its token had nothing recorded: 1.80 / 2.36; under its
-        pair too: 1.72 / 1.93 on MT-Bench at 16 / 32 nodes, as without). Then the rows that saw their true context, ``x``'s and the accepted nodes', each
-        under its token and under the pair of the token before it and its token, overwriting. ``prev`` becomes the
-        token before the next ``x`` (the last accepted node's, or ``x``). ``fed``: integer ``[B, 1 + V]``, ``x``
-        and the nodes' tokens; ``tops``: integer ``[B, 1 + V, j]`` (``j <= k``), the most likely next tokens
-        after each of them; ``path``: integer ``[B, A]``, the accepted nodes (``-1`` past them). Two writes of one
-        step to one token or slot: on a GPU the later wins (one launch a step, ``lookahead_kernels.tree_record``);
-        :meth:`record_reference` elsewhere."""
+        """A verified step's tops into the tables. First every node's under its token, whether accepted or not (a token
+        fed twice: its last node's): a rejected node's context was a guess, but its tops are the model's
+        prediction after its token, as the lookahead window's n-grams are, and fresher than what the table held
+        (on 24 prompts a set at 32 nodes 1.91 / 2.52 tokens a step on MT-Bench / HumanEval against 1.65 / 2.15
+        without; writing a node's only where its token had nothing recorded: 1.80 / 2.36; under its pair too:
+        1.72 / 1.93 on MT-Bench at 16 / 32 nodes, as without). Then the rows that saw their true context,
+        ``x``'s and the accepted nodes', each under its token and under the pair of the token before it and its
+        token, overwriting. ``prev`` becomes the token before the next ``x`` (the last accepted node's, or
+        ``x``). ``fed``: integer ``[B, 1 + V]``, ``x`` and the nodes' tokens; ``tops``: integer ``[B, 1 + V,
+        j]`` (``j <= k``), the most likely next tokens after each of them; ``path``: integer ``[B, A]``, the
+        accepted nodes (``-1`` past them). Two writes of one step to one token or slot: on a GPU the later wins
+        (one launch a step, ``lookahead_kernels.tree_record``); :meth:`record_reference` elsewhere."""
         if fed.is_cuda:
             from lookahead_kernels.tree_record import tree_record
 

@@ -70,8 +70,8 @@ def _tree_record_op(fed: torch.Tensor, tops: torch.Tensor, path: torch.Tensor, t
         with on_device(fed):
             _tree_record_kernel[(B,)](fed, tops, path, table, pairs, pair_keys, prev, fed.stride(0), fed.stride(1),
                                       tops.stride(0), tops.stride(1), path.stride(0), path.stride(1), vocab, j,
-                                      fed.shape[1] - 1, K=k, SLOTS=pairs.shape[1], A=A, J=max(2, triton.next_power_of_2(j)),
-                                      num_warps=1)
+                                      fed.shape[1] - 1, K=k, SLOTS=pairs.shape[1], A=A,
+                                      J=max(2, triton.next_power_of_2(j)), num_warps=1)
 
 
 @_tree_record_op.register_fake

@@ -1,7 +1,8 @@
-"""lookahead_kernels.tree_record: a verified device-tree step's tops written into random tables in one launch,
-equal to DeviceSuccessors.record_reference and to a sequential Python reference (every node's under its token, then
-x's row and the accepted nodes' under token and pair, a later write to the same token or slot winning), over paths of every length, repeated tokens, strided inputs as
-the step passes them; its refusals; its sm_90 build. Triton's interpreter on a CPU, compiled on a GPU."""
+"""lookahead_kernels.tree_record: a verified device-tree step's tops written into random tables in one launch, equal to
+DeviceSuccessors.record_reference and to a sequential Python reference (every node's under its token, then x's row and
+the accepted nodes' under token and pair, a later write to the same token or slot winning), over paths of every length,
+repeated tokens, strided inputs as the step passes them; its refusals; its sm_90 build. Triton's interpreter on a CPU,
+compiled on a GPU."""
 
 import pytest
 import torch
