@@ -217,13 +217,13 @@ else  # issue 12's GPU figure: lookahead against plain at 1, 4 and 16 rows (grap
   # session 69), predicted at 1.41x / 1.73x plain decoding with both overlapped (bench/MEASUREMENTS.md, "Device
   # trees read pairs of tokens"); --step-by-step measures plain and device-tree decoding without the overlap; 128
   # tokens, as the acceptance the predictions took (at 64 a device tree's tables hold less). 'auto': the size the
-  # controller picks from this GPU's step costs (4 on session 57's table; reported as device_tree_nodes).
+  # controller picks from this GPU's step costs (8 on session 57's table; reported as device_tree_nodes).
   wants bf16refill && part bf16refill 150 $PY bench/bench_batch.py --device cuda --dtype bfloat16 --refill \
     --prompts 48 --batch-sizes 16 --repeats 1 --max-new-tokens 128 --device-tree 4 auto --step-by-step \
     --sets "${SETS[@]}" --out-dir "$WORK"
   # Issue 11's one row: trees of 32 nodes read on the device predicted at 1.64x / 2.14x plain decoding with the host
   # work of both hidden (bench/results/static-tree-h200-bf16-s69.md), where automatic lookahead measured 1.32x / 1.74x;
-  # 'auto' the size the controller picks here (64 on session 57's table: 1.67x / 2.18x predicted, ...-sizes-s70.md).
+  # 'auto' the size the controller picks here (64 on session 57's table: 1.90x / 2.51x predicted, static-tree-...-s70.md).
   wants onerow && part onerow 110 $PY bench/bench_batch.py --device cuda --dtype bfloat16 --prompts 16 \
     --batch-sizes 1 --repeats 1 --max-new-tokens 128 --device-tree 32 auto --step-by-step --tag-suffix onerow \
     --sets "${SETS[@]}" --out-dir "$WORK"

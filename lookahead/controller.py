@@ -638,18 +638,17 @@ def window_pays(costs: StepCosts, window_tokens: int, tree_tokens: int, batch_si
     return costs(B * (window_tokens + tree_tokens)) <= WINDOW_COST_LIMIT * costs(B * (1 + tree_tokens))
 
 
-# Tokens a row-step a device tree of V nodes took (lookahead.device_tree: tables seeded from the prompt, greedy
-# decoding of SmolLM2, 128 tokens; MT-Bench's and HumanEval's averaged; what device_tree_size weighs against each
-# size's step cost): bench/results/static-tree-h200-bf16-sizes-s70.md.
-DEVICE_TREE_TOKENS = ((1, 1.34), (2, 1.51), (4, 1.66), (8, 1.79), (12, 1.88), (16, 1.93), (24, 1.98), (32, 2.02),
-                      (48, 2.08), (64, 2.11))
+# Tokens a row-step a device tree of V nodes took (lookahead.device_tree, measured: greedy decoding of SmolLM2, 24
+# prompts of MT-Bench and of HumanEval, their figures averaged, 128 tokens; what device_tree_size weighs against
+# each size's step cost): bench/results/static-tree-h200-bf16-s70.md.
+DEVICE_TREE_TOKENS = ((1, 1.31), (2, 1.47), (4, 1.62), (8, 1.80), (16, 1.99), (32, 2.22), (64, 2.41))
 
 
 def device_tree_size(costs: StepCosts, batch_size: int, margin: float = BATCH_MARGIN) -> int:
     """The device tree's node count (``LookaheadConfig(device_tree="auto")``) that maximises a batch's expected
     tokens a second, ``DEVICE_TREE_TOKENS[V] / t(B (1 + V))``, on the step costs ``costs``; 0 (plain steps) unless
     it beats a plain step's ``1 / t(B)`` by ``margin`` (the tree's two launches and its host work are not in
-    ``costs``). On the H200's bfloat16 table: 48 nodes at one row, 4 at 16 rows, 1 at 64."""
+    ``costs``). On the H200's bfloat16 table: 64 nodes at one row, 8 at 16 rows, 2 at 64."""
     require_int("batch_size", batch_size, 1)
     B = batch_size
     plain = 1.0 / costs(B)
