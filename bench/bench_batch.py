@@ -46,7 +46,7 @@ from _common import (DEFAULT_SETS, command_line, device_label, machine_info, pyp
                      write_results)  # noqa: E402
 
 from lookahead import LookaheadConfig, load_default  # noqa: E402
-from lookahead.cli import DTYPES, device_tree_size, read_prompts  # noqa: E402
+from lookahead.cli import DTYPES, device_tree_arg, read_prompts  # noqa: E402
 from lookahead.controller import make_plan  # noqa: E402
 
 MODES = {"plain": None, "lookahead": LookaheadConfig()}
@@ -153,7 +153,7 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=None,
                     help="sample at this temperature (default: greedy decoding, outputs compared with plain's)")
     ap.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass, with --temperature")
-    ap.add_argument("--device-tree", type=device_tree_size, nargs="+", default=[], metavar="N",
+    ap.add_argument("--device-tree", type=device_tree_arg, nargs="+", default=[], metavar="N",
                     help="also decode with LookaheadConfig(device_tree=N) for each N (an int >= 1, or 'auto': sized "
                          "for the batch from the step costs): trees read on the device from successor tables kept "
                          "there (modes 'device-tree N')")

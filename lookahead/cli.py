@@ -33,7 +33,7 @@ class _Parser(argparse.ArgumentParser):
         raise CliError(message, status=2)
 
 
-def device_tree_size(text: str):
+def device_tree_arg(text: str):
     """``--device-tree``'s value: an int >= 0 or ``auto`` (``LookaheadConfig.device_tree``)."""
     if text == "auto":
         return text
@@ -53,7 +53,7 @@ def _add_lookahead_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--guess", type=int, default=None, help="G, continuations per pool key (default: chosen)")
     p.add_argument("--max-step-tokens", type=int, default=None,
                    help="cap on the tokens one step feeds (default: sized from the device's measured cost)")
-    p.add_argument("--device-tree", type=device_tree_size, default=0, metavar="N",
+    p.add_argument("--device-tree", type=device_tree_arg, default=0, metavar="N",
                    help="CUDA: every step verifies a fixed tree of N nodes read on the GPU from successor tables kept "
                         "there, with no tree built on the host; 'auto': N sized for the batch from the GPU's measured "
                         "step costs (default 0: off)")
