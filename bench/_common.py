@@ -66,6 +66,14 @@ def first_prompts(sets: list[str], tokenizer, count: int) -> list[tuple[str, obj
     return [(set_name(path), ids) for path in sets for ids in read_prompts(path, tokenizer)[:count]]
 
 
+def static_path_kwargs(config, device_type: str) -> dict:
+    """``generate`` keywords a ``lookahead=config`` call needs on ``device_type``: a device tree runs on the static
+    step path, which a CPU takes only when asked (without graphs)."""
+    if config is not None and config.device_tree and device_type != "cuda":
+        return dict(cuda_graphs=False, _static_steps=True)
+    return {}
+
+
 def set_name(path: str) -> str:
     """``mt_bench`` for ``.../mt_bench_dev.jsonl``: how results name a prompt set."""
     return os.path.basename(path).split(".")[0].replace("_dev", "")

@@ -43,7 +43,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 from _common import (DEFAULT_SETS, command_line, device_label, machine_info, pyplot, render, set_name,  # noqa: E402
-                     write_results)  # noqa: E402
+                     static_path_kwargs, write_results)  # noqa: E402
 
 from lookahead import LookaheadConfig, load_default  # noqa: E402
 from lookahead.cli import DTYPES, device_tree_arg, read_prompts  # noqa: E402
@@ -67,9 +67,7 @@ def mode_kwargs(config, generate_kwargs: dict, device: str, mode: str = "") -> d
     asked (without graphs); a step-by-step mode's steps are not overlapped."""
     if mode.endswith(STEP_BY_STEP):
         generate_kwargs = dict(generate_kwargs, _overlap_steps=False)
-    if config is not None and config.device_tree and device == "cpu":
-        return dict(generate_kwargs, cuda_graphs=False, _static_steps=True)
-    return generate_kwargs
+    return dict(generate_kwargs, **static_path_kwargs(config, device))
 
 
 def run_paired(model, prompts: list, batch_size: int, max_new_tokens: int, repeats: int, refill: bool = False,

@@ -31,7 +31,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 from _common import (DEFAULT_SETS, add_output_args, command_line, hf_default_model, machine_info, pyplot,  # noqa: E402
-                     read_results, set_name)
+                     read_results, set_name, static_path_kwargs)
 
 from lookahead import DraftMemory, LookaheadConfig, load_default  # noqa: E402
 from lookahead.cli import read_prompts  # noqa: E402
@@ -85,6 +85,7 @@ def make_runners(model, hf_model, max_new_tokens: int, device=None):
             return out.cpu(), seconds, new / max(calls[0] - 1, 1)
         return run
 
+    device_tree = LookaheadConfig(device_tree="auto")
     return {
         "ours-plain": ours(None),
         # The eager loop (on the CPU the default; on CUDA without graphs): what the graphs gain on a GPU.
@@ -93,10 +94,8 @@ def make_runners(model, hf_model, max_new_tokens: int, device=None):
         # One DraftMemory a prompt set: each prompt's lookahead reads the set's earlier prompts and outputs.
         "ours-lookahead-memory": ours(LookaheadConfig(), remembering=True),
         "ours-fixed-15-5-15": ours(LookaheadConfig(window=15, ngram=5, guess=15)),
-        # Trees read on the device, sized from the step costs (lookahead.device_tree): the static step path,
-        # which a CPU takes only when asked (without graphs), and where device trees lose.
-        "ours-device-tree": ours(LookaheadConfig(device_tree="auto"), **({} if model.device.type == "cuda" else
-                                                                         dict(cuda_graphs=False, _static_steps=True))),
+        # Trees read on the device, sized from the step costs (lookahead.device_tree; on a CPU they lose).
+        "ours-device-tree": ours(device_tree, **static_path_kwargs(device_tree, model.device.type)),
         "hf-greedy": hf(),
         "hf-prompt-lookup": hf(prompt_lookup_num_tokens=10),
     }
