@@ -28,7 +28,8 @@ from .verification import StepVerifier
 
 # How often the next token was a token's r-th recorded successor, r = 0..7, when it had any recorded (SmolLM2,
 # both dev sets pooled, tables seeded from the prompt and read as DeviceSuccessors reads them:
-# bench/results/static-tree-h200-bf16-s69.json's pooled_rank_rates). A path's score is the product of its ranks' rates, so they weigh depth against breadth.
+# bench/results/static-tree-h200-bf16-s69.json's pooled_rank_rates). A path's score is the product of its ranks'
+# rates, so they weigh depth against breadth.
 # Trees from the rates a device-tree step meets (per depth: deeper trees) or wider ones took no more tokens a step
 # (bench/MEASUREMENTS.md, session 71): the shape also decides which tokens' predictions a step records.
 RANK_RATES = (0.587, 0.086, 0.040, 0.028, 0.017, 0.013, 0.010, 0.006)
