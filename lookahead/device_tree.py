@@ -101,18 +101,25 @@ class DeviceSuccessors:
         batch_size, vocab_size: the rows and the model's vocabulary.
         state: ``state(name, shape, dtype)`` gives a zeroed tensor kept by the caller (a step runner's state: a
             captured graph reads it at its address); default: new tensors on ``device``.
+        prior: int32 ``[vocab, k' >= k]`` on the tables' device (:func:`token_prior`): what a row's token table
+            starts from when :meth:`reset` empties it; ``None``: nothing.
 
-    Attributes (all zero at first; :meth:`reset` zeroes a row's table, pair keys and prev, leaving its pairs unread):
-        table: int32 ``[B, vocab, k]`` (``k = tree.successors``): a token's recorded successors, most likely first.
-            A token with nothing recorded has successors ``0, 0, ...``: its nodes are verified like any other and
-            almost never accepted.
+    Attributes (all zero at first; :meth:`reset` gives a row's table the prior, zeroes its pair keys and prev,
+    leaving its pairs unread):
+        table: int32 ``[B, vocab, k]`` (``k = tree.successors``): a token's recorded successors, most likely first;
+            where nothing was recorded, the prior's (without one, ``0, 0, ...``: verified like any other and
+            almost never accepted).
         pairs: int32 ``[B, PAIR_SLOTS, k]``: a pair's successors, in the slot :meth:`slot` gives it.
         pair_keys: int64 ``[B, PAIR_SLOTS]``: which pair a slot holds (:meth:`pair_key`; 0: none).
         prev: int64 ``[B]``: each row's token before its ``x``.
     """
 
-    def __init__(self, tree: StaticTree, batch_size: int, vocab_size: int, device="cpu", state=None):
+    def __init__(self, tree: StaticTree, batch_size: int, vocab_size: int, device="cpu", state=None, prior=None):
         self.tree, self.vocab_size = tree, vocab_size
+        if prior is not None and (prior.dim() != 2 or prior.shape[0] != vocab_size or prior.shape[1] < tree.successors):
+            raise ValueError(f"DeviceSuccessors: prior must be [{vocab_size}, >= {tree.successors}], "
+                             f"got {list(prior.shape)}")
+        self.prior = None if prior is None else prior[:, : tree.successors]
         if state is None:
             state = lambda name, shape, dtype: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
         k = tree.successors
@@ -160,12 +167,16 @@ class DeviceSuccessors:
         return self.table, self.pairs, self.pair_keys, self.prev
 
     def reset(self, rows: list[int] | None = None) -> None:
-        """Forget what rows ``rows`` (every row: ``None``) recorded: a new sequence takes them."""
+        """Forget what rows ``rows`` (every row: ``None``) recorded: a new sequence takes them, its token table
+        the prior's."""
         for t in (self.table, self.pair_keys, self.prev):
             if rows is None:
                 t.zero_()
             elif rows:
                 t[torch.tensor(rows, device=t.device)] = 0
+        if self.prior is not None and (rows is None or rows):
+            at = slice(None) if rows is None else torch.tensor(rows, device=self.table.device)
+            self.table[at] = self.prior.to(self.table.dtype)
 
     def draft(self, x: torch.Tensor) -> torch.Tensor:
         """int64 ``[B, V]``: each row's tree tokens under its ``x`` (int64 ``[B]``), in the tree's pre-order: one
@@ -273,6 +284,31 @@ class DeviceSuccessors:
                                                       device=device)
 
 
+PRIOR_CHUNK = 512  # tokens fed at once by token_prior (their logits: 512 x vocab floats)
+
+
+def token_prior(model, k: int = len(RANK_RATES)) -> torch.Tensor:
+    """int32 ``[vocab, k]`` on the model's device: each token's ``k`` most likely next tokens when it is fed alone
+    (position 0), most likely first: where a row's table has nothing recorded for a token, its trees read these
+    instead of token 0. On the dev sets a quarter of a 64-node tree's steps met an ``x`` with nothing recorded (the
+    whole tree then drafted token 0); starting every table from these took 2.42 / 2.98 tokens a step on MT-Bench /
+    HumanEval against 2.07 / 2.74 (``bench/MEASUREMENTS.md``, session 71). One forward of every token, once per
+    model and ``k`` (kept on the model object): well under a second on a GPU, about 85 s for SmolLM2 on this
+    project's 2-core CPU, where device trees do not pay. The default ``k`` covers every tree's ranks."""
+    memo = getattr(model, "token_prior_cache", None)
+    if memo is None:
+        memo = model.token_prior_cache = {}
+    if k not in memo:
+        vocab, device = model.config.vocab_size, model.embed.weight.device
+        tops = []
+        with torch.no_grad():
+            for at in range(0, vocab, PRIOR_CHUNK):
+                ids = torch.arange(at, min(at + PRIOR_CHUNK, vocab), device=device)[:, None]
+                tops.append(SuccessorTable.top(model(ids).logits[:, 0], k)[0].to(torch.int32))
+        memo[k] = torch.cat(tops)
+    return memo[k]
+
+
 def _followed_first(ids: torch.Tensor, following: torch.Tensor) -> torch.Tensor:
     """int64 ``[R, k]``: each row's ``following`` token, then its ``ids`` (``[R, k]``) without it, cut to ``k``."""
     R, k = ids.shape
@@ -345,12 +381,13 @@ class DeviceTreeSteps:
     Args:
         tree: the :class:`StaticTree` every step verifies.
         vocab_size: the model's vocabulary size.
+        prior: what a row's token table starts from (:func:`token_prior`, on the runners' device), or ``None``.
     """
 
-    def __init__(self, tree: StaticTree, vocab_size: int):
+    def __init__(self, tree: StaticTree, vocab_size: int, prior: torch.Tensor | None = None):
         if tree.num_nodes < 1:
             raise ValueError("DeviceTreeSteps needs a tree of at least one node")
-        self.tree, self.vocab_size = tree, vocab_size
+        self.tree, self.vocab_size, self.prior = tree, vocab_size, prior
         self.shape = StepShape(1, 1, tree.num_nodes)
         self.depth = int(tree.shape.depth.max())
         self.k = tree.successors
@@ -367,7 +404,8 @@ class DeviceTreeSteps:
         """Take ``runner``'s tables (its state, which its graphs read). A row's tables are emptied when its prompt
         takes it (:meth:`reset`, then :meth:`seed`): until then they may hold an earlier call's, which only a parked
         row, whose tokens are never read, would draft from."""
-        self.successors = DeviceSuccessors(self.tree, runner.batch_size, self.vocab_size, state=runner.state)
+        self.successors = DeviceSuccessors(self.tree, runner.batch_size, self.vocab_size, state=runner.state,
+                                           prior=self.prior)
         self._finish = None
 
     def moved(self, runner, slots: list[int]) -> None:

@@ -38,7 +38,7 @@ from .arguments import resolve_generate_arguments
 from .config import LookaheadConfig, StepShape
 from .controller import make_plan
 from .custom_processors import make_custom_processors
-from .device_tree import DeviceTreeSteps, StaticTree
+from .device_tree import DeviceTreeSteps, StaticTree, token_prior
 from .draft import SUCCESSORS_PER_NODE, DraftBuilder, encode_rows, propose_rows, record_trials
 from .memory import DraftMemory
 from .overlap import OverlappedSteps
@@ -501,8 +501,10 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     if plan is not None and lookahead.device_tree == "auto" and not plan.device_tree:
         plan = None  # no device tree pays at this batch size here: plain steps
     step_cap = plan.shape.max_tokens if plan is not None else 1
-    device_steps = DeviceTreeSteps(StaticTree.best(plan.device_tree), cfg.vocab_size) \
-        if plan is not None and plan.device_tree else None
+    device_steps = None
+    if plan is not None and plan.device_tree:
+        tree = StaticTree.best(plan.device_tree)
+        device_steps = DeviceTreeSteps(tree, cfg.vocab_size, prior=token_prior(model))
     overlap = _overlap_wanted(_overlap_steps, static, sampler)
     if overlap and device_steps is not None:  # a row's last overlapped step may run a step past its end
         step_cap *= 2

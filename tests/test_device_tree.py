@@ -8,7 +8,7 @@ import torch
 
 from lookahead import DraftMemory, LlamaForCausalLM, LookaheadConfig
 from lookahead.controller import BATCH_MARGIN, DEVICE_TREE_TOKENS, StepCosts, device_tree_size, make_plan
-from lookahead.device_tree import RANK_RATES, DeviceSuccessors, DeviceTreeSteps, StaticTree
+from lookahead.device_tree import RANK_RATES, DeviceSuccessors, DeviceTreeSteps, StaticTree, token_prior
 
 from .test_batch import check_rows, mixed_prompts, rows_stopping_apart
 from .test_generate import dev_prompts, tiny_hf_model
@@ -215,6 +215,38 @@ def test_reset_forgets_only_the_rows_named():
         assert t[1].eq(0).all() and t[0].eq(1).all() and t[2].eq(1).all()
     successors.reset()
     assert successors.table.eq(0).all() and successors.pair_keys.eq(0).all() and successors.prev.eq(0).all()
+
+
+def test_reset_gives_the_rows_named_the_prior():
+    """A row reset starts from the prior: a token with nothing recorded drafts its prior successors, not token 0;
+    the other rows keep what they had; a prior of the wrong shape is refused."""
+    tree, vocab = StaticTree([(0,), (0, 0), (1,)]), 6
+    prior = torch.randint(1, vocab, (vocab, 3), dtype=torch.int32, generator=torch.Generator().manual_seed(5))
+    successors = DeviceSuccessors(tree, 3, vocab, prior=prior)
+    successors.table.fill_(2)
+    successors.reset([0, 2])
+    assert torch.equal(successors.table[0], prior[:, :2]) and torch.equal(successors.table[2], prior[:, :2])
+    assert successors.table[1].eq(2).all()
+    x = torch.tensor([4, 4, 4])
+    r0 = int(prior[4, 0])
+    assert successors.draft(x)[0].tolist() == [r0, int(prior[r0, 0]), int(prior[4, 1])]
+    successors.reset()
+    assert all(torch.equal(successors.table[b], prior[:, :2]) for b in range(3))
+    with pytest.raises(ValueError, match="prior must be"):
+        DeviceSuccessors(tree, 1, vocab, prior=prior[:, :1])
+    with pytest.raises(ValueError, match="prior must be"):
+        DeviceSuccessors(tree, 1, vocab, prior=prior[:5])
+
+
+def test_token_prior_is_each_tokens_top_successors_alone(tiny):
+    prior = token_prior(tiny, 4)
+    vocab = tiny.config.vocab_size
+    assert prior.dtype == torch.int32 and tuple(prior.shape) == (vocab, 4)
+    with torch.no_grad():
+        for t in (0, 1, vocab // 2, vocab - 1):
+            logits = tiny(torch.tensor([[t]])).logits[0, 0].double()
+            assert logits[prior[t].long()].tolist() == logits.topk(4).values.tolist(), t
+    assert token_prior(tiny, 4) is prior  # once per model
 
 
 def test_record_takes_every_nodes_token_and_the_true_contexts_last():
