@@ -15,6 +15,7 @@ The tree is in ``draft-tree.md``'s encoding: nodes in depth-first pre-order, ``d
 from __future__ import annotations
 
 import heapq
+import sys
 
 import torch
 
@@ -300,6 +301,9 @@ def token_prior(model, k: int = len(RANK_RATES)) -> torch.Tensor:
         memo = model.token_prior_cache = {}
     if k not in memo:
         vocab, device = model.config.vocab_size, model.embed.weight.device
+        if device.type != "cuda" and vocab > PRIOR_CHUNK:  # said, so that the pause before the first token is explained
+            print(f"lookahead: feeding each of the {vocab} tokens alone for the device trees' prior (once per model; "
+                  f"slow on a CPU)", file=sys.stderr, flush=True)
         tops = []
         with torch.no_grad():
             for at in range(0, vocab, PRIOR_CHUNK):
