@@ -199,9 +199,10 @@ if [ $DRY = 1 ]; then  # the batches' loop as a GPU runs it (static steps, a pla
     --sets "${SETS[@]}" --out-dir "$WORK"
   wants batchrefill && part batchrefill 90 $PY bench/bench_batch.py --dry-run --refill --prompts 6 --batch-sizes 4 \
     --max-new-tokens 8 --sets "${SETS[@]}" --out-dir "$WORK"
-  wants bf16refill && part bf16refill 150 $PY bench/bench_batch.py --dry-run --dtype bfloat16 --refill --prompts 6 \
+  # The device-tree parts' boxes hold token_prior's forward of every token, about 85 s on a CPU (under 1 s on a GPU).
+  wants bf16refill && part bf16refill 300 $PY bench/bench_batch.py --dry-run --dtype bfloat16 --refill --prompts 6 \
     --batch-sizes 4 --max-new-tokens 8 --device-tree 4 auto --step-by-step --sets "${SETS[@]}" --out-dir "$WORK"
-  wants onerow && part onerow 110 $PY bench/bench_batch.py --dry-run --dtype bfloat16 --prompts 3 --batch-sizes 1 \
+  wants onerow && part onerow 250 $PY bench/bench_batch.py --dry-run --dtype bfloat16 --prompts 3 --batch-sizes 1 \
     --max-new-tokens 8 --device-tree 32 auto --step-by-step --tag-suffix onerow --sets "${SETS[@]}" --out-dir "$WORK"
   wants batch64 && part batch64 120 $PY bench/bench_batch.py --dry-run --prompts 6 --batch-sizes 6 \
     --max-new-tokens 8 --tag-suffix 64rows --sets "${SETS[@]}" --out-dir "$WORK"
