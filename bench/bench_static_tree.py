@@ -14,13 +14,14 @@ the output: at each step the tree is read off the tables of the tops recorded so
 pair of tokens, the latest tops win; a node reads its (grandparent, parent) pair's where that pair was recorded, else
 its parent's; with ``seed``, every prompt position's are recorded before the first step, the token that followed it
 first, as the implementation's prefill does), the longest tree path that the true output continues is accepted, and the
-tops of the step's fed token and accepted nodes are recorded. The implementation also records every rejected node's tops
-under its token (since session 70), which the simulation cannot know (they are the model's predictions in the contexts
-the tree guessed, which this one forward never computes): its tokens a step are a lower bound of the implementation's,
-which ``--measure`` gives. The tree for a budget of ``V`` nodes holds the ``V`` rank paths most likely to be accepted,
-each rank's rate of being the next token fitted on the other prompt set (cross-validated), as
-``lookahead.device_tree.StaticTree.best`` makes them; the rates of both sets pooled are the library's ``RANK_RATES``
-(printed, and kept in the JSON as ``pooled_rank_rates``).
+tops of the step's fed token and accepted nodes are recorded. The implementation also records every rejected node's
+tops under its token (since session 70), which the simulation cannot know (they are the model's predictions in the
+contexts the tree guessed, which this one forward never computes), and since session 71 starts each row's table from
+every token's top successors fed alone (``lookahead.device_tree.token_prior``), which the simulation leaves out: its
+tokens a step are a lower bound of the implementation's, which ``--measure`` gives. The tree for a budget of ``V``
+nodes holds the ``V`` rank paths most likely to be accepted, each rank's rate of being the next token fitted on the
+other prompt set (cross-validated), as ``lookahead.device_tree.StaticTree.best`` makes them; the rates of both sets
+pooled are the library's ``RANK_RATES`` (printed, and kept in the JSON as ``pooled_rank_rates``).
 
 The predicted speed-up at ``B`` rows is ``tokens a step x t(B) / t(B (1 + V))`` on the step-cost table, with the
 host work of a step taken as plain decoding's (the point of keeping the tree on the device) and nothing for the
