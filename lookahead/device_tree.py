@@ -294,8 +294,8 @@ def token_prior(model, k: int = len(RANK_RATES)) -> torch.Tensor:
     instead of token 0. On the dev sets a quarter of a 64-node tree's steps met an ``x`` with nothing recorded (the
     whole tree then drafted token 0); starting every table from these took 2.42 / 2.98 tokens a step on MT-Bench /
     HumanEval against 2.07 / 2.74 (``bench/MEASUREMENTS.md``, session 71). One forward of every token, once per
-    model and ``k`` (kept on the model object): well under a second on a GPU, about 85 s for SmolLM2 on this
-    project's 2-core CPU, where device trees do not pay. The default ``k`` covers every tree's ranks."""
+    model and ``k`` (kept on the model object): about 85 s for SmolLM2 on this project's 2-core CPU, where device
+    trees do not pay (unmeasured on a GPU). The default ``k`` covers every tree's ranks."""
     memo = getattr(model, "token_prior_cache", None)
     if memo is None:
         memo = model.token_prior_cache = {}

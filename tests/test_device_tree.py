@@ -431,7 +431,7 @@ def test_the_device_tree_is_sized_by_the_batch_and_its_step_costs():
     assert tokens == sorted(tokens) and [n for n, _ in DEVICE_TREE_TOKENS] == sorted(n for n, _ in DEVICE_TREE_TOKENS)
 
 
-@pytest.mark.parametrize("costs,rows,nodes", [(FLAT, None, 64), (H200_BF16, 2, 32), (STEEP, 2, 0)])
+@pytest.mark.parametrize("costs,rows,nodes", [(FLAT, None, 64), (H200_BF16, 4, 32), (STEEP, 2, 0)])
 def test_auto_sized_rows_equal_their_own_greedy_output(tiny, costs, rows, nodes):
     """``device_tree="auto"`` takes the size the costs pay for at the call's batch size, a plain step where none
     pays, and every row still equals its own plain greedy output."""
