@@ -337,8 +337,7 @@ def test_processors_see_the_same_rows(tiny):
 
 def test_sampled_rows_keep_the_models_distribution():
     """Each row's first two sampled tokens fit their exact marginals (chi-square), copies of each prompt drawing
-    their own numbers. A token with nothing recorded drafts token 0 at every rank: siblings may repeat a token,
-    which verification then rejects with certainty once it was rejected (its probability set to 0)."""
+    their own numbers (the tables start from the token prior, so the trees draft the model's likely tokens)."""
     model = LlamaForCausalLM.from_hf(tiny_hf_model(seed=0, vocab=VOCAB))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
