@@ -170,14 +170,12 @@ class DeviceSuccessors:
     def reset(self, rows: list[int] | None = None) -> None:
         """Forget what rows ``rows`` (every row: ``None``) recorded: a new sequence takes them, its token table
         the prior's."""
-        for t in (self.table, self.pair_keys, self.prev):
-            if rows is None:
-                t.zero_()
-            elif rows:
-                t[torch.tensor(rows, device=t.device)] = 0
-        if self.prior is not None and (rows is None or rows):
-            at = slice(None) if rows is None else torch.tensor(rows, device=self.table.device)
-            self.table[at] = self.prior.to(self.table.dtype)
+        if rows is not None and not rows:
+            return
+        at = slice(None) if rows is None else torch.tensor(rows, device=self.table.device)
+        self.table[at] = 0 if self.prior is None else self.prior
+        self.pair_keys[at] = 0
+        self.prev[at] = 0
 
     def draft(self, x: torch.Tensor) -> torch.Tensor:
         """int64 ``[B, V]``: each row's tree tokens under its ``x`` (int64 ``[B]``), in the tree's pre-order: one
@@ -294,13 +292,14 @@ def token_prior(model, k: int = len(RANK_RATES)) -> torch.Tensor:
     instead of token 0. On the dev sets a quarter of a 64-node tree's steps met an ``x`` with nothing recorded (the
     whole tree then drafted token 0); starting every table from these took 2.42 / 2.98 tokens a step on MT-Bench /
     HumanEval against 2.07 / 2.74 (``bench/MEASUREMENTS.md``, session 71). One forward of every token, once per
-    model and ``k`` (kept on the model object): about 85 s for SmolLM2 on this project's 2-core CPU, where device
-    trees do not pay (unmeasured on a GPU). The default ``k`` covers every tree's ranks."""
+    model, device, dtype and ``k`` (kept on the model object): about 85 s for SmolLM2 on this project's 2-core CPU,
+    where device trees do not pay (unmeasured on a GPU). The default ``k`` covers every tree's ranks."""
     memo = getattr(model, "token_prior_cache", None)
     if memo is None:
         memo = model.token_prior_cache = {}
-    if k not in memo:
-        vocab, device = model.config.vocab_size, model.embed.weight.device
+    vocab, device = model.config.vocab_size, model.embed.weight.device
+    key = (k, str(device), model.embed.weight.dtype)  # a model moved or cast since computes its own
+    if key not in memo:
         if device.type != "cuda" and vocab > PRIOR_CHUNK:  # said, so that the pause before the first token is explained
             print(f"lookahead: feeding each of the {vocab} tokens alone for the device trees' prior (once per model; "
                   f"slow on a CPU)", file=sys.stderr, flush=True)
@@ -309,8 +308,8 @@ def token_prior(model, k: int = len(RANK_RATES)) -> torch.Tensor:
             for at in range(0, vocab, PRIOR_CHUNK):
                 ids = torch.arange(at, min(at + PRIOR_CHUNK, vocab), device=device)[:, None]
                 tops.append(SuccessorTable.top(model(ids).logits[:, 0], k)[0].to(torch.int32))
-        memo[k] = torch.cat(tops)
-    return memo[k]
+        memo[key] = torch.cat(tops)
+    return memo[key]
 
 
 def _followed_first(ids: torch.Tensor, following: torch.Tensor) -> torch.Tensor:
