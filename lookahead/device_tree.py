@@ -19,6 +19,7 @@ import sys
 
 import torch
 
+from lookahead_kernels import StepLayout
 from lookahead_kernels.tree import BEFORE_X, TreeShape, pair_key, pair_slot
 
 from .config import StepShape
@@ -286,14 +287,25 @@ class DeviceSuccessors:
 PRIOR_CHUNK = 512  # tokens fed at once by token_prior (their logits: 512 x vocab floats)
 
 
+def prior_context(config) -> tuple[int, ...]:
+    """What :func:`token_prior` feeds before every token: the model's end-of-text token (its first ``eos_token_id``),
+    as if each token began a new text after another's end; nothing where the model names none. Fed alone at
+    position 0, a token meets the model's first position (where every later token's attention rests) and its
+    predictions read worse: with any one token before it, the device trees took 4-11% more tokens a step on the dev
+    sets (``bench/MEASUREMENTS.md``, session 72: end-of-text, newline, beginning-of-text and chat headers all within
+    a few percent of each other, all above the token alone)."""
+    return tuple(config.eos_token_id[:1])
+
+
 def token_prior(model, k: int = len(RANK_RATES)) -> torch.Tensor:
-    """int32 ``[vocab, k]`` on the model's device: each token's ``k`` most likely next tokens when it is fed alone
-    (position 0), most likely first: where a row's table has nothing recorded for a token, its trees read these
-    instead of token 0. On the dev sets a quarter of a 64-node tree's steps met an ``x`` with nothing recorded (the
-    whole tree then drafted token 0); starting every table from these took 2.42 / 2.98 tokens a step on MT-Bench /
-    HumanEval against 2.07 / 2.74 (``bench/MEASUREMENTS.md``, session 71). One forward of every token, once per
-    model, device, dtype and ``k`` (kept on the model object): about 85 s for SmolLM2 on this project's 2-core CPU,
-    where device trees do not pay (unmeasured on a GPU). The default ``k`` covers every tree's ranks."""
+    """int32 ``[vocab, k]`` on the model's device: each token's ``k`` most likely next tokens when it is fed after
+    :func:`prior_context`, most likely first: where a row's table has nothing recorded for a token, its trees read
+    these instead of token 0. On the dev sets a quarter of a 64-node tree's steps met an ``x`` with nothing recorded
+    (the whole tree then drafted token 0); starting every table from these took 2.50 / 3.18 tokens a step on
+    MT-Bench / HumanEval at 64 nodes against 2.07 / 2.74 with none (``bench/MEASUREMENTS.md``, sessions 71-72). One
+    decoding step of every token at once in chunks (the context's keys computed once and shared), once per model,
+    device, dtype and ``k`` (kept on the model object): about 85 s for SmolLM2 on this project's 2-core CPU, where
+    device trees do not pay (unmeasured on a GPU). The default ``k`` covers every tree's ranks."""
     memo = getattr(model, "token_prior_cache", None)
     if memo is None:
         memo = model.token_prior_cache = {}
@@ -301,15 +313,28 @@ def token_prior(model, k: int = len(RANK_RATES)) -> torch.Tensor:
     key = (k, str(device), model.embed.weight.dtype)  # a model moved or cast since computes its own
     if key not in memo:
         if device.type != "cuda" and vocab > PRIOR_CHUNK:  # said, so that the pause before the first token is explained
-            print(f"lookahead: feeding each of the {vocab} tokens alone for the device trees' prior (once per model; "
+            print(f"lookahead: feeding each of the {vocab} tokens once for the device trees' prior (once per model; "
                   f"slow on a CPU)", file=sys.stderr, flush=True)
-        tops = []
-        with torch.no_grad():
-            for at in range(0, vocab, PRIOR_CHUNK):
-                ids = torch.arange(at, min(at + PRIOR_CHUNK, vocab), device=device)[:, None]
-                tops.append(SuccessorTable.top(model(ids).logits[:, 0], k)[0].to(torch.int32))
-        memo[key] = torch.cat(tops)
+        memo[key] = _prior_tops(model, prior_context(model.config), k)
     return memo[key]
+
+
+def _prior_tops(model, context: tuple[int, ...], k: int) -> torch.Tensor:
+    """int32 ``[vocab, k]``: each token's top ``k`` next tokens when it follows ``context``."""
+    vocab, device, n = model.config.vocab_size, model.embed.weight.device, len(context)
+    tops = []
+    with torch.no_grad():
+        shared = model.new_cache(1, n + 1)
+        if n:
+            model(torch.tensor([context], device=device), positions=torch.arange(n, device=device)[None],
+                  cache=shared, cache_len=0, layout=StepLayout.prefill(n))
+        for at in range(0, vocab, PRIOR_CHUNK):
+            ids = torch.arange(at, min(at + PRIOR_CHUNK, vocab), device=device)[:, None]
+            cache = model.new_cache(ids.shape[0], n + 1)
+            cache.k[:, :, :n], cache.v[:, :, :n] = shared.k[:, :, :n], shared.v[:, :, :n]
+            logits = model(ids, positions=torch.full_like(ids, n), cache=cache, cache_len=n, layout=StepLayout(1, 1))
+            tops.append(SuccessorTable.top(logits[:, 0], k)[0].to(torch.int32))
+    return torch.cat(tops)
 
 
 def _followed_first(ids: torch.Tensor, following: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,9 @@ import torch
 
 from lookahead import DraftMemory, LlamaForCausalLM, LookaheadConfig
 from lookahead.controller import BATCH_MARGIN, DEVICE_TREE_TOKENS, StepCosts, device_tree_size, make_plan
-from lookahead.device_tree import RANK_RATES, DeviceSuccessors, DeviceTreeSteps, StaticTree, token_prior
+from lookahead import device_tree
+from lookahead.device_tree import (RANK_RATES, DeviceSuccessors, DeviceTreeSteps, StaticTree, prior_context,
+                                   token_prior)
 
 from .test_batch import check_rows, mixed_prompts, rows_stopping_apart
 from .test_generate import dev_prompts, tiny_hf_model
@@ -238,15 +240,22 @@ def test_reset_gives_the_rows_named_the_prior():
         DeviceSuccessors(tree, 1, vocab, prior=prior[:5])
 
 
-def test_token_prior_is_each_tokens_top_successors_alone(tiny):
-    prior = token_prior(tiny, 4)
-    vocab = tiny.config.vocab_size
+@pytest.mark.parametrize("eos", [None, 5])
+def test_token_prior_is_each_tokens_top_successors_after_the_context(eos, monkeypatch):
+    """Every token's prior is its top successors when it follows the end-of-text token (alone where the model
+    names none), in chunks (the last one short) that share the context's keys; computed once a model."""
+    model = LlamaForCausalLM.from_hf(tiny_hf_model(eos_token_id=eos))
+    monkeypatch.setattr(device_tree, "PRIOR_CHUNK", 40)
+    context = prior_context(model.config)
+    assert context == (() if eos is None else (eos,))
+    prior = token_prior(model, 4)
+    vocab = model.config.vocab_size
     assert prior.dtype == torch.int32 and tuple(prior.shape) == (vocab, 4)
     with torch.no_grad():
-        for t in (0, 1, vocab // 2, vocab - 1):
-            logits = tiny(torch.tensor([[t]])).logits[0, 0].double()
-            assert logits[prior[t].long()].tolist() == logits.topk(4).values.tolist(), t
-    assert token_prior(tiny, 4) is prior  # once per model
+        logits = model(torch.tensor([[*context, t] for t in range(vocab)])).logits[:, -1].double()
+    # The same tops as scoring each pair whole (their order may differ only where two logits tie within rounding).
+    torch.testing.assert_close(logits.gather(1, prior.long()), logits.topk(4).values, rtol=1e-5, atol=1e-5)
+    assert token_prior(model, 4) is prior  # once per model
 
 
 def test_record_takes_every_nodes_token_and_the_true_contexts_last():
