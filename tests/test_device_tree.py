@@ -8,7 +8,7 @@ import torch
 
 from lookahead import DraftMemory, LlamaForCausalLM, LookaheadConfig
 from lookahead.controller import BATCH_MARGIN, DEVICE_TREE_TOKENS, StepCosts, device_tree_size, make_plan
-from lookahead import device_tree
+from lookahead import device_tree, generate as generate_module
 from lookahead.device_tree import (RANK_RATES, DeviceSuccessors, DeviceTreeSteps, StaticTree, prior_context,
                                    token_prior)
 
@@ -345,10 +345,16 @@ def test_processors_see_the_same_rows(tiny):
         assert torch.equal(out.sequences, whole.sequences), rules
 
 
-def test_sampled_rows_keep_the_models_distribution():
+@pytest.mark.parametrize("prior", ["model", "zeros"])
+def test_sampled_rows_keep_the_models_distribution(prior, monkeypatch):
     """Each row's first two sampled tokens fit their exact marginals (chi-square), copies of each prompt drawing
-    their own numbers (the tables start from the token prior, so the trees draft the model's likely tokens)."""
+    their own numbers: with the model's token prior (the trees draft its likely tokens) and with a prior of token 0
+    everywhere (a token with nothing recorded then has every sibling token 0: repeated siblings, which a rejected
+    copy must not be drawn again from). Nine nodes: a tree with siblings (four make a chain)."""
     model = LlamaForCausalLM.from_hf(tiny_hf_model(seed=0, vocab=VOCAB))
+    if prior == "zeros":
+        monkeypatch.setattr(generate_module, "token_prior",
+                            lambda model, k=len(RANK_RATES): torch.zeros(VOCAB, k, dtype=torch.int32))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -359,7 +365,7 @@ def test_sampled_rows_keep_the_models_distribution():
         batch, samples, accepted = prompts * 80, [[] for _ in prompts], []
         L = max(len(p) for p in prompts)
         for _ in range(8):
-            out = model.generate(batch, max_new_tokens=2, lookahead=LookaheadConfig(device_tree=4), do_sample=True,
+            out = model.generate(batch, max_new_tokens=2, lookahead=LookaheadConfig(device_tree=9), do_sample=True,
                                  temperature=0.9, top_k=8, generator=gen, **STATIC)
             for b in range(len(batch)):
                 samples[b % len(prompts)].append(out.sequences[b, L: L + 2].tolist())
