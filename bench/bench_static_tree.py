@@ -17,7 +17,7 @@ first, as the implementation's prefill does), the longest tree path that the tru
 tops of the step's fed token and accepted nodes are recorded. The implementation also records every rejected node's
 tops under its token (since session 70), which the simulation cannot know (they are the model's predictions in the
 contexts the tree guessed, which this one forward never computes), and since session 71 starts each row's table from
-every token's top successors fed alone (``lookahead.device_tree.token_prior``), which the simulation leaves out: its
+every token's top successors (``lookahead.device_tree.token_prior``), which the simulation leaves out: its
 tokens a step are a lower bound of the implementation's, which ``--measure`` gives. The tree for a budget of ``V``
 nodes holds the ``V`` rank paths most likely to be accepted, each rank's rate of being the next token fitted on the
 other prompt set (cross-validated), as ``lookahead.device_tree.StaticTree.best`` makes them; the rates of both sets

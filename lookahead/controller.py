@@ -640,8 +640,8 @@ def window_pays(costs: StepCosts, window_tokens: int, tree_tokens: int, batch_si
 
 # Tokens a row-step a device tree of V nodes took (lookahead.device_tree, measured: greedy decoding of SmolLM2, 24
 # prompts of MT-Bench and of HumanEval, their figures averaged, 128 tokens; what device_tree_size weighs against
-# each size's step cost), the tables starting from the token prior: bench/results/static-tree-h200-bf16-prior-s71.md.
-DEVICE_TREE_TOKENS = ((1, 1.31), (2, 1.48), (4, 1.63), (8, 1.88), (16, 2.12), (32, 2.42), (64, 2.70))
+# each size's step cost), the tables starting from the token prior: bench/results/static-tree-h200-bf16-prior-s72.md.
+DEVICE_TREE_TOKENS = ((1, 1.37), (2, 1.56), (4, 1.73), (8, 2.01), (16, 2.31), (32, 2.56), (64, 2.82))
 
 
 def device_tree_size(costs: StepCosts, batch_size: int, margin: float = BATCH_MARGIN) -> int:
