@@ -294,17 +294,17 @@ def prior_context(config) -> tuple[int, ...]:
     predictions read worse: with any one token before it, the device trees took 4-11% more tokens a step on the dev
     sets (``bench/MEASUREMENTS.md``, session 72: end-of-text, newline, beginning-of-text and chat headers all within
     a few percent of each other, all above the token alone)."""
-    return tuple(config.eos_token_id[:1])
+    return tuple(t for t in config.eos_token_id[:1] if 0 <= t < config.vocab_size)  # an id past the vocabulary: none
 
 
 def token_prior(model, k: int = len(RANK_RATES)) -> torch.Tensor:
     """int32 ``[vocab, k]`` on the model's device: each token's ``k`` most likely next tokens when it is fed after
     :func:`prior_context`, most likely first: where a row's table has nothing recorded for a token, its trees read
     these instead of token 0. On the dev sets a quarter of a 64-node tree's steps met an ``x`` with nothing recorded
-    (the whole tree then drafted token 0); starting every table from these took 2.50 / 3.18 tokens a step on
+    (the whole tree then drafted token 0); starting every table from these took 2.50 / 3.14 tokens a step on
     MT-Bench / HumanEval at 64 nodes against 2.07 / 2.74 with none (``bench/MEASUREMENTS.md``, sessions 71-72). One
     decoding step of every token at once in chunks (the context's keys computed once and shared), once per model,
-    device, dtype and ``k`` (kept on the model object): about 85 s for SmolLM2 on this project's 2-core CPU, where
+    device, dtype and ``k`` (kept on the model object): about 80 s for SmolLM2 on this project's 2-core CPU, where
     device trees do not pay (unmeasured on a GPU). The default ``k`` covers every tree's ranks."""
     memo = getattr(model, "token_prior_cache", None)
     if memo is None:

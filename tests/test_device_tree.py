@@ -1,6 +1,7 @@
 """The device-kept draft tree: its fixed shape over successor ranks, the tokens read from the tables and what a
 verified step records into them, against plain Python references."""
 
+import dataclasses
 import random
 
 import pytest
@@ -244,11 +245,13 @@ def test_reset_gives_the_rows_named_the_prior():
 @pytest.mark.parametrize("eos", [None, 5])
 def test_token_prior_is_each_tokens_top_successors_after_the_context(eos, device, monkeypatch):
     """Every token's prior is its top successors when it follows the end-of-text token (alone where the model
-    names none), in chunks (the last one short) that share the context's keys; computed once a model."""
+    names none or one past its vocabulary), in chunks (the last one short) that share the context's keys; computed
+    once a model."""
     model = LlamaForCausalLM.from_hf(tiny_hf_model(eos_token_id=eos).to(device))
     monkeypatch.setattr(device_tree, "PRIOR_CHUNK", 40)
     context = prior_context(model.config)
     assert context == (() if eos is None else (eos,))
+    assert prior_context(dataclasses.replace(model.config, eos_token_id=(97, 5))) == ()  # past the vocabulary: none
     prior = token_prior(model, 4)
     vocab = model.config.vocab_size
     assert prior.dtype == torch.int32 and tuple(prior.shape) == (vocab, 4) and prior.device.type == device
