@@ -291,9 +291,9 @@ def prior_context(config) -> tuple[int, ...]:
     """What :func:`token_prior` feeds before every token: the model's end-of-text token (its first ``eos_token_id``),
     as if each token began a new text after another's end; nothing where the model names none. Fed alone at
     position 0, a token meets the model's first position (where every later token's attention rests) and its
-    predictions read worse: with any one token before it, the device trees took 4-11% more tokens a step on the dev
-    sets (``bench/MEASUREMENTS.md``, session 72: end-of-text, newline, beginning-of-text and chat headers all within
-    a few percent of each other, all above the token alone)."""
+    predictions read worse: after the end-of-text token the device trees took 3-8% more tokens a step on the dev
+    prompts that chose it and 2.5-5% more on the rest (``bench/MEASUREMENTS.md``, session 72: end-of-text, newline,
+    beginning-of-text and chat headers all within a few percent of each other, all above the token alone)."""
     return tuple(t for t in config.eos_token_id[:1] if 0 <= t < config.vocab_size)  # an id past the vocabulary: none
 
 
