@@ -303,7 +303,7 @@ def token_prior(model, k: int = len(RANK_RATES)) -> torch.Tensor:
     these instead of token 0. On the dev sets a quarter of a 64-node tree's steps met an ``x`` with nothing recorded
     (the whole tree then drafted token 0); starting every table from these took 2.50 / 3.14 tokens a step on
     MT-Bench / HumanEval at 64 nodes against 2.07 / 2.74 with none (``bench/MEASUREMENTS.md``, sessions 71-72). One
-    decoding step of every token at once in chunks (the context's keys computed once and shared), once per model,
+    decoding step of every token at once in chunks (the context's keys computed once, in one cache), once per model,
     device, dtype and ``k`` (kept on the model object): about 80 s for SmolLM2 on this project's 2-core CPU, where
     device trees do not pay (unmeasured on a GPU). The default ``k`` covers every tree's ranks."""
     memo = getattr(model, "token_prior_cache", None)
@@ -322,16 +322,17 @@ def token_prior(model, k: int = len(RANK_RATES)) -> torch.Tensor:
 def _prior_tops(model, context: tuple[int, ...], k: int) -> torch.Tensor:
     """int32 ``[vocab, k]``: each token's top ``k`` next tokens when it follows ``context``."""
     vocab, device, n = model.config.vocab_size, model.embed.weight.device, len(context)
+    cache = model.new_cache(min(PRIOR_CHUNK, vocab), n + 1)
     tops = []
     with torch.no_grad():
-        shared = model.new_cache(1, n + 1)
-        if n:
+        if n:  # the context's keys once, into every row: each chunk's step writes slot n alone
             model(torch.tensor([context], device=device), positions=torch.arange(n, device=device)[None],
-                  cache=shared, cache_len=0, layout=StepLayout.prefill(n))
-        for at in range(0, vocab, PRIOR_CHUNK):
-            ids = torch.arange(at, min(at + PRIOR_CHUNK, vocab), device=device)[:, None]
-            cache = model.new_cache(ids.shape[0], n + 1)
-            cache.k[:, :, :n], cache.v[:, :, :n] = shared.k[:, :, :n], shared.v[:, :, :n]
+                  cache=cache.sequence(0), cache_len=0, layout=StepLayout.prefill(n))
+            cache.k[:, 1:, :n], cache.v[:, 1:, :n] = cache.k[:, :1, :n], cache.v[:, :1, :n]
+        for at in range(0, vocab, cache.batch_size):
+            ids = torch.arange(at, min(at + cache.batch_size, vocab), device=device)[:, None]
+            if ids.shape[0] < cache.batch_size:  # the last chunk is short: its rows alone
+                cache.remove_rows(list(range(ids.shape[0], cache.batch_size)))
             logits = model(ids, positions=torch.full_like(ids, n), cache=cache, cache_len=n, layout=StepLayout(1, 1))
             tops.append(SuccessorTable.top(logits[:, 0], k)[0].to(torch.int32))
     return torch.cat(tops)
