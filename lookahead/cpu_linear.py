@@ -93,6 +93,12 @@ def weight_key(weight: torch.Tensor) -> tuple:
     return weight.data_ptr(), version, tuple(weight.shape), weight.dtype, weight.device
 
 
+def weights_signature(model) -> tuple:
+    """What changes when any of ``model``'s weights does (:func:`weight_key` of each parameter): what a result
+    computed from the weights and kept for later calls is checked against."""
+    return tuple(weight_key(p) for p in model.parameters())
+
+
 def _backend(mode: str) -> str | None:
     """The packed layout mode ``mode`` runs on here: "gemm", "onednn" or None (plain F.linear)."""
     if mode == "packed" and gemm_available():

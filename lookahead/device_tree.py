@@ -23,6 +23,7 @@ from lookahead_kernels import StepLayout
 from lookahead_kernels.tree import BEFORE_X, TreeShape, pair_key, pair_slot
 
 from .config import StepShape
+from .cpu_linear import weights_signature
 from .draft import DraftTree, DraftTrees
 from .step import Repositioned, build_step
 from .successors import SuccessorTable
@@ -303,34 +304,38 @@ def token_prior(model, k: int = len(RANK_RATES)) -> torch.Tensor:
     these instead of token 0. On the dev sets a quarter of a 64-node tree's steps met an ``x`` with nothing recorded
     (the whole tree then drafted token 0); starting every table from these took 2.50 / 3.14 tokens a step on
     MT-Bench / HumanEval at 64 nodes against 2.07 / 2.74 with none (``bench/MEASUREMENTS.md``, sessions 71-72). One
-    decoding step of every token at once in chunks (the context's keys computed once, in one cache), once per model,
-    device, dtype and ``k`` (kept on the model object): about 80 s for SmolLM2 on this project's 2-core CPU, where
-    device trees do not pay (unmeasured on a GPU). The default ``k`` covers every tree's ranks."""
+    decoding step of every token at once in chunks (the context's keys computed once, in one cache), once per ``k``
+    and state of the model's weights (kept on the model object; moved, cast or changed in place, they compute it
+    again): about 80 s for SmolLM2 on this project's 2-core CPU, where device trees do not pay (unmeasured on a
+    GPU). The default ``k`` covers every tree's ranks."""
     memo = getattr(model, "token_prior_cache", None)
     if memo is None:
         memo = model.token_prior_cache = {}
     vocab, device = model.config.vocab_size, model.embed.weight.device
-    key = (k, str(device), model.embed.weight.dtype)  # a model moved or cast since computes its own
-    if key not in memo:
+    signature = weights_signature(model)
+    if k not in memo or memo[k][0] != signature:
         if device.type != "cuda" and vocab > PRIOR_CHUNK:  # said, so that the pause before the first token is explained
             print(f"lookahead: feeding each of the {vocab} tokens once for the device trees' prior (once per model; "
                   f"slow on a CPU)", file=sys.stderr, flush=True)
-        memo[key] = _prior_tops(model, prior_context(model.config), k)
-    return memo[key]
+        memo[k] = signature, prior_tops(model, prior_context(model.config), k)
+    return memo[k][1]
 
 
-def _prior_tops(model, context: tuple[int, ...], k: int) -> torch.Tensor:
-    """int32 ``[vocab, k]``: each token's top ``k`` next tokens when it follows ``context``."""
-    vocab, device, n = model.config.vocab_size, model.embed.weight.device, len(context)
-    cache = model.new_cache(min(PRIOR_CHUNK, vocab), n + 1)
-    tops = []
+def prior_tops(model, context: tuple[int, ...], k: int, tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """int32 ``[len(tokens), k]``: the top ``k`` next tokens of each of ``tokens`` (integer ``[N]``; ``None``: the
+    whole vocabulary, :func:`token_prior`'s rows) when it follows ``context``, most likely first."""
+    device, n = model.embed.weight.device, len(context)
+    tokens = torch.arange(model.config.vocab_size) if tokens is None else tokens
+    tokens = tokens.to(device=device, dtype=torch.long)
+    cache = model.new_cache(max(1, min(PRIOR_CHUNK, len(tokens))), n + 1)
+    tops = [torch.empty(0, k, dtype=torch.int32, device=device)]
     with torch.no_grad():
         if n:  # the context's keys once, into every row: each chunk's step writes slot n alone
             model(torch.tensor([context], device=device), positions=torch.arange(n, device=device)[None],
                   cache=cache.sequence(0), cache_len=0, layout=StepLayout.prefill(n))
             cache.k[:, 1:, :n], cache.v[:, 1:, :n] = cache.k[:, :1, :n], cache.v[:, :1, :n]
-        for at in range(0, vocab, cache.batch_size):
-            ids = torch.arange(at, min(at + cache.batch_size, vocab), device=device)[:, None]
+        for at in range(0, len(tokens), cache.batch_size):
+            ids = tokens[at: at + cache.batch_size, None]
             if ids.shape[0] < cache.batch_size:  # the last chunk is short: its rows alone
                 cache.remove_rows(list(range(ids.shape[0], cache.batch_size)))
             logits = model(ids, positions=torch.full_like(ids, n), cache=cache, cache_len=n, layout=StepLayout(1, 1))

@@ -16,12 +16,7 @@ import weakref
 
 import torch
 
-from .cpu_linear import weight_key
-
-
-def _weights_signature(model) -> tuple:
-    """What changes when any weight does (:func:`~lookahead.cpu_linear.weight_key` of each parameter)."""
-    return tuple(weight_key(p) for p in model.parameters())
+from .cpu_linear import weights_signature
 
 
 class PromptCache:
@@ -57,7 +52,7 @@ class PromptCache:
     def restore(self, model, tokens: list[int], cache) -> int:
         """Copy the rows of the longest common start of ``tokens`` and the held tokens into sequence 0 of
         ``cache`` (a :class:`~lookahead.model.KVCache`); returns how many."""
-        if not self._serves(model, _weights_signature(model)):
+        if not self._serves(model, weights_signature(model)):
             self.clear()
             return 0
         reused = 0
@@ -73,7 +68,7 @@ class PromptCache:
     def keep(self, model, tokens: list[int], cache) -> None:
         """Hold ``tokens`` and their rows, sequence 0's first ``len(tokens)`` rows of ``cache``."""
         rows = len(tokens)
-        signature = _weights_signature(model)
+        signature = weights_signature(model)
         capacity = self._k.shape[1] if self._serves(model, signature) else 0
         if rows > capacity:  # grow geometrically: a conversation adds a turn at a time
             shape = (cache.k.shape[0], max(rows, 2 * capacity), cache.k.shape[3], cache.k.shape[4])

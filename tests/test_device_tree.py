@@ -11,7 +11,7 @@ from lookahead import DraftMemory, LlamaForCausalLM, LookaheadConfig
 from lookahead.controller import BATCH_MARGIN, DEVICE_TREE_TOKENS, StepCosts, device_tree_size, make_plan
 from lookahead import device_tree, generate as generate_module
 from lookahead.device_tree import (RANK_RATES, DeviceSuccessors, DeviceTreeSteps, StaticTree, prior_context,
-                                   token_prior)
+                                   prior_tops, token_prior)
 
 from .test_batch import check_rows, mixed_prompts, rows_stopping_apart
 from .test_generate import dev_prompts, tiny_hf_model
@@ -260,6 +260,14 @@ def test_token_prior_is_each_tokens_top_successors_after_the_context(eos, device
     # The same tops as scoring each pair whole (their order may differ only where two logits tie within rounding).
     torch.testing.assert_close(logits.gather(1, prior.long()), logits.topk(4).values, rtol=1e-4, atol=1e-4)
     assert token_prior(model, 4) is prior  # once per model
+    # Some tokens alone, over a chunk's end and with a repeat: their rows of the whole vocabulary's.
+    some = torch.tensor([3, 0, 41, 7, 39, 3, 40, 95] * 6)
+    assert torch.equal(prior_tops(model, context, 4, some), prior[some.to(device)])
+    assert prior_tops(model, context, 4, some[:0]).shape == (0, 4)
+    with torch.no_grad():  # weights changed in place (as load_state_dict does): computed again
+        model.embed.weight[:, :7] *= -1
+    again = token_prior(model, 4)
+    assert again is not prior and torch.equal(again, prior_tops(model, context, 4))
 
 
 def test_record_takes_every_nodes_token_and_the_true_contexts_last():
@@ -390,10 +398,16 @@ def dict_params():
     return SamplingParams(temperature=0.9, top_k=8)
 
 
-def test_smollm2_rows_equal_plain_decoding(smollm2):
+def test_smollm2_rows_equal_plain_decoding(smollm2, monkeypatch):
     _, ours, tok = smollm2
     prompts = [ids[0] for ids in dev_prompts(tok, "humaneval_dev.jsonl", 3) + dev_prompts(tok, "mt_bench_dev.jsonl", 2)]
     plain = ours.generate(prompts, max_new_tokens=40, lookahead=None, max_batch_size=3, **STATIC)
+    # The prior's rows of the tokens an accepted path can pass through (the rest token 0): the whole vocabulary's
+    # step would take about 80 s on this CPU, and is tested on small models above.
+    reachable = torch.unique(torch.cat([plain.sequences.flatten(), *prompts]))
+    prior = torch.zeros(ours.config.vocab_size, len(RANK_RATES), dtype=torch.int32)
+    prior[reachable] = prior_tops(ours, prior_context(ours.config), len(RANK_RATES), reachable)
+    monkeypatch.setattr(generate_module, "token_prior", lambda model, k=len(RANK_RATES): prior[:, :k])
     out = ours.generate(prompts, max_new_tokens=40, lookahead=LookaheadConfig(device_tree=4), max_batch_size=3,
                         **STATIC)
     assert torch.equal(out.sequences, plain.sequences)
