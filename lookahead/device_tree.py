@@ -307,23 +307,23 @@ def token_prior(model, k: int = len(RANK_RATES)) -> torch.Tensor:
     decoding step of every token at once in chunks (the context's keys computed once, in one cache), once per ``k``
     and state of the model's weights (kept on the model object; moved, cast or changed in place, they compute it
     again): about 80 s for SmolLM2 on this project's 2-core CPU, where device trees do not pay (unmeasured on a
-    GPU). The default ``k`` covers every tree's ranks."""
+    GPU), with a progress bar on stderr once it has taken a second. The default ``k`` covers every tree's ranks."""
     memo = getattr(model, "token_prior_cache", None)
     if memo is None:
         memo = model.token_prior_cache = {}
-    vocab, device = model.config.vocab_size, model.embed.weight.device
     signature = weights_signature(model)
     if k not in memo or memo[k][0] != signature:
-        if device.type != "cuda" and vocab > PRIOR_CHUNK:  # said, so that the pause before the first token is explained
-            print(f"lookahead: feeding each of the {vocab} tokens once for the device trees' prior (once per model; "
-                  f"slow on a CPU)", file=sys.stderr, flush=True)
-        memo[k] = signature, prior_tops(model, prior_context(model.config), k)
+        memo[k] = signature, prior_tops(model, prior_context(model.config), k, progress=True)
     return memo[k][1]
 
 
-def prior_tops(model, context: tuple[int, ...], k: int, tokens: torch.Tensor | None = None) -> torch.Tensor:
+def prior_tops(model, context: tuple[int, ...], k: int, tokens: torch.Tensor | None = None,
+               progress: bool = False) -> torch.Tensor:
     """int32 ``[len(tokens), k]``: the top ``k`` next tokens of each of ``tokens`` (integer ``[N]``; ``None``: the
-    whole vocabulary, :func:`token_prior`'s rows) when it follows ``context``, most likely first."""
+    whole vocabulary, :func:`token_prior`'s rows) when it follows ``context``, most likely first. ``progress``: a
+    progress bar on stderr, shown once the work has taken a second (a CPU's minute explained; a GPU's second not)."""
+    from tqdm.auto import tqdm  # here: importing the package does not pay for it
+
     device, n = model.embed.weight.device, len(context)
     tokens = torch.arange(model.config.vocab_size) if tokens is None else tokens
     tokens = tokens.to(device=device, dtype=torch.long)
@@ -334,12 +334,16 @@ def prior_tops(model, context: tuple[int, ...], k: int, tokens: torch.Tensor | N
             model(torch.tensor([context], device=device), positions=torch.arange(n, device=device)[None],
                   cache=cache.sequence(0), cache_len=0, layout=StepLayout.prefill(n))
             cache.k[:, 1:, :n], cache.v[:, 1:, :n] = cache.k[:, :1, :n], cache.v[:, :1, :n]
-        for at in range(0, len(tokens), cache.batch_size):
-            ids = tokens[at: at + cache.batch_size, None]
-            if ids.shape[0] < cache.batch_size:  # the last chunk is short: its rows alone
-                cache.remove_rows(list(range(ids.shape[0], cache.batch_size)))
-            logits = model(ids, positions=torch.full_like(ids, n), cache=cache, cache_len=n, layout=StepLayout(1, 1))
-            tops.append(SuccessorTable.top(logits[:, 0], k)[0].to(torch.int32))
+        with tqdm(total=len(tokens), desc="lookahead: the device trees' prior", unit="token", file=sys.stderr,
+                  delay=1.0, leave=False, disable=not progress) as bar:
+            for at in range(0, len(tokens), cache.batch_size):
+                ids = tokens[at: at + cache.batch_size, None]
+                if ids.shape[0] < cache.batch_size:  # the last chunk is short: its rows alone
+                    cache.remove_rows(list(range(ids.shape[0], cache.batch_size)))
+                logits = model(ids, positions=torch.full_like(ids, n), cache=cache, cache_len=n,
+                               layout=StepLayout(1, 1))
+                tops.append(SuccessorTable.top(logits[:, 0], k)[0].to(torch.int32))
+                bar.update(ids.shape[0])
     return torch.cat(tops)
 
 

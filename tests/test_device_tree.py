@@ -3,6 +3,7 @@ verified step records into them, against plain Python references."""
 
 import dataclasses
 import random
+import time
 
 import pytest
 import torch
@@ -272,6 +273,24 @@ def test_token_prior_is_each_tokens_top_successors_after_the_context(eos, device
     again = token_prior(model, 4)
     assert again is not prior and token_prior(model, 4) is again
     assert_tops(again, range(vocab))
+
+
+def test_token_prior_says_its_progress_only_when_slow(monkeypatch, capsys):
+    """A progress bar on stderr once the prior has taken a second (a CPU's minute), nothing for a short one."""
+    model = LlamaForCausalLM.from_hf(tiny_hf_model())
+    monkeypatch.setattr(device_tree, "PRIOR_CHUNK", 40)
+    token_prior(model, 4)
+    assert "prior" not in capsys.readouterr().err
+    forward = model.forward
+
+    def slow(*args, **kwargs):
+        time.sleep(0.5)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", slow)
+    assert model.config.vocab_size > 2 * 40  # three chunks: 1.5 s
+    token_prior(model, 3)
+    assert "lookahead: the device trees' prior" in capsys.readouterr().err
 
 
 def test_record_takes_every_nodes_token_and_the_true_contexts_last():
