@@ -6,7 +6,7 @@ Why: in float32 on the H200 (session 57, ``bench/results/gpu-logs-4a84d54/stack.
 took 0.604 ms at one row through cuBLAS's GEMV and 0.70-0.73 ms at 2-16 rows through our split kernel, whatever the
 row count: the step of 17 tokens pays about 0.12 ms more for its products than the step of one, which is most of
 what keeps ``t(17) / t(1)`` at 1.14 and MT-Bench's predicted 1.74x short of issue 11's 1.8x. With its weights in L2
-(``smollinear``) the split kernel still took 1.5-2 us a product more than the GEMV: its second phase (each split's
+(``smollinear``) the split kernel still took 1.1-2.6 us a product more than the GEMV: its second phase (each split's
 sum stored, an atomic count, the last split reading them all back) costs round trips the GEMV does not make. At 1-16
 rows the multiply-adds are nothing (16 x 576 x 576 for ``o``), so this kernel does what a GEMV does for 16 vectors
 at once: each program takes ``BLOCK_N`` output columns over the whole of K, ``BLOCK_K`` at a time, every row's
