@@ -200,7 +200,8 @@ if [ $DRY = 1 ]; then  # the batches' loop as a GPU runs it (static steps, a pla
     --sets "${SETS[@]}" --out-dir "$WORK"
   wants batchrefill && part batchrefill 90 $PY bench/bench_batch.py --dry-run --refill --prompts 6 --batch-sizes 4 \
     --max-new-tokens 8 --sets "${SETS[@]}" --out-dir "$WORK"
-  # The device-tree parts' boxes hold token_prior's step of every token, about 80 s on a CPU (unmeasured on a GPU).
+  # The device-tree parts' boxes hold token_prior's step of every token, about 80 s on a CPU (unmeasured on a GPU)
+  # the first time a machine computes it in a dtype (kept on disk since session 74: lookahead/weights_cache.py).
   wants bf16refill && part bf16refill 300 $PY bench/bench_batch.py --dry-run --dtype bfloat16 --refill --prompts 6 \
     --batch-sizes 4 --max-new-tokens 8 --device-tree 4 auto --step-by-step --sets "${SETS[@]}" --out-dir "$WORK"
   wants onerow && part onerow 250 $PY bench/bench_batch.py --dry-run --dtype bfloat16 --prompts 3 --batch-sizes 1 \
