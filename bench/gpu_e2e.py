@@ -6,7 +6,9 @@ device), ``ours-lookahead-memory`` (the same with one ``DraftMemory`` a set: eac
 prompts and outputs), ``ours-fixed-15-5-15``, ``hf-greedy`` (transformers' ``generate``) and ``hf-prompt-lookup``
 (``prompt_lookup_num_tokens=10``), and ``ours-plain-cublas`` / ``ours-lookahead-cublas`` (the first and third with
 every linear layer in cuBLAS, our Triton kernel for steps of 2-64 rows off: a second copy of the model, run with
-``lookahead.cpu_linear.GPU_KERNEL_ROWS`` empty, its own graphs and cost model). Ours run with CUDA graphs
+``lookahead.cpu_linear.GPU_KERNEL_ROWS`` empty, its own graphs and cost model), and ``ours-device-tree-gemv``
+(``ours-device-tree`` on a third copy whose float32 products of 1-16 rows run ``bench/gpu_gemv.py``'s candidate, in
+the configuration that replays fastest here: what it would make of issue 11's figure). Ours run with CUDA graphs
 (``generate``'s default on CUDA) unless named eager; the graphs are captured in each system's warm-up call and kept
 on the model (``model.step_runners``), so the timed calls replay them. Every prompt is run by every system in turn
 after one warm-up per system. Times as in ``bench_speed.py`` (whose runners this uses): ours ``stats.seconds``,
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import statistics
 import sys
@@ -48,7 +51,10 @@ from bench_speed import SYSTEMS, make_runners, remember_per_set  # noqa: E402
 # bench_speed's systems plus our eager loop (what the CUDA graphs gain), trees read on the device (sized by the
 # controller) and ours without our linear kernel.
 CUBLAS = {"ours-plain-cublas": "ours-plain", "ours-lookahead-cublas": "ours-lookahead"}
-GPU_SYSTEMS = SYSTEMS[:1] + ["ours-plain-eager"] + SYSTEMS[1:] + ["ours-device-tree"] + list(CUBLAS)
+# Device trees with bench/gpu_gemv.py's candidate for our kernel's calls of 1-16 rows (session 74): what it would
+# make of issue 11's float32 figure, measured in the same run as the model's kernel.
+GEMV = {"ours-device-tree-gemv": "ours-device-tree"}
+GPU_SYSTEMS = SYSTEMS[:1] + ["ours-plain-eager"] + SYSTEMS[1:] + ["ours-device-tree"] + list(CUBLAS) + list(GEMV)
 
 
 def cublas_only():
@@ -61,15 +67,61 @@ def cublas_only():
     return mock.patch.object(cpu_linear, "GPU_KERNEL_ROWS", range(0))
 
 
-class CublasRunner:
-    """A runner of ``bench_speed.make_runners`` called within :func:`cublas_only` (its graphs are captured there, on
-    the second model's own runners)."""
+def gemv_steps(config):
+    """Within the block our kernel's float32 calls of 1-16 rows without a bias run ``bench/gpu_gemv.py``'s
+    candidate in ``config`` (a bench's switch, as :func:`cublas_only`)."""
+    from unittest import mock
 
-    def __init__(self, run):
-        self.run = run
+    import gpu_gemv
+    from lookahead_kernels import step_linear
+
+    launch = step_linear._launch
+
+    def launched(x2, weight, bias, y2, counters=None, tiles=None):
+        if bias is None and tiles is None and 1 <= x2.shape[0] <= gpu_gemv.ROWS:
+            gpu_gemv.rows_gemv(x2, weight, y2, config)
+        else:
+            launch(x2, weight, bias, y2, counters, tiles)
+
+    return mock.patch.object(step_linear, "_launch", launched)
+
+
+def fastest_gemv(model, device) -> tuple[str, tuple]:
+    """The candidate's configuration whose 16-row products over every weight matrix of ``model`` replay fastest on
+    ``device`` (``do_bench_cudagraph``; off CUDA, the candidate's default: it never runs there)."""
+    import gpu_gemv
+
+    if torch.device(device).type != "cuda":
+        return gpu_gemv.DEFAULT, gpu_gemv.CONFIGS[gpu_gemv.DEFAULT]
+    import triton.testing
+
+    weights = [p for p in model.parameters() if p.dim() == 2 and p.dtype == torch.float32]
+    xs = {k: torch.randn(gpu_gemv.ROWS, k, device=device) for k in {w.shape[1] for w in weights}}
+    outs = [torch.empty(gpu_gemv.ROWS, w.shape[0], device=device) for w in weights]
+    times = {}
+    for name, config in gpu_gemv.CONFIGS.items():
+        def run(config=config):
+            for w, y in zip(weights, outs):
+                gpu_gemv.rows_gemv(xs[w.shape[1]], w, y, config)
+        try:
+            times[name] = triton.testing.do_bench_cudagraph(run)
+        except Exception as exc:  # noqa: BLE001 -- a tile that fails is left out
+            print(f"gemv {name}: {type(exc).__name__}: {exc}"[:300], flush=True)
+    print("gemv candidate, 16 rows, ms over every weight: "
+          + ", ".join(f"{k} {v:.3f}" for k, v in times.items()), flush=True)
+    best = min(times, key=times.get) if times else gpu_gemv.DEFAULT
+    return best, gpu_gemv.CONFIGS[best]
+
+
+class CublasRunner:
+    """A runner of ``bench_speed.make_runners`` called within ``switch()`` (:func:`cublas_only` by default; its
+    graphs are captured there, on another model's own runners)."""
+
+    def __init__(self, run, switch=cublas_only):
+        self.run, self.switch = run, switch
 
     def __call__(self, ids):
-        with cublas_only():
+        with self.switch():
             return self.run(ids)
 
     @property
@@ -142,6 +194,10 @@ def render(result: dict) -> str:
         lines.append(f"| {r['set']} | {r['system']} | {r['tokens_per_s']:.1f} | {r['median_tokens_per_s']:.1f} | {vs} "
                      f"| {r['compression']:.2f} | {per_step} | {fed} | {host} | {prefill} | "
                      f"{r['identical']}/{r['prompts']} |")
+    if result.get("gemv_config"):
+        lines += ["", f"`ours-device-tree-gemv`: `bench/gpu_gemv.py`'s candidate in `{result['gemv_config']}` (the "
+                  "fastest of its configurations over this model's weights at 16 rows, timed at the start) for our "
+                  "kernel's float32 calls of 1-16 rows."]
     if result.get("failed_systems"):
         lines += ["", "Systems that failed and were dropped (traceback in the part's log):", ""]
         lines += [f"- {system}: `{error}`" for system, error in result["failed_systems"].items()]
@@ -237,9 +293,15 @@ def main(argv=None) -> int:
         hf_model = hf_default_model(dtype, device)
     out.result["load_seconds"] = time.perf_counter() - t0
     cublas_model = from_pretrained(path, dtype=dtype, device=device) if any(s in CUBLAS for s in systems) else None
+    gemv_model = from_pretrained(path, dtype=dtype, device=device) if any(s in GEMV for s in systems) else None
+    gemv_switch = contextlib.nullcontext
+    if gemv_model is not None:
+        out.result["gemv_config"], config = fastest_gemv(gemv_model, device)
+        gemv_switch = functools.partial(gemv_steps, config)
     for m, key, wanted, switch in ((model, "step_costs", ("ours-lookahead", "ours-device-tree"),
                                     contextlib.nullcontext),
-                                   (cublas_model, "step_costs_cublas", ("ours-lookahead-cublas",), cublas_only)):
+                                   (cublas_model, "step_costs_cublas", ("ours-lookahead-cublas",), cublas_only),
+                                   (gemv_model, "step_costs_gemv", tuple(GEMV), gemv_switch)):
         if any(w in systems for w in wanted):
             with switch():
                 costs = measure_step_costs(m)  # measured here and now, not read from a disk cache
@@ -249,6 +311,10 @@ def main(argv=None) -> int:
     if cublas_model is not None:
         cublas_runners = make_runners(cublas_model, None, max_new, device)
         runners.update({name: CublasRunner(cublas_runners[base]) for name, base in CUBLAS.items() if name in systems})
+    if gemv_model is not None:
+        gemv_runners = make_runners(gemv_model, None, max_new, device)
+        runners.update({name: CublasRunner(gemv_runners[base], gemv_switch) for name, base in GEMV.items()
+                        if name in systems})
 
     failed = out.result.setdefault("failed_systems", {})
 

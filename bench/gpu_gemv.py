@@ -32,6 +32,7 @@ ROWS = 16  # a call's rows at most: one tile
 # tile [16, BLOCK_N, BLOCK_K] stays at 64 registers a thread.
 CONFIGS = {"gemv bn4 bk128": (4, 128, 4, 4), "gemv bn8 bk64": (8, 64, 4, 4), "gemv bn8 bk128 w8": (8, 128, 8, 3),
            "gemv bn16 bk64 w8": (16, 64, 8, 3)}
+DEFAULT = "gemv bn8 bk64"  # where nothing was timed
 
 
 @triton.jit
@@ -58,7 +59,7 @@ def _rows_gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride
 
 
 def rows_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
-              config: tuple[int, int, int, int] = CONFIGS["gemv bn8 bk64"]) -> torch.Tensor:
+              config: tuple[int, int, int, int] = CONFIGS[DEFAULT]) -> torch.Tensor:
     """``x @ weight.T`` for ``x`` float32 ``[M, K]`` (``1 <= M <= 16``, rows contiguous) and ``weight`` float32
     ``[N, K]`` (rows contiguous) on one device (CUDA, or the CPU under ``TRITON_INTERPRET=1``), into ``out``
     (float32 ``[M, N]``, rows contiguous; made where None). ``config``: ``(BLOCK_N, BLOCK_K, num_warps,

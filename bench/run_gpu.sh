@@ -178,7 +178,7 @@ else
   wants e2e && part e2e 220 $PY bench/gpu_e2e.py --limit "${E2E_LIMIT:-16}" --hf-limit "${HF_LIMIT:-4}" --sets "${SETS[@]}" \
     --out-dir "$WORK" \
     --systems ours-plain ours-lookahead ours-lookahead-memory ours-fixed-15-5-15 ours-device-tree hf-greedy \
-    hf-prompt-lookup ours-plain-cublas ours-lookahead-cublas
+    hf-prompt-lookup ours-plain-cublas ours-lookahead-cublas ours-device-tree-gemv
 fi
 # bfloat16 (session 64): on the H200's bf16 step table (t(16) 1.06 t(1), t(128) 1.19) trees of up to 63 nodes pay
 # at one row; predicted MT-Bench 1.85x, HumanEval 2.79x (16 prompts, 128 tokens), about 1.6x / 2.4x after session

