@@ -430,7 +430,7 @@ def _load_gguf(directory: Path, filename: str, dtype: torch.dtype | None, device
     entry = cache_dir() / _entry_name(digest, "safetensors")
     if entry.is_file():
         try:
-            return mark_origin(_read_weights_entry(entry, digest, dtype, device), f"gguf:{digest}")
+            return mark_origin(_read_weights_entry(entry, digest, dtype, device), _gguf_key(digest))
         except _CorruptCache as err:
             warnings.warn(f"the cached weights {entry} are corrupt ({err}); rebuilding them", RuntimeWarning,
                           stacklevel=3)
@@ -442,7 +442,13 @@ def _load_gguf(directory: Path, filename: str, dtype: torch.dtype | None, device
     config, state = _convert_gguf(path)
     _write_weights_entry(entry, digest, path, config, state)
     return mark_origin(_build(config, {k: v.to(device=device, dtype=dtype) for k, v in state.items()}, dtype, device),
-                       f"gguf:{digest}")
+                       _gguf_key(digest))
+
+
+def _gguf_key(digest: str) -> str:
+    """What a GGUF's converted weights are known by (:mod:`lookahead.weights_cache`): the file's SHA-256 and the
+    conversion's version (a new conversion may give other floats from the same file)."""
+    return f"gguf:{digest}:v{CACHE_VERSIONS['safetensors']}"
 
 
 def _check_dtype(dtype) -> None:
