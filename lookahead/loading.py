@@ -316,7 +316,7 @@ def _config_from_json(text: str) -> ModelConfig:
     return ModelConfig(**fields)
 
 
-def _delete_quietly(path: Path) -> None:
+def delete_quietly(path: Path) -> None:
     """Remove a cache file or directory; one that cannot be removed (gone, busy, read-only) is left."""
     try:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
@@ -333,7 +333,7 @@ def _remove_stale_temporaries(directory: Path, max_age_s: float = 3600.0) -> Non
         except OSError:
             continue
         if old:
-            _delete_quietly(leftover)
+            delete_quietly(leftover)
 
 
 def _remove_older_versions(entry: Path) -> None:
@@ -343,38 +343,44 @@ def _remove_older_versions(entry: Path) -> None:
     prefix = stem.rpartition("-v")[0] + "-v"
     for old in entry.parent.glob(f"{prefix}*.{kind}"):
         if old != entry and old.name[len(prefix):-len(kind) - 1].isdigit():
-            _delete_quietly(old)
+            delete_quietly(old)
 
 
-def _write_weights_entry(entry: Path, digest: str, source: Path, config: ModelConfig,
-                         state: dict[str, torch.Tensor]) -> None:
-    """Write ``state`` as safetensors to ``entry`` atomically (a temporary in the same directory, then a rename).
-
-    A failure (read-only or full disk) is a warning: the model was converted and works, it is just not cached."""
+def save_entry(entry: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write ``tensors`` (CPU, contiguous) and ``metadata`` as safetensors to the cache entry ``entry`` atomically: a
+    temporary in the same directory (one a crashed writer left is deleted by a later write), synced, then renamed.
+    Raises ``OSError`` or ``RuntimeError`` (safetensors' own write errors)."""
     from safetensors.torch import save_file
 
-    tmp = None
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(entry.parent)
+    fd, tmp = tempfile.mkstemp(dir=entry.parent, prefix=".tmp-", suffix=".safetensors")
+    os.close(fd)
     try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_temporaries(entry.parent)
-        tensors = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in state.items()}
-        metadata = {"lookahead_cache": str(CACHE_VERSIONS["safetensors"]), "source_sha256": digest,
-                    "source_name": source.name, "config": _config_to_json(config),
-                    "crc32": json.dumps({name: _crc32(t) for name, t in tensors.items()})}
-        fd, tmp = tempfile.mkstemp(dir=entry.parent, prefix=".tmp-", suffix=".safetensors")
-        os.close(fd)
         save_file(tensors, tmp, metadata=metadata)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, entry)
-        tmp = None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _write_weights_entry(entry: Path, digest: str, source: Path, config: ModelConfig,
+                         state: dict[str, torch.Tensor]) -> None:
+    """Write ``state`` as safetensors to ``entry`` (:func:`save_entry`).
+
+    A failure (read-only or full disk) is a warning: the model was converted and works, it is just not cached."""
+    try:
+        tensors = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in state.items()}
+        metadata = {"lookahead_cache": str(CACHE_VERSIONS["safetensors"]), "source_sha256": digest,
+                    "source_name": source.name, "config": _config_to_json(config),
+                    "crc32": json.dumps({name: _crc32(t) for name, t in tensors.items()})}
+        save_entry(entry, tensors, metadata)
         _remove_older_versions(entry)
     except (OSError, RuntimeError) as err:  # RuntimeError: safetensors' own write errors
         warnings.warn(f"could not cache the converted weights of {source.name} in {entry.parent}: {err}",
                       RuntimeWarning, stacklevel=3)
-    finally:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _read_weights_entry(entry: Path, digest: str, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:

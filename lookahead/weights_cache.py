@@ -8,8 +8,8 @@ Face directory, by its config's bytes and its safetensors files' names, sizes an
 read (:func:`lookahead.cpu_linear.weights_signature`: moved, cast or changed in place, nothing is read or kept):
 the prior steers guesses and never the output, but a stale one would cost speed silently.
 
-Entries are written to a temporary name and renamed into place; one that cannot be read, names another key or
-fails its caller's check is reported, deleted and computed again.
+Entries are written as the converted weights are (:func:`lookahead.loading.save_entry`); one that cannot be read,
+names another key or fails its caller's check is reported, deleted and computed again.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import warnings
 from pathlib import Path
 
@@ -72,27 +71,19 @@ def read(path: Path, key: str, check) -> torch.Tensor | None:
         check(tensor)
         return tensor
     except Exception as err:  # noqa: BLE001 -- unreadable, truncated, another key, bad contents: computed again
+        from .loading import delete_quietly
+
         warnings.warn(f"the cached {path.name} is unusable ({err}); computing it again", RuntimeWarning, stacklevel=3)
-        try:
-            path.unlink()
-        except OSError:
-            pass
+        delete_quietly(path)
         return None
 
 
 def write(path: Path, key: str, tensor: torch.Tensor) -> None:
-    """Keep ``tensor`` at ``path`` under ``key`` (a temporary file renamed into place); a failure is reported
-    (``RuntimeWarning``), never raised: the caller has its tensor."""
-    from safetensors.torch import save_file
+    """Keep ``tensor`` at ``path`` under ``key`` (:func:`lookahead.loading.save_entry`, as the converted weights are
+    kept); a failure is reported (``RuntimeWarning``), never raised: the caller has its tensor."""
+    from .loading import save_entry
 
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({"value": tensor.detach().cpu().contiguous()}, str(tmp), metadata={"key": key})
-        os.replace(tmp, path)
-    except OSError as err:
+        save_entry(path, {"value": tensor.detach().cpu().contiguous()}, {"key": key})
+    except (OSError, RuntimeError) as err:  # RuntimeError: safetensors' own write errors
         warnings.warn(f"could not keep {path.name} in {path.parent} ({err})", RuntimeWarning, stacklevel=3)
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
