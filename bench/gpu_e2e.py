@@ -113,7 +113,7 @@ def fastest_gemv(model, device) -> tuple[str, tuple]:
     return best, gpu_gemv.CONFIGS[best]
 
 
-class CublasRunner:
+class SwitchedRunner:
     """A runner of ``bench_speed.make_runners`` called within ``switch()`` (:func:`cublas_only` by default; its
     graphs are captured there, on another model's own runners)."""
 
@@ -310,10 +310,10 @@ def main(argv=None) -> int:
     runners = {name: run for name, run in make_runners(model, hf_model, max_new, device).items() if name in systems}
     if cublas_model is not None:
         cublas_runners = make_runners(cublas_model, None, max_new, device)
-        runners.update({name: CublasRunner(cublas_runners[base]) for name, base in CUBLAS.items() if name in systems})
+        runners.update({name: SwitchedRunner(cublas_runners[base]) for name, base in CUBLAS.items() if name in systems})
     if gemv_model is not None:
         gemv_runners = make_runners(gemv_model, None, max_new, device)
-        runners.update({name: CublasRunner(gemv_runners[base], gemv_switch) for name, base in GEMV.items()
+        runners.update({name: SwitchedRunner(gemv_runners[base], gemv_switch) for name, base in GEMV.items()
                         if name in systems})
 
     failed = out.result.setdefault("failed_systems", {})

@@ -316,6 +316,12 @@ def part_smollinear(device):
         torch.backends.cuda.preferred_blas_library(original)
 
 
+def smol_step_shapes(layers: int = 30) -> list[tuple[int, int]]:
+    """``(N, K)`` of a SmolLM2 step's float32 products in order: each layer's qkv, o, gate_up and down, then the
+    vocabulary projection."""
+    return [(960, 576), (576, 576), (3072, 576), (576, 1536)] * layers + [(49152, 576)]
+
+
 def part_smolstack(device, layers=30, rows=(16, 64, 1, 4, 128, 2, 8, 32, 256, 48)):
     """SmolLM2's float32 linear layers as a step meets them: 30 layers' qkv, o, gate_up and down and the vocabulary
     projection, each with its own weight (540 MB: read from HBM, as in a step, not from L2), the whole sequence
@@ -329,7 +335,7 @@ def part_smolstack(device, layers=30, rows=(16, 64, 1, 4, 128, 2, 8, 32, 256, 48
 
     from lookahead_kernels import step_linear as sl
 
-    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * layers + [(49152, 576)]
+    shapes = smol_step_shapes(layers)
     weights = [torch.randn(n, k, device=device) / k ** 0.5 for n, k in shapes]
 
     def config(w, target):
@@ -395,7 +401,7 @@ def part_smolgemv(device, layers=30, rows=(16, 2, 8, 1, 4), shapes=None):
     import gpu_gemv
     from lookahead_kernels import step_linear as sl
 
-    shapes = shapes or [(960, 576), (576, 576), (3072, 576), (576, 1536)] * layers + [(49152, 576)]
+    shapes = shapes or smol_step_shapes(layers)
     weights = [torch.randn(n, k, device=device) / k ** 0.5 for n, k in shapes]
     checked = sorted({0, 1, 2, 3, len(weights) - 1} & set(range(len(weights))))
     print("smolgemv: SmolLM2 fp32, every linear product of a step (own weights), ms a step (one graph)", flush=True)
