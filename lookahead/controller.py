@@ -30,6 +30,7 @@ import os
 import platform
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -37,7 +38,7 @@ from lookahead_kernels import StepLayout
 from lookahead_kernels.validation import require_int
 
 from . import cpu_linear
-from .loading import cache_dir
+from .loading import cache_dir, save_text
 
 # Step sizes whose cost is measured; between them the cost is interpolated linearly.
 CPU_MENU = (1, 4, 16, 64)
@@ -293,11 +294,7 @@ def _cached_costs(model, key: str, measure, cache_to_disk: bool) -> StepCosts:
         table = _load_table(path)  # re-read: another entry may have been written meanwhile
         table[key] = list(zip(costs.tokens, costs.seconds))
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(table, f, indent=1)
-            os.replace(tmp, path)
+            save_text(Path(path), json.dumps(table, indent=1))
         except OSError:
             pass  # a read-only cache only costs a measurement next time
     return costs

@@ -204,6 +204,31 @@ def test_the_key_is_the_content_not_size_and_mtime(tmp_path, cache):
     assert len(entries(cache, ".safetensors")) == 2
 
 
+def test_a_gguf_is_hashed_once_while_its_file_is_unchanged(gguf_file, reference, cache, monkeypatch):
+    """Its SHA-256 is recorded against the file's status: later loads (weights and tokenizer) read the record; a
+    rewrite (even of the same bytes), a record that cannot be trusted or a record of another file hashes it again."""
+    hashed = []
+    monkeypatch.setattr(loading, "file_sha256", lambda path: hashed.append(path) or file_sha256(path))
+    assert same_model(from_pretrained(gguf_file), reference) and len(hashed) == 1
+    load_tokenizer(gguf_file)
+    from_pretrained(gguf_file, dtype=torch.bfloat16)
+    assert len(hashed) == 1 and len(cache.conversions) == 1
+    [record] = (cache / "sha256").iterdir()
+    for damage in (b"not json", b'{"path": 1}', record.read_bytes().replace(b'"sha256": "', b'"sha256": "x')):
+        record.write_bytes(damage)
+        assert same_model(from_pretrained(gguf_file), reference)
+    assert len(hashed) == 4 and len(cache.conversions) == 1  # the garbled digest is not trusted either
+    from_pretrained(gguf_file)
+    assert len(hashed) == 4
+    gguf_file.write_bytes(gguf_file.read_bytes())  # the same bytes: the change time moves, the digest is the same
+    assert same_model(from_pretrained(gguf_file), reference)
+    assert len(hashed) == 5 and len(cache.conversions) == 1
+    other = write_tiny_gguf(gguf_file.parent / "other.gguf", seed=3)
+    from_pretrained(other)
+    assert len(hashed) == 6 and len(list((cache / "sha256").iterdir())) == 2
+    assert not [p for p in (cache / "sha256").iterdir() if p.name.startswith(".tmp-")]
+
+
 def test_a_failed_write_leaves_nothing_and_still_returns_the_model(gguf_file, reference, cache, monkeypatch):
     import safetensors.torch
 
@@ -216,7 +241,8 @@ def test_a_failed_write_leaves_nothing_and_still_returns_the_model(gguf_file, re
     with pytest.warns(RuntimeWarning, match="could not cache"):
         model = from_pretrained(gguf_file)
     assert same_model(model, reference)
-    assert list(cache.iterdir()) == []  # neither an entry nor the temporary
+    # neither an entry nor the temporary (the file's recorded SHA-256 is not an entry)
+    assert [p.name for p in cache.iterdir()] == ["sha256"]
 
 
 def test_tokenizer_is_cached_and_a_corrupt_one_rebuilt(gguf_file, cache, monkeypatch):
