@@ -379,9 +379,11 @@ def _remove_older_versions(entry: Path) -> None:
 
 
 def save_text(path: Path, text: str) -> None:
-    """Write ``text`` to the cache file ``path`` atomically: a temporary in the same directory, then renamed (a
-    reader sees the old file or the new one, never half of one). Raises ``OSError``."""
+    """Write ``text`` to the cache file ``path`` atomically: a temporary in the same directory (one a crashed writer
+    left is deleted by a later write), then renamed (a reader sees the old file or the new one, never half of one).
+    Raises ``OSError``."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
     try:
         with os.fdopen(fd, "w") as f:

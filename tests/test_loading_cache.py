@@ -227,6 +227,13 @@ def test_a_gguf_is_hashed_once_while_its_file_is_unchanged(gguf_file, reference,
     from_pretrained(other)
     assert len(hashed) == 6 and len(list((cache / "sha256").iterdir())) == 2
     assert not [p for p in (cache / "sha256").iterdir() if p.name.startswith(".tmp-")]
+    # a temporary a killed writer left there is deleted by a later write once it is old
+    leftover = cache / "sha256" / ".tmp-killed.json"
+    leftover.write_text("{")
+    os.utime(leftover, (0, 0))
+    write_tiny_gguf(other, seed=4)
+    from_pretrained(other)
+    assert len(hashed) == 7 and not leftover.exists()
 
 
 def test_a_failed_write_leaves_nothing_and_still_returns_the_model(gguf_file, reference, cache, monkeypatch):
