@@ -244,13 +244,11 @@ def _load_hf_directory(directory: Path, dtype: torch.dtype | None, device: torch
 
 def _directory_key(directory: Path, files: list[Path]) -> str:
     """What a directory's weights are known by (:mod:`lookahead.weights_cache`): its config's bytes and its
-    safetensors files' names, sizes and modification times (hashing gigabytes of shards would cost seconds a
-    load; a file rewritten in place keeping its size and time would be missed, which costs a kept prior's speed,
-    never the output)."""
+    safetensors files' names and statuses (:func:`_file_status`, as a GGUF's recorded SHA-256 is trusted: hashing
+    gigabytes of shards would cost seconds a load)."""
     h = hashlib.sha256((directory / "config.json").read_bytes())
     for path in files:
-        stat = path.stat()
-        h.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns};".encode())
+        h.update(f"{path.name}:{_file_status(path)};".encode())
     return f"hf:{h.hexdigest()}"
 
 
@@ -291,8 +289,7 @@ def file_sha256(path) -> str:
 def _recorded_sha256(path: Path) -> str:
     """The file's :func:`file_sha256`, read from a record in the cache directory while the file's status (size,
     modification and change times, inode, device) is the one recorded, else computed and recorded: a GGUF of
-    several gigabytes is hashed at its first load, not at every one (warm, 0.07 s a 100 MB on this project's CPU;
-    a write to the file, even one that puts its old size and modification time back, changes its change time)."""
+    several gigabytes is hashed at its first load, not at every one (warm, 0.07 s a 100 MB on this project's CPU)."""
     try:
         before = _file_status(path)
         resolved = str(path.resolve())
@@ -316,6 +313,8 @@ def _recorded_sha256(path: Path) -> str:
 
 
 def _file_status(path: Path) -> list[int]:
+    """What tells a file's versions apart without reading it: a write to it moves its change time, even one that
+    puts its old size and modification time back; a file replaced by another has another inode."""
     st = os.stat(path)
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
 
@@ -378,40 +377,34 @@ def _remove_older_versions(entry: Path) -> None:
             delete_quietly(old)
 
 
-def save_text(path: Path, text: str) -> None:
-    """Write ``text`` to the cache file ``path`` atomically: a temporary in the same directory (one a crashed writer
-    left is deleted by a later write), then renamed (a reader sees the old file or the new one, never half of one).
-    Raises ``OSError``."""
+def _save_atomically(path: Path, write: Callable[[str], None]) -> None:
+    """``write(tmp)`` a temporary in ``path``'s directory (one a crashed writer left there is deleted by a later
+    write), synced, then renamed to ``path``: a reader sees the old file or the new one, never half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temporaries(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        delete_quietly(Path(tmp))
-        raise
-
-
-def save_entry(entry: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """Write ``tensors`` (CPU, contiguous) and ``metadata`` as safetensors to the cache entry ``entry`` atomically: a
-    temporary in the same directory (one a crashed writer left is deleted by a later write), synced, then renamed.
-    Raises ``OSError`` or ``RuntimeError`` (safetensors' own write errors)."""
-    from safetensors.torch import save_file
-
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temporaries(entry.parent)
-    fd, tmp = tempfile.mkstemp(dir=entry.parent, prefix=".tmp-", suffix=".safetensors")
     os.close(fd)
     try:
-        save_file(tensors, tmp, metadata=metadata)
+        write(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
-        os.replace(tmp, entry)
+        os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def save_text(path: Path, text: str) -> None:
+    """Write ``text`` to the cache file ``path`` atomically (:func:`_save_atomically`). Raises ``OSError``."""
+    _save_atomically(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def save_entry(entry: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write ``tensors`` (CPU, contiguous) and ``metadata`` as safetensors to the cache entry ``entry`` atomically
+    (:func:`_save_atomically`). Raises ``OSError`` or ``RuntimeError`` (safetensors' own write errors)."""
+    from safetensors.torch import save_file
+
+    _save_atomically(entry, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
 def _write_weights_entry(entry: Path, digest: str, source: Path, config: ModelConfig,
