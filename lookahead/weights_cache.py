@@ -3,7 +3,7 @@
 The device trees' prior (:func:`lookahead.device_tree.token_prior`) is one decoding step of every token of the
 vocabulary: about 80 s for SmolLM2 on this project's 2-core CPU, every process. Its rows depend on the weights
 alone, so a model read from a file (a GGUF, keyed by its bytes' SHA-256 as the converted weights are; a Hugging
-Face directory, by its config's bytes and its safetensors files' names, sizes and modification times) keeps them in
+Face directory, by its config's bytes and its safetensors files' names, sizes, times and inodes) keeps them in
 :func:`lookahead.loading.cache_dir` for the next process that reads the same file. Only while the weights are as
 read (:func:`lookahead.cpu_linear.weights_signature`: moved, cast or changed in place, nothing is read or kept):
 the prior steers guesses and never the output, but a stale one would cost speed silently.
