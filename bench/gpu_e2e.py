@@ -99,10 +99,7 @@ def fastest_gemv(model, device) -> tuple[str, tuple]:
     xs = {k: torch.randn(gpu_gemv.ROWS, k, device=device) for k in {w.shape[1] for w in weights}}
     outs = [torch.empty(gpu_gemv.ROWS, w.shape[0], device=device) for w in weights]
     times = {}
-    for name, config in gpu_gemv.CONFIGS.items():
-        def run(config=config):
-            for w, y in zip(weights, outs):
-                gpu_gemv.rows_gemv(xs[w.shape[1]], w, y, config)
+    for name, run in gpu_gemv.candidate_runs(xs, weights, outs).items():
         try:
             times[name] = triton.testing.do_bench_cudagraph(run)
         except Exception as exc:  # noqa: BLE001 -- a tile that fails is left out

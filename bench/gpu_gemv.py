@@ -85,3 +85,11 @@ def rows_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = 
                                                       out.stride(0), BLOCK_M=ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
                                                       num_warps=warps, num_stages=stages)
     return out
+
+
+def candidate_runs(xs: dict, weights: list[torch.Tensor], outs: list[torch.Tensor]) -> dict:
+    """One callable per configuration of :data:`CONFIGS`, each running ``rows_gemv`` over every weight (``xs``:
+    ``x`` by K; ``outs``: one output a weight): what ``gpu_e2e.fastest_gemv`` and ``gpu_profile.py smolgemv``
+    time."""
+    return {name: (lambda config=config: [rows_gemv(xs[w.shape[1]], w, y, config) for w, y in zip(weights, outs)])
+            for name, config in CONFIGS.items()}

@@ -415,9 +415,7 @@ def part_smolgemv(device, layers=30, rows=(16, 2, 8, 1, 4), shapes=None):
         runs = {"cuBLAS": lambda: [torch.mm(x[w.shape[1]], w.t(), out=y) for w, y in zip(weights, outs)],
                 "ours (model)": lambda: [sl._launch(x[w.shape[1]], w, None, y, n, c)
                                          for w, c, n, y in zip(weights, configs, counters, outs)]}
-        for name, config in gpu_gemv.CONFIGS.items():
-            runs[name] = (lambda config=config: [gpu_gemv.rows_gemv(x[w.shape[1]], w, y, config)
-                                                 for w, y in zip(weights, outs)])
+        runs.update(gpu_gemv.candidate_runs(x, weights, outs))
         line = {}
         for name, run in runs.items():
             try:

@@ -48,6 +48,23 @@ def test_each_row_is_computed_alone(gemv, kernel_device):
     assert all(torch.equal(gemv.rows_gemv(x[i: i + 1], w), whole[i: i + 1]) for i in (0, 9, 15))
 
 
+def test_candidate_runs_time_every_configuration_over_every_weight(gemv, kernel_device):
+    """What the GPU run's two timings of the candidate call: one run a configuration, each writing every weight's
+    product into its own output."""
+    weights = [rand(n, k, dtype=torch.float32, device=kernel_device, seed=s, scale=k ** -0.5)
+               for s, (n, k) in enumerate([(24, 40), (9, 40), (17, 70)])]
+    xs = {k: rand(3, k, dtype=torch.float32, device=kernel_device, seed=10 + k) for k in (40, 70)}
+    outs = [torch.full((3, w.shape[0]), float("nan"), device=kernel_device) for w in weights]
+    runs = gemv.candidate_runs(xs, weights, outs)
+    assert list(runs) == list(gemv.CONFIGS)
+    for name, run in runs.items():
+        for y in outs:
+            y.fill_(float("nan"))
+        run()
+        for w, y in zip(weights, outs):
+            assert torch.equal(y, gemv.rows_gemv(xs[w.shape[1]], w, config=gemv.CONFIGS[name])), name
+
+
 def test_rows_gemv_refuses_what_it_cannot_do(gemv, kernel_device):
     x = torch.zeros(4, 8, device=kernel_device)
     w = torch.zeros(5, 8, device=kernel_device)
