@@ -232,7 +232,7 @@ def main(argv=None) -> int:
                     config = modes[mode]
                     nodes = config.device_tree if config is not None else 0
                     if nodes == "auto":  # what it chose for this batch (the costs are measured by now)
-                        nodes = make_plan(config, model, min(B, len(prompts))).device_tree
+                        nodes = make_plan(config, model, min(B, len(prompts)), sampled=sampled).device_tree
                     rows.append({"set": name, "batch_size": B, "mode": mode, "prompts": len(prompts),
                                  "identical": identical, "device_tree_nodes": nodes, **totals})
                     print(f"{name:10s} B={B:3d} {mode:26s} {totals['tokens_per_s']:8.2f} tok/s  fed/row/step "

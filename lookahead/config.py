@@ -82,7 +82,8 @@ class LookaheadConfig:
             on the step's device from successor tables kept there (:mod:`lookahead.device_tree`), with no tree
             built on the host, no window and no planner; ``"auto"``: ``V`` chosen for the call's batch size from
             the device's measured step costs (``step_costs`` when given; :func:`lookahead.controller.device_tree_size`:
-            64 nodes at one row, 8 at 16 rows on the H200's bfloat16 table; 0, plain steps, where no tree pays);
+            64 nodes at one row, 8 at 16 rows on the H200's bfloat16 table; 0, plain steps, where no tree pays) and
+            the tokens a step trees took, greedy or sampled as the call decodes;
             ``0`` (default): off. Needs the static step path (a CUDA model, or ``_static_steps=True``). Not measured
             on a GPU yet: predicted to pay there at one row and in batches, whose host-built trees cost more host
             work than they gain; on a CPU it loses (a step of 5 tokens costs about twice a step of one).

@@ -639,18 +639,26 @@ def window_pays(costs: StepCosts, window_tokens: int, tree_tokens: int, batch_si
 # prompts of MT-Bench and of HumanEval, their figures averaged, 128 tokens; what device_tree_size weighs against
 # each size's step cost), the tables starting from the token prior: bench/results/static-tree-h200-bf16-prior-s72.md.
 DEVICE_TREE_TOKENS = ((1, 1.37), (2, 1.56), (4, 1.73), (8, 2.01), (16, 2.31), (32, 2.56), (64, 2.82))
+# The same sampled at transformers' default (temperature 1, top-k 50): a node is accepted with the probability the
+# warped distribution gives its token, not whenever it is the top one, so a tree takes fewer tokens a step and smaller
+# ones pay at 2-4 and 32-64 rows (bench/results/device-tree-tokens-cpu-zen4-sampled-s76.md; at temperature 0.7,
+# top-p 0.9 trees took between the two tables, nearer greedy's).
+DEVICE_TREE_TOKENS_SAMPLED = ((1, 1.22), (2, 1.29), (4, 1.31), (8, 1.48), (16, 1.69), (32, 1.84), (64, 1.97))
 
 
-def device_tree_size(costs: StepCosts, batch_size: int, margin: float = BATCH_MARGIN) -> int:
+def device_tree_size(costs: StepCosts, batch_size: int, margin: float = BATCH_MARGIN,
+                     tokens: tuple = DEVICE_TREE_TOKENS) -> int:
     """The device tree's node count (``LookaheadConfig(device_tree="auto")``) that maximises a batch's expected
-    tokens a second, ``DEVICE_TREE_TOKENS[V] / t(B (1 + V))``, on the step costs ``costs``; 0 (plain steps) unless
-    it beats a plain step's ``1 / t(B)`` by ``margin`` (the tree's two launches and its host work are not in
-    ``costs``). On the H200's bfloat16 table: 64 nodes at one row, 8 at 16 rows, 2 at 64."""
+    tokens a second, ``tokens[V] / t(B (1 + V))``, on the step costs ``costs``; 0 (plain steps) unless it beats a
+    plain step's ``1 / t(B)`` by ``margin`` (the tree's two launches and its host work are not in ``costs``).
+    ``tokens``: ``(V, tokens a row-step)`` pairs, :data:`DEVICE_TREE_TOKENS` (greedy) or
+    :data:`DEVICE_TREE_TOKENS_SAMPLED`. On the H200's bfloat16 table, greedy: 64 nodes at one row, 8 at 16 rows, 2
+    at 64."""
     require_int("batch_size", batch_size, 1)
     B = batch_size
     plain = 1.0 / costs(B)
     best, best_rate = 0, plain * margin
-    for nodes, tokens in DEVICE_TREE_TOKENS:
+    for nodes, tokens in tokens:
         rate = tokens / costs(B * (1 + nodes))
         if rate > best_rate:
             best, best_rate = nodes, rate
@@ -677,7 +685,7 @@ def _costs(config, model, tokens: int) -> StepCosts:
     return batch_step_costs(model, step_costs(model), tokens)
 
 
-def make_plan(config, model, batch_size: int = 1) -> Plan:
+def make_plan(config, model, batch_size: int = 1, sampled: bool = False) -> Plan:
     """Resolve a :class:`~lookahead.config.LookaheadConfig` for ``model`` and a batch of ``batch_size`` rows.
 
     Explicit ``window``/``ngram``/``guess``/``max_step_tokens`` are honoured as given. ``LookaheadConfig()`` with
@@ -685,13 +693,14 @@ def make_plan(config, model, batch_size: int = 1) -> Plan:
     cached, and extended to the batch's step sizes on first use) bounds a row's step at the menu's largest size;
     the window (15 x 4, the paper's) runs only where it costs at most ``WINDOW_COST_LIMIT`` more at this batch
     size (and with it the pool its n-grams feed); the planner sizes each step's trees. ``device_tree="auto"``
-    takes the same costs and sizes the device tree (:func:`device_tree_size`; the plan's ``device_tree``, 0 where
-    none pays).
+    takes the same costs and sizes the device tree (:func:`device_tree_size`, on the tokens a step trees took
+    sampled where ``sampled``, else greedy; the plan's ``device_tree``, 0 where none pays).
     """
     from .config import StepShape
 
     if config.device_tree == "auto":
-        nodes = device_tree_size(_costs(config, model, batch_size * (1 + DEVICE_TREE_TOKENS[-1][0])), batch_size)
+        table = DEVICE_TREE_TOKENS_SAMPLED if sampled else DEVICE_TREE_TOKENS
+        nodes = device_tree_size(_costs(config, model, batch_size * (1 + table[-1][0])), batch_size, tokens=table)
         return Plan(StepShape(1, 1, nodes), (), None, device_tree=nodes)
     if not config.automatic:
         return Plan(config.shape(), config.sources, None, device_tree=config.device_tree)

@@ -497,7 +497,7 @@ def generate(model, input_ids=None, max_new_tokens: int | None = None, *,
     # builds its KV cache or step runner (kept on the model).
     setup_started = time.perf_counter()
     model.prepare_cpu_weights()
-    plan = make_plan(lookahead, model, B) if lookahead is not None else None
+    plan = make_plan(lookahead, model, B, sampled=do_sample) if lookahead is not None else None
     if plan is not None and lookahead.device_tree == "auto" and not plan.device_tree:
         plan = None  # no device tree pays at this batch size here: plain steps
     step_cap = plan.shape.max_tokens if plan is not None else 1

