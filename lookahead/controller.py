@@ -658,8 +658,8 @@ def device_tree_size(costs: StepCosts, batch_size: int, margin: float = BATCH_MA
     B = batch_size
     plain = 1.0 / costs(B)
     best, best_rate = 0, plain * margin
-    for nodes, tokens in tokens:
-        rate = tokens / costs(B * (1 + nodes))
+    for nodes, per_step in tokens:
+        rate = per_step / costs(B * (1 + nodes))
         if rate > best_rate:
             best, best_rate = nodes, rate
     return best
