@@ -28,8 +28,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from _common import (DEFAULT_SETS, command_line, machine_info, parse_step_costs, render, set_name,  # noqa: E402
-                     write_results)
+from _common import (add_prompt_set_args, command_line, machine_info, parse_step_costs, render,  # noqa: E402
+                     set_name, write_results)
 from bench_static_tree import H200_BF16_STEP_COSTS  # noqa: E402
 
 from lookahead import LookaheadConfig, load_default  # noqa: E402
@@ -59,18 +59,12 @@ def tokens_a_step(model, prompts: list[torch.Tensor], budget: int, rows: int, ma
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--sets", nargs="+", default=DEFAULT_SETS)
-    ap.add_argument("--prompts", type=int, default=24, help="first prompts of each set")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    add_prompt_set_args(ap, prompts=24, max_new_tokens=128)
     ap.add_argument("--rows", type=int, default=16, help="rows decoded at once (refilled)")
     ap.add_argument("--budgets", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     ap.add_argument("--decodings", nargs="+", default=["greedy"], help="'greedy' or T:K:P sampling settings")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     ap.add_argument("--step-costs", default="h200-bf16", help="'h200-bf16' (default) or T:seconds pairs")
-    ap.add_argument("--tag", default="cpu")
-    ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
-    ap.add_argument("--render", metavar="JSON", help="only re-write the markdown of a results file")
     args = ap.parse_args(argv)
     if args.render:
         render(args.render, markdown, lambda result, path: None)
@@ -132,7 +126,8 @@ def markdown(result: dict) -> str:
              f"torch {m['torch']}, git {m['git']}: the first {result['prompts']} prompts of each set, "
              f"{result['rows_at_once']} rows at once (refilled), {result['max_new_tokens']} new tokens. A decoding "
              "`T:K:P` samples at temperature T, top-k K, top-p P. The tokens a step do not depend on the device; "
-             f"the speed-ups are predicted on the step costs {list(result['step_costs'])} (tokens a step x t(B) / "
+             "the speed-ups are predicted on the step costs (tokens, seconds) "
+             + ", ".join(f"({t}, {c:g})" for t, c in result["step_costs"]) + " (tokens a step x t(B) / "
              "t(B (1 + V)), the host work hidden, the tree's launches not counted): not a measurement of speed.", "",
              f"Command: `{result['command']}`", "",
              "| decoding | V | " + " | ".join(sets) + " | mean | identical | "
