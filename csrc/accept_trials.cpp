@@ -37,6 +37,8 @@ void check_vector(const char* what, const at::Tensor& t, at::ScalarType type) {
                     " tensor, got ", t.sizes(), " ", t.scalar_type(), " on ", t.device());
 }
 
+}  // namespace
+
 void record_trials(at::TensorList trials, at::TensorList rates, const at::Tensor& priors, double prior_weight,
                    const at::Tensor& codes, const at::Tensor& code_offsets, const at::Tensor& parents,
                    const at::Tensor& order, at::IntArrayRef firsts, at::IntArrayRef starts, at::IntArrayRef keep,
@@ -123,20 +125,6 @@ void record_trials(at::TensorList trials, at::TensorList rates, const at::Tensor
     }
     path += path_counts[i];
   }
-}
-
-}  // namespace
-
-void bind_host(pybind11::module_& m) {
-  using Ints = std::vector<int64_t>;
-  using Tensors = std::vector<at::Tensor>;
-  m.def("record_trials", [](const Tensors& trials, const Tensors& rates, const at::Tensor& priors, double prior_weight,
-                            const at::Tensor& codes, const at::Tensor& code_offsets, const at::Tensor& parents,
-                            const at::Tensor& order, const Ints& firsts, const Ints& starts, const Ints& keep,
-                            const Ints& path_counts, const Ints& paths) {
-    record_trials(trials, rates, priors, prior_weight, codes, code_offsets, parents, order, firsts, starts, keep,
-                  path_counts, paths);
-  });
 }
 
 }  // namespace accept_trials

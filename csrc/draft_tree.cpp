@@ -303,6 +303,8 @@ void propose_row(int64_t root, const int64_t*& suffix_tokens, const int64_t*& su
   }
 }
 
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> propose(
     at::IntArrayRef roots, at::IntArrayRef suffix_tokens, at::IntArrayRef suffix_lens,
     at::IntArrayRef suffix_matches, at::IntArrayRef suffix_counts, at::TensorList pool, at::TensorList rates,
@@ -464,8 +466,6 @@ void record_successors(at::TensorList succ_index, at::TensorList succ_entries, c
     for (int64_t m = 0; m < last_count[i]; ++m) record(i, last[listed++]);
 }
 
-}  // namespace
-
 // See draft_encode.h.
 int64_t encode_row(const int64_t* par, const int64_t* tok, int64_t keep, int64_t size, int64_t* ot, int64_t* dp,
                    int64_t* en, int64_t* op, int64_t* od, EncodeSpace& ws) {
@@ -514,43 +514,24 @@ int64_t encode_row(const int64_t* par, const int64_t* tok, int64_t keep, int64_t
   return deepest;
 }
 
-// Vectors, not IntArrayRef or TensorList, at the boundary: pybind11 converts Python lists to them fastest.
-void bind_host(pybind11::module_& m) {
-  using Ints = std::vector<int64_t>;
-  using Tensors = std::vector<at::Tensor>;
-  m.def("propose", [](const Ints& roots, const Ints& suffix_tokens, const Ints& suffix_lens, const Ints& suffix_matches,
-                      const Ints& suffix_counts, const Tensors& pool, const Tensors& rates,
-                      const Tensors& succ_index, const Tensors& succ_entries, int64_t budget) {
-    return propose(roots, suffix_tokens, suffix_lens, suffix_matches, suffix_counts, pool, rates, succ_index,
-                   succ_entries, budget);
-  });
-  // suffix_spans for the rows listed in `matched` (ascending; the other rows have no suffix source), then propose
-  // from those spans: one call, the spans never turned into Python lists (about 1,000 ints a 16-row step).
-  m.def("propose_matched", [](const Ints& roots, const Tensors& buffers, const Ints& lengths, const Ints& new_tokens,
-                              const Ints& new_counts, const Ints& matched, int64_t max_match, int64_t max_len,
-                              int64_t limit, const Tensors& pool, const Tensors& rates,
-                              const Tensors& succ_index, const Tensors& succ_entries, int64_t budget) {
-    const int64_t n = static_cast<int64_t>(roots.size());
-    TORCH_CHECK_VALUE(matched.size() == buffers.size(), "lookahead_draft.propose_matched: one buffer per matched "
-                      "row, got ", buffers.size(), " buffers and ", matched.size(), " rows");
-    for (size_t i = 0; i < matched.size(); ++i)
-      TORCH_CHECK_VALUE(0 <= matched[i] && matched[i] < n && (i == 0 || matched[i - 1] < matched[i]),
-                        "lookahead_draft.propose_matched: matched rows must rise within [0, ", n, "), got ",
-                        matched[i], " at ", i);
-    const suffix_match::Spans spans =
-        suffix_match::suffix_spans(buffers, lengths, new_tokens, new_counts, max_match, max_len, limit);
-    Ints counts(n, 0);
-    for (size_t i = 0; i < matched.size(); ++i) counts[matched[i]] = std::get<3>(spans)[i];
-    return propose(roots, std::get<0>(spans), std::get<1>(spans), std::get<2>(spans), counts, pool, rates,
-                   succ_index, succ_entries, budget);
-  });
-  m.def("encode", [](const at::Tensor& parents, const at::Tensor& tokens, const Ints& starts, const Ints& keep,
-                     int64_t size) { return encode(parents, tokens, starts, keep, size); });
-  m.def("record_successors", [](const Tensors& succ_index, const Tensors& succ_entries, const at::Tensor& tokens,
-                                const at::Tensor& tops, const Ints& rows, const Ints& computed,
-                                const Ints& last_count, const Ints& last) {
-    record_successors(succ_index, succ_entries, tokens, tops, rows, computed, last_count, last);
-  });
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> propose_matched(
+    at::IntArrayRef roots, at::TensorList buffers, at::IntArrayRef lengths, at::IntArrayRef new_tokens,
+    at::IntArrayRef new_counts, at::IntArrayRef matched, int64_t max_match, int64_t max_len, int64_t limit,
+    at::TensorList pool, at::TensorList rates, at::TensorList succ_index, at::TensorList succ_entries,
+    int64_t budget) {
+  const int64_t n = static_cast<int64_t>(roots.size());
+  TORCH_CHECK_VALUE(matched.size() == buffers.size(), "lookahead_draft.propose_matched: one buffer per matched "
+                    "row, got ", buffers.size(), " buffers and ", matched.size(), " rows");
+  for (size_t i = 0; i < matched.size(); ++i)
+    TORCH_CHECK_VALUE(0 <= matched[i] && matched[i] < n && (i == 0 || matched[i - 1] < matched[i]),
+                      "lookahead_draft.propose_matched: matched rows must rise within [0, ", n, "), got ",
+                      matched[i], " at ", i);
+  const suffix_match::Spans spans =
+      suffix_match::suffix_spans(buffers, lengths, new_tokens, new_counts, max_match, max_len, limit);
+  std::vector<int64_t> counts(n, 0);
+  for (size_t i = 0; i < matched.size(); ++i) counts[matched[i]] = std::get<3>(spans)[i];
+  return propose(roots, std::get<0>(spans), std::get<1>(spans), std::get<2>(spans), counts, pool, rates,
+                 succ_index, succ_entries, budget);
 }
 
 }  // namespace draft_tree

@@ -43,6 +43,8 @@ void check_vector(const char* name, const char* what, const at::Tensor& t, int64
                     "] tensor, got ", t.sizes(), " ", t.scalar_type());
 }
 
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor> encode_step(const at::Tensor& parents, const at::Tensor& tokens,
                                                at::IntArrayRef starts, at::IntArrayRef keep, int64_t size,
                                                at::IntArrayRef positions, at::IntArrayRef xs,
@@ -111,17 +113,6 @@ std::tuple<at::Tensor, at::Tensor> encode_step(const at::Tensor& parents, const 
   }
   std::memcpy(rows_out, rows.data_ptr<int64_t>(), sizeof(int64_t) * R);
   return {block, meta};
-}
-
-}  // namespace
-
-void bind_host(pybind11::module_& m) {
-  m.def("encode_step", [](const at::Tensor& parents, const at::Tensor& tokens, const std::vector<int64_t>& starts,
-                          const std::vector<int64_t>& keep, int64_t size, const std::vector<int64_t>& positions,
-                          const std::vector<int64_t>& xs, const std::optional<at::Tensor>& window_tokens,
-                          const at::Tensor& offsets, const at::Tensor& rows) {
-    return encode_step(parents, tokens, starts, keep, size, positions, xs, window_tokens, offsets, rows);
-  });
 }
 
 }  // namespace pack_step

@@ -105,14 +105,6 @@ Spans suffix_spans(at::TensorList buffers, at::IntArrayRef lengths, at::IntArray
   return out;
 }
 
-void bind_host(pybind11::module_& m) {
-  m.def("suffix_spans", [](const std::vector<at::Tensor>& buffers, const std::vector<int64_t>& lengths,
-                           const std::vector<int64_t>& new_tokens, const std::vector<int64_t>& new_counts,
-                           int64_t max_match, int64_t max_len, int64_t limit) {
-    return suffix_spans(buffers, lengths, new_tokens, new_counts, max_match, max_len, limit);
-  });
-}
-
 }  // namespace suffix_match
 
 TORCH_LIBRARY_FRAGMENT(lookahead_draft, m) {

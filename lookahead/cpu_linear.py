@@ -53,8 +53,8 @@ def onednn_linear_available() -> bool:
 
 
 def gemm_available(build: bool = True) -> bool:
-    """Whether our small-M GEMM is loaded; with ``build``, build (first time, about a minute) and load the CPU ops
-    (:mod:`lookahead_kernels.cpu_ops`) if needed. ``LOOKAHEAD_CPU_GEMM=0`` says no.
+    """Whether our small-M GEMM is loaded; with ``build``, build (first time, about two minutes on 2 cores) and load
+    the CPU ops (:mod:`lookahead_kernels.cpu_ops`) if needed. ``LOOKAHEAD_CPU_GEMM=0`` says no.
 
     Every linear call asks, so the answer, once known, is one dict lookup (an environment read and an import
     per call cost ~1 ms a forward, measured). A failed build is remembered for the process (the reason in

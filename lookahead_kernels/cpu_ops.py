@@ -1,14 +1,13 @@
 """Just-in-time build of the host's C++ ops: the CPU forward's small-M GEMM (``csrc/small_gemm.cpp``, namespace
-``torch.ops.lookahead_gemm``), step attention (``csrc/cpu_attention.cpp``, ``torch.ops.lookahead_cpu``) and the whole
-decoder stack (``csrc/cpu_layer.cpp``, every layer: the two before plus everything between them, same namespace),
-and the
-draft builder's best-first walk and tree encoding (``csrc/draft_tree.cpp``, ``torch.ops.lookahead_draft``), which
-serve the GPU path too: the draft is built on the host, and the successor table's top-k of a CPU step's logits
-(``csrc/row_topk.cpp``, same namespace), tree verification from the logits, greedy and sampled
-(``csrc/verify_sample.cpp``), a plain step's sampled draw (``csrc/sample_warped.cpp``) and a tree step's trees
-encoded into its packed inputs (``csrc/pack_step.cpp``) and a verified step's acceptance trials recorded
-(``csrc/accept_trials.cpp``), same namespace; and KV compaction after a tree step
-(``csrc/kv_compact_cpu.cpp``, ``torch.ops.lookahead_cpu``).
+``torch.ops.lookahead_gemm``), step attention (``csrc/cpu_attention.cpp``, its tasks built per instruction set in
+``csrc/cpu_attention_*.cpp``; ``torch.ops.lookahead_cpu``) and the whole decoder stack (``csrc/cpu_layer.cpp``,
+every layer: the two before plus everything between them, same namespace), and the draft builder's best-first walk
+and tree encoding (``csrc/draft_tree.cpp``, ``torch.ops.lookahead_draft``), which serve the GPU path too: the draft
+is built on the host, and the successor table's top-k of a CPU step's logits (``csrc/row_topk.cpp``, same
+namespace), tree verification from the logits, greedy and sampled (``csrc/verify_sample.cpp``), a plain step's
+sampled draw (``csrc/sample_warped.cpp``) and a tree step's trees encoded into its packed inputs
+(``csrc/pack_step.cpp``) and a verified step's acceptance trials recorded (``csrc/accept_trials.cpp``), same
+namespace; and KV compaction after a tree step (``csrc/kv_compact_cpu.cpp``, ``torch.ops.lookahead_cpu``).
 
 All live in one library, built with ninja into torch's extensions directory on first use (a subdirectory per
 checkout: :func:`lookahead_kernels.build_lock.extension_name`; ``scripts/setup.sh`` builds it at install time) and
@@ -32,10 +31,14 @@ from .cxx_runtime import runtime_link_flags
 
 _CSRC = source_dir()
 _NAME = extension_name("lookahead_cpu_ops", _CSRC)
-_SOURCES = ("small_gemm.cpp", "cpu_attention.cpp", "cpu_layer.cpp", "draft_tree.cpp", "row_topk.cpp",
+# The longest compiles first (seconds on a 2-core Zen 4, one at a time: 30, 29, about 20; most others 10-15): ninja
+# starts them in this order, so no long one starts last on a machine with cores to spare.
+_SOURCES = ("cpu_attention_avx512_split.cpp", "cpu_attention_avx512.cpp", "small_gemm.cpp", "cpu_layer.cpp",
+            "draft_tree.cpp", "host_bindings.cpp", "cpu_attention_avx2.cpp", "cpu_attention.cpp", "row_topk.cpp",
             "verify_sample.cpp", "sample_warped.cpp", "kv_compact_cpu.cpp", "suffix_match.cpp", "pack_step.cpp",
-            "accept_trials.cpp", "host_bindings.cpp")
-_HEADERS = ("cpu_ops.h", "cpu_vec.h", "draft_encode.h", "host_ops.h")  # a change to one rebuilds the library too
+            "accept_trials.cpp")
+# A change to one rebuilds the library too.
+_HEADERS = ("cpu_ops.h", "cpu_vec.h", "cpu_attention_tasks.h", "draft_encode.h", "host_ops.h")
 _state: dict = {}  # "ok": bool once tried in this process, "error": why not, "module": the library as a module
 _lock = threading.Lock()
 
@@ -61,7 +64,7 @@ def _registered() -> bool:
 
 
 def load_cpu_ops(verbose: bool = False) -> None:
-    """Build (first time, about a minute on 2 cores, announced on stderr) and load the CPU ops.
+    """Build (first time, about two minutes on 2 cores, announced on stderr) and load the CPU ops.
 
     Raises:
         CpuOpsError: the build or load failed (no compiler or ninja, say); the message says why.
@@ -81,8 +84,8 @@ def load_cpu_ops(verbose: bool = False) -> None:
         except (OSError, RuntimeError):
             stale = True
         if stale:
-            print(f"lookahead: building the CPU ops extension {_NAME} (first use only; about a minute on 2 cores)...",
-                  file=sys.stderr, flush=True)
+            print(f"lookahead: building the CPU ops extension {_NAME} (first use only; about two minutes on 2 "
+                  "cores)...", file=sys.stderr, flush=True)
         try:
             with exclusive_build(_NAME):
                 _state["module"] = cpp_extension.load(
