@@ -5,7 +5,8 @@ The tokens a step do not depend on the device, so a CPU measures them, on the st
 graphs): each set's first ``--prompts`` prompts through ``--rows`` rows at once (a finished row's place going to the
 next prompt), ``LookaheadConfig(device_tree=V)`` for each budget ``V``, under each decoding of ``--decodings``:
 ``greedy`` (every output compared with plain greedy decoding's) or ``T:K:P`` (sampling at temperature ``T``, top-k
-``K``, top-p ``P``; ``1.0:50:1.0`` is transformers' default sampling; one seeded generator a run). Tokens a
+``K``, top-p ``P``; ``1.0:50:1.0`` is transformers' default sampling; one seeded generator a run, ``--draws`` runs
+with other seeds, averaged). Tokens a
 row-step: new tokens over the rows' steps. The sets' average, and the speed-up each predicts on a step-cost table
 (``tokens a step x t(B) / t(B (1 + V))``, the host work hidden as the overlapped steps hide it, the tree's two
 launches not counted), with the size ``device_tree_size``'s rule takes from those averages at each batch size.
@@ -65,7 +66,11 @@ def main(argv=None) -> int:
     ap.add_argument("--decodings", nargs="+", default=["greedy"], help="'greedy' or T:K:P sampling settings")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     ap.add_argument("--step-costs", default="h200-bf16", help="'h200-bf16' (default) or T:seconds pairs")
+    ap.add_argument("--draws", type=int, default=1,
+                    help="runs of each sampled decoding and size, each its own seed; averaged (greedy: one)")
     args = ap.parse_args(argv)
+    if args.draws < 1:
+        ap.error(f"--draws must be at least 1, got {args.draws}")
     if args.render:
         render(args.render, markdown, lambda result, path: None)
         return 0
@@ -88,32 +93,40 @@ def main(argv=None) -> int:
                 plain = model.generate(prompts, max_new_tokens=args.max_new_tokens, lookahead=None,
                                        max_batch_size=args.rows).sequences
             for budget in args.budgets:
-                started = time.perf_counter()
-                per_step, sequences = tokens_a_step(model, prompts, budget, args.rows, args.max_new_tokens,
-                                                    sampling, seed=budget)
-                row = {"set": set_name(path), "prompts": len(prompts), "decoding": text, "budget": budget,
-                       "tokens_per_step": per_step, "seconds": time.perf_counter() - started}
-                if not sampling:
-                    row["identical"] = sum(a.equal(b) for a, b in zip(sequences, plain))
-                rows.append(row)
-                print(f"{row['set']:10s} {text:12s} V={budget:<3d} {per_step:.3f} tokens a row-step "
-                      f"({row['seconds']:.0f} s)", flush=True)
+                for draw in range(args.draws if sampling else 1):
+                    started = time.perf_counter()
+                    per_step, sequences = tokens_a_step(model, prompts, budget, args.rows, args.max_new_tokens,
+                                                        sampling, seed=budget + 1000 * draw)
+                    row = {"set": set_name(path), "prompts": len(prompts), "decoding": text, "budget": budget,
+                           "draw": draw, "tokens_per_step": per_step, "seconds": time.perf_counter() - started}
+                    if not sampling:
+                        row["identical"] = sum(a.equal(b) for a, b in zip(sequences, plain))
+                    rows.append(row)
+                    print(f"{row['set']:10s} {text:12s} V={budget:<3d} draw {draw} {per_step:.3f} tokens a row-step "
+                          f"({row['seconds']:.0f} s)", flush=True)
     result = {"device": "cpu", "machine": machine, "model": "SmolLM2-135M-Instruct (float32)",
               "command": command_line(__file__, sys.argv[1:] if argv is None else argv),
               "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "rows_at_once": args.rows,
-              "step_costs": pairs, "batch_sizes": args.batch_sizes, "rows": rows, "averages": averages(rows)}
+              "draws": args.draws, "step_costs": pairs, "batch_sizes": args.batch_sizes, "rows": rows,
+              "averages": averages(rows)}
     write_results(args.out_dir, f"device-tree-tokens-{args.tag}", result, markdown(result))
     return 0
 
 
 def averages(rows: list[dict]) -> dict:
-    """Per decoding, ``[[V, the sets' mean tokens a row-step], ...]``: a table as ``DEVICE_TREE_TOKENS`` is."""
+    """Per decoding, ``[[V, the mean tokens a row-step over its sets and draws], ...]``: a table as
+    ``DEVICE_TREE_TOKENS`` is."""
     out = {}
     for text in dict.fromkeys(r["decoding"] for r in rows):
         budgets = dict.fromkeys(r["budget"] for r in rows if r["decoding"] == text)
         out[text] = [[v, sum(r["tokens_per_step"] for r in rows if r["decoding"] == text and r["budget"] == v)
                       / sum(1 for r in rows if r["decoding"] == text and r["budget"] == v)] for v in budgets]
     return out
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
 
 
 def markdown(result: dict) -> str:
@@ -130,16 +143,20 @@ def markdown(result: dict) -> str:
              + ", ".join(f"({t}, {c:g})" for t, c in result["step_costs"]) + " (tokens a step x t(B) / "
              "t(B (1 + V)), the host work hidden, the tree's launches not counted): not a measurement of speed.", "",
              f"Command: `{result['command']}`", "",
-             "| decoding | V | " + " | ".join(sets) + " | mean | identical | "
+             "| decoding | V | " + " | ".join(sets) + " | mean | each draw's mean | identical | "
              + " | ".join(f"{B} rows" for B in sizes) + " |",
-             "|---|---:|" + "---:|" * (len(sets) + 2) + "---:|" * len(sizes)]
+             "|---|---:|" + "---:|" * (len(sets) + 3) + "---:|" * len(sizes)]
     for text, table in result["averages"].items():
         for v, mean in table:
-            per_set = {r["set"]: r for r in result["rows"] if r["decoding"] == text and r["budget"] == v}
-            same = [r["identical"] for r in per_set.values() if "identical" in r]
-            total = sum(r["prompts"] for r in per_set.values())
-            cells = [f"{per_set[s]['tokens_per_step']:.3f}" if s in per_set else "" for s in sets]
-            lines.append(f"| {text} | {v} | " + " | ".join(cells) + f" | {mean:.3f} | "
+            runs = [r for r in result["rows"] if r["decoding"] == text and r["budget"] == v]
+            same = [r["identical"] for r in runs if "identical" in r]
+            total = sum(r["prompts"] for r in runs if "identical" in r)
+            cells = [f"{_mean(r['tokens_per_step'] for r in runs if r['set'] == s):.3f}"
+                     if any(r["set"] == s for r in runs) else "" for s in sets]
+            draws = sorted({r.get("draw", 0) for r in runs})
+            each = " / ".join(f"{_mean(r['tokens_per_step'] for r in runs if r.get('draw', 0) == d):.3f}"
+                              for d in draws) if len(draws) > 1 else ""
+            lines.append(f"| {text} | {v} | " + " | ".join(cells) + f" | {mean:.3f} | {each} | "
                          + (f"{sum(same)}/{total}" if same else "") + " | "
                          + " | ".join(f"{mean * costs(B) / costs(B * (1 + v)):.2f}x" for B in sizes) + " |")
     lines += ["", f"The size `device_tree_size`'s rule takes on these averages (plain steps, 0, unless a tree beats "

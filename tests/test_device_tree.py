@@ -534,7 +534,8 @@ def test_auto_sized_rows_equal_their_own_greedy_output(tiny, costs, rows, nodes)
 def test_the_tokens_a_step_bench_measures_greedy_and_sampled_trees(tmp_path, monkeypatch, capsys):
     """bench/bench_device_tree_tokens.py, where DEVICE_TREE_TOKENS_SAMPLED comes from: tokens a row-step per
     decoding and size, greedy outputs compared with plain decoding's, the sets' averages and the sizes the
-    controller's rule takes from them; a decoding it cannot read is refused in one line."""
+    controller's rule takes from them, a sampled decoding's draws each with its own seed and averaged; a decoding
+    it cannot read is refused in one line."""
     from .test_gpu_bench_plumbing import load, zero_prior
 
     zero_prior(monkeypatch)
@@ -542,19 +543,23 @@ def test_the_tokens_a_step_bench_measures_greedy_and_sampled_trees(tmp_path, mon
     with pytest.raises(SystemExit):
         bench.main(["--decodings", "warm", "--out-dir", str(tmp_path)])
     assert "a decoding is 'greedy' or T:K:P" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--draws", "0", "--out-dir", str(tmp_path)])
+    assert "--draws must be at least 1, got 0" in capsys.readouterr().err
     assert bench.main(["--sets", os.path.join(DATA, "mt_bench_dev.jsonl"), os.path.join(DATA, "humaneval_dev.jsonl"),
                        "--prompts", "2", "--rows", "2", "--max-new-tokens", "4", "--budgets", "1", "2",
-                       "--decodings", "greedy", "1.0:50:1.0", "--batch-sizes", "1", "16", "--tag", "t",
-                       "--out-dir", str(tmp_path)]) == 0
+                       "--decodings", "greedy", "1.0:50:1.0", "--batch-sizes", "1", "16", "--draws", "2",
+                       "--tag", "t", "--out-dir", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "device-tree-tokens-t.json").read_text())
-    assert {(r["set"], r["decoding"], r["budget"]) for r in result["rows"]} == {
-        (s, d, v) for s in ("mt_bench", "humaneval") for d in ("greedy", "1.0:50:1.0") for v in (1, 2)}
+    assert sorted((r["set"], r["decoding"], r["budget"], r["draw"]) for r in result["rows"]) == sorted(
+        [(s, "greedy", v, 0) for s in ("mt_bench", "humaneval") for v in (1, 2)]
+        + [(s, "1.0:50:1.0", v, d) for s in ("mt_bench", "humaneval") for v in (1, 2) for d in (0, 1)])
     for r in result["rows"]:
         assert 1 <= r["tokens_per_step"] <= 1 + r["budget"]
         assert r.get("identical") == (2 if r["decoding"] == "greedy" else None)
     for decoding, table in result["averages"].items():
         assert [v for v, _ in table] == [1, 2]
-        assert table[0][1] == pytest.approx(sum(r["tokens_per_step"] for r in result["rows"]
-                                                if r["decoding"] == decoding and r["budget"] == 1) / 2)
+        runs = [r["tokens_per_step"] for r in result["rows"] if r["decoding"] == decoding and r["budget"] == 1]
+        assert len(runs) == (2 if decoding == "greedy" else 4) and table[0][1] == pytest.approx(sum(runs) / len(runs))
     markdown = (tmp_path / "device-tree-tokens-t.md").read_text()
     assert "| greedy | 1 |" in markdown and "| 1.0:50:1.0 | " in markdown and "16 rows" in markdown
