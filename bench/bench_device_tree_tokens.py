@@ -22,6 +22,7 @@ import argparse
 import os
 import sys
 import time
+from statistics import mean
 
 import torch
 
@@ -119,14 +120,9 @@ def averages(rows: list[dict]) -> dict:
     out = {}
     for text in dict.fromkeys(r["decoding"] for r in rows):
         budgets = dict.fromkeys(r["budget"] for r in rows if r["decoding"] == text)
-        out[text] = [[v, sum(r["tokens_per_step"] for r in rows if r["decoding"] == text and r["budget"] == v)
-                      / sum(1 for r in rows if r["decoding"] == text and r["budget"] == v)] for v in budgets]
+        out[text] = [[v, mean(r["tokens_per_step"] for r in rows if r["decoding"] == text and r["budget"] == v)]
+                     for v in budgets]
     return out
-
-
-def _mean(values) -> float:
-    values = list(values)
-    return sum(values) / len(values)
 
 
 def markdown(result: dict) -> str:
@@ -147,18 +143,18 @@ def markdown(result: dict) -> str:
              + " | ".join(f"{B} rows" for B in sizes) + " |",
              "|---|---:|" + "---:|" * (len(sets) + 3) + "---:|" * len(sizes)]
     for text, table in result["averages"].items():
-        for v, mean in table:
+        for v, average in table:
             runs = [r for r in result["rows"] if r["decoding"] == text and r["budget"] == v]
             same = [r["identical"] for r in runs if "identical" in r]
             total = sum(r["prompts"] for r in runs if "identical" in r)
-            cells = [f"{_mean(r['tokens_per_step'] for r in runs if r['set'] == s):.3f}"
+            cells = [f"{mean(r['tokens_per_step'] for r in runs if r['set'] == s):.3f}"
                      if any(r["set"] == s for r in runs) else "" for s in sets]
             draws = sorted({r.get("draw", 0) for r in runs})
-            each = " / ".join(f"{_mean(r['tokens_per_step'] for r in runs if r.get('draw', 0) == d):.3f}"
+            each = " / ".join(f"{mean(r['tokens_per_step'] for r in runs if r.get('draw', 0) == d):.3f}"
                               for d in draws) if len(draws) > 1 else ""
-            lines.append(f"| {text} | {v} | " + " | ".join(cells) + f" | {mean:.3f} | {each} | "
+            lines.append(f"| {text} | {v} | " + " | ".join(cells) + f" | {average:.3f} | {each} | "
                          + (f"{sum(same)}/{total}" if same else "") + " | "
-                         + " | ".join(f"{mean * costs(B) / costs(B * (1 + v)):.2f}x" for B in sizes) + " |")
+                         + " | ".join(f"{average * costs(B) / costs(B * (1 + v)):.2f}x" for B in sizes) + " |")
     lines += ["", f"The size `device_tree_size`'s rule takes on these averages (plain steps, 0, unless a tree beats "
               f"them by {BATCH_MARGIN:.2f}x):", "", "| decoding | " + " | ".join(f"{B} rows" for B in sizes) + " |",
               "|---|" + "---:|" * len(sizes)]
