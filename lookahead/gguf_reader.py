@@ -14,6 +14,7 @@ then the tensor data from the first multiple of ``general.alignment`` (default 3
 from __future__ import annotations
 
 import dataclasses
+import math
 import mmap
 import struct
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .model import ModelConfig
+from .model import ModelConfig, RopeScaling, rope_inv_freq
 
 _MAGIC = b"GGUF"
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -184,7 +185,8 @@ def _reverse_rotary_permutation(w: np.ndarray, heads: int) -> np.ndarray:
 
 def model_config(gguf: GGUFFile) -> ModelConfig:
     """Our :class:`ModelConfig` from a GGUF's metadata. ``ValueError`` for an architecture other than
-    ``llama`` (which covers Llama 2/3 and Mistral files) or ``qwen2``, for rope scaling, or missing keys."""
+    ``llama`` (which covers Llama 2/3 and Mistral files) or ``qwen2``, for rope scaling other than linear or Llama 3's
+    (:func:`llama3_scaling`), or missing keys."""
     meta, names = gguf.metadata, gguf.tensors
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -198,11 +200,11 @@ def model_config(gguf: GGUFFile) -> ModelConfig:
         return value
 
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    if "rope_freqs.weight" in names and scaling == "none":
-        scaling = "rope_freqs"  # Llama 3.1's per-frequency factors, stored as a tensor
-    if scaling != "none":
-        raise ValueError(f"{gguf.path.name}: rope scaling in a GGUF ({scaling}) is unsupported; load the model's "
-                         f"Hugging Face directory instead")
+    if scaling not in ("none", "linear"):
+        raise ValueError(f"{gguf.path.name}: rope scaling in a GGUF ({scaling}) is unsupported (supported: linear, "
+                         f"and Llama 3's per-frequency factors); load the model's Hugging Face directory instead")
+    if scaling == "linear" and "rope_freqs.weight" in names:
+        raise ValueError(f"{gguf.path.name}: a GGUF with both linear rope scaling and rope_freqs is unsupported")
     heads = int(key("attention.head_count"))
     hidden = int(key("embedding_length"))
     head_dim = meta.get(f"{arch}.attention.key_length")
@@ -222,14 +224,58 @@ def model_config(gguf: GGUFFile) -> ModelConfig:
     else:  # Llama's attention_bias puts a bias on q, k, v and o alike
         attention_bias = output_bias = has(".attn_q.bias")
         mlp_bias = has(".ffn_up.bias")
-    return ModelConfig(
+    config = ModelConfig(
         vocab_size=int(vocab), hidden_size=hidden, intermediate_size=int(key("feed_forward_length")),
         num_layers=int(key("block_count")), num_heads=heads, num_kv_heads=int(key("attention.head_count_kv", heads)),
         head_dim=int(head_dim or hidden // heads), rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
         rope_theta=float(key("rope.freq_base", 10000.0)), max_position_embeddings=int(key("context_length")),
         tie_word_embeddings="output.weight" not in names, attention_bias=attention_bias, output_bias=output_bias,
         mlp_bias=mlp_bias, bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=() if eos is None else (int(eos),), pad_token_id=meta.get("tokenizer.ggml.padding_token_id"))
+        eos_token_id=() if eos is None else (int(eos),), pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+        rope_scaling=RopeScaling("linear", float(key("rope.scaling.factor"))) if scaling == "linear" else None)
+    if "rope_freqs.weight" in names:
+        factors = gguf.array(names["rope_freqs.weight"]).astype(np.float64).reshape(-1)
+        config = dataclasses.replace(config, rope_scaling=llama3_scaling(factors, config, gguf.path.name))
+    return config
+
+
+def llama3_scaling(factors: np.ndarray, config: ModelConfig, name: str) -> RopeScaling | None:
+    """The Llama 3 rope scaling whose per-frequency factors a GGUF stores as ``rope_freqs.weight``.
+
+    llama.cpp keeps Llama 3.1-3.3's scaling as one factor a frequency (each inverse frequency divided by it) and
+    drops the four numbers it came from; transformers' GGUF loader ignores the tensor. The numbers come back from
+    the factors: the shortest wavelengths keep factor 1, the longest take ``factor``, and between them ``1 /
+    factor_i`` blends linearly in ``1 / wavelength``, a line whose slope and intercept give the band's edges
+    (``original_max_position_embeddings / high_freq_factor`` and ``/ low_freq_factor``). Only those edges act,
+    so ``low_freq_factor`` is taken as 1 (every Llama 3's). ``ValueError`` where the factors are not such a curve
+    (checked by recomputing them), or where fewer than two lie between the bands (the edges not determined).
+
+    Args:
+        factors: float64 ``[head_dim // 2]``, lowest wavelength first, as the GGUF stores them.
+        config: the model's config without scaling (``rope_theta``, ``head_dim``).
+        name: the file's name, for the messages."""
+    if factors.shape != (config.head_dim // 2,) or not np.all(np.isfinite(factors)) or factors.min() < 1 - 1e-6:
+        raise ValueError(f"{name}: rope_freqs.weight must hold head_dim / 2 = {config.head_dim // 2} finite factors "
+                         f"of at least 1, got shape {tuple(factors.shape)}")
+    if factors.max() <= 1 + 1e-6:
+        return None  # every factor 1: no scaling
+    base = rope_inv_freq(config).double().numpy()
+    factor = float(factors.max())
+    between = (factors > 1 + 1e-5) & (factors < factor * (1 - 1e-5))
+    if between.sum() < 2:
+        raise ValueError(f"{name}: rope_freqs.weight has {int(between.sum())} factors between 1 and {factor:g}; "
+                         f"Llama 3's scaling needs two to be read back")
+    smooth = (1 / factors[between] - 1 / factor) / (1 - 1 / factor)  # 1 at the short edge, 0 at the long one
+    slope, intercept = np.polyfit(base[between] / (2 * math.pi), smooth, 1)
+    # smooth = (L / wavelength - low) / (high - low) with low = 1: intercept = -1 / (high - 1), slope = L / (high - 1)
+    high, original = 1 - 1 / intercept, -slope / intercept
+    for candidate in ((round(high, 4), round(original)), (high, original)):
+        scaling = RopeScaling("llama3", factor, 1.0, float(candidate[0]), int(round(candidate[1])))
+        scaled = rope_inv_freq(dataclasses.replace(config, rope_scaling=scaling)).double().numpy()
+        if np.max(np.abs(scaled * factors / base - 1)) < 1e-5:
+            return scaling
+    raise ValueError(f"{name}: rope_freqs.weight is not Llama 3's rope scaling (factor {factor:g}); other "
+                     f"per-frequency factors are unsupported")
 
 
 def hf_name(name: str) -> str:
@@ -248,7 +294,8 @@ def hf_name(name: str) -> str:
 def hf_tensors(gguf: GGUFFile, config: ModelConfig) -> tuple[list[str], Callable[[str], torch.Tensor]]:
     """``(names, get)``: every tensor's Hugging Face name, and a function that dequantises one (float32, CPU),
     with llama's q/k rotary permutation undone, as :func:`lookahead.loading.convert_hf_state_dict` takes them."""
-    by_hf = {hf_name(n): info for n, info in gguf.tensors.items()}
+    # rope_freqs.weight is the config's rope scaling (model_config), not a parameter.
+    by_hf = {hf_name(n): info for n, info in gguf.tensors.items() if n != "rope_freqs.weight"}
     permute = gguf.metadata.get("general.architecture") == "llama"
 
     def get(name: str) -> torch.Tensor:

@@ -15,10 +15,11 @@ VOCAB = 64
 
 
 def write_tiny_gguf(path, seed=0, hidden=32, inter=64, layers=2, heads=4, kv=2, arch="llama", head=True,
-                    types=None):
+                    types=None, rope_freqs=None):
     """A float32 GGUF of architecture ``arch`` (``"llama"``, or ``"qwen2"`` with q/k/v biases) with a byte-level BPE
     tokenizer of ``VOCAB`` tokens; ``head=False``: no output projection (tied to the embeddings); ``types``: a
-    ``gguf.GGMLQuantizationType`` per tensor kind (``"attn_q"``, ``"token_embd"``...) stored that way instead."""
+    ``gguf.GGMLQuantizationType`` per tensor kind (``"attn_q"``, ``"token_embd"``...) stored that way instead;
+    ``rope_freqs``: the float32 per-frequency factors stored as ``rope_freqs.weight`` (llama.cpp's Llama 3 scaling)."""
     import gguf
     import numpy as np
 
@@ -71,6 +72,8 @@ def write_tiny_gguf(path, seed=0, hidden=32, inter=64, layers=2, heads=4, kv=2, 
         t(f"blk.{i}.ffn_up.weight", inter, hidden)
         t(f"blk.{i}.ffn_down.weight", hidden, inter)
     t("output_norm.weight", hidden)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, np.float32))
     if head:
         t("output.weight", VOCAB, hidden)
     w.write_header_to_file()
