@@ -15,13 +15,14 @@
 // Op (namespace lookahead_cpu):
 //   decoder_stack(x, cos, sin, k_cache!, v_cache!, cache_len, visible, scale, eps, num_heads, num_kv_heads,
 //                 intermediate_size, attn_norm[], qkv[], qkv_bias?[], o[], o_bias?[], mlp_norm[], gate_up[],
-//                 gate_up_bias?[], down[], down_bias?[]) -> Tensor
+//                 gate_up_bias?[], down[], down_bias?[], q_norm?[], k_norm?[]) -> Tensor
 //     x [B, T, hidden] float32, the first layer's input; cos, sin [B, T, D]; k_cache / v_cache [L, B, S, Hkv, D],
 //     the whole cache (layer i written at rows cache_len[b] .. cache_len[b]+T-1); cache_len int64 [B]; visible
 //     bool [1 or B, T, T]; then one entry per layer (L of each): attn_norm, mlp_norm [hidden]; qkv, o, gate_up,
 //     down packed by lookahead_gemm::pack from weights [(Hq+2Hkv)*D, hidden], [hidden, Hq*D], [2*intermediate,
-//     hidden] (gate rows first, then up) and [hidden, intermediate]; biases float32 [n] or None. Returns the last
-//     layer's output [B, T, hidden].
+//     hidden] (gate rows first, then up) and [hidden, intermediate]; biases float32 [n] or None; q_norm, k_norm
+//     float32 [D] (Qwen3's RMSNorm of each q and k head, before the rotary embedding) or None (no such norm), both
+//     or neither. Returns the last layer's output [B, T, hidden].
 //   rotary_tables(positions, inv_freq) -> (cos, sin)
 //     positions int64 [...], inv_freq float32 [D/2] -> cos, sin float32 [..., D]: each angle float(p) * inv_freq[j]
 //     in float32, its cosine and sine in double rounded to float, the D/2 columns repeated.
@@ -158,7 +159,8 @@ at::Tensor decoder_layer(const at::Tensor& x_in, const at::Tensor& cos_in, const
                          const at::Tensor& qkv, const c10::optional<at::Tensor>& qkv_bias, const at::Tensor& o,
                          const c10::optional<at::Tensor>& o_bias, const at::Tensor& mlp_norm,
                          const at::Tensor& gate_up, const c10::optional<at::Tensor>& gate_up_bias,
-                         const at::Tensor& down, const c10::optional<at::Tensor>& down_bias) {
+                         const at::Tensor& down, const c10::optional<at::Tensor>& down_bias,
+                         const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm) {
   TORCH_CHECK_VALUE(x_in.dim() == 3 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
                     "lookahead_cpu.decoder_stack: x must be a float32 CPU tensor [B, T, hidden], got ",
                     x_in.scalar_type(), " ", x_in.sizes());
@@ -189,6 +191,16 @@ at::Tensor decoder_layer(const at::Tensor& x_in, const at::Tensor& cos_in, const
                     "lookahead_cpu.decoder_stack: cache_len must be int64 [B=", B, "], got ", cache_len.sizes());
   check_vector(attn_norm, hidden, "attn_norm");
   check_vector(mlp_norm, hidden, "mlp_norm");
+  const bool qk_norm = q_norm.has_value() && q_norm->defined();
+  TORCH_CHECK_VALUE(qk_norm == (k_norm.has_value() && k_norm->defined()),
+                    "lookahead_cpu.decoder_stack: q_norm and k_norm must both be given or both be None");
+  at::Tensor qn, kn;  // contiguous: a strided weight view would be read wrong
+  if (qk_norm) {
+    check_vector(*q_norm, D, "q_norm");
+    check_vector(*k_norm, D, "k_norm");
+    qn = q_norm->contiguous();
+    kn = k_norm->contiguous();
+  }
   const at::Tensor lens = cache_len.contiguous();
   const int64_t* lp = lens.data_ptr<int64_t>();
   const int64_t S = k_cache.size(1);
@@ -200,12 +212,22 @@ at::Tensor decoder_layer(const at::Tensor& x_in, const at::Tensor& cos_in, const
   const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
   const int64_t width = (Hq + 2 * Hkv) * D;
 
-  // Attention block: norm, q/k/v, rotary on q and k, the cache write, attention, o, residual.
+  // Attention block: norm, q/k/v, (each q and k head's norm,) rotary on q and k, the cache write, attention, o,
+  // residual.
   const at::Tensor h = rms_norm(x, attn_norm, eps);
   at::Tensor q_k_v = small_gemm::linear(h, qkv, width, qkv_bias);  // [M, width]
   float* qkvp = q_k_v.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  const float* qnp = qk_norm ? qn.data_ptr<float>() : nullptr;
+  const float* knp = qk_norm ? kn.data_ptr<float>() : nullptr;
+  const float head_eps = static_cast<float>(eps);
   at::parallel_for(0, M, grain((Hq + Hkv) * D), [&](int64_t r0, int64_t r1) {
+    if (qk_norm)
+      for (int64_t r = r0; r < r1; ++r) {  // a row's heads are rows of D floats: q heads, then k heads
+        float* row = qkvp + r * width;
+        rms_norm_rows(row, qnp, row, 0, Hq, D, head_eps);
+        rms_norm_rows(row + Hq * D, knp, row + Hq * D, 0, Hkv, D, head_eps);
+      }
     rotary_rows(qkvp, cp, sp, r0, r1, Hq + Hkv, width, D);
   });
   float *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
@@ -260,7 +282,9 @@ at::Tensor decoder_stack(const at::Tensor& x, const at::Tensor& cos, const at::T
                          const c10::List<c10::optional<at::Tensor>>& qkv_bias, at::TensorList o,
                          const c10::List<c10::optional<at::Tensor>>& o_bias, at::TensorList mlp_norm,
                          at::TensorList gate_up, const c10::List<c10::optional<at::Tensor>>& gate_up_bias,
-                         at::TensorList down, const c10::List<c10::optional<at::Tensor>>& down_bias) {
+                         at::TensorList down, const c10::List<c10::optional<at::Tensor>>& down_bias,
+                         const c10::List<c10::optional<at::Tensor>>& q_norm,
+                         const c10::List<c10::optional<at::Tensor>>& k_norm) {
   const int64_t L = static_cast<int64_t>(attn_norm.size());
   TORCH_CHECK_VALUE(k_all.dim() == 5 && L == k_all.size(0),
                     "lookahead_cpu.decoder_stack: one attn_norm per layer of the cache [L, B, S, Hkv, D], got ", L,
@@ -269,7 +293,8 @@ at::Tensor decoder_stack(const at::Tensor& x, const at::Tensor& cos, const at::T
                            static_cast<int64_t>(o.size()), static_cast<int64_t>(o_bias.size()),
                            static_cast<int64_t>(mlp_norm.size()), static_cast<int64_t>(gate_up.size()),
                            static_cast<int64_t>(gate_up_bias.size()), static_cast<int64_t>(down.size()),
-                           static_cast<int64_t>(down_bias.size())};
+                           static_cast<int64_t>(down_bias.size()), static_cast<int64_t>(q_norm.size()),
+                           static_cast<int64_t>(k_norm.size())};
   for (int64_t n : sizes)
     TORCH_CHECK_VALUE(n == L, "lookahead_cpu.decoder_stack: every per-layer list must hold ", L,
                       " entries (one per layer), got one of ", n);
@@ -277,7 +302,7 @@ at::Tensor decoder_stack(const at::Tensor& x, const at::Tensor& cos, const at::T
   for (int64_t i = 0; i < L; ++i)
     h = decoder_layer(h, cos, sin, k_all, v_all, i, cache_len, visible, scale, eps, num_heads, num_kv_heads,
                       intermediate_size, attn_norm[i], qkv[i], qkv_bias.get(i), o[i], o_bias.get(i), mlp_norm[i],
-                      gate_up[i], gate_up_bias.get(i), down[i], down_bias.get(i));
+                      gate_up[i], gate_up_bias.get(i), down[i], down_bias.get(i), q_norm.get(i), k_norm.get(i));
   return h;
 }
 
@@ -322,6 +347,8 @@ at::Tensor forward_step(const at::Tensor& input_ids, const at::Tensor& positions
                         const c10::List<c10::optional<at::Tensor>>& o_bias, at::TensorList mlp_norm,
                         at::TensorList gate_up, const c10::List<c10::optional<at::Tensor>>& gate_up_bias,
                         at::TensorList down, const c10::List<c10::optional<at::Tensor>>& down_bias,
+                        const c10::List<c10::optional<at::Tensor>>& q_norm,
+                        const c10::List<c10::optional<at::Tensor>>& k_norm,
                         const at::Tensor& final_norm, double final_eps, const at::Tensor& head,
                         const c10::optional<at::Tensor>& logits_rows) {
   TORCH_CHECK_VALUE(input_ids.dim() == 2 && input_ids.device().is_cpu() &&
@@ -373,7 +400,7 @@ at::Tensor forward_step(const at::Tensor& input_ids, const at::Tensor& positions
   const auto [cos, sin] = rotary_tables(pos, inv_freq);
   const at::Tensor h = decoder_stack(x, cos, sin, k_all, v_all, cache_len, visible, scale, eps, num_heads,
                                      num_kv_heads, intermediate_size, attn_norm, qkv, qkv_bias, o, o_bias, mlp_norm,
-                                     gate_up, gate_up_bias, down, down_bias);
+                                     gate_up, gate_up_bias, down, down_bias, q_norm, k_norm);
   // The final norm of the rows wanted, then the vocabulary projection.
   at::Tensor picked = at::empty({B * R, hidden}, embed.options());
   const float* hp = h.data_ptr<float>();
@@ -393,11 +420,13 @@ TORCH_LIBRARY_FRAGMENT(lookahead_cpu, m) {
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_len, Tensor visible, float scale, float eps, "
         "int num_heads, int num_kv_heads, int intermediate_size, Tensor[] attn_norm, Tensor[] qkv, Tensor?[] qkv_bias, "
         "Tensor[] o, Tensor?[] o_bias, Tensor[] mlp_norm, Tensor[] gate_up, Tensor?[] gate_up_bias, Tensor[] down, "
-        "Tensor?[] down_bias, Tensor final_norm, float final_eps, Tensor head, Tensor? logits_rows) -> Tensor");
+        "Tensor?[] down_bias, Tensor?[] q_norm, Tensor?[] k_norm, Tensor final_norm, float final_eps, Tensor head, "
+        "Tensor? logits_rows) -> Tensor");
   m.def("decoder_stack(Tensor x, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_len, "
         "Tensor visible, float scale, float eps, int num_heads, int num_kv_heads, int intermediate_size, "
         "Tensor[] attn_norm, Tensor[] qkv, Tensor?[] qkv_bias, Tensor[] o, Tensor?[] o_bias, Tensor[] mlp_norm, "
-        "Tensor[] gate_up, Tensor?[] gate_up_bias, Tensor[] down, Tensor?[] down_bias) -> Tensor");
+        "Tensor[] gate_up, Tensor?[] gate_up_bias, Tensor[] down, Tensor?[] down_bias, Tensor?[] q_norm, "
+        "Tensor?[] k_norm) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lookahead_cpu, CPU, m) {

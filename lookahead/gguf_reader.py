@@ -1,4 +1,5 @@
-"""A GGUF file read directly: its metadata, its tensors dequantised, and the Llama / Qwen2 model they describe.
+"""A GGUF file read directly: its metadata, its tensors dequantised, and the Llama / Qwen2 / Qwen3 model they
+describe.
 
 transformers' GGUF loader took ~26 s for SmolLM2-135M on this project's 2-core CPU, nearly all of it outside
 the dequantisation: parsing every metadata field (the tokenizer's 100k strings) into numpy views, twice, and
@@ -30,7 +31,7 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8",
           12: "<f8"}
 _STRING, _ARRAY = 8, 9
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 # Per-layer tensor names in llama.cpp's convention and the Hugging Face names they stand for.
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
@@ -39,6 +40,8 @@ _LAYER_TENSORS = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3's per-head norms of q and k
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -185,8 +188,8 @@ def _reverse_rotary_permutation(w: np.ndarray, heads: int) -> np.ndarray:
 
 def model_config(gguf: GGUFFile) -> ModelConfig:
     """Our :class:`ModelConfig` from a GGUF's metadata. ``ValueError`` for an architecture other than
-    ``llama`` (which covers Llama 2/3 and Mistral files) or ``qwen2``, for rope scaling other than linear or Llama 3's
-    (:func:`llama3_scaling`), or missing keys."""
+    ``llama`` (which covers Llama 2/3 and Mistral files), ``qwen2`` or ``qwen3``, for rope scaling other than
+    linear or Llama 3's (:func:`llama3_scaling`), or missing keys."""
     meta, names = gguf.metadata, gguf.tensors
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -221,7 +224,7 @@ def model_config(gguf: GGUFFile) -> ModelConfig:
     eos = meta.get("tokenizer.ggml.eos_token_id")
     if arch == "qwen2":
         attention_bias, output_bias, mlp_bias = True, False, False
-    else:  # Llama's attention_bias puts a bias on q, k, v and o alike
+    else:  # Llama's (and Qwen3's) attention_bias puts a bias on q, k, v and o alike
         attention_bias = output_bias = has(".attn_q.bias")
         mlp_bias = has(".ffn_up.bias")
     config = ModelConfig(
@@ -230,7 +233,7 @@ def model_config(gguf: GGUFFile) -> ModelConfig:
         head_dim=int(head_dim or hidden // heads), rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
         rope_theta=float(key("rope.freq_base", 10000.0)), max_position_embeddings=int(key("context_length")),
         tie_word_embeddings="output.weight" not in names, attention_bias=attention_bias, output_bias=output_bias,
-        mlp_bias=mlp_bias, bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        mlp_bias=mlp_bias, qk_norm=arch == "qwen3", bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=() if eos is None else (int(eos),), pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
         rope_scaling=RopeScaling("linear", float(key("rope.scaling.factor"))) if scaling == "linear" else None)
     if "rope_freqs.weight" in names:
@@ -288,7 +291,7 @@ def hf_name(name: str) -> str:
         parts = stem.split(".")
         if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
             return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{kind}"
-    raise ValueError(f"GGUF tensor {name!r} is not part of a Llama / Qwen2 decoder")
+    raise ValueError(f"GGUF tensor {name!r} is not part of a Llama / Qwen2 / Qwen3 decoder")
 
 
 def hf_tensors(gguf: GGUFFile, config: ModelConfig) -> tuple[list[str], Callable[[str], torch.Tensor]]:

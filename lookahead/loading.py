@@ -1,6 +1,7 @@
 """Build a :class:`~lookahead.model.LlamaForCausalLM` from a transformers model, a Hugging Face directory or a GGUF.
 
-* :func:`from_hf` copies a loaded transformers ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM``.
+* :func:`from_hf` copies a loaded transformers ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM`` /
+  ``Qwen3ForCausalLM``.
 * :func:`from_pretrained` reads a directory (``config.json`` plus one or more ``*.safetensors``, sharded or not)
   with ``safetensors`` directly, or a GGUF file (read and dequantised by :mod:`lookahead.gguf_reader`).
 * :func:`load_tokenizer` loads the tokenizer of a directory or a GGUF file.
@@ -60,6 +61,8 @@ _LAYER_RENAMES = {
     "self_attn.o_proj.bias": "attn.o_proj.bias",
     "mlp.down_proj.weight": "mlp.down_proj.weight",
     "mlp.down_proj.bias": "mlp.down_proj.bias",
+    "self_attn.q_norm.weight": "attn.q_norm.weight",  # with qk_norm (Qwen3)
+    "self_attn.k_norm.weight": "attn.k_norm.weight",
 }
 # Our fused parameters and the HF parameters they concatenate (along the output dimension, in this order).
 _LAYER_FUSED = {
@@ -114,6 +117,8 @@ def convert_hf_state_dict(config: ModelConfig, get: Callable[[str], torch.Tensor
                 wanted = config.output_bias if "o_proj" in hf_name else config.mlp_bias
                 if not wanted:
                     continue
+            if "_norm." in hf_name and hf_name.startswith("self_attn.") and not config.qk_norm:
+                continue
             ours[pre + our_name] = take(pre + hf_name)
         for our_name, parts in _LAYER_FUSED.items():
             ours[pre + our_name + ".weight"] = torch.cat([take(f"{pre}{p}.weight") for p in parts], dim=0)
@@ -124,7 +129,7 @@ def convert_hf_state_dict(config: ModelConfig, get: Callable[[str], torch.Tensor
     if unexpected:
         raise ValueError(f"checkpoint has {len(unexpected)} parameters this model does not use, e.g. "
                          f"{unexpected[:5]}; the architecture or config does not match (supported: Llama, "
-                         f"Mistral, Qwen2 decoders)")
+                         f"Mistral, Qwen2 and Qwen3 decoders)")
     return ours
 
 
@@ -161,7 +166,7 @@ def _build(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dty
 # From a loaded transformers model
 # ---------------------------------------------------------------------------------------------------------------
 def from_hf(hf_model) -> LlamaForCausalLM:
-    """Copy a transformers ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM``.
+    """Copy a transformers ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM``.
 
     The copy has the source's dtype and device and shares no storage with it.
     """

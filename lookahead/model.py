@@ -6,8 +6,8 @@ writes the step's keys/values into the cache at rows ``cache_len .. cache_len+T-
 committed prefix plus the step's own tokens under the layout's visibility rule. Nothing is hidden in module
 state: the cache is an object the caller owns and passes in.
 
-Supported checkpoints: Llama (incl. Llama-3 rope scaling), Mistral without sliding windows, Qwen2 without
-sliding windows. Loading lives in :mod:`lookahead.loading`.
+Supported checkpoints: Llama (incl. Llama-3 rope scaling), Mistral without sliding windows, Qwen2 and Qwen3
+without sliding windows. Loading lives in :mod:`lookahead.loading`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from . import cpu_linear
 from .cpu_linear import CpuLinear, PackedWeight
 from .scoring import score
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
 
@@ -53,7 +53,8 @@ class ModelConfig:
     """Shape and numerics of a Llama-family decoder.
 
     ``attention_bias`` puts a bias on the q, k, v projections; ``output_bias`` on the o projection (Llama's
-    ``attention_bias=True`` sets both; Qwen2 has q/k/v bias and no o bias).
+    ``attention_bias=True`` sets both; Qwen2 has q/k/v bias and no o bias). ``qk_norm`` normalises each head of q
+    and k (RMSNorm over ``head_dim``, a weight each for q and k) before the rotary embedding, as Qwen3 does.
     """
 
     vocab_size: int
@@ -71,6 +72,7 @@ class ModelConfig:
     attention_bias: bool = False
     output_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     pad_token_id: int | None = None
@@ -123,7 +125,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf_config) -> "ModelConfig":
-        """Translate a transformers ``LlamaConfig`` / ``MistralConfig`` / ``Qwen2Config``.
+        """Translate a transformers ``LlamaConfig`` / ``MistralConfig`` / ``Qwen2Config`` / ``Qwen3Config``.
 
         Raises ``ValueError`` for other model types, sliding-window attention, unsupported rope types or
         activations.
@@ -145,6 +147,9 @@ class ModelConfig:
             attention_bias, output_bias, mlp_bias = True, False, False
         elif model_type == "mistral":
             attention_bias = output_bias = mlp_bias = False
+        elif model_type == "qwen3":  # its attention_bias, as Llama's, is on q, k, v and o; no MLP bias
+            attention_bias = output_bias = bool(getattr(hf_config, "attention_bias", False))
+            mlp_bias = False
         else:
             attention_bias = output_bias = bool(getattr(hf_config, "attention_bias", False))
             mlp_bias = bool(getattr(hf_config, "mlp_bias", False))
@@ -167,6 +172,7 @@ class ModelConfig:
             attention_bias=attention_bias,
             output_bias=output_bias,
             mlp_bias=mlp_bias,
+            qk_norm=model_type == "qwen3",
             bos_token_id=getattr(hf_config, "bos_token_id", None),
             eos_token_id=eos,
             pad_token_id=pad if isinstance(pad, int) and not isinstance(pad, bool) else None,
@@ -175,7 +181,7 @@ class ModelConfig:
 
 def _check_no_sliding_window(hf_config, model_type: str, max_pos: int) -> None:
     window = getattr(hf_config, "sliding_window", None)
-    if model_type == "qwen2":
+    if model_type in ("qwen2", "qwen3"):
         uses = getattr(hf_config, "use_sliding_window", False) and "sliding_attention" in (
             getattr(hf_config, "layer_types", None) or ["sliding_attention"])
     else:
@@ -183,7 +189,7 @@ def _check_no_sliding_window(hf_config, model_type: str, max_pos: int) -> None:
     if uses and window is not None and window < max_pos:
         raise ValueError(f"sliding-window attention is unsupported ({model_type} sliding_window={window} < "
                          f"max_position_embeddings={max_pos}); set sliding_window=None (or use_sliding_window="
-                         f"False for qwen2) if the model does not need it")
+                         f"False for qwen2 and qwen3) if the model does not need it")
 
 
 def _rope_from_hf(hf_config, max_pos: int) -> tuple[float, RopeScaling | None]:
@@ -425,12 +431,18 @@ class Attention(nn.Module):
         self.split_sizes = (q_size, kv_size, kv_size)
         self.qkv_proj = CpuLinear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
         self.o_proj = CpuLinear(q_size, config.hidden_size, bias=config.output_bias)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x, cos, sin, cache: KVCache, layer: int, cache_len, layout: StepLayout,
                 attend: AttentionFn) -> torch.Tensor:
         B, T, _ = x.shape
         Hq, Hkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(B, T, Hq + 2 * Hkv, self.head_dim)
+        if self.q_norm is not None:  # each head of q and k normalised (Qwen3), v as it is
+            q, k, v = qkv.split((Hq, Hkv, Hkv), dim=2)
+            qkv = torch.cat((self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape),
+                             self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape), v), dim=2)
         if qkv.is_cuda:  # one kernel
             q = _layer_ops().rotary_cache_write(qkv, cos, sin, cache.k[layer], cache.v[layer], cache_len, Hq, Hkv)
         else:
@@ -588,6 +600,7 @@ class LlamaForCausalLM(nn.Module):
     Parameter names (ours; :mod:`lookahead.loading` maps Hugging Face names onto them):
     ``embed.weight [V, H]``; ``layers.{i}.attn_norm.weight``; ``layers.{i}.attn.qkv_proj.{weight,bias}``
     (rows: q heads, then k heads, then v heads); ``layers.{i}.attn.o_proj``; ``layers.{i}.mlp_norm.weight``;
+    ``layers.{i}.attn.q_norm.weight`` and ``layers.{i}.attn.k_norm.weight`` (``[head_dim]``, with ``qk_norm``);
     ``layers.{i}.mlp.gate_up_proj`` (rows: gate, then up); ``layers.{i}.mlp.down_proj``; ``norm.weight``;
     ``lm_head.weight [V, H]`` (absent when tied to ``embed``).
     """
@@ -666,7 +679,8 @@ class LlamaForCausalLM(nn.Module):
     # ---- construction helpers (implemented in lookahead.loading) ------------------------------------------------
     @classmethod
     def from_hf(cls, model) -> "LlamaForCausalLM":
-        """Copy a loaded transformers ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM``.
+        """Copy a loaded transformers ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM`` /
+        ``Qwen3ForCausalLM``.
 
         The result has the source's dtype and device.
         """
@@ -944,7 +958,11 @@ class LlamaForCausalLM(nn.Module):
         stack = dict(num_heads=first.attn.num_heads, num_kv_heads=first.attn.num_kv_heads,
                      intermediate_size=first.mlp.intermediate_size, eps=first.attn_norm.eps,
                      attn_norm=[layer._norms[0]._parameters["weight"] for layer, _ in layers],
-                     mlp_norm=[layer._norms[1]._parameters["weight"] for layer, _ in layers])
+                     mlp_norm=[layer._norms[1]._parameters["weight"] for layer, _ in layers],
+                     q_norm=[None if layer.attn.q_norm is None else layer.attn.q_norm._parameters["weight"]
+                             for layer, _ in layers],
+                     k_norm=[None if layer.attn.k_norm is None else layer.attn.k_norm._parameters["weight"]
+                             for layer, _ in layers])
         for i, name in enumerate(names):
             stack[name] = [packed[i] for _, packed in layers]
             stack[name + "_bias"] = [layer._linears[i]._parameters["bias"] for layer, _ in layers]

@@ -1,10 +1,10 @@
 """Our model written as a Hugging Face directory: ``model.save_pretrained(path)``.
 
-The directory holds ``config.json`` (transformers' ``LlamaConfig`` or ``Qwen2Config``) and ``model.safetensors``
-under transformers' parameter names (the fused q/k/v and gate/up projections split back), in the model's dtype.
-transformers' ``AutoModelForCausalLM.from_pretrained`` and our :func:`lookahead.loading.from_pretrained` both load
-it: so a GGUF, once loaded here, can be kept as a directory that every tool reads. The tokenizer is the caller's
-to save (``tokenizer.save_pretrained(path)``).
+The directory holds ``config.json`` (transformers' ``LlamaConfig``, ``Qwen2Config`` or ``Qwen3Config``) and
+``model.safetensors`` under transformers' parameter names (the fused q/k/v and gate/up projections split back), in
+the model's dtype. transformers' ``AutoModelForCausalLM.from_pretrained`` and our
+:func:`lookahead.loading.from_pretrained` both load it: so a GGUF, once loaded here, can be kept as a directory
+that every tool reads. The tokenizer is the caller's to save (``tokenizer.save_pretrained(path)``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,11 @@ WEIGHTS_NAME = "model.safetensors"
 
 def _model_type(config: ModelConfig) -> str:
     """The transformers model type whose config says what ours does (Mistral without a window is Llama)."""
+    if config.qk_norm:
+        if config.attention_bias == config.output_bias and not config.mlp_bias:
+            return "qwen3"  # per-head norms of q and k: only Qwen3's config says that
+        raise ValueError(f"no transformers config describes this model: norms of q and k with attention_bias="
+                         f"{config.attention_bias}, output_bias={config.output_bias}, mlp_bias={config.mlp_bias}")
     if config.attention_bias and not config.output_bias and not config.mlp_bias:
         return "qwen2"  # q/k/v biases without an o bias: only Qwen2's config says that
     if config.attention_bias == config.output_bias:
@@ -42,8 +47,8 @@ def _rope_parameters(config: ModelConfig) -> dict:
 
 
 def hf_config(config: ModelConfig, dtype: torch.dtype = torch.float32):
-    """transformers' config (``LlamaConfig`` or ``Qwen2Config``) of a model with ``config``; ``ValueError`` where
-    none describes it."""
+    """transformers' config (``LlamaConfig``, ``Qwen2Config`` or ``Qwen3Config``) of a model with ``config``;
+    ``ValueError`` where none describes it."""
     import transformers
 
     model_type = _model_type(config)
@@ -58,9 +63,13 @@ def hf_config(config: ModelConfig, dtype: torch.dtype = torch.float32):
     )
     if model_type == "qwen2":
         hf = transformers.Qwen2Config(use_sliding_window=False, sliding_window=None, **fields)
+    elif model_type == "qwen3":
+        hf = transformers.Qwen3Config(attention_bias=config.attention_bias, use_sliding_window=False,
+                                      sliding_window=None, **fields)
     else:
         hf = transformers.LlamaConfig(attention_bias=config.attention_bias, mlp_bias=config.mlp_bias, **fields)
-    hf.architectures = ["Qwen2ForCausalLM" if model_type == "qwen2" else "LlamaForCausalLM"]
+    names = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+    hf.architectures = [names.get(model_type, "LlamaForCausalLM")]
     return hf
 
 

@@ -5,7 +5,7 @@ Each case runs a whole model (two layers) on one step after a committed prefix: 
 random, every cache row the step does not own is NaN past the prefix (a read of one shows up as NaN), and the rows
 the step owns start NaN too, so a row the op fails to write fails the comparison of the caches. Shapes: MHA and
 GQA, head sizes 16 to 128, hidden and intermediate sizes that are not multiples of the vector width, biases on
-q/k/v, o and the MLP, ragged batches, plain, prefill, window and tree steps.
+q/k/v, o and the MLP, Qwen3's norms of each q and k head, ragged batches, plain, prefill, window and tree steps.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ def ops():
         pytest.skip(f"the CPU ops did not build: {cpu_ops_error()}")
 
 
-def random_model(hidden, inter, heads, kv_heads, head_dim, bias, seed=0, layers=2) -> LlamaForCausalLM:
+def random_model(hidden, inter, heads, kv_heads, head_dim, bias, seed=0, layers=2, qk_norm=False) -> LlamaForCausalLM:
     config = ModelConfig(vocab_size=67, hidden_size=hidden, intermediate_size=inter, num_layers=layers,
                          num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, max_position_embeddings=512,
-                         attention_bias=bias, mlp_bias=bias, tie_word_embeddings=not bias)
+                         attention_bias=bias, mlp_bias=bias, tie_word_embeddings=not bias, qk_norm=qk_norm)
     model = LlamaForCausalLM(config)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -84,9 +84,22 @@ CASES = [
 
 @pytest.mark.parametrize("hidden,inter,heads,kv_heads,head_dim,bias,layout,lens", CASES)
 def test_matches_the_float64_reference(hidden, inter, heads, kv_heads, head_dim, bias, layout, lens):
+    check_against_float64(random_model(hidden, inter, heads, kv_heads, head_dim, bias), layout, lens)
+
+
+@pytest.mark.parametrize("hidden,inter,heads,kv_heads,head_dim,bias,layout,lens", [
+    (64, 96, 4, 2, 16, False, "tree", [20, 3]),                # Qwen3's norms of q and k heads, GQA
+    (100, 60, 2, 1, 128, True, StepLayout.prefill(5), [0, 9]),  # D = 128 (Qwen3's), biases on q/k/v and o
+])
+def test_qk_norms_match_the_float64_reference(hidden, inter, heads, kv_heads, head_dim, bias, layout, lens):
+    model = random_model(hidden, inter, heads, kv_heads, head_dim, bias, qk_norm=True)
+    assert model.layers[0].attn.q_norm.weight.shape == (head_dim,)
+    check_against_float64(model, layout, lens)
+
+
+def check_against_float64(model, layout, lens):
     if layout == "tree":
         layout, _ = tree_layout(3, 2, ("bushy", "deep"), 9, batch=len(lens), seed=4)
-    model = random_model(hidden, inter, heads, kv_heads, head_dim, bias)
     B, T = len(lens), layout.T
     cache = poisoned_cache(model, B, lens, T)
     ref, ref_cache = float64_twin(model, cache)
@@ -217,7 +230,7 @@ def _op_args(T=2, cache_len=3, norm=64, layers=2):
     none = [None] * layers
     return (x, cos, sin, cache.k, cache.v, torch.tensor([cache_len]), torch.ones(1, T, T, dtype=torch.bool), 0.25,
             1e-6, 4, 2, 96, norms, [p[0] for p in packed], none, [p[1] for p in packed], none,
-            [torch.ones(64)] * layers, [p[2] for p in packed], none, [p[3] for p in packed], none)
+            [torch.ones(64)] * layers, [p[2] for p in packed], none, [p[3] for p in packed], none, none, none)
 
 
 def test_op_checks_its_arguments():
@@ -233,6 +246,13 @@ def test_op_checks_its_arguments():
     args = list(_op_args())
     args[13] = args[13][:1]  # one qkv weight for two layers
     with pytest.raises(ValueError, match="every per-layer list must hold 2"):
+        op(*args)
+    args = list(_op_args())
+    args[22] = [torch.ones(16)] * 2  # q_norm without k_norm
+    with pytest.raises(ValueError, match="q_norm and k_norm must both be given or both be None"):
+        op(*args)
+    args[23] = [torch.ones(15)] * 2  # head_dim is 16
+    with pytest.raises(ValueError, match=r"k_norm must be a float32 CPU tensor \[16\]"):
         op(*args)
 
 

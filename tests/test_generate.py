@@ -233,6 +233,29 @@ def test_other_shapes_greedy_identical(model_kwargs):
     assert torch.equal(out.sequences, ref)
 
 
+def test_a_qwen3_model_greedy_identical():
+    """Qwen3's norms of each q and k head (random here, not their initial ones): lookahead gives transformers'
+    greedy tokens, in the fused CPU step and in the Python layers."""
+    torch.manual_seed(5)
+    config = transformers.Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=256, initializer_range=0.3, use_sliding_window=False,
+                                      eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    hf = transformers.Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+    ours = LlamaForCausalLM.from_hf(hf)
+    assert ours.config.qk_norm
+    ids = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(8))
+    ref = hf_greedy(hf, ids, 30)
+    for mode in ("packed", "torch"):  # the fused C++ step; the Python layers
+        ours.set_cpu_linear(mode)
+        out = ours.generate(ids, max_new_tokens=30, lookahead=LookaheadConfig(window=6, ngram=4, guess=6))
+        assert torch.equal(out.sequences, ref), mode
+
+
 def test_generation_near_the_last_position(tiny):
     hf, ours = tiny
     ids = torch.randint(0, 97, (1, 200), generator=torch.Generator().manual_seed(5))

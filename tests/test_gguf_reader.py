@@ -45,12 +45,15 @@ def assert_same(a, b):
         assert torch.equal(state_a[name], state_b[name]), name  # bit for bit, not within a tolerance
 
 
-@pytest.mark.parametrize("case", ["llama gqa, own head", "llama, tied head", "llama, one kv head", "qwen2 biases"])
+@pytest.mark.parametrize("case", ["llama gqa, own head", "llama, tied head", "llama, one kv head", "qwen2 biases",
+                                  "qwen3 norms"])
 def test_a_float_gguf_reads_as_transformers_reads_it(tmp_path, case):
     path = tmp_path / "tiny.gguf"
     kwargs = {"llama gqa, own head": {}, "llama, tied head": {"head": False},
               "llama, one kv head": {"heads": 4, "kv": 1, "hidden": 64, "seed": 3},
-              "qwen2 biases": {"arch": "qwen2", "seed": 5}}[case]
+              "qwen2 biases": {"arch": "qwen2", "seed": 5},
+              "qwen3 norms": {"arch": "qwen3", "hidden": 256, "heads": 2, "kv": 1, "seed": 6}}[case]
+    # (Qwen3's head_dim is 128: transformers' GGUF loader takes that, not the file's key_length.)
     write_tiny_gguf(path, **kwargs)
     mine = ours(path)
     assert_same(mine, transformers_view(transformers_load(path)))
@@ -138,7 +141,7 @@ def test_unsupported_models_are_value_errors(tmp_path):
     with pytest.raises(ValueError, match="lacks llama.rope.scaling.factor"):
         model_config(write("linear.gguf", scaling="linear"))
     odd = write("odd.gguf", extra="blk.0.attn_sinks.weight")
-    with pytest.raises(ValueError, match="'blk.0.attn_sinks.weight' is not part of a Llama / Qwen2 decoder"):
+    with pytest.raises(ValueError, match="'blk.0.attn_sinks.weight' is not part of a Llama / Qwen2 / Qwen3 decoder"):
         hf_tensors(odd, model_config(odd))
 
 

@@ -16,7 +16,8 @@ VOCAB = 64
 
 def write_tiny_gguf(path, seed=0, hidden=32, inter=64, layers=2, heads=4, kv=2, arch="llama", head=True,
                     types=None, rope_freqs=None):
-    """A float32 GGUF of architecture ``arch`` (``"llama"``, or ``"qwen2"`` with q/k/v biases) with a byte-level BPE
+    """A float32 GGUF of architecture ``arch`` (``"llama"``, ``"qwen2"`` with q/k/v biases, or ``"qwen3"`` with norms
+    of each q and k head) with a byte-level BPE
     tokenizer of ``VOCAB`` tokens; ``head=False``: no output projection (tied to the embeddings); ``types``: a
     ``gguf.GGMLQuantizationType`` per tensor kind (``"attn_q"``, ``"token_embd"``...) stored that way instead;
     ``rope_freqs``: the float32 per-frequency factors stored as ``rope_freqs.weight`` (llama.cpp's Llama 3 scaling)."""
@@ -47,6 +48,9 @@ def write_tiny_gguf(path, seed=0, hidden=32, inter=64, layers=2, heads=4, kv=2, 
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     hd = hidden // heads
+    if arch == "qwen3":  # as Qwen3's files say it (transformers' loader otherwise takes its config's 128)
+        w.add_key_length(hd)
+        w.add_value_length(hd)
 
     def t(name, *shape):
         values = (rng.standard_normal(shape) * 0.3).astype(np.float32)
@@ -67,6 +71,9 @@ def write_tiny_gguf(path, seed=0, hidden=32, inter=64, layers=2, heads=4, kv=2, 
             t(f"blk.{i}.attn_q.bias", heads * hd)
             t(f"blk.{i}.attn_k.bias", kv * hd)
             t(f"blk.{i}.attn_v.bias", kv * hd)
+        if arch == "qwen3":
+            t(f"blk.{i}.attn_q_norm.weight", hd)
+            t(f"blk.{i}.attn_k_norm.weight", hd)
         t(f"blk.{i}.attn_output.weight", hidden, heads * hd)
         t(f"blk.{i}.ffn_gate.weight", inter, hidden)
         t(f"blk.{i}.ffn_up.weight", inter, hidden)

@@ -51,6 +51,9 @@ HF_CONFIGS = {
     "qwen2-tied": lambda: transformers.Qwen2Config(**_common(use_sliding_window=False, tie_word_embeddings=True,
                                                              num_key_value_heads=1)),
     "mistral": lambda: transformers.MistralConfig(**_common(sliding_window=None)),
+    "qwen3": lambda: transformers.Qwen3Config(**_common(use_sliding_window=False)),
+    "qwen3-bias-tied": lambda: transformers.Qwen3Config(**_common(use_sliding_window=False, attention_bias=True,
+                                                                  tie_word_embeddings=True)),
 }
 
 
@@ -314,7 +317,8 @@ def test_config_from_hf_fields():
 # ---------------------------------------------------------------------------------------------------------------
 # Loading from disk
 # ---------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name,shard", [("qwen2", None), ("llama-bias", "20KB"), ("llama-gqa-tied", "20KB")])
+@pytest.mark.parametrize("name,shard", [("qwen2", None), ("llama-bias", "20KB"), ("llama-gqa-tied", "20KB"),
+                                        ("qwen3", None)])
 def test_from_pretrained_safetensors_directory(tmp_path, name, shard):
     hf = random_hf_model(HF_CONFIGS[name](), seed=7)
     kwargs = {"max_shard_size": shard} if shard else {}
