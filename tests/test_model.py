@@ -494,9 +494,10 @@ def test_a_q4_k_m_gguf_packs_as_integers_matches_transformers_and_decodes_exactl
 # bf16: every activation of the GPU model is rounded to bf16 (the reference holds the same rounded weights in
 # float32): 3.9% on an H100 for these two layers. A wrong visibility rule or cache row moves logits by O(1).
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 6e-2)])
-def test_cuda_lookahead_step_matches_cpu(dtype, tol):
-    hf = random_hf_model(transformers.LlamaConfig(**_common(hidden_size=256, num_attention_heads=4,
-                                                            num_key_value_heads=2, head_dim=64)))
+@pytest.mark.parametrize("family", [transformers.LlamaConfig, transformers.Qwen3Config])  # Qwen3: q and k norms
+def test_cuda_lookahead_step_matches_cpu(dtype, tol, family):
+    hf = random_hf_model(family(**_common(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                          head_dim=64)))
     gpu = LlamaForCausalLM.from_hf(hf.to("cuda", dtype))
     # The reference holds the same (rounded) weights in float32: the comparison measures the step's arithmetic,
     # not bf16's rounding of the weights as well (5.0% with it, 3.9% without, H100).
