@@ -23,7 +23,8 @@ from torch import nn
 
 from lookahead_kernels.cpu_attention import CpuStepAttention
 from lookahead_kernels.cpu_layer import decoder_stack_cpu, forward_step_cpu
-from lookahead_kernels.layer_ops_ref import apply_rotary, rms_norm_reference, silu_mul_reference, write_rows
+from lookahead_kernels.layer_ops_ref import (apply_rotary, head_norms, rms_norm_reference, silu_mul_reference,
+                                             write_rows)
 from lookahead_kernels.layout import StepLayout
 
 from . import cpu_linear
@@ -439,13 +440,13 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         Hq, Hkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(B, T, Hq + 2 * Hkv, self.head_dim)
-        if self.q_norm is not None:  # each head of q and k normalised (Qwen3), v as it is
-            q, k, v = qkv.split((Hq, Hkv, Hkv), dim=2)
-            qkv = torch.cat((self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape),
-                             self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape), v), dim=2)
-        if qkv.is_cuda:  # one kernel
-            q = _layer_ops().rotary_cache_write(qkv, cos, sin, cache.k[layer], cache.v[layer], cache_len, Hq, Hkv)
+        norms = () if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        if qkv.is_cuda:  # one kernel (each q and k head's norm too)
+            q = _layer_ops().rotary_cache_write(qkv, cos, sin, cache.k[layer], cache.v[layer], cache_len, Hq, Hkv,
+                                                *norms)
         else:
+            if norms:  # each head of q and k normalised (Qwen3), v as it is
+                qkv = head_norms(qkv, Hq, Hkv, *norms)
             qk = apply_rotary(qkv[:, :, :Hq + Hkv], cos, sin)  # q and k heads rotated together: one op chain
             q, k = qk.split((Hq, Hkv), dim=2)
             cache.write(layer, cache_len, k, qkv[:, :, Hq + Hkv:])

@@ -3,7 +3,9 @@
 * :func:`rms_norm` and :func:`add_rms_norm` (the residual add and the next RMSNorm): torch's bfloat16 path is seven
   kernels (cast, square, mean, add, rsqrt, multiply, cast and weight);
 * :func:`rotary_cache_write`: the q and k heads rotated and k, v written to the KV cache at each sequence's
-  ``cache_len`` (torch: negate, concatenate, two products, a sum, two indexed writes and their index tensors);
+  ``cache_len`` (torch: negate, concatenate, two products, a sum, two indexed writes and their index tensors),
+  each q and k head RMS-normalised first where the model has such norms (Qwen3: two copies, two norms and a
+  concatenation more in torch);
 * :func:`silu_mul`: SwiGLU's ``silu(gate) * up`` (torch: two).
 
 Why: a decoding step reads each weight once and does little else, so on a GPU its time beyond reading the weights
@@ -52,13 +54,27 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, N, stride_x, stride_r, s
     tl.store(y_ptr + row * stride_y + offs, (w * h).to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _head_norm(v, inv, w, ROUND: tl.constexpr, dtype: tl.constexpr):
+    # weight * (v * inv), each product rounded to the dtype where the reference rounds it (rms_norm_reference)
+    n = v * inv
+    if ROUND:
+        n = n.to(dtype).to(tl.float32)
+    n = w * n
+    if ROUND:
+        n = n.to(dtype).to(tl.float32)
+    return n
+
+
 @triton.jit(do_not_specialize=["start"])
-def _rotary_cache_kernel(x_ptr, cos_ptr, sin_ptr, len_ptr, q_ptr, k_ptr, v_ptr,
+def _rotary_cache_kernel(x_ptr, cos_ptr, sin_ptr, len_ptr, q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr,
                          T, Hq, Hkv, start, stride_xm, stride_xh, stride_cm, stride_qm, stride_qh,
-                         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                         HALF: tl.constexpr, BLOCK_D: tl.constexpr, ROUND: tl.constexpr, PER_ROW: tl.constexpr):
+                         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, eps,
+                         HALF: tl.constexpr, BLOCK_D: tl.constexpr, ROUND: tl.constexpr, PER_ROW: tl.constexpr,
+                         QK_NORM: tl.constexpr):
     # Program (m, h): head h of row m = b * T + t; q heads to q, k heads rotated and v heads as they are to the
-    # caches at row cache_len[b] + t (PER_ROW: read from len_ptr on the device) or start + t.
+    # caches at row cache_len[b] + t (PER_ROW: read from len_ptr on the device) or start + t. QK_NORM: each q and
+    # k head RMS-normalised (weights qn_ptr, kn_ptr [D]) before its rotation.
     m = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     b = m // T
@@ -69,7 +85,19 @@ def _rotary_cache_kernel(x_ptr, cos_ptr, sin_ptr, len_ptr, q_ptr, k_ptr, v_ptr,
     x = tl.load(src + offs, mask=mask, other=0.0)
     if h < Hq + Hkv:
         first = offs < HALF
-        partner = tl.load(src + tl.where(first, offs + HALF, offs - HALF), mask=mask, other=0.0).to(tl.float32)
+        twin = tl.where(first, offs + HALF, offs - HALF)
+        partner = tl.load(src + twin, mask=mask, other=0.0).to(tl.float32)
+        if QK_NORM:
+            xf = x.to(tl.float32)
+            inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / (2 * HALF) + eps)
+            if h < Hq:
+                w = tl.load(qn_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                w_twin = tl.load(qn_ptr + twin, mask=mask, other=0.0).to(tl.float32)
+            else:
+                w = tl.load(kn_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                w_twin = tl.load(kn_ptr + twin, mask=mask, other=0.0).to(tl.float32)
+            x = _head_norm(xf, inv, w, ROUND, x_ptr.dtype.element_ty).to(x_ptr.dtype.element_ty)
+            partner = _head_norm(partner, inv, w_twin, ROUND, x_ptr.dtype.element_ty)
         partner = tl.where(first, -partner, partner)
         c = tl.load(cos_ptr + m * stride_cm + offs, mask=mask, other=0.0).to(tl.float32)
         s = tl.load(sin_ptr + m * stride_cm + offs, mask=mask, other=0.0).to(tl.float32)
@@ -210,7 +238,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 @torch.library.custom_op("lookahead::rotary_cache_write", mutates_args=("k_cache", "v_cache"))
 def _rotary_cache_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, cache_len: torch.Tensor | None, start: int, num_heads: int,
-                     num_kv_heads: int) -> torch.Tensor:
+                     num_kv_heads: int, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+                     eps: float) -> torch.Tensor:
     B, T, H, D = qkv.shape
     q = torch.empty((B, T, num_heads, D), dtype=qkv.dtype, device=qkv.device)
     M = B * T
@@ -219,23 +248,27 @@ def _rotary_cache_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_
         c, s = cos.reshape(M, D), sin.reshape(M, D)
         with on_device(qkv):
             _rotary_cache_kernel[(M, H)](
-                x, c, s, q if cache_len is None else cache_len, q, k_cache, v_cache, T, num_heads, num_kv_heads,
+                x, c, s, q if cache_len is None else cache_len, q, k_cache, v_cache,
+                q if q_norm is None else q_norm, q if k_norm is None else k_norm, T, num_heads, num_kv_heads,
                 start,
                 x.stride(0), x.stride(1), c.stride(0), q.stride(1), q.stride(2),
-                *k_cache.stride()[:3], *v_cache.stride()[:3],
+                *k_cache.stride()[:3], *v_cache.stride()[:3], eps,
                 HALF=D // 2, BLOCK_D=triton.next_power_of_2(D), ROUND=qkv.dtype != torch.float32,
-                PER_ROW=cache_len is not None, num_warps=1 if D <= 128 else 2)
+                PER_ROW=cache_len is not None, QK_NORM=q_norm is not None, num_warps=1 if D <= 128 else 2)
     return q
 
 
 @_rotary_cache_op.register_fake
-def _rotary_cache_fake(qkv, cos, sin, k_cache, v_cache, cache_len, start, num_heads, num_kv_heads):
+def _rotary_cache_fake(qkv, cos, sin, k_cache, v_cache, cache_len, start, num_heads, num_kv_heads, q_norm, k_norm,
+                       eps):
     B, T, _, D = qkv.shape
     return qkv.new_empty((B, T, num_heads, D))
 
 
 def rotary_cache_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, cache_len, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+                       v_cache: torch.Tensor, cache_len, num_heads: int, num_kv_heads: int,
+                       q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                       eps: float = 1e-6) -> torch.Tensor:
     """Rotary embedding of the q and k heads and the KV cache write of one layer, as
     :func:`~lookahead_kernels.layer_ops_ref.rotary_cache_write_reference`.
 
@@ -247,6 +280,8 @@ def rotary_cache_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
         cache_len: an int (every sequence's), or an integer tensor ``[B]`` on ``qkv``'s device (read there: a
             CUDA graph replays it).
         num_heads, num_kv_heads: ``Hq`` and ``Hkv``.
+        q_norm, k_norm: ``[D]`` in ``qkv``'s dtype, both or neither: each q head and each k head is RMS-normalised
+            over ``D`` (epsilon ``eps``) and scaled by these before its rotation (Qwen3); None: no norm.
     Returns:
         the rotated q, ``[B, T, Hq, D]`` contiguous.
     Raises:
@@ -279,8 +314,18 @@ def rotary_cache_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
         desc = (tuple(cache_len.shape), cache_len.dtype, str(cache_len.device)) if isinstance(cache_len, torch.Tensor) \
             else repr(cache_len)
         raise ValueError(f"cache_len must be an int or an integer tensor [{B}] on {qkv.device}, got {desc}")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm must both be given or both be None")
+    if q_norm is not None:
+        for name, t in (("q_norm", q_norm), ("k_norm", k_norm)):
+            if not isinstance(t, torch.Tensor) or t.shape != (D,) or t.dtype != qkv.dtype or t.device != qkv.device:
+                desc = (tuple(t.shape), t.dtype, str(t.device)) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name} must be [{D}] {qkv.dtype} on {qkv.device}, got {desc}")
+        if not eps > 0:
+            raise ValueError(f"eps must be > 0, got {eps!r}")
+        q_norm, k_norm = q_norm.contiguous(), k_norm.contiguous()
     return _rotary_cache_op(qkv, cos.contiguous(), sin.contiguous(), k_cache, v_cache, lens, start, num_heads,
-                            num_kv_heads)
+                            num_kv_heads, q_norm, k_norm, float(eps))
 
 
 _SILU_BLOCK = 1024

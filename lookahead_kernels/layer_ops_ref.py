@@ -52,12 +52,24 @@ def write_rows(cache: torch.Tensor, cache_len, rows: torch.Tensor) -> None:
     cache[torch.arange(B, device=cache.device)[:, None], slots] = rows
 
 
+def head_norms(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, q_norm: torch.Tensor,
+               k_norm: torch.Tensor, eps: float) -> torch.Tensor:
+    """``qkv [B, T, Hq + 2 Hkv, D]`` with each q head and each k head RMS-normalised over ``D`` and scaled by
+    ``q_norm`` / ``k_norm [D]`` (Qwen3's norms, before the rotary embedding); v as it is."""
+    q, k, v = qkv.split((num_heads, num_kv_heads, num_kv_heads), dim=2)
+    return torch.cat((rms_norm_reference(q, q_norm, eps), rms_norm_reference(k, k_norm, eps), v), dim=2)
+
+
 def rotary_cache_write_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                                 v_cache: torch.Tensor, cache_len, num_heads: int,
-                                 num_kv_heads: int) -> torch.Tensor:
-    """Rotate the q and k heads of ``qkv [B, T, Hq + 2 Hkv, D]`` (q heads, then k, then v), write k and v to the
-    layer's caches ``[B, S, Hkv, D]`` at rows ``cache_len[b] ..``; returns the rotated q ``[B, T, Hq, D]``."""
+                                 v_cache: torch.Tensor, cache_len, num_heads: int, num_kv_heads: int,
+                                 q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                                 eps: float = 1e-6) -> torch.Tensor:
+    """Rotate the q and k heads of ``qkv [B, T, Hq + 2 Hkv, D]`` (q heads, then k, then v; each q and k head first
+    normalised by :func:`head_norms` where ``q_norm`` and ``k_norm`` are given), write k and v to the layer's
+    caches ``[B, S, Hkv, D]`` at rows ``cache_len[b] ..``; returns the rotated q ``[B, T, Hq, D]``."""
     Hq, Hkv = num_heads, num_kv_heads
+    if q_norm is not None:
+        qkv = head_norms(qkv, Hq, Hkv, q_norm, k_norm, eps)
     qk = apply_rotary(qkv[:, :, :Hq + Hkv], cos, sin)  # q and k heads rotated together: one op chain
     q, k = qk.split((Hq, Hkv), dim=2)
     write_rows(k_cache, cache_len, k)
