@@ -6,10 +6,10 @@
 """
 
 from .config import LookaheadConfig
-from .generate import GenerateOutput, GenerationStats, StepTrace
 from .loading import load_default, load_tokenizer
 from .memory import DraftMemory
 from .model import KVCache, LlamaForCausalLM, ModelConfig
+from .outputs import GenerateOutput, GenerationStats, StepTrace
 from .prompt_cache import PromptCache
 from .scoring import CausalLMOutput
 

@@ -27,7 +27,7 @@
 * ``stop_strings`` (with ``tokenizer=``), ``stopping_criteria`` and ``max_time`` end a row as transformers ends it
   (:mod:`lookahead.stopping`).
 * The output is the ``sequences`` tensor with ``stats`` (and ``scores``, ``logits``) as attributes
-  (:class:`lookahead.generate.GenerateOutput`); with ``return_dict_in_generate=True`` its integer index reads it as
+  (:class:`lookahead.outputs.GenerateOutput`); with ``return_dict_in_generate=True`` its integer index reads it as
   transformers' output object (``out[0]``: ``sequences``).
 * ``output_scores`` and ``output_logits`` return, for each new token, the row it was chosen from (processed and
   warped as transformers reports it, log-softmaxed with ``renormalize_logits``, or raw), whether the token came from
@@ -103,7 +103,7 @@ class GenerateArguments:
             range-checked).
         remove_invalid_values, renormalize_logits: bools.
         return_dict_in_generate: bool: whether the output's integer index reads it as transformers' output object
-            (``out[0]``: ``sequences``) rather than as the tokens (:class:`lookahead.generate.GenerateOutput`).
+            (``out[0]``: ``sequences``) rather than as the tokens (:class:`lookahead.outputs.GenerateOutput`).
         decay: ``exponential_decay_length_penalty`` as ``(int start, float factor)``, or ``None``.
         top_h: in ``(0, 1]``, or ``None`` (off).
         padded_length: the prompt's length as transformers counts it (a batch's longest, padding included).

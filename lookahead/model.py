@@ -994,7 +994,7 @@ class LlamaForCausalLM(nn.Module):
     def generate(self, input_ids=None, max_new_tokens: int | None = None, **kwargs):
         """Decode with lookahead decoding (automatic step size unless ``lookahead=`` says otherwise; ``None``:
         plain decoding); see :func:`lookahead.generate.generate`. Returns a
-        :class:`~lookahead.generate.GenerateOutput`: the token ids ``[B, L + new]`` as transformers returns them,
+        :class:`~lookahead.outputs.GenerateOutput`: the token ids ``[B, L + new]`` as transformers returns them,
         with ``.stats`` (and ``.scores``/``.logits`` when asked)."""
         from .generate import generate
         return generate(self, input_ids, max_new_tokens=max_new_tokens, **kwargs)
