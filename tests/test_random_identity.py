@@ -2,7 +2,8 @@
 lookahead gives each row exactly the plain greedy output.
 
 Each case draws a tiny Llama (heads, key-value heads, layers, vocabulary, tied or biased weights, weights scaled
-up so that greedy text falls into loops lookahead can guess), a batch of prompts (one token, repeated patterns,
+up so that greedy text falls into loops lookahead can guess; a few cases a tiny Qwen3, whose q and k heads are
+normalised), a batch of prompts (one token, repeated patterns,
 noise), an EOS that some row emits, a lookahead configuration (fixed window, a token budget, a cost table, each
 with a random subset of sources and pool options) and a loop (eager or static steps, the C++ or Python draft
 builder, continuous batching), then compares. The second group adds one of transformers' conventions a case:
@@ -30,20 +31,29 @@ from lookahead.prompt_cache import PromptCache
 CPU_LIKE = ((1, 0.010), (4, 0.0101), (16, 0.0105), (64, 0.042))
 
 
-def random_model(r: random.Random) -> tuple[LlamaForCausalLM, int]:
+def random_model(r: random.Random, family: str = "llama") -> tuple[LlamaForCausalLM, int]:
+    """A tiny Llama, or with ``family="qwen3"`` a tiny Qwen3 (head size 16 or 32 of its own, random norms of each q
+    and k head)."""
     heads = r.choice([1, 2, 4])
     kv_heads = r.choice([h for h in (1, 2, 4) if heads % h == 0])
-    cfg = transformers.LlamaConfig(
+    fields = dict(
         vocab_size=r.choice([23, 61, 97, 131]), hidden_size=heads * r.choice([8, 16]),
         intermediate_size=r.choice([16, 48, 64]), num_hidden_layers=r.randint(1, 3), num_attention_heads=heads,
         num_key_value_heads=kv_heads, max_position_embeddings=256, tie_word_embeddings=r.random() < 0.5,
         attention_bias=r.random() < 0.2, rms_norm_eps=1e-5, rope_theta=r.choice([1e4, 5e5]))
+    if family == "qwen3":
+        cfg = transformers.Qwen3Config(head_dim=r.choice([16, 32]), use_sliding_window=False, **fields)
+    else:
+        cfg = transformers.LlamaConfig(**fields)
     torch.manual_seed(r.randint(0, 10 ** 6))
-    hf = transformers.LlamaForCausalLM(cfg).eval()
+    hf = (transformers.Qwen3ForCausalLM if family == "qwen3" else transformers.LlamaForCausalLM)(cfg).eval()
     with torch.no_grad():  # sharper logits: greedy text that repeats itself, so guesses come true
         scale = r.choice([1.0, 2.0, 3.0])
-        for p in hf.parameters():
-            p.mul_(scale)
+        for name, p in hf.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):  # (they start as ones)
+                p.copy_(scale * (1 + 0.5 * torch.randn_like(p)))
+            else:
+                p.mul_(scale)
     return LlamaForCausalLM.from_hf(hf), cfg.vocab_size
 
 
@@ -91,10 +101,13 @@ def random_loop(r: random.Random, config: LookaheadConfig, rows: int, eager_only
     return loop
 
 
-@pytest.mark.parametrize("seed", [0, 66, 86, 91, 117, 404, 1013, 2048, 3141, 4095, 5000, 6999])
-def test_random_batches_equal_plain_greedy_row_by_row(seed):
+LLAMA_SEEDS = (0, 66, 86, 91, 117, 404, 1013, 2048, 3141, 4095, 5000, 6999)
+
+
+@pytest.mark.parametrize("seed,family", [(s, "llama") for s in LLAMA_SEEDS] + [(s, "qwen3") for s in (7, 8, 9, 10)])
+def test_random_batches_equal_plain_greedy_row_by_row(seed, family):
     r = random.Random(seed)
-    model, vocab = random_model(r)
+    model, vocab = random_model(r, family)
     prompts = random_prompts(r, vocab)
     new = r.randint(1, 40)
     free = model.generate(prompts[0], max_new_tokens=new, lookahead=None).sequences[0]
