@@ -64,6 +64,7 @@ _LAYER_RENAMES = {
     "self_attn.q_norm.weight": "attn.q_norm.weight",  # with qk_norm (Qwen3)
     "self_attn.k_norm.weight": "attn.k_norm.weight",
 }
+_QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 # Our fused parameters and the HF parameters they concatenate (along the output dimension, in this order).
 _LAYER_FUSED = {
     "attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -117,7 +118,7 @@ def convert_hf_state_dict(config: ModelConfig, get: Callable[[str], torch.Tensor
                 wanted = config.output_bias if "o_proj" in hf_name else config.mlp_bias
                 if not wanted:
                     continue
-            if "_norm." in hf_name and hf_name.startswith("self_attn.") and not config.qk_norm:
+            if hf_name in _QK_NORMS and not config.qk_norm:
                 continue
             ours[pre + our_name] = take(pre + hf_name)
         for our_name, parts in _LAYER_FUSED.items():

@@ -148,10 +148,7 @@ class ModelConfig:
             attention_bias, output_bias, mlp_bias = True, False, False
         elif model_type == "mistral":
             attention_bias = output_bias = mlp_bias = False
-        elif model_type == "qwen3":  # its attention_bias, as Llama's, is on q, k, v and o; no MLP bias
-            attention_bias = output_bias = bool(getattr(hf_config, "attention_bias", False))
-            mlp_bias = False
-        else:
+        else:  # Llama's and Qwen3's attention_bias is on q, k, v and o alike (Qwen3 has no mlp_bias: False)
             attention_bias = output_bias = bool(getattr(hf_config, "attention_bias", False))
             mlp_bias = bool(getattr(hf_config, "mlp_bias", False))
         eos = getattr(hf_config, "eos_token_id", None)

@@ -3,6 +3,7 @@ parameter bit for bit the same, for every tiny config and for SmolLM2 read from 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -49,6 +50,9 @@ def test_what_cannot_be_saved_is_a_value_error(tmp_path):
                       num_kv_heads=1, head_dim=8, attention_bias=True, output_bias=False, mlp_bias=True)
     with pytest.raises(ValueError, match="no transformers config"):
         LlamaForCausalLM(odd).save_pretrained(tmp_path / "odd")
+    normed = dataclasses.replace(odd, output_bias=True, qk_norm=True)  # Qwen3's norms with an MLP bias
+    with pytest.raises(ValueError, match="no transformers config describes this model: norms of q and k"):
+        LlamaForCausalLM(normed).save_pretrained(tmp_path / "normed")
     (tmp_path / "file").write_text("")
     tiny = LlamaForCausalLM.from_hf(random_hf_model(HF_CONFIGS["llama-mha"]()))
     with pytest.raises(ValueError, match="not a directory"):
