@@ -15,14 +15,15 @@
 // Op (namespace lookahead_cpu):
 //   decoder_stack(x, cos, sin, k_cache!, v_cache!, cache_len, visible, scale, eps, num_heads, num_kv_heads,
 //                 intermediate_size, attn_norm[], qkv[], qkv_bias?[], o[], o_bias?[], mlp_norm[], gate_up[],
-//                 gate_up_bias?[], down[], down_bias?[], q_norm?[], k_norm?[]) -> Tensor
+//                 gate_up_bias?[], down[], down_bias?[], q_norm?[], k_norm?[], nope_layers[]) -> Tensor
 //     x [B, T, hidden] float32, the first layer's input; cos, sin [B, T, D]; k_cache / v_cache [L, B, S, Hkv, D],
 //     the whole cache (layer i written at rows cache_len[b] .. cache_len[b]+T-1); cache_len int64 [B]; visible
 //     bool [1 or B, T, T]; then one entry per layer (L of each): attn_norm, mlp_norm [hidden]; qkv, o, gate_up,
 //     down packed by lookahead_gemm::pack from weights [(Hq+2Hkv)*D, hidden], [hidden, Hq*D], [2*intermediate,
 //     hidden] (gate rows first, then up) and [hidden, intermediate]; biases float32 [n] or None; q_norm, k_norm
 //     float32 [D] (Qwen3's RMSNorm of each q and k head, before the rotary embedding) or None (no such norm), both
-//     or neither. Returns the last layer's output [B, T, hidden].
+//     or neither; nope_layers: the layers whose q and k take no rotary embedding (SmolLM3's every fourth). Returns
+//     the last layer's output [B, T, hidden].
 //   rotary_tables(positions, inv_freq) -> (cos, sin)
 //     positions int64 [...], inv_freq float32 [D/2] -> cos, sin float32 [..., D]: each angle float(p) * inv_freq[j]
 //     in float32, its cosine and sine in double rounded to float, the D/2 columns repeated.
@@ -160,7 +161,8 @@ at::Tensor decoder_layer(const at::Tensor& x_in, const at::Tensor& cos_in, const
                          const c10::optional<at::Tensor>& o_bias, const at::Tensor& mlp_norm,
                          const at::Tensor& gate_up, const c10::optional<at::Tensor>& gate_up_bias,
                          const at::Tensor& down, const c10::optional<at::Tensor>& down_bias,
-                         const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm) {
+                         const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
+                         bool rotate) {
   TORCH_CHECK_VALUE(x_in.dim() == 3 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
                     "lookahead_cpu.decoder_stack: x must be a float32 CPU tensor [B, T, hidden], got ",
                     x_in.scalar_type(), " ", x_in.sizes());
@@ -212,8 +214,8 @@ at::Tensor decoder_layer(const at::Tensor& x_in, const at::Tensor& cos_in, const
   const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
   const int64_t width = (Hq + 2 * Hkv) * D;
 
-  // Attention block: norm, q/k/v, (each q and k head's norm,) rotary on q and k, the cache write, attention, o,
-  // residual.
+  // Attention block: norm, q/k/v, (each q and k head's norm,) rotary on q and k (unless the layer has none), the
+  // cache write, attention, o, residual.
   const at::Tensor h = rms_norm(x, attn_norm, eps);
   at::Tensor q_k_v = small_gemm::linear(h, qkv, width, qkv_bias);  // [M, width]
   float* qkvp = q_k_v.data_ptr<float>();
@@ -228,7 +230,7 @@ at::Tensor decoder_layer(const at::Tensor& x_in, const at::Tensor& cos_in, const
         rms_norm_rows(row, qnp, row, 0, Hq, D, head_eps);
         rms_norm_rows(row + Hq * D, knp, row + Hq * D, 0, Hkv, D, head_eps);
       }
-    rotary_rows(qkvp, cp, sp, r0, r1, Hq + Hkv, width, D);
+    if (rotate) rotary_rows(qkvp, cp, sp, r0, r1, Hq + Hkv, width, D);
   });
   float *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b)
@@ -284,7 +286,7 @@ at::Tensor decoder_stack(const at::Tensor& x, const at::Tensor& cos, const at::T
                          at::TensorList gate_up, const c10::List<c10::optional<at::Tensor>>& gate_up_bias,
                          at::TensorList down, const c10::List<c10::optional<at::Tensor>>& down_bias,
                          const c10::List<c10::optional<at::Tensor>>& q_norm,
-                         const c10::List<c10::optional<at::Tensor>>& k_norm) {
+                         const c10::List<c10::optional<at::Tensor>>& k_norm, at::IntArrayRef nope_layers) {
   const int64_t L = static_cast<int64_t>(attn_norm.size());
   TORCH_CHECK_VALUE(k_all.dim() == 5 && L == k_all.size(0),
                     "lookahead_cpu.decoder_stack: one attn_norm per layer of the cache [L, B, S, Hkv, D], got ", L,
@@ -298,11 +300,18 @@ at::Tensor decoder_stack(const at::Tensor& x, const at::Tensor& cos, const at::T
   for (int64_t n : sizes)
     TORCH_CHECK_VALUE(n == L, "lookahead_cpu.decoder_stack: every per-layer list must hold ", L,
                       " entries (one per layer), got one of ", n);
+  std::vector<bool> rotate(L, true);
+  for (const int64_t i : nope_layers) {
+    TORCH_CHECK_VALUE(i >= 0 && i < L, "lookahead_cpu.decoder_stack: nope_layers must index the ", L,
+                      " layers, got ", nope_layers);
+    rotate[i] = false;
+  }
   at::Tensor h = x;
   for (int64_t i = 0; i < L; ++i)
     h = decoder_layer(h, cos, sin, k_all, v_all, i, cache_len, visible, scale, eps, num_heads, num_kv_heads,
                       intermediate_size, attn_norm[i], qkv[i], qkv_bias.get(i), o[i], o_bias.get(i), mlp_norm[i],
-                      gate_up[i], gate_up_bias.get(i), down[i], down_bias.get(i), q_norm.get(i), k_norm.get(i));
+                      gate_up[i], gate_up_bias.get(i), down[i], down_bias.get(i), q_norm.get(i), k_norm.get(i),
+                      rotate[i]);
   return h;
 }
 
@@ -348,7 +357,7 @@ at::Tensor forward_step(const at::Tensor& input_ids, const at::Tensor& positions
                         at::TensorList gate_up, const c10::List<c10::optional<at::Tensor>>& gate_up_bias,
                         at::TensorList down, const c10::List<c10::optional<at::Tensor>>& down_bias,
                         const c10::List<c10::optional<at::Tensor>>& q_norm,
-                        const c10::List<c10::optional<at::Tensor>>& k_norm,
+                        const c10::List<c10::optional<at::Tensor>>& k_norm, at::IntArrayRef nope_layers,
                         const at::Tensor& final_norm, double final_eps, const at::Tensor& head,
                         const c10::optional<at::Tensor>& logits_rows) {
   TORCH_CHECK_VALUE(input_ids.dim() == 2 && input_ids.device().is_cpu() &&
@@ -400,7 +409,7 @@ at::Tensor forward_step(const at::Tensor& input_ids, const at::Tensor& positions
   const auto [cos, sin] = rotary_tables(pos, inv_freq);
   const at::Tensor h = decoder_stack(x, cos, sin, k_all, v_all, cache_len, visible, scale, eps, num_heads,
                                      num_kv_heads, intermediate_size, attn_norm, qkv, qkv_bias, o, o_bias, mlp_norm,
-                                     gate_up, gate_up_bias, down, down_bias, q_norm, k_norm);
+                                     gate_up, gate_up_bias, down, down_bias, q_norm, k_norm, nope_layers);
   // The final norm of the rows wanted, then the vocabulary projection.
   at::Tensor picked = at::empty({B * R, hidden}, embed.options());
   const float* hp = h.data_ptr<float>();
@@ -420,13 +429,13 @@ TORCH_LIBRARY_FRAGMENT(lookahead_cpu, m) {
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_len, Tensor visible, float scale, float eps, "
         "int num_heads, int num_kv_heads, int intermediate_size, Tensor[] attn_norm, Tensor[] qkv, Tensor?[] qkv_bias, "
         "Tensor[] o, Tensor?[] o_bias, Tensor[] mlp_norm, Tensor[] gate_up, Tensor?[] gate_up_bias, Tensor[] down, "
-        "Tensor?[] down_bias, Tensor?[] q_norm, Tensor?[] k_norm, Tensor final_norm, float final_eps, Tensor head, "
-        "Tensor? logits_rows) -> Tensor");
+        "Tensor?[] down_bias, Tensor?[] q_norm, Tensor?[] k_norm, int[] nope_layers, Tensor final_norm, "
+        "float final_eps, Tensor head, Tensor? logits_rows) -> Tensor");
   m.def("decoder_stack(Tensor x, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_len, "
         "Tensor visible, float scale, float eps, int num_heads, int num_kv_heads, int intermediate_size, "
         "Tensor[] attn_norm, Tensor[] qkv, Tensor?[] qkv_bias, Tensor[] o, Tensor?[] o_bias, Tensor[] mlp_norm, "
         "Tensor[] gate_up, Tensor?[] gate_up_bias, Tensor[] down, Tensor?[] down_bias, Tensor?[] q_norm, "
-        "Tensor?[] k_norm) -> Tensor");
+        "Tensor?[] k_norm, int[] nope_layers) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lookahead_cpu, CPU, m) {

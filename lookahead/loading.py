@@ -1,7 +1,7 @@
 """Build a :class:`~lookahead.model.LlamaForCausalLM` from a transformers model, a Hugging Face directory or a GGUF.
 
 * :func:`from_hf` copies a loaded transformers ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM`` /
-  ``Qwen3ForCausalLM``.
+  ``Qwen3ForCausalLM`` / ``SmolLM3ForCausalLM``.
 * :func:`from_pretrained` reads a directory (``config.json`` plus one or more ``*.safetensors``, sharded or not)
   with ``safetensors`` directly, or a GGUF file (read and dequantised by :mod:`lookahead.gguf_reader`).
 * :func:`load_tokenizer` loads the tokenizer of a directory or a GGUF file.
@@ -130,7 +130,7 @@ def convert_hf_state_dict(config: ModelConfig, get: Callable[[str], torch.Tensor
     if unexpected:
         raise ValueError(f"checkpoint has {len(unexpected)} parameters this model does not use, e.g. "
                          f"{unexpected[:5]}; the architecture or config does not match (supported: Llama, "
-                         f"Mistral, Qwen2 and Qwen3 decoders)")
+                         f"Mistral, Qwen2, Qwen3 and SmolLM3 decoders)")
     return ours
 
 
@@ -167,7 +167,8 @@ def _build(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dty
 # From a loaded transformers model
 # ---------------------------------------------------------------------------------------------------------------
 def from_hf(hf_model) -> LlamaForCausalLM:
-    """Copy a transformers ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM``.
+    """Copy a transformers ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` /
+    ``SmolLM3ForCausalLM``.
 
     The copy has the source's dtype and device and shares no storage with it.
     """

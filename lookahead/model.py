@@ -7,7 +7,7 @@ committed prefix plus the step's own tokens under the layout's visibility rule. 
 state: the cache is an object the caller owns and passes in.
 
 Supported checkpoints: Llama (incl. Llama-3 rope scaling), Mistral without sliding windows, Qwen2 and Qwen3
-without sliding windows. Loading lives in :mod:`lookahead.loading`.
+without sliding windows, SmolLM3. Loading lives in :mod:`lookahead.loading`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from . import cpu_linear
 from .cpu_linear import CpuLinear, PackedWeight
 from .scoring import score
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
 
@@ -56,6 +56,7 @@ class ModelConfig:
     ``attention_bias`` puts a bias on the q, k, v projections; ``output_bias`` on the o projection (Llama's
     ``attention_bias=True`` sets both; Qwen2 has q/k/v bias and no o bias). ``qk_norm`` normalises each head of q
     and k (RMSNorm over ``head_dim``, a weight each for q and k) before the rotary embedding, as Qwen3 does.
+    ``nope_layers``: the layers whose q and k take no rotary embedding (SmolLM3's every fourth), ascending.
     """
 
     vocab_size: int
@@ -74,6 +75,7 @@ class ModelConfig:
     output_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    nope_layers: tuple[int, ...] = ()
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     pad_token_id: int | None = None
@@ -100,6 +102,12 @@ class ModelConfig:
             if self.rope_scaling.rope_type not in ("llama3", "linear"):
                 raise ValueError(f"unsupported rope type {self.rope_scaling.rope_type!r}; "
                                  f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        nope = tuple(self.nope_layers)
+        if any(isinstance(i, bool) or not isinstance(i, int) for i in nope) or list(nope) != sorted(set(nope)) \
+                or (nope and not 0 <= nope[0] <= nope[-1] < self.num_layers):
+            raise ValueError(f"ModelConfig.nope_layers must be ascending distinct layer indices in [0, "
+                             f"{self.num_layers}), got {self.nope_layers!r}")
+        object.__setattr__(self, "nope_layers", nope)
         if isinstance(self.eos_token_id, int):  # a single id is kept as a 1-tuple
             object.__setattr__(self, "eos_token_id", (self.eos_token_id,))
         else:
@@ -126,7 +134,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf_config) -> "ModelConfig":
-        """Translate a transformers ``LlamaConfig`` / ``MistralConfig`` / ``Qwen2Config`` / ``Qwen3Config``.
+        """Translate a transformers ``LlamaConfig`` / ``MistralConfig`` / ``Qwen2Config`` / ``Qwen3Config`` /
+        ``SmolLM3Config``.
 
         Raises ``ValueError`` for other model types, sliding-window attention, unsupported rope types or
         activations.
@@ -148,12 +157,13 @@ class ModelConfig:
             attention_bias, output_bias, mlp_bias = True, False, False
         elif model_type == "mistral":
             attention_bias = output_bias = mlp_bias = False
-        else:  # Llama's and Qwen3's attention_bias is on q, k, v and o alike (Qwen3 has no mlp_bias: False)
+        else:  # Llama's, Qwen3's and SmolLM3's attention_bias is on q, k, v and o alike (Qwen3: no mlp_bias)
             attention_bias = output_bias = bool(getattr(hf_config, "attention_bias", False))
             mlp_bias = bool(getattr(hf_config, "mlp_bias", False))
         eos = getattr(hf_config, "eos_token_id", None)
         eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
         pad = getattr(hf_config, "pad_token_id", None)
+        uses_rope = getattr(hf_config, "no_rope_layers", None) if model_type == "smollm3" else None
         return cls(
             vocab_size=int(hf_config.vocab_size),
             hidden_size=int(hf_config.hidden_size),
@@ -171,6 +181,7 @@ class ModelConfig:
             output_bias=output_bias,
             mlp_bias=mlp_bias,
             qk_norm=model_type == "qwen3",
+            nope_layers=tuple(i for i, rope in enumerate(uses_rope or ()) if not rope),  # SmolLM3: 1 = RoPE
             bos_token_id=getattr(hf_config, "bos_token_id", None),
             eos_token_id=eos,
             pad_token_id=pad if isinstance(pad, int) and not isinstance(pad, bool) else None,
@@ -179,7 +190,7 @@ class ModelConfig:
 
 def _check_no_sliding_window(hf_config, model_type: str, max_pos: int) -> None:
     window = getattr(hf_config, "sliding_window", None)
-    if model_type in ("qwen2", "qwen3"):
+    if model_type in ("qwen2", "qwen3", "smollm3"):
         uses = getattr(hf_config, "use_sliding_window", False) and "sliding_attention" in (
             getattr(hf_config, "layer_types", None) or ["sliding_attention"])
     else:
@@ -187,7 +198,7 @@ def _check_no_sliding_window(hf_config, model_type: str, max_pos: int) -> None:
     if uses and window is not None and window < max_pos:
         raise ValueError(f"sliding-window attention is unsupported ({model_type} sliding_window={window} < "
                          f"max_position_embeddings={max_pos}); set sliding_window=None (or use_sliding_window="
-                         f"False for qwen2 and qwen3) if the model does not need it")
+                         f"False for qwen2, qwen3 and smollm3) if the model does not need it")
 
 
 def _rope_from_hf(hf_config, max_pos: int) -> tuple[float, RopeScaling | None]:
@@ -419,8 +430,9 @@ AttentionFn = Callable[..., torch.Tensor]
 class Attention(nn.Module):
     """GQA self-attention; q, k, v are one fused projection (one matmul per step instead of three)."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer: int = 0):
         super().__init__()
+        self.rotate = layer not in config.nope_layers  # SmolLM3: no rotary embedding in some layers
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -440,11 +452,13 @@ class Attention(nn.Module):
         norms = () if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         if qkv.is_cuda:  # one kernel (each q and k head's norm too)
             q = _layer_ops().rotary_cache_write(qkv, cos, sin, cache.k[layer], cache.v[layer], cache_len, Hq, Hkv,
-                                                *norms)
+                                                *norms, rotate=self.rotate)
         else:
             if norms:  # each head of q and k normalised (Qwen3), v as it is
                 qkv = head_norms(qkv, Hq, Hkv, *norms)
-            qk = apply_rotary(qkv[:, :, :Hq + Hkv], cos, sin)  # q and k heads rotated together: one op chain
+            qk = qkv[:, :, :Hq + Hkv]
+            if self.rotate:
+                qk = apply_rotary(qk, cos, sin)  # q and k heads rotated together: one op chain
             q, k = qk.split((Hq, Hkv), dim=2)
             cache.write(layer, cache_len, k, qkv[:, :, Hq + Hkv:])
         out = attend(q, cache.k[layer], cache.v[layer], cache_len=cache_len, layout=layout)
@@ -502,10 +516,10 @@ class _PackedAnswer:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = Attention(config)
+        self.attn = Attention(config, layer)
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
         # Plain tuples (not registered submodules): reading them skips nn.Module's attribute lookup, ~2 us each.
@@ -614,7 +628,7 @@ class LlamaForCausalLM(nn.Module):
         device = torch.device(device) if device is not None else torch.device("cpu")
         with torch.device(device):
             self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-            self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+            self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.lm_head = None if config.tie_word_embeddings else \
                 CpuLinear(config.hidden_size, config.vocab_size, bias=False)
@@ -678,7 +692,7 @@ class LlamaForCausalLM(nn.Module):
     @classmethod
     def from_hf(cls, model) -> "LlamaForCausalLM":
         """Copy a loaded transformers ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM`` /
-        ``Qwen3ForCausalLM``.
+        ``Qwen3ForCausalLM`` / ``SmolLM3ForCausalLM``.
 
         The result has the source's dtype and device.
         """
@@ -960,7 +974,8 @@ class LlamaForCausalLM(nn.Module):
                      q_norm=[None if layer.attn.q_norm is None else layer.attn.q_norm._parameters["weight"]
                              for layer, _ in layers],
                      k_norm=[None if layer.attn.k_norm is None else layer.attn.k_norm._parameters["weight"]
-                             for layer, _ in layers])
+                             for layer, _ in layers],
+                     nope_layers=list(self.config.nope_layers))
         for i, name in enumerate(names):
             stack[name] = [packed[i] for _, packed in layers]
             stack[name + "_bias"] = [layer._linears[i]._parameters["bias"] for layer, _ in layers]

@@ -1,8 +1,8 @@
 """Our model written as a Hugging Face directory: ``model.save_pretrained(path)``.
 
-The directory holds ``config.json`` (transformers' ``LlamaConfig``, ``Qwen2Config`` or ``Qwen3Config``) and
-``model.safetensors`` under transformers' parameter names (the fused q/k/v and gate/up projections split back), in
-the model's dtype. transformers' ``AutoModelForCausalLM.from_pretrained`` and our
+The directory holds ``config.json`` (transformers' ``LlamaConfig``, ``Qwen2Config``, ``Qwen3Config`` or
+``SmolLM3Config``) and ``model.safetensors`` under transformers' parameter names (the fused q/k/v and gate/up
+projections split back), in the model's dtype. transformers' ``AutoModelForCausalLM.from_pretrained`` and our
 :func:`lookahead.loading.from_pretrained` both load it: so a GGUF, once loaded here, can be kept as a directory
 that every tool reads. The tokenizer is the caller's to save (``tokenizer.save_pretrained(path)``).
 """
@@ -22,6 +22,12 @@ WEIGHTS_NAME = "model.safetensors"
 
 def _model_type(config: ModelConfig) -> str:
     """The transformers model type whose config says what ours does (Mistral without a window is Llama)."""
+    if config.nope_layers:
+        if not config.qk_norm and config.attention_bias == config.output_bias:
+            return "smollm3"  # layers without rotary embedding: only SmolLM3's config says that
+        raise ValueError(f"no transformers config describes this model: layers without rotary embedding with "
+                         f"qk_norm={config.qk_norm}, attention_bias={config.attention_bias}, output_bias="
+                         f"{config.output_bias}")
     if config.qk_norm:
         if config.attention_bias == config.output_bias and not config.mlp_bias:
             return "qwen3"  # per-head norms of q and k: only Qwen3's config says that
@@ -47,7 +53,8 @@ def _rope_parameters(config: ModelConfig) -> dict:
 
 
 def hf_config(config: ModelConfig, dtype: torch.dtype = torch.float32):
-    """transformers' config (``LlamaConfig``, ``Qwen2Config`` or ``Qwen3Config``) of a model with ``config``;
+    """transformers' config (``LlamaConfig``, ``Qwen2Config``, ``Qwen3Config`` or ``SmolLM3Config``) of a model with
+    ``config``;
     ``ValueError`` where none describes it."""
     import transformers
 
@@ -66,9 +73,14 @@ def hf_config(config: ModelConfig, dtype: torch.dtype = torch.float32):
     elif model_type == "qwen3":
         hf = transformers.Qwen3Config(attention_bias=config.attention_bias, use_sliding_window=False,
                                       sliding_window=None, **fields)
+    elif model_type == "smollm3":
+        hf = transformers.SmolLM3Config(
+            attention_bias=config.attention_bias, mlp_bias=config.mlp_bias, use_sliding_window=False,
+            sliding_window=None, no_rope_layers=[int(i not in config.nope_layers) for i in range(config.num_layers)],
+            **fields)
     else:
         hf = transformers.LlamaConfig(attention_bias=config.attention_bias, mlp_bias=config.mlp_bias, **fields)
-    names = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+    names = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
     hf.architectures = [names.get(model_type, "LlamaForCausalLM")]
     return hf
 

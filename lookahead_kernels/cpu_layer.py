@@ -1,6 +1,6 @@
 """The decoder layers of the CPU forward in float32 as one C++ op, ``lookahead_cpu::decoder_stack``
 (``csrc/cpu_layer.cpp``), each layer: RMSNorm, the fused q/k/v projection, (Qwen3's norms of each q and k head,) rotary
-embedding, the KV cache write, the
+embedding (but in SmolLM3's layers without it), the KV cache write, the
 step attention, the o projection, RMSNorm, the fused gate/up projection, SwiGLU, the down projection and both
 residual adds. Its reference is the model's own layer in plain torch (``lookahead.model.DecoderLayer`` on
 ``F.linear`` and :func:`~lookahead_kernels.attention_torch`).
@@ -24,7 +24,7 @@ def decoder_stack_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_c
                       v_cache: torch.Tensor, attend: CpuStepAttention, *, num_heads: int, num_kv_heads: int,
                       intermediate_size: int, eps: float, attn_norm: list, qkv: list, qkv_bias: list, o: list,
                       o_bias: list, mlp_norm: list, gate_up: list, gate_up_bias: list, down: list,
-                      down_bias: list, q_norm: list, k_norm: list) -> torch.Tensor:
+                      down_bias: list, q_norm: list, k_norm: list, nope_layers: list) -> torch.Tensor:
     """Every Llama decoder layer of a model, float32 on the CPU, in one call; writes the step's keys and values
     into each layer's cache.
 
@@ -41,6 +41,7 @@ def decoder_stack_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_c
             intermediate]``; each bias (``qkv_bias``, ...) ``[n]`` float32 or None.
         q_norm, k_norm: per layer, the ``[D]`` float32 RMSNorm weights of each q and of each k head, applied
             before the rotary embedding (Qwen3), or None in both lists (no such norm).
+        nope_layers: the indices of the layers whose q and k take no rotary embedding (SmolLM3's every fourth).
     Returns:
         ``[B, T, hidden]`` float32, the last layer's output.
     Raises:
@@ -49,7 +50,7 @@ def decoder_stack_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_c
     return torch.ops.lookahead_cpu.decoder_stack(
         x, cos, sin, k_cache, v_cache, attend.cache_len, attend.visible, 1.0 / math.sqrt(cos.shape[-1]), eps,
         num_heads, num_kv_heads, intermediate_size, attn_norm, qkv, qkv_bias, o, o_bias, mlp_norm, gate_up,
-        gate_up_bias, down, down_bias, q_norm, k_norm)
+        gate_up_bias, down, down_bias, q_norm, k_norm, nope_layers)
 
 
 def forward_step_cpu(input_ids: torch.Tensor, positions: torch.Tensor, max_positions: int, inv_freq: torch.Tensor,
@@ -81,4 +82,5 @@ def forward_step_cpu(input_ids: torch.Tensor, positions: torch.Tensor, max_posit
         1.0 / math.sqrt(inv_freq.shape[0] * 2), stack["eps"], stack["num_heads"], stack["num_kv_heads"],
         stack["intermediate_size"], stack["attn_norm"], stack["qkv"], stack["qkv_bias"], stack["o"],
         stack["o_bias"], stack["mlp_norm"], stack["gate_up"], stack["gate_up_bias"], stack["down"],
-        stack["down_bias"], stack["q_norm"], stack["k_norm"], final_norm, final_eps, head, logits_rows)
+        stack["down_bias"], stack["q_norm"], stack["k_norm"], stack["nope_layers"], final_norm, final_eps, head,
+        logits_rows)

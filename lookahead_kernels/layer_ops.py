@@ -2,10 +2,10 @@
 
 * :func:`rms_norm` and :func:`add_rms_norm` (the residual add and the next RMSNorm): torch's bfloat16 path is seven
   kernels (cast, square, mean, add, rsqrt, multiply, cast and weight);
-* :func:`rotary_cache_write`: the q and k heads rotated and k, v written to the KV cache at each sequence's
-  ``cache_len`` (torch: negate, concatenate, two products, a sum, two indexed writes and their index tensors),
-  each q and k head RMS-normalised first where the model has such norms (Qwen3: two copies, two norms and a
-  concatenation more in torch);
+* :func:`rotary_cache_write`: the q and k heads rotated (not in SmolLM3's layers without RoPE) and k, v written to
+  the KV cache at each sequence's ``cache_len`` (torch: negate, concatenate, two products, a sum, two indexed writes
+  and their index tensors), each q and k head RMS-normalised first where the model has such norms (Qwen3: two
+  copies, two norms and a concatenation more in torch);
 * :func:`silu_mul`: SwiGLU's ``silu(gate) * up`` (torch: two).
 
 Why: a decoding step reads each weight once and does little else, so on a GPU its time beyond reading the weights
@@ -71,10 +71,10 @@ def _rotary_cache_kernel(x_ptr, cos_ptr, sin_ptr, len_ptr, q_ptr, k_ptr, v_ptr, 
                          T, Hq, Hkv, start, stride_xm, stride_xh, stride_cm, stride_qm, stride_qh,
                          stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, eps,
                          HALF: tl.constexpr, BLOCK_D: tl.constexpr, ROUND: tl.constexpr, PER_ROW: tl.constexpr,
-                         QK_NORM: tl.constexpr):
+                         QK_NORM: tl.constexpr, ROTATE: tl.constexpr):
     # Program (m, h): head h of row m = b * T + t; q heads to q, k heads rotated and v heads as they are to the
     # caches at row cache_len[b] + t (PER_ROW: read from len_ptr on the device) or start + t. QK_NORM: each q and
-    # k head RMS-normalised (weights qn_ptr, kn_ptr [D]) before its rotation.
+    # k head RMS-normalised (weights qn_ptr, kn_ptr [D]) before its rotation; ROTATE False: q and k not rotated.
     m = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     b = m // T
@@ -98,15 +98,18 @@ def _rotary_cache_kernel(x_ptr, cos_ptr, sin_ptr, len_ptr, q_ptr, k_ptr, v_ptr, 
                 w_twin = tl.load(kn_ptr + twin, mask=mask, other=0.0).to(tl.float32)
             x = _head_norm(xf, inv, w, ROUND, x_ptr.dtype.element_ty).to(x_ptr.dtype.element_ty)
             partner = _head_norm(partner, inv, w_twin, ROUND, x_ptr.dtype.element_ty)
-        partner = tl.where(first, -partner, partner)
-        c = tl.load(cos_ptr + m * stride_cm + offs, mask=mask, other=0.0).to(tl.float32)
-        s = tl.load(sin_ptr + m * stride_cm + offs, mask=mask, other=0.0).to(tl.float32)
-        a = x.to(tl.float32) * c
-        p = partner * s
-        if ROUND:  # x * cos and rotate_half(x) * sin are separate ops of the dtype in the reference
-            a = a.to(x_ptr.dtype.element_ty).to(tl.float32)
-            p = p.to(x_ptr.dtype.element_ty).to(tl.float32)
-        y = (a + p).to(x_ptr.dtype.element_ty)
+        if ROTATE:
+            partner = tl.where(first, -partner, partner)
+            c = tl.load(cos_ptr + m * stride_cm + offs, mask=mask, other=0.0).to(tl.float32)
+            s = tl.load(sin_ptr + m * stride_cm + offs, mask=mask, other=0.0).to(tl.float32)
+            a = x.to(tl.float32) * c
+            p = partner * s
+            if ROUND:  # x * cos and rotate_half(x) * sin are separate ops of the dtype in the reference
+                a = a.to(x_ptr.dtype.element_ty).to(tl.float32)
+                p = p.to(x_ptr.dtype.element_ty).to(tl.float32)
+            y = (a + p).to(x_ptr.dtype.element_ty)
+        else:  # a layer without rotary embedding (SmolLM3's every fourth)
+            y = x
         if h < Hq:
             tl.store(q_ptr + m * stride_qm + h * stride_qh + offs, y, mask=mask)
         else:
@@ -239,7 +242,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 def _rotary_cache_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, cache_len: torch.Tensor | None, start: int, num_heads: int,
                      num_kv_heads: int, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
-                     eps: float) -> torch.Tensor:
+                     eps: float, rotate: bool) -> torch.Tensor:
     B, T, H, D = qkv.shape
     q = torch.empty((B, T, num_heads, D), dtype=qkv.dtype, device=qkv.device)
     M = B * T
@@ -254,13 +257,14 @@ def _rotary_cache_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_
                 x.stride(0), x.stride(1), c.stride(0), q.stride(1), q.stride(2),
                 *k_cache.stride()[:3], *v_cache.stride()[:3], eps,
                 HALF=D // 2, BLOCK_D=triton.next_power_of_2(D), ROUND=qkv.dtype != torch.float32,
-                PER_ROW=cache_len is not None, QK_NORM=q_norm is not None, num_warps=1 if D <= 128 else 2)
+                PER_ROW=cache_len is not None, QK_NORM=q_norm is not None, ROTATE=rotate,
+                num_warps=1 if D <= 128 else 2)
     return q
 
 
 @_rotary_cache_op.register_fake
 def _rotary_cache_fake(qkv, cos, sin, k_cache, v_cache, cache_len, start, num_heads, num_kv_heads, q_norm, k_norm,
-                       eps):
+                       eps, rotate):
     B, T, _, D = qkv.shape
     return qkv.new_empty((B, T, num_heads, D))
 
@@ -268,7 +272,7 @@ def _rotary_cache_fake(qkv, cos, sin, k_cache, v_cache, cache_len, start, num_he
 def rotary_cache_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, cache_len, num_heads: int, num_kv_heads: int,
                        q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-                       eps: float = 1e-6) -> torch.Tensor:
+                       eps: float = 1e-6, rotate: bool = True) -> torch.Tensor:
     """Rotary embedding of the q and k heads and the KV cache write of one layer, as
     :func:`~lookahead_kernels.layer_ops_ref.rotary_cache_write_reference`.
 
@@ -282,6 +286,8 @@ def rotary_cache_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
         num_heads, num_kv_heads: ``Hq`` and ``Hkv``.
         q_norm, k_norm: ``[D]`` in ``qkv``'s dtype, both or neither: each q head and each k head is RMS-normalised
             over ``D`` (epsilon ``eps``) and scaled by these before its rotation (Qwen3); None: no norm.
+        rotate: False for a layer without rotary embedding (SmolLM3's every fourth): q and k written as they are
+            (``cos`` and ``sin`` still checked, not read).
     Returns:
         the rotated q, ``[B, T, Hq, D]`` contiguous.
     Raises:
@@ -325,7 +331,7 @@ def rotary_cache_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
             raise ValueError(f"eps must be > 0, got {eps!r}")
         q_norm, k_norm = q_norm.contiguous(), k_norm.contiguous()
     return _rotary_cache_op(qkv, cos.contiguous(), sin.contiguous(), k_cache, v_cache, lens, start, num_heads,
-                            num_kv_heads, q_norm, k_norm, float(eps))
+                            num_kv_heads, q_norm, k_norm, float(eps), bool(rotate))
 
 
 _SILU_BLOCK = 1024

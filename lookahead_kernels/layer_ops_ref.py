@@ -63,14 +63,17 @@ def head_norms(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, q_norm: tor
 def rotary_cache_write_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                                  v_cache: torch.Tensor, cache_len, num_heads: int, num_kv_heads: int,
                                  q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-                                 eps: float = 1e-6) -> torch.Tensor:
+                                 eps: float = 1e-6, rotate: bool = True) -> torch.Tensor:
     """Rotate the q and k heads of ``qkv [B, T, Hq + 2 Hkv, D]`` (q heads, then k, then v; each q and k head first
-    normalised by :func:`head_norms` where ``q_norm`` and ``k_norm`` are given), write k and v to the layer's
-    caches ``[B, S, Hkv, D]`` at rows ``cache_len[b] ..``; returns the rotated q ``[B, T, Hq, D]``."""
+    normalised by :func:`head_norms` where ``q_norm`` and ``k_norm`` are given; not rotated with ``rotate=False``),
+    write k and v to the layer's caches ``[B, S, Hkv, D]`` at rows ``cache_len[b] ..``; returns q ``[B, T, Hq,
+    D]``."""
     Hq, Hkv = num_heads, num_kv_heads
     if q_norm is not None:
         qkv = head_norms(qkv, Hq, Hkv, q_norm, k_norm, eps)
-    qk = apply_rotary(qkv[:, :, :Hq + Hkv], cos, sin)  # q and k heads rotated together: one op chain
+    qk = qkv[:, :, :Hq + Hkv]
+    if rotate:
+        qk = apply_rotary(qk, cos, sin)  # q and k heads rotated together: one op chain
     q, k = qk.split((Hq, Hkv), dim=2)
     write_rows(k_cache, cache_len, k)
     write_rows(v_cache, cache_len, qkv[:, :, Hq + Hkv:])

@@ -28,10 +28,12 @@ def ops():
         pytest.skip(f"the CPU ops did not build: {cpu_ops_error()}")
 
 
-def random_model(hidden, inter, heads, kv_heads, head_dim, bias, seed=0, layers=2, qk_norm=False) -> LlamaForCausalLM:
+def random_model(hidden, inter, heads, kv_heads, head_dim, bias, seed=0, layers=2, qk_norm=False,
+                 nope_layers=()) -> LlamaForCausalLM:
     config = ModelConfig(vocab_size=67, hidden_size=hidden, intermediate_size=inter, num_layers=layers,
                          num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, max_position_embeddings=512,
-                         attention_bias=bias, mlp_bias=bias, tie_word_embeddings=not bias, qk_norm=qk_norm)
+                         attention_bias=bias, mlp_bias=bias, tie_word_embeddings=not bias, qk_norm=qk_norm,
+                         nope_layers=nope_layers)
     model = LlamaForCausalLM(config)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -95,6 +97,13 @@ def test_qk_norms_match_the_float64_reference(hidden, inter, heads, kv_heads, he
     model = random_model(hidden, inter, heads, kv_heads, head_dim, bias, qk_norm=True)
     assert model.layers[0].attn.q_norm.weight.shape == (head_dim,)
     check_against_float64(model, layout, lens)
+
+
+@pytest.mark.parametrize("nope_layers", [(1,), (0, 2)])  # SmolLM3: layers without rotary embedding
+def test_layers_without_rope_match_the_float64_reference(nope_layers):
+    model = random_model(64, 96, 4, 2, 16, False, layers=3, nope_layers=nope_layers)
+    assert [layer.attn.rotate for layer in model.layers] == [i not in nope_layers for i in range(3)]
+    check_against_float64(model, "tree", [20, 3])
 
 
 def check_against_float64(model, layout, lens):
@@ -230,7 +239,7 @@ def _op_args(T=2, cache_len=3, norm=64, layers=2):
     none = [None] * layers
     return (x, cos, sin, cache.k, cache.v, torch.tensor([cache_len]), torch.ones(1, T, T, dtype=torch.bool), 0.25,
             1e-6, 4, 2, 96, norms, [p[0] for p in packed], none, [p[1] for p in packed], none,
-            [torch.ones(64)] * layers, [p[2] for p in packed], none, [p[3] for p in packed], none, none, none)
+            [torch.ones(64)] * layers, [p[2] for p in packed], none, [p[3] for p in packed], none, none, none, [])
 
 
 def test_op_checks_its_arguments():
@@ -253,6 +262,10 @@ def test_op_checks_its_arguments():
         op(*args)
     args[23] = [torch.ones(15)] * 2  # head_dim is 16
     with pytest.raises(ValueError, match=r"k_norm must be a float32 CPU tensor \[16\]"):
+        op(*args)
+    args = list(_op_args())
+    args[24] = [2]  # a third layer of two
+    with pytest.raises(ValueError, match="nope_layers must index the 2 layers"):
         op(*args)
 
 

@@ -233,21 +233,26 @@ def test_other_shapes_greedy_identical(model_kwargs):
     assert torch.equal(out.sequences, ref)
 
 
-def test_a_qwen3_model_greedy_identical():
-    """Qwen3's norms of each q and k head (random here, not their initial ones): lookahead gives transformers'
-    greedy tokens, in the fused CPU step and in the Python layers."""
+@pytest.mark.parametrize("family", ["qwen3", "smollm3"])
+def test_qwen3_and_smollm3_models_greedy_identical(family):
+    """Qwen3's norms of each q and k head (random here, not their initial ones), SmolLM3's layers without rotary
+    embedding: lookahead gives transformers' greedy tokens, in the fused CPU step and in the Python layers."""
     torch.manual_seed(5)
-    config = transformers.Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                      max_position_embeddings=256, initializer_range=0.3, use_sliding_window=False,
-                                      eos_token_id=None, bos_token_id=None, pad_token_id=None)
-    hf = transformers.Qwen3ForCausalLM(config).eval()
+    fields = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.3,
+                  use_sliding_window=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    if family == "qwen3":
+        hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**fields)).eval()
+    else:
+        config = transformers.SmolLM3Config(no_rope_layers=[1, 0, 1], tie_word_embeddings=False, **fields)
+        hf = transformers.SmolLM3ForCausalLM(config).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.copy_(1 + 0.3 * torch.randn_like(p))
     ours = LlamaForCausalLM.from_hf(hf)
-    assert ours.config.qk_norm
+    assert ours.config.qk_norm == (family == "qwen3")
+    assert ours.config.nope_layers == ((1,) if family == "smollm3" else ())
     ids = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(8))
     ref = hf_greedy(hf, ids, 30)
     for mode in ("packed", "torch"):  # the fused C++ step; the Python layers

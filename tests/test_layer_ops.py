@@ -75,8 +75,9 @@ ROTARY_CASES = [
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B,T,Hq,Hkv,D,lens", ROTARY_CASES)
-@pytest.mark.parametrize("qk_norm", [False, True])  # True: Qwen3's norm of each q and k head first
-def test_rotary_cache_write(ops, kernel_device, B, T, Hq, Hkv, D, lens, dtype, qk_norm):
+# qk_norm: Qwen3's norm of each q and k head first; rotate False: a SmolLM3 layer without rotary embedding
+@pytest.mark.parametrize("qk_norm,rotate", [(False, True), (True, True), (False, False)])
+def test_rotary_cache_write(ops, kernel_device, B, T, Hq, Hkv, D, lens, dtype, qk_norm, rotate):
     qkv = rand(B, T, Hq + 2 * Hkv, D, dtype=dtype, device=kernel_device, scale=3.0 if qk_norm else 1.0)
     norms = (rand(D, dtype=dtype, device=kernel_device, seed=5, scale=0.3) + 1,
              rand(D, dtype=dtype, device=kernel_device, seed=6, scale=0.3) + 1, 1e-6) if qk_norm else ()
@@ -88,12 +89,14 @@ def test_rotary_cache_write(ops, kernel_device, B, T, Hq, Hkv, D, lens, dtype, q
     v_cache = torch.full_like(k_cache, float("nan"))
     # One sequence: the int form (the eager path's); several: per-sequence lengths on the device (the graphs').
     cache_len = lens[0] if B == 1 else torch.tensor(lens, device=kernel_device)
-    q = ops.rotary_cache_write(qkv, cos, sin, k_cache, v_cache, cache_len, Hq, Hkv, *norms)
+    q = ops.rotary_cache_write(qkv, cos, sin, k_cache, v_cache, cache_len, Hq, Hkv, *norms, rotate=rotate)
     k_want = torch.full((B, S, Hkv, D), float("nan"), dtype=torch.float64)
     v_want = k_want.clone()
     q_want = ref.rotary_cache_write_reference(qkv.double().cpu(), cos.double().cpu(), sin.double().cpu(), k_want,
                                               v_want, torch.tensor(lens), Hq, Hkv,
-                                              *[n.double().cpu() for n in norms[:2]], *norms[2:])
+                                              *[n.double().cpu() for n in norms[:2]], *norms[2:], rotate=rotate)
+    if not rotate:  # q and k as they came
+        assert torch.equal(q.cpu(), qkv[:, :, :Hq].cpu())
     # The norm adds two roundings of a half type before the rotation's three; Triton's interpreter truncates bfloat16
     # where the GPU rounds to nearest (test_silu_mul), so there the error may reach twice the tolerance.
     slack = 2 if qk_norm and dtype == torch.bfloat16 and kernel_device == "cpu" else 1
@@ -166,10 +169,10 @@ def test_opcheck(ops, kernel_device):
     qkv = rand(1, 2, 4, 8, dtype=torch.float32, device=kernel_device)
     cs = rand(1, 2, 8, dtype=torch.float32, device=kernel_device)
     cache = torch.zeros(1, 5, 1, 8, device=kernel_device)
-    for norms in ((None, None), (cs[0, 0], cs[0, 1])):
+    for norms, rotate in (((None, None), True), ((cs[0, 0], cs[0, 1]), True), ((None, None), False)):
         torch.library.opcheck(torch.ops.lookahead.rotary_cache_write,
                               (qkv, cs, cs, cache, cache.clone(), torch.tensor([1], device=kernel_device), 0, 2, 1,
-                               *norms, 1e-6), test_utils=utils)
+                               *norms, 1e-6, rotate), test_utils=utils)
 
 
 _SM90_SCRIPT = r'''
@@ -195,9 +198,10 @@ def build(fn, pointers, consts, warps, ones=()):
 for dt, res in (("fp32", False), ("bf16", True)):
     build(lo._rms_norm_kernel, {p: "*" + dt for p in ("x_ptr", "r_ptr", "w_ptr", "s_ptr", "y_ptr")},
           dict(HAS_RESIDUAL=res, ROUND=dt != "fp32", BLOCK=4096), 8)
-    build(lo._rotary_cache_kernel, dict({p: "*" + dt for p in ("x_ptr", "cos_ptr", "sin_ptr", "q_ptr", "k_ptr",
-                                                               "v_ptr", "qn_ptr", "kn_ptr")}, len_ptr="*i64"),
-          dict(HALF=64, BLOCK_D=128, ROUND=dt != "fp32", PER_ROW=dt != "fp32", QK_NORM=res), 1)
+    for rotate in (True, False):  # with and without the rotation (SmolLM3's layers without RoPE)
+        build(lo._rotary_cache_kernel, dict({p: "*" + dt for p in ("x_ptr", "cos_ptr", "sin_ptr", "q_ptr", "k_ptr",
+                                                                   "v_ptr", "qn_ptr", "kn_ptr")}, len_ptr="*i64"),
+              dict(HALF=64, BLOCK_D=128, ROUND=dt != "fp32", PER_ROW=dt != "fp32", QK_NORM=res, ROTATE=rotate), 1)
     build(lo._silu_mul_kernel, dict(x_ptr="*" + dt, y_ptr="*" + dt), dict(ROUND=dt != "fp32", BLOCK=1024), 4)
 print("sm90 ok")
 '''

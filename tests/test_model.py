@@ -40,6 +40,8 @@ def _common(**kw):
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 
+SMOLLM3_IDS = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)
+
 HF_CONFIGS = {
     "llama-mha": lambda: transformers.LlamaConfig(**_common(num_key_value_heads=4)),
     "llama-gqa-tied": lambda: transformers.LlamaConfig(**_common(tie_word_embeddings=True)),
@@ -54,6 +56,9 @@ HF_CONFIGS = {
     "qwen3": lambda: transformers.Qwen3Config(**_common(use_sliding_window=False)),
     "qwen3-bias-tied": lambda: transformers.Qwen3Config(**_common(use_sliding_window=False, attention_bias=True,
                                                                   tie_word_embeddings=True)),
+    # SmolLM3: the second of two layers without rotary embedding (its config's default ids lie past this vocabulary)
+    "smollm3": lambda: transformers.SmolLM3Config(**_common(no_rope_layers=[1, 0], use_sliding_window=False,
+                                                            **SMOLLM3_IDS)),
 }
 
 
@@ -292,6 +297,14 @@ def test_unsupported_configs_are_rejected():
     with pytest.raises(ValueError, match="num_kv_heads"):
         ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=3, num_kv_heads=2,
                     head_dim=4)
+    for nope in ((2,), (1, 0), (0, 0), (-1,), (True,)):  # past the last layer, unsorted, repeated, negative, a bool
+        with pytest.raises(ValueError, match=r"nope_layers must be ascending distinct layer indices in \[0, 2\)"):
+            ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=2, num_heads=2, num_kv_heads=2,
+                        head_dim=4, nope_layers=nope)
+    with pytest.raises(ValueError, match="sliding-window"):
+        ModelConfig.from_hf(transformers.SmolLM3Config(**_common(
+            use_sliding_window=True, sliding_window=32, layer_types=["sliding_attention", "full_attention"],
+            **SMOLLM3_IDS)))
     # A window that covers every position is plain causal attention and is accepted.
     cfg = ModelConfig.from_hf(transformers.MistralConfig(**_common(sliding_window=128)))
     assert cfg.max_position_embeddings == 128
@@ -494,9 +507,11 @@ def test_a_q4_k_m_gguf_packs_as_integers_matches_transformers_and_decodes_exactl
 # bf16: every activation of the GPU model is rounded to bf16 (the reference holds the same rounded weights in
 # float32): 3.9% on an H100 for these two layers. A wrong visibility rule or cache row moves logits by O(1).
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 6e-2)])
-@pytest.mark.parametrize("family", [transformers.LlamaConfig, transformers.Qwen3Config])  # Qwen3: q and k norms
+@pytest.mark.parametrize("family", ["llama", "qwen3", "smollm3"])  # Qwen3: q and k norms; SmolLM3: a layer without RoPE
 def test_cuda_lookahead_step_matches_cpu(dtype, tol, family):
-    hf = random_hf_model(family(**_common(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+    config = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config,
+              "smollm3": lambda **kw: transformers.SmolLM3Config(no_rope_layers=[0, 1], **SMOLLM3_IDS, **kw)}[family]
+    hf = random_hf_model(config(**_common(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                                           head_dim=64)))
     gpu = LlamaForCausalLM.from_hf(hf.to("cuda", dtype))
     # The reference holds the same (rounded) weights in float32: the comparison measures the step's arithmetic,

@@ -1,21 +1,20 @@
 """Random cases, one property: whatever the model, prompts, lookahead configuration, loop and conventions, greedy
 lookahead gives each row exactly the plain greedy output.
 
-Each case draws a tiny Llama (heads, key-value heads, layers, vocabulary, tied or biased weights, weights scaled
-up so that greedy text falls into loops lookahead can guess; a few cases a tiny Qwen3, whose q and k heads are
-normalised), a batch of prompts (one token, repeated patterns,
-noise), an EOS that some row emits, a lookahead configuration (fixed window, a token budget, a cost table, each
-with a random subset of sources and pool options) and a loop (eager or static steps, the C++ or Python draft
-builder, continuous batching), then compares. The second group adds one of transformers' conventions a case:
-left padding with an attention mask, a stopping criterion, a logits processor, scores and logits, a streamer, a
+Each case draws a tiny Llama (heads, key-value heads, layers, vocabulary, tied or biased weights, weights scaled up
+so that greedy text falls into loops lookahead can guess; a few cases a tiny Qwen3, whose q and k heads are
+normalised, or a tiny SmolLM3, some of whose layers take no rotary embedding), a batch of prompts (one token,
+repeated patterns, noise), an EOS that some row emits, a lookahead configuration (fixed window, a token budget, a
+cost table, each with a random subset of sources and pool options) and a loop (eager or static steps, the C++ or
+Python draft builder, continuous batching), then compares. The second group adds one of transformers' conventions a
+case: left padding with an attention mask, a stopping criterion, a logits processor, scores and logits, a streamer, a
 prompt cache, sampling with ``top_k=1`` (a point mass: the verifier's rejection path must give greedy's tokens).
 Session 53's scripts ran about 12,000 cases of these two kinds (6,400 of the first, 5,600 of the second) with none
-differing (``bench/MEASUREMENTS.md``); the seeds here are a fixed sample, so a failure names its case. Session 58
-ran about 64,000 more (seeds 300000-322199 of the first kind, 400000-442199 of the second): one differed (400000 +
-33124, ``top_k_1``), not by the algorithm: with a head size of 8 the attention falls back to torch's, whose last
-bits depend on the step's shape, and two tokens one unit in the last place apart in plain decoding were tied in the
-lookahead step (README, "Half precision").
-"""
+differing (``bench/MEASUREMENTS.md``); the seeds here are a fixed sample, so a failure names its case. Session 58 ran
+about 64,000 more (seeds 300000-322199 of the first kind, 400000-442199 of the second): one differed (400000 + 33124,
+``top_k_1``), not by the algorithm: with a head size of 8 the attention falls back to torch's, whose last bits depend
+on the step's shape, and two tokens one unit in the last place apart in plain decoding were tied in the lookahead
+step (README, "Half precision"). """
 
 import random
 
@@ -33,7 +32,7 @@ CPU_LIKE = ((1, 0.010), (4, 0.0101), (16, 0.0105), (64, 0.042))
 
 def random_model(r: random.Random, family: str = "llama") -> tuple[LlamaForCausalLM, int]:
     """A tiny Llama, or with ``family="qwen3"`` a tiny Qwen3 (head size 16 or 32 of its own, random norms of each q
-    and k head)."""
+    and k head), or with ``family="smollm3"`` a tiny SmolLM3 (each layer with or without rotary embedding)."""
     heads = r.choice([1, 2, 4])
     kv_heads = r.choice([h for h in (1, 2, 4) if heads % h == 0])
     fields = dict(
@@ -43,10 +42,15 @@ def random_model(r: random.Random, family: str = "llama") -> tuple[LlamaForCausa
         attention_bias=r.random() < 0.2, rms_norm_eps=1e-5, rope_theta=r.choice([1e4, 5e5]))
     if family == "qwen3":
         cfg = transformers.Qwen3Config(head_dim=r.choice([16, 32]), use_sliding_window=False, **fields)
+    elif family == "smollm3":
+        rope = [r.randint(0, 1) for _ in range(fields["num_hidden_layers"])]
+        cfg = transformers.SmolLM3Config(no_rope_layers=rope, use_sliding_window=False, pad_token_id=None,
+                                         bos_token_id=None, eos_token_id=None, **fields)
     else:
         cfg = transformers.LlamaConfig(**fields)
     torch.manual_seed(r.randint(0, 10 ** 6))
-    hf = (transformers.Qwen3ForCausalLM if family == "qwen3" else transformers.LlamaForCausalLM)(cfg).eval()
+    hf = {"qwen3": transformers.Qwen3ForCausalLM, "smollm3": transformers.SmolLM3ForCausalLM}.get(
+        family, transformers.LlamaForCausalLM)(cfg).eval()
     with torch.no_grad():  # sharper logits: greedy text that repeats itself, so guesses come true
         scale = r.choice([1.0, 2.0, 3.0])
         for name, p in hf.named_parameters():
@@ -104,7 +108,8 @@ def random_loop(r: random.Random, config: LookaheadConfig, rows: int, eager_only
 LLAMA_SEEDS = (0, 66, 86, 91, 117, 404, 1013, 2048, 3141, 4095, 5000, 6999)
 
 
-@pytest.mark.parametrize("seed,family", [(s, "llama") for s in LLAMA_SEEDS] + [(s, "qwen3") for s in (7, 8, 9, 10)])
+@pytest.mark.parametrize("seed,family", [(s, "llama") for s in LLAMA_SEEDS] + [(s, "qwen3") for s in (7, 8, 9, 10)]
+                         + [(s, "smollm3") for s in (11, 12, 13)])
 def test_random_batches_equal_plain_greedy_row_by_row(seed, family):
     r = random.Random(seed)
     model, vocab = random_model(r, family)

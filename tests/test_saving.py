@@ -53,6 +53,9 @@ def test_what_cannot_be_saved_is_a_value_error(tmp_path):
     normed = dataclasses.replace(odd, output_bias=True, qk_norm=True)  # Qwen3's norms with an MLP bias
     with pytest.raises(ValueError, match="no transformers config describes this model: norms of q and k"):
         LlamaForCausalLM(normed).save_pretrained(tmp_path / "normed")
+    both = dataclasses.replace(normed, mlp_bias=False, nope_layers=(0,))  # Qwen3's norms and SmolLM3's layers
+    with pytest.raises(ValueError, match="no transformers config describes this model: layers without rotary"):
+        LlamaForCausalLM(both).save_pretrained(tmp_path / "both")
     (tmp_path / "file").write_text("")
     tiny = LlamaForCausalLM.from_hf(random_hf_model(HF_CONFIGS["llama-mha"]()))
     with pytest.raises(ValueError, match="not a directory"):

@@ -13,7 +13,7 @@ from lookahead_kernels import StepLayout
 from .test_model import HF_CONFIGS, TOL, VOCAB, random_hf_model, rel_err
 
 
-@pytest.fixture(scope="module", params=["llama-gqa-tied", "qwen2", "llama3-rope", "qwen3"])
+@pytest.fixture(scope="module", params=["llama-gqa-tied", "qwen2", "llama3-rope", "qwen3", "smollm3"])
 def pair(request):
     hf = random_hf_model(HF_CONFIGS[request.param]())
     return hf, LlamaForCausalLM.from_hf(hf)
