@@ -108,12 +108,15 @@ def test_bad_files_are_value_errors(tmp_path):
 
 
 def test_unsupported_models_are_value_errors(tmp_path):
+    """Architectures, scalings and tensors we do not read are one-line ValueErrors (and a linear scaling, which we
+    read, reads with its factor)."""
     import gguf
     import numpy as np
 
     from lookahead.gguf_reader import hf_tensors, model_config, read_gguf
+    from lookahead.model import RopeScaling
 
-    def write(name, arch="llama", scaling=None, extra=None):
+    def write(name, arch="llama", scaling=None, extra=None, factor=None):
         w = gguf.GGUFWriter(str(tmp_path / name), arch)
         for key, value in (("context_length", 64), ("embedding_length", 8), ("block_count", 1),
                            ("feed_forward_length", 16), ("attention.head_count", 2),
@@ -121,6 +124,8 @@ def test_unsupported_models_are_value_errors(tmp_path):
             w.add_uint32(f"{arch}.{key}", value) if isinstance(value, int) else w.add_float32(f"{arch}.{key}", value)
         if scaling:
             w.add_string(f"{arch}.rope.scaling.type", scaling)
+        if factor:
+            w.add_float32(f"{arch}.rope.scaling.factor", factor)
         w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
         if extra:
             w.add_tensor(extra, np.zeros(4, np.float32))
@@ -140,6 +145,8 @@ def test_unsupported_models_are_value_errors(tmp_path):
         model_config(write("both.gguf", scaling="linear", extra="rope_freqs.weight"))
     with pytest.raises(ValueError, match="lacks llama.rope.scaling.factor"):
         model_config(write("linear.gguf", scaling="linear"))
+    linear = model_config(write("linear4.gguf", scaling="linear", factor=4.0))
+    assert linear.rope_scaling == RopeScaling("linear", 4.0)
     odd = write("odd.gguf", extra="blk.0.attn_sinks.weight")
     with pytest.raises(ValueError, match="'blk.0.attn_sinks.weight' is not part of a Llama / Qwen2 / Qwen3 decoder"):
         hf_tensors(odd, model_config(odd))
@@ -206,12 +213,9 @@ def test_llama_3_rope_factors_read_back_as_transformers_scaling():
 
 def test_a_llama_3_gguf_loads_with_its_rope_scaling_and_saves_for_transformers(tmp_path):
     """A GGUF carrying rope_freqs (which transformers' GGUF loader drops) end to end: our model reads the scaling
-    back, and the directory it saves loads in transformers with the same scaling and the same logits; a linear
-    scaling's metadata reads as one too."""
-    import gguf
+    back, and the directory it saves loads in transformers with the same scaling and the same logits."""
     import transformers
 
-    from lookahead.gguf_reader import model_config, read_gguf
     from lookahead.loading import from_pretrained
     from lookahead.model import RopeScaling
 
@@ -232,17 +236,3 @@ def test_a_llama_3_gguf_loads_with_its_rope_scaling_and_saves_for_transformers(t
     without = from_pretrained(write_tiny_gguf(tmp_path / "plain.gguf", seed=2), cache=False)
     with torch.no_grad():  # past the shortest band the scaling changes what the model computes
         assert not torch.allclose(without(ids).logits, ours(ids).logits, rtol=1e-3, atol=1e-3)
-
-    w = gguf.GGUFWriter(str(tmp_path / "linear.gguf"), "llama")
-    for name, value in (("context_length", 64), ("embedding_length", 8), ("block_count", 1),
-                        ("feed_forward_length", 16), ("attention.head_count", 2)):
-        w.add_uint32(f"llama.{name}", value)
-    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
-    w.add_string("llama.rope.scaling.type", "linear")
-    w.add_float32("llama.rope.scaling.factor", 4.0)
-    w.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    assert model_config(read_gguf(tmp_path / "linear.gguf")).rope_scaling == RopeScaling("linear", 4.0)
